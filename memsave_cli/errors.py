@@ -1,0 +1,19 @@
+"""The one exception family the core raises; the CLI turns each into one line and an exit code."""
+
+
+class MemsaveError(Exception):
+    """Base class of every error memsave reports to a user (a message, not a traceback)."""
+
+    exit_code = 2
+
+
+class SpecError(MemsaveError):
+    """A model specification could not be resolved into a model."""
+
+
+class CaseError(MemsaveError):
+    """A differentiability pattern is unknown or selects nothing."""
+
+
+class ReportError(MemsaveError):
+    """A report file is missing, unreadable, or not a memsave report."""

@@ -1,0 +1,128 @@
+"""Which storages autograd saves for backward, how large they are, and which layer saved them.
+
+NOTE [counting saved tensors]: autograd hands every tensor a node saves to the pack hook of
+``torch.autograd.graph.saved_tensors_hooks``. Several nodes often save views of one storage (an
+in-place ReLU's output is also the next convolution's input), so bytes are counted once per
+distinct storage, and attributed to the innermost module whose forward was running when that
+storage was first saved. A storage that a second module saves too is marked ``shared``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import TracebackType
+
+import torch
+from torch import Tensor, nn
+from torch.utils.weak import WeakIdKeyDictionary
+
+
+@dataclass
+class SavedStorage:
+    """One distinct storage autograd saved for backward."""
+
+    nbytes: int
+    module: str
+    module_type: str
+    is_parameter: bool
+    shared: bool = False
+
+
+def storage_nbytes(tensor: Tensor) -> int:
+    """Bytes of the storage behind ``tensor`` (its own size when it has no storage)."""
+    try:
+        return tensor.untyped_storage().nbytes()
+    except (RuntimeError, NotImplementedError):
+        return tensor.numel() * tensor.element_size()
+
+
+class SavedTensorRecorder:
+    """Context manager recording each distinct storage autograd saves while it is active.
+
+    With ``model`` given, saves are attributed to the innermost submodule (by qualified name)
+    whose forward was running, and parameters/buffers of the model are flagged as such.
+    """
+
+    def __init__(self, model: nn.Module | None = None) -> None:
+        self.model = model
+        self.records: list[SavedStorage] = []
+        self._index: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self._stack: list[tuple[str, str]] = [("", "")]
+        self._params: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self._handles: list[torch.utils.hooks.RemovableHandle] = []
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+
+    @property
+    def total_bytes(self) -> int:
+        """Bytes of all distinct storages saved, parameters included."""
+        return sum(r.nbytes for r in self.records)
+
+    @property
+    def activation_bytes(self) -> int:
+        """Bytes of distinct saved storages that are not parameters or buffers of the model."""
+        return sum(r.nbytes for r in self.records if not r.is_parameter)
+
+    def by_module(self) -> dict[str, int]:
+        """Saved bytes per module name, in the order modules first saved something."""
+        totals: dict[str, int] = {}
+        for record in self.records:
+            totals[record.module] = totals.get(record.module, 0) + record.nbytes
+        return totals
+
+    def __enter__(self) -> SavedTensorRecorder:
+        if self.model is not None:
+            for tensor in (*self.model.parameters(), *self.model.buffers()):
+                self._params[_storage_key(tensor)] = True
+            for name, module in self.model.named_modules():
+                entry = (name, type(module).__name__)
+                self._handles.append(module.register_forward_pre_hook(self._enter_module(entry)))
+                self._handles.append(module.register_forward_hook(self._leave_module, always_call=True))
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self._hooks.__exit__(exc_type, exc, tb)
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    def _enter_module(self, entry: tuple[str, str]):
+        def hook(module: nn.Module, args: object) -> None:
+            self._stack.append(entry)
+
+        return hook
+
+    def _leave_module(self, module: nn.Module, args: object, output: object) -> None:
+        if len(self._stack) > 1:
+            self._stack.pop()
+
+    def _pack(self, tensor: Tensor) -> Tensor:
+        key = _storage_key(tensor)
+        name, type_name = self._stack[-1]
+        position = self._index.get(key) if key is not None else None
+        if position is None:
+            record = SavedStorage(
+                nbytes=storage_nbytes(tensor),
+                module=name,
+                module_type=type_name,
+                is_parameter=key is not None and key in self._params,
+            )
+            if key is not None:
+                self._index[key] = len(self.records)
+            self.records.append(record)
+        elif self.records[position].module != name:
+            self.records[position].shared = True
+        return tensor
+
+
+def _storage_key(tensor: Tensor) -> object | None:
+    """The object identifying ``tensor``'s storage, or None for tensors without one."""
+    try:
+        return tensor.untyped_storage()
+    except (RuntimeError, NotImplementedError):
+        return None
