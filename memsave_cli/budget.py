@@ -1,0 +1,50 @@
+"""Memory sizes as people write them ("24GiB", "500MB", "1.5e9") turned into bytes."""
+
+from __future__ import annotations
+
+import math
+import re
+
+from memsave_cli.errors import MemsaveError
+
+#: Unit suffix (lower case) -> bytes. Bare K/M/G/T are binary, as ``nvidia-smi`` and most tools read them.
+UNITS: dict[str, int] = {
+    "": 1,
+    "b": 1,
+    "k": 2**10,
+    "kb": 10**3,
+    "kib": 2**10,
+    "m": 2**20,
+    "mb": 10**6,
+    "mib": 2**20,
+    "g": 2**30,
+    "gb": 10**9,
+    "gib": 2**30,
+    "t": 2**40,
+    "tb": 10**12,
+    "tib": 2**40,
+}
+
+_SIZE = re.compile(r"^\s*(?P<number>[0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*(?P<unit>[a-zA-Z]*)\s*$")
+
+
+class BudgetError(MemsaveError):
+    """A memory budget could not be read as a positive number of bytes."""
+
+
+def parse_bytes(text: str) -> int:
+    """Bytes in ``text``: a positive number with an optional unit (B, kB, KiB, MB, MiB, GB, GiB, ...).
+
+    Decimal units (MB, GB) are powers of 1000, binary units (MiB, GiB, and bare M, G) powers of 1024.
+    """
+    match = _SIZE.match(text)
+    unit = match["unit"].lower() if match else ""
+    if match is None or unit not in UNITS:
+        raise BudgetError(
+            f"cannot read memory size {text!r}: expected a number with an optional unit, "
+            "e.g. 24GiB, 500MB, 1.5e9"
+        )
+    value = float(match["number"]) * UNITS[unit]
+    if not math.isfinite(value) or value < 1:
+        raise BudgetError(f"memory size {text!r} must be a finite size of at least 1 byte")
+    return int(value)

@@ -1,0 +1,48 @@
+"""The ``memsave`` command line: each command parses its options and delegates to the core."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from memsave_cli import __version__
+from memsave_cli.cli import check
+
+app = typer.Typer(
+    name="memsave",
+    help="Measure how much memory memsave's layers save when you train only part of a model.",
+    no_args_is_help=True,
+    rich_markup_mode="markdown",
+    pretty_exceptions_enable=False,
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        typer.echo(f"memsave {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def root(
+    version: Annotated[
+        bool,
+        typer.Option(
+            "--version", callback=_print_version, is_eager=True, help="Print the version and exit."
+        ),
+    ] = False,
+    debug: Annotated[
+        bool, typer.Option("--debug", help="Show tracebacks of errors (for every command).")
+    ] = False,
+) -> None:
+    """Measure how much memory memsave's layers save when you train only part of a model."""
+
+
+app.command("check", epilog=check.EPILOG)(check.check)
+
+
+def main() -> None:
+    """Entry point of the ``memsave`` console script."""
+    app(prog_name="memsave")

@@ -1,0 +1,63 @@
+"""Turn exceptions from the core into one red line and an exit code (a traceback only with --debug)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import typer
+
+from memsave_cli.cli._console import stderr_console
+from memsave_cli.errors import MemsaveError
+
+#: Exit code of bad input or a failed measurement; 1 is reserved for a failed ``check``.
+USAGE_EXIT = 2
+INTERRUPT_EXIT = 130
+
+
+def debug_requested(ctx: typer.Context | None, flag: bool = False) -> bool:
+    """True when ``--debug`` was given to this command or to ``memsave`` itself."""
+    return flag or bool(ctx is not None and ctx.find_root().params.get("debug"))
+
+
+@contextmanager
+def reported_errors(ctx: typer.Context | None, debug: bool = False) -> Iterator[None]:
+    """Run a command body; map any exception to one line on stderr and ``typer.Exit``.
+
+    ``MemsaveError`` messages are written for users and printed as they are. Anything else is
+    unexpected, so its type is named and ``--debug`` is suggested.
+    """
+    debug = debug_requested(ctx, debug)
+    try:
+        yield
+    except (typer.Exit, typer.Abort, typer.TyperException):
+        raise
+    except KeyboardInterrupt:
+        _say("interrupted")
+        raise typer.Exit(INTERRUPT_EXIT) from None
+    except MemsaveError as exc:
+        _explain(exc, str(exc), debug)
+        raise typer.Exit(exc.exit_code) from None
+    except Exception as exc:
+        message = f"{type(exc).__name__}: {_first_line(exc)}"
+        if not debug:
+            message += " (run with --debug for the traceback)"
+        _explain(exc, message, debug)
+        raise typer.Exit(USAGE_EXIT) from None
+
+
+def _explain(exc: BaseException, message: str, debug: bool) -> None:
+    """Print the traceback when debugging, then the one-line message."""
+    if debug:
+        stderr_console().print_exception(show_locals=False)
+    _say(message)
+
+
+def _say(message: str) -> None:
+    stderr_console().print(f"error: {message}", style="bold red", markup=False, highlight=False)
+
+
+def _first_line(exc: BaseException) -> str:
+    """The first non-empty line of an exception's message (torch errors run to many lines)."""
+    lines = [line for line in str(exc).splitlines() if line.strip()]
+    return lines[0] if lines else repr(exc)

@@ -1,0 +1,71 @@
+"""``memsave check``: fail CI when a report needs more memory than its baseline."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from memsave_cli.baseline import compare
+from memsave_cli.cli._console import stdout_console
+from memsave_cli.cli._errors import reported_errors
+from memsave_cli.cli._help import DEBUG_HELP, examples
+from memsave_cli.errors import ReportError
+from memsave_cli.render.check import regression_table, summary_line
+from memsave_cli.report import Report
+
+FAILED_CHECK_EXIT = 1
+
+EPILOG = examples(
+    "memsave profile torchvision:resnet18 --device meta --json report.json",
+    "memsave check report.json --baseline baseline.json --update   # write the baseline",
+    "memsave check report.json --baseline baseline.json --tolerance 0.02",
+)
+
+
+def check(
+    ctx: typer.Context,
+    report: Annotated[Path, typer.Argument(help="Report written by `memsave profile --json`.")],
+    baseline: Annotated[
+        Path, typer.Option("--baseline", "-b", help="Baseline report to compare against.")
+    ],
+    tolerance: Annotated[
+        float,
+        typer.Option(help="Allowed growth as a fraction: 0.05 lets each value grow by 5%."),
+    ] = 0.05,
+    update: Annotated[
+        bool, typer.Option("--update", help="Write REPORT as the new baseline instead of checking.")
+    ] = False,
+    debug: Annotated[bool, typer.Option("--debug", help=DEBUG_HELP)] = False,
+) -> None:
+    """Compare every (case, impl) peak and saved bytes of REPORT with BASELINE.
+
+    Exit code 0 when no value exceeds baseline × (1 + tolerance), 1 with a table of regressions
+    otherwise, 2 when a report is missing or unusable.
+    """
+    with reported_errors(ctx, debug):
+        current = Report.load(report)
+        console = stdout_console()
+        if update:
+            current.save(baseline)
+            console.print(f"baseline written: {baseline} ({len(current.runs)} runs)")
+            return
+        if not baseline.exists():
+            raise ReportError(
+                f"baseline {baseline} does not exist: create it with "
+                f"`memsave check {report} --baseline {baseline} --update`"
+            )
+        comparison = compare(current, Report.load(baseline), tolerance=tolerance)
+    if comparison.improvements:
+        console.print(
+            regression_table(comparison.improvements, title="Improved beyond the tolerance")
+        )
+        console.print("consider updating the baseline with --update")
+    if comparison.unmatched:
+        console.print(f"not in the baseline (not checked): {', '.join(comparison.unmatched)}")
+    if not comparison.passed:
+        console.print(regression_table(comparison.regressions, title="Regressions"))
+        console.print(summary_line(comparison, tolerance), style="bold red")
+        raise typer.Exit(FAILED_CHECK_EXIT)
+    console.print(summary_line(comparison, tolerance), style="green")

@@ -1,0 +1,158 @@
+"""``memsave check``: exit 0 within tolerance, 1 with a regression table, 2 for unusable input."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+
+from memsave_cli.baseline import compare
+from memsave_cli.cli import app
+from memsave_cli.report import Report, Status
+
+
+def _grow(report: Report, case: str, impl: str, factor: float) -> Report:
+    """``report`` with every byte count of one run scaled by ``factor``."""
+    runs = []
+    for run in report.runs:
+        if (run.case, run.impl) == (case, impl):
+            run = replace(
+                run,
+                forward_peak_bytes=int(run.forward_peak_bytes * factor),
+                peak_bytes=int(run.peak_bytes * factor),
+                saved_bytes=int(run.saved_bytes * factor),
+            )
+        runs.append(run)
+    return report.with_runs(tuple(runs))
+
+
+def test_identical_reports_pass(runner, paper_report, write_report):
+    path = write_report(paper_report)
+    result = runner.invoke(app, ["check", str(path), "--baseline", str(path)])
+    assert result.exit_code == 0, result.output
+    assert "24 values within 5% of the baseline" in result.output
+
+
+def test_growth_within_tolerance_passes(runner, paper_report, write_report):
+    baseline = write_report(paper_report, "baseline.json")
+    report = write_report(_grow(paper_report, "input", "memsave", 1.04))
+    result = runner.invoke(app, ["check", str(report), "--baseline", str(baseline)])
+    assert result.exit_code == 0, result.output
+
+
+def test_regression_fails_with_table(runner, paper_report, write_report):
+    baseline = write_report(paper_report, "baseline.json")
+    report = write_report(_grow(paper_report, "input", "memsave", 1.10))
+    result = runner.invoke(app, ["check", str(report), "--baseline", str(baseline)])
+    assert result.exit_code == 1, result.output
+    assert "Regressions" in result.output
+    assert "FAILED: 3 regressions beyond 5%" in result.output
+    rows = [line for line in result.output.splitlines() if "│ input" in line]
+    assert len(rows) == 3 and all("memsave" in row and "+10.0%" in row for row in rows)
+
+
+def test_tolerance_option_changes_verdict(runner, paper_report, write_report):
+    baseline = write_report(paper_report, "baseline.json")
+    report = write_report(_grow(paper_report, "all", "stock", 1.10))
+    args = ["check", str(report), "--baseline", str(baseline)]
+    assert runner.invoke(app, args).exit_code == 1
+    result = runner.invoke(app, [*args, "--tolerance", "0.2"])
+    assert result.exit_code == 0, result.output
+
+
+def test_failed_run_is_a_regression(runner, paper_report, write_report):
+    baseline = write_report(paper_report, "baseline.json")
+    runs = tuple(
+        replace(r, status=Status.OOM, error="CUDA out of memory", peak_bytes=None)
+        if (r.case, r.impl) == ("norm", "stock")
+        else r
+        for r in paper_report.runs
+    )
+    report = write_report(paper_report.with_runs(runs))
+    result = runner.invoke(app, ["check", str(report), "--baseline", str(baseline)])
+    assert result.exit_code == 1, result.output
+    assert "oom: CUDA out of memory" in result.output
+
+
+def test_missing_run_is_a_regression(paper_report):
+    report = paper_report.with_runs(paper_report.runs[:-1])
+    comparison = compare(report, paper_report)
+    assert [(r.case, r.impl, r.reason) for r in comparison.regressions] == [
+        ("surgical", "memsave", "missing from report")
+    ]
+
+
+def test_improvement_is_reported_but_passes(runner, paper_report, write_report):
+    baseline = write_report(paper_report, "baseline.json")
+    report = write_report(_grow(paper_report, "all", "memsave", 0.5))
+    result = runner.invoke(app, ["check", str(report), "--baseline", str(baseline)])
+    assert result.exit_code == 0, result.output
+    assert "Improved beyond the tolerance" in result.output and "--update" in result.output
+
+
+def test_update_writes_baseline(runner, paper_report, write_report, tmp_path):
+    report = write_report(paper_report)
+    baseline = tmp_path / "ci" / "baseline.json"
+    result = runner.invoke(app, ["check", str(report), "--baseline", str(baseline), "--update"])
+    assert result.exit_code == 0, result.output
+    assert Report.load(baseline) == paper_report
+    grown = write_report(_grow(paper_report, "all", "stock", 2.0), "grown.json")
+    result = runner.invoke(app, ["check", str(grown), "--baseline", str(baseline)])
+    assert result.exit_code == 1, result.output
+
+
+def test_missing_report_exits_2(runner, tmp_path):
+    missing = tmp_path / "nope.json"
+    result = runner.invoke(app, ["check", str(missing), "--baseline", str(missing)])
+    assert result.exit_code == 2, result.output
+    assert "cannot read report" in result.output and "Traceback" not in result.output
+
+
+def test_missing_baseline_suggests_update(runner, paper_report, write_report, tmp_path):
+    report = write_report(paper_report)
+    result = runner.invoke(app, ["check", str(report), "--baseline", str(tmp_path / "b.json")])
+    assert result.exit_code == 2, result.output
+    assert "--update" in result.output
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("{not json", "not valid JSON"),
+        ("[1, 2]", "not a memsave report"),
+        (json.dumps({"schema": 99, "runs": []}), "unsupported report schema"),
+        (json.dumps({"schema": 1, "runs": [{"case": "all"}]}), "malformed memsave report"),
+    ],
+)
+def test_malformed_report_exits_2(runner, paper_report, write_report, tmp_path, text, message):
+    bad = tmp_path / "bad.json"
+    bad.write_text(text)
+    good = write_report(paper_report)
+    for args in ([str(bad), "--baseline", str(good)], [str(good), "--baseline", str(bad)]):
+        result = runner.invoke(app, ["check", *args])
+        assert result.exit_code == 2, result.output
+        assert message in result.output
+        assert len(result.output.strip().splitlines()) == 1, result.output
+
+
+def test_different_settings_exit_2(runner, paper_report, write_report):
+    baseline = write_report(paper_report, "baseline.json")
+    report = write_report(replace(paper_report, device="cuda"))
+    result = runner.invoke(app, ["check", str(report), "--baseline", str(baseline)])
+    assert result.exit_code == 2, result.output
+    assert "differ in device" in result.output
+
+
+def test_negative_tolerance_exits_2(runner, paper_report, write_report):
+    path = write_report(paper_report)
+    result = runner.invoke(app, ["check", str(path), "-b", str(path), "--tolerance", "-0.1"])
+    assert result.exit_code == 2, result.output
+    assert "tolerance must be a non-negative fraction" in result.output
+
+
+def test_debug_shows_traceback(runner, tmp_path):
+    missing = str(tmp_path / "nope.json")
+    result = runner.invoke(app, ["--debug", "check", missing, "--baseline", missing])
+    assert result.exit_code == 2
+    assert "Traceback" in result.output and "cannot read report" in result.output
