@@ -1,0 +1,108 @@
+"""Renderers of a Report: the paper-shaped table, per-layer sizes, verdicts, failures, CSV."""
+
+from __future__ import annotations
+
+import csv
+import io
+from dataclasses import replace
+
+from rich.console import Console
+
+from memsave_cli.render import summary
+from memsave_cli.render.csv import RUN_COLUMNS, report_csv
+from memsave_cli.render.profile import print_profile
+from memsave_cli.report import Status
+
+MIB = 2**20
+
+
+def _render(report, top=10) -> str:
+    console = Console(width=160, record=True, file=io.StringIO(), color_system=None)
+    print_profile(console, report, top=top)
+    return console.export_text()
+
+
+def test_comparison_cells_are_ratios_to_stock_all(paper_report):
+    cells = summary.comparison(paper_report, "forward_peak_bytes")
+    stock_all = paper_report.run("all", "stock").forward_peak_bytes
+    for run in paper_report.runs:
+        cell = cells[run.impl, run.case]
+        assert cell.value == run.forward_peak_bytes
+        assert cell.ratio == run.forward_peak_bytes / stock_all
+
+
+def test_ratio_falls_back_to_same_case_without_stock_all(paper_report):
+    report = paper_report.with_runs(tuple(r for r in paper_report.runs if r.case == "input"))
+    cell = summary.comparison(report, "forward_peak_bytes")["memsave", "input"]
+    assert cell.ratio == 530 / 800
+    assert "ratio to PyTorch, same case" in _render(report)
+
+
+def test_profile_view_rows_like_the_paper(paper_report):
+    text = _render(paper_report)
+    pytorch = next(line for line in text.splitlines() if line.startswith("│ PyTorch"))
+    memsave = next(line for line in text.splitlines() if line.startswith("│ + memsave"))
+    assert pytorch.count("800.00 MiB (1.00)") == 4
+    for cell in ("870.00 MiB (1.09)", "530.00 MiB (0.66)", "700.00 MiB (0.88)"):
+        assert cell in memsave
+    assert "Time" not in text  # not measured on meta
+
+
+def test_verdicts(paper_report):
+    lines = [summary.verdict(paper_report, case) for case in ("all", "input", "surgical")]
+    assert lines[0].startswith("memsave needs 70.00 MiB (9%) more in case all")
+    assert lines[1].startswith("memsave saves 270.00 MiB (34%) in case input")
+    assert lines[2].startswith("memsave saves 100.00 MiB (12%) in case surgical")
+
+
+def test_verdict_no_difference_and_failure(paper_report, make_run):
+    runs = (make_run("all", "stock", 1000 * MIB), make_run("all", "memsave", 1001 * MIB))
+    assert "no difference in case all" in summary.verdict(paper_report.with_runs(runs), "all")
+    failed = replace(runs[1], status=Status.TIMEOUT, error="exceeded 600 s")
+    report = paper_report.with_runs((runs[0], failed))
+    assert (
+        summary.verdict(report, "all") == "case all: no verdict, the memsave run failed (timeout)"
+    )
+
+
+def test_layer_rows_sorted_by_change(paper_report):
+    rows, total = summary.layer_rows(paper_report, "input", top=2)
+    assert total == 3
+    assert [(r.name, r.difference) for r in rows] == [("conv1", -40 * MIB), ("relu", -29 * MIB)]
+    text = _render(paper_report, top=2)
+    assert "Saved for backward, case input: top 2 of 3 layers" in text
+    assert "-40.00 MiB" in text and "│ fc" not in text
+
+
+def test_top_zero_hides_layer_tables(paper_report):
+    assert "top" not in _render(paper_report, top=0)
+
+
+def test_failed_runs_listed_with_reason(paper_report):
+    runs = tuple(
+        replace(r, status=Status.CRASHED, error="worker died (signal 9)", peak_bytes=None)
+        if (r.case, r.impl) == ("norm", "memsave")
+        else r
+        for r in paper_report.runs
+    )
+    text = _render(paper_report.with_runs(runs))
+    assert "Failed runs" in text and "worker died (signal 9)" in text
+    assert "crashed" in text
+
+
+def test_notes_and_provenance(paper_report):
+    text = _render(replace(paper_report, notes=("case norm skipped: no norm layers",)))
+    assert "note: case norm skipped: no norm layers" in text
+    assert "Estimated on the meta device" in text
+    assert "Measured on cuda" in _render(replace(paper_report, device="cuda"))
+
+
+def test_csv_has_one_row_per_run(paper_report):
+    rows = list(csv.DictReader(io.StringIO(report_csv(paper_report))))
+    assert len(rows) == len(paper_report.runs)
+    for row, run in zip(rows, paper_report.runs, strict=True):
+        assert row["model"] == paper_report.model
+        assert (row["case"], row["impl"], row["status"]) == (run.case, run.impl, "ok")
+        assert int(row["peak_bytes"]) == run.peak_bytes
+        assert row["time_s"] == ""
+    assert list(rows[0])[-len(RUN_COLUMNS) :] == list(RUN_COLUMNS)
