@@ -1,0 +1,162 @@
+"""Exact accounting of live tensor memory: which storages exist, how large they are, and the peak.
+
+NOTE [what the tracker counts]: every storage an ATen op returns that is not already known (and
+is not a view of one of the op's inputs) is counted once, with a weak-reference finalizer that
+subtracts it when the storage dies. The dispatch mode sees ops below autograd, so the backward
+ops the autograd engine runs, gradients it accumulates into ``.grad`` and optimizer states are
+all counted, while views and in-place ops (which allocate nothing) are not. Tensors that exist
+before the mode is entered (parameters, buffers, inputs) are registered with ``track``. Each
+storage is rounded up to the CUDA caching allocator's 512-byte granularity, so the numbers are
+what ``torch.cuda.memory_allocated`` would count for the same tensors; they depend only on
+shapes and dtypes, so a meta run and a cpu run give identical counts.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+#: The CUDA caching allocator hands out blocks in multiples of this many bytes.
+ALLOCATOR_ROUND = 512
+
+
+def round_bytes(nbytes: int, granularity: int = ALLOCATOR_ROUND) -> int:
+    """``nbytes`` rounded up to a multiple of ``granularity`` (zero stays zero: nothing is allocated)."""
+    return -(-nbytes // granularity) * granularity
+
+
+@dataclass
+class _Entry:
+    """One live storage: its counted (rounded) size, updated when an op resizes it."""
+
+    nbytes: int
+    finalizer: weakref.finalize | None = None
+
+
+class MemoryTracker(TorchDispatchMode):
+    """Dispatch mode that keeps ``current_bytes`` and ``peak_bytes`` of the live storages it knows.
+
+    ``device`` restricts counting to storages on that device type (e.g. the CPU step counters of
+    an optimizer whose parameters live on meta are not device memory); None counts every device.
+    """
+
+    def __init__(self, device: str | torch.device | None = None) -> None:
+        super().__init__()
+        self.device_type = None if device is None else torch.device(device).type
+        self.current_bytes = 0
+        self.peak_bytes = 0
+        self._live: dict[int, _Entry] = {}
+
+    def track(self, *objects: object) -> int:
+        """Count the storages of pre-existing tensors in ``objects`` (nested containers allowed).
+
+        Returns how many bytes were newly counted: storages already known count once.
+        """
+        before = self.current_bytes
+        for tensor in _tensors(objects):
+            self._count(tensor)
+        return self.current_bytes - before
+
+    def track_module(self, module: nn.Module) -> int:
+        """Count ``module``'s parameters, buffers and any existing ``.grad``."""
+        params = list(module.parameters())
+        grads = [p.grad for p in params if p.grad is not None]
+        return self.track(params, list(module.buffers()), grads)
+
+    def reset_peak(self) -> int:
+        """Start a new peak from what is live now (as ``torch.cuda.reset_peak_memory_stats``)."""
+        self.peak_bytes = self.current_bytes
+        return self.peak_bytes
+
+    def detach(self) -> None:
+        """Stop following deaths of the storages counted so far (the counts freeze)."""
+        for entry in self._live.values():
+            if entry.finalizer is not None:
+                entry.finalizer.detach()
+        self._live.clear()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        inputs: set[int] | None = None
+        for tensor in _tensors(out):
+            storage = _storage(tensor)
+            if storage is None or self._wrong_device(storage):
+                continue
+            entry = self._live.get(id(storage))
+            if entry is not None:
+                self._resize(entry, storage)  # in-place ops allocate nothing, unless they resize
+                continue
+            if inputs is None:
+                inputs = _input_storages(func, args, kwargs)
+            if id(storage) not in inputs:  # a view of an input nobody registered: not new memory
+                self._add(storage)
+        return out
+
+    def _count(self, tensor: Tensor) -> None:
+        storage = _storage(tensor)
+        if (
+            storage is not None
+            and not self._wrong_device(storage)
+            and id(storage) not in self._live
+        ):
+            self._add(storage)
+
+    def _wrong_device(self, storage: torch.UntypedStorage) -> bool:
+        return self.device_type is not None and storage.device.type != self.device_type
+
+    def _add(self, storage: torch.UntypedStorage) -> None:
+        # NOTE [storage identity]: PyTorch keeps one Python object per live storage, so its id
+        # is a stable key and a finalizer on it runs exactly when the storage is freed.
+        entry = _Entry(round_bytes(storage.nbytes()))
+        key = id(storage)
+        self._live[key] = entry
+        entry.finalizer = weakref.finalize(storage, self._release, key, entry)
+        entry.finalizer.atexit = False
+        self._grow(entry.nbytes)
+
+    def _resize(self, entry: _Entry, storage: torch.UntypedStorage) -> None:
+        nbytes = round_bytes(storage.nbytes())
+        if nbytes != entry.nbytes:
+            self._grow(nbytes - entry.nbytes)
+            entry.nbytes = nbytes
+
+    def _grow(self, nbytes: int) -> None:
+        self.current_bytes += nbytes
+        if self.current_bytes > self.peak_bytes:
+            self.peak_bytes = self.current_bytes
+
+    def _release(self, key: int, entry: _Entry) -> None:
+        if self._live.get(key) is entry:
+            del self._live[key]
+            self.current_bytes -= entry.nbytes
+
+
+def _input_storages(func, args: tuple, kwargs: dict) -> set[int]:
+    """Ids of the storages an op received; an output aliasing one of them is not new memory.
+
+    ``lift_fresh`` is the exception: its input is the tensor ``torch.tensor(data)`` just created
+    outside the dispatcher, so its storage is new memory that no earlier op reported.
+    """
+    if func is torch.ops.aten.lift_fresh.default:
+        return set()
+    return {id(s) for s in map(_storage, _tensors((args, kwargs))) if s is not None}
+
+
+def _tensors(tree: object) -> Iterator[Tensor]:
+    """Every tensor in a nested structure of tuples, lists and dicts."""
+    return (leaf for leaf in tree_flatten(tree)[0] if isinstance(leaf, Tensor))
+
+
+def _storage(tensor: Tensor) -> torch.UntypedStorage | None:
+    """The storage behind ``tensor``, or None for layouts without one (sparse, nested)."""
+    try:
+        return tensor.untyped_storage()
+    except (RuntimeError, NotImplementedError):
+        return None
