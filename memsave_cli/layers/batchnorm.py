@@ -1,0 +1,144 @@
+"""Memory-saving BatchNorm1d/2d/3d: with running statistics, the input is kept only for the weight.
+
+NOTE [batch norm with running statistics]: in eval mode (running statistics present) the layer is
+affine per channel, ``y = (x - mean) * invstd * w + b``, so ``dL/dx = dL/dy * invstd * w`` and
+``dL/db = sum(dL/dy)`` do not depend on ``x``; only ``dL/dw = sum(dL/dy * (x - mean)) * invstd``
+does. Stock PyTorch saves ``x`` regardless; here it is saved only when the weight needs a gradient.
+Training mode (and eval mode without running statistics) normalises with batch statistics, whose
+gradient needs ``x``: it runs the stock module unchanged, running-statistics update included.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch._prims_common import suggest_memory_format
+
+from memsave_cli.layers._backward import forbid_double_backward, shape_only
+from memsave_cli.layers.registry import drop_in
+
+
+class BatchNormEvalFunction(torch.autograd.Function):
+    """Batch norm with running statistics whose backward needs the input only for the weight."""
+
+    @staticmethod
+    def forward(
+        x: Tensor,
+        weight: Tensor | None,
+        bias: Tensor | None,
+        running_mean: Tensor,
+        running_var: Tensor,
+        eps: float,
+    ) -> Tensor:
+        # The same ATen entry point as ``F.batch_norm``, so backend choice and autocast match stock.
+        return torch.batch_norm(
+            x,
+            weight,
+            bias,
+            running_mean,
+            running_var,
+            False,  # training: normalise with the running statistics
+            0.0,  # momentum: unused without training
+            eps,
+            torch.backends.cudnn.enabled,
+        )
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
+        x, weight, _, running_mean, running_var, eps = inputs
+        ctx.mask = list(ctx.needs_input_grad[:3])
+        ctx.eps = eps
+        ctx.size, ctx.stride = tuple(x.shape), tuple(x.stride())
+        ctx.memory_format = suggest_memory_format(x)
+        # Only the weight's gradient reads the input. Weight and statistics are per-channel.
+        ctx.save_for_backward(x if ctx.mask[1] else None, weight, running_mean, running_var)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
+        forbid_double_backward("MemSaveBatchNorm")
+        x, weight, running_mean, running_var = ctx.saved_tensors
+        stand_in, same_layout = (x, True) if x is not None else _input_stand_in(grad, ctx)
+        grad_x, grad_weight, grad_bias = torch.ops.aten.native_batch_norm_backward(
+            grad, stand_in, weight, running_mean, running_var, None, None, False, ctx.eps, ctx.mask
+        )
+        if grad_x is not None and not same_layout:
+            grad_x = _in_memory_format(grad_x, ctx.memory_format)
+        return grad_x, grad_weight, grad_bias, None, None, None
+
+
+def _input_stand_in(grad: Tensor, ctx: Any) -> tuple[Tensor, bool]:
+    """A stand-in for the input of the backward kernel, allocating nothing; and whether it has the
+    input's strides.
+
+    NOTE [input stand-in]: without the weight gradient, ``native_batch_norm_backward`` reads the
+    input's values only for a dot product it then discards, but its layout decides the kernel's
+    path (contiguous, channels-last or strided) and so the rounding of ``dL/db`` and the layout of
+    ``dL/dx``. Reinterpreting ``grad``'s own elements with the input's strides reproduces stock's
+    choice exactly. When either is not dense (an expanded ``grad``, a strided input) the strided
+    path runs in both cases; a one-element ``shape_only`` tensor serves, and only ``dL/dx``'s
+    layout may then need one copy to match stock's.
+    """
+    if tuple(grad.stride()) == ctx.stride:
+        return grad, True
+    if _is_dense(grad.shape, grad.stride()) and _is_dense(ctx.size, ctx.stride):
+        return grad.as_strided(ctx.size, ctx.stride, grad.storage_offset()), True
+    return shape_only(grad, ctx.size), False
+
+
+def _in_memory_format(grad_x: Tensor, memory_format: torch.memory_format) -> Tensor:
+    """``grad_x`` laid out as stock lays out ``dL/dx`` for an input of ``memory_format``."""
+    if memory_format == torch.contiguous_format:
+        return grad_x
+    # One copy of input size, only after a shape_only stand-in on a channels-last input, so that
+    # the gradient's layout (and the kernels it meets upstream) are stock's.
+    return torch.empty_like(grad_x, memory_format=memory_format).copy_(grad_x)
+
+
+def _is_dense(size: Sequence[int], stride: Sequence[int]) -> bool:
+    """Whether a tensor of ``size``/``stride`` covers exactly ``numel`` consecutive elements."""
+    expected = 1
+    for step, length in sorted((s, n) for n, s in zip(size, stride, strict=True) if n != 1):
+        if step != expected:
+            return False
+        expected *= length
+    return True
+
+
+class _MemSaveBatchNorm(nn.modules.batchnorm._BatchNorm):
+    """Shared ``forward`` of the BatchNorm drop-ins (see NOTE [batch norm with running statistics])."""
+
+    def forward(self, input: Tensor) -> Tensor:
+        if not self._normalises_with_running_stats() or not self._may_need_grad(input):
+            return super().forward(input)
+        self._check_input_dim(input)
+        return BatchNormEvalFunction.apply(
+            input, self.weight, self.bias, self.running_mean, self.running_var, self.eps
+        )
+
+    def _normalises_with_running_stats(self) -> bool:
+        """Whether stock normalises with the running statistics (and validates ``eps`` as stock)."""
+        has_stats = self.running_mean is not None and self.running_var is not None
+        return not self.training and has_stats and self.eps >= 0.0
+
+    def _may_need_grad(self, input: Tensor) -> bool:
+        """Whether autograd could record this call (otherwise stock saves nothing either)."""
+        tensors = (input, self.weight, self.bias)
+        return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
+@drop_in(nn.BatchNorm1d)
+class MemSaveBatchNorm1d(_MemSaveBatchNorm, nn.BatchNorm1d):
+    """``nn.BatchNorm1d`` that, with running statistics, keeps its input only for the weight."""
+
+
+@drop_in(nn.BatchNorm2d)
+class MemSaveBatchNorm2d(_MemSaveBatchNorm, nn.BatchNorm2d):
+    """``nn.BatchNorm2d`` that, with running statistics, keeps its input only for the weight."""
+
+
+@drop_in(nn.BatchNorm3d)
+class MemSaveBatchNorm3d(_MemSaveBatchNorm, nn.BatchNorm3d):
+    """``nn.BatchNorm3d`` that, with running statistics, keeps its input only for the weight."""

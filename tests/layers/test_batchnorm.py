@@ -1,0 +1,272 @@
+"""MemSaveBatchNorm1d/2d/3d against stock: bitwise gradients, saved bytes, training mode, backends."""
+
+from __future__ import annotations
+
+import copy
+import itertools
+from collections.abc import Callable
+
+import pytest
+import torch
+from torch import Tensor, nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from memsave_cli.layers.batchnorm import (
+    MemSaveBatchNorm1d,
+    MemSaveBatchNorm2d,
+    MemSaveBatchNorm3d,
+)
+from memsave_cli.saved import SavedTensorRecorder
+
+DROP_IN = {
+    nn.BatchNorm1d: MemSaveBatchNorm1d,
+    nn.BatchNorm2d: MemSaveBatchNorm2d,
+    nn.BatchNorm3d: MemSaveBatchNorm3d,
+}
+# (stock class, input shape): 1d with and without a length, odd sizes, a 1x1 image.
+SHAPES = {
+    "1d-NC": (nn.BatchNorm1d, (6, 5)),
+    "1d-NCL": (nn.BatchNorm1d, (3, 5, 7)),
+    "2d": (nn.BatchNorm2d, (3, 5, 7, 9)),
+    "2d-1x1": (nn.BatchNorm2d, (4, 3, 1, 1)),
+    "3d": (nn.BatchNorm3d, (2, 3, 4, 5, 3)),
+}
+DTYPES = {"f64": torch.float64, "f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
+# requires_grad of (input, weight, bias), every combination with at least one.
+MASKS = [m for m in itertools.product([True, False], repeat=3) if any(m)]
+MASK_IDS = ["".join(n for n, on in zip("xwb", m, strict=True) if on) for m in MASKS]
+
+
+def _channels_last(t: Tensor) -> Tensor:
+    fmt = {4: torch.channels_last, 5: torch.channels_last_3d}.get(t.dim(), torch.contiguous_format)
+    return t.contiguous(memory_format=fmt)
+
+
+LAYOUTS: dict[str, Callable[[Tensor], Tensor]] = {
+    "contiguous": lambda t: t.contiguous(),
+    "channels_last": _channels_last,
+    "strided": lambda t: torch.cat([t, t], -1)[..., ::2],
+    "channels_last_strided": lambda t: _channels_last(torch.cat([t, t], -1))[..., ::2],
+    "expanded": lambda t: t[:1].expand(t.shape),
+}
+
+
+def make_pair(stock_cls: type[nn.Module], channels: int, dtype: torch.dtype, **kwargs) -> tuple:
+    """A stock BatchNorm with random affine parameters and statistics, and its memsave copy."""
+    stock = stock_cls(channels, **kwargs)
+    with torch.no_grad():
+        if stock.affine:
+            stock.weight.uniform_(0.5, 2.0)
+            stock.bias.normal_()
+        if stock.track_running_stats:
+            stock.running_mean.normal_()
+            stock.running_var.uniform_(0.2, 3.0)
+    # Parameters stay float32 for half inputs, as under mixed precision.
+    stock.to(torch.float64 if dtype == torch.float64 else torch.float32)
+    memsave = copy.deepcopy(stock)
+    memsave.__class__ = DROP_IN[stock_cls]
+    return stock, memsave
+
+
+def run(module: nn.Module, x: Tensor, grad: Tensor, mask: tuple[bool, ...]) -> dict:
+    """Forward and backward through ``module``; outputs, gradients and saved bytes."""
+    x = x.detach().requires_grad_(mask[0])
+    params = [module.weight, module.bias] if module.affine else []
+    for p, on in zip(params, mask[1:], strict=True):
+        p.requires_grad_(on)
+    with SavedTensorRecorder(module) as recorder:
+        out = module(x)
+    wrt = [t for t, on in zip([x, *params], mask, strict=True) if on]
+    grads = torch.autograd.grad(out, wrt, grad) if wrt else ()
+    return {"out": out, "grads": grads, "activations": recorder.activation_bytes}
+
+
+def assert_same(stock: dict, memsave: dict) -> None:
+    """Bitwise equal outputs and gradients, with equal strides."""
+    torch.testing.assert_close(memsave["out"], stock["out"], atol=0, rtol=0)
+    assert memsave["out"].stride() == stock["out"].stride()
+    assert len(memsave["grads"]) == len(stock["grads"])
+    for mine, ref in zip(memsave["grads"], stock["grads"], strict=True):
+        torch.testing.assert_close(mine, ref, atol=0, rtol=0)
+        assert mine.stride() == ref.stride()
+
+
+def assert_same_metadata(stock: dict, memsave: dict) -> None:
+    """Equal shapes, strides, dtypes and devices of outputs and gradients (no values to compare)."""
+    refs, mine = (stock["out"], *stock["grads"]), (memsave["out"], *memsave["grads"])
+    for a, b in zip(refs, mine, strict=True):
+        assert (a.shape, a.stride(), a.dtype, a.device) == (b.shape, b.stride(), b.dtype, b.device)
+
+
+@pytest.mark.parametrize("mask", MASKS, ids=MASK_IDS)
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+@pytest.mark.parametrize("shape_id", SHAPES)
+def test_eval_matches_stock_bitwise(shape_id: str, dtype: torch.dtype, mask: tuple) -> None:
+    """With running statistics every output and gradient is stock's, in every input layout."""
+    stock_cls, shape = SHAPES[shape_id]
+    stock, memsave = make_pair(stock_cls, shape[1], dtype)
+    stock.eval(), memsave.eval()
+    for layout in ("contiguous", "channels_last", "strided"):
+        x = LAYOUTS[layout](torch.randn(shape, dtype=dtype))
+        grad = LAYOUTS[layout](torch.randn(shape, dtype=dtype))
+        assert_same(run(stock, x, grad, mask), run(memsave, x, grad, mask))
+
+
+@pytest.mark.parametrize("grad_layout", LAYOUTS, ids=LAYOUTS.keys())
+@pytest.mark.parametrize("x_layout", [k for k in LAYOUTS if k != "expanded"])
+@pytest.mark.parametrize("shape_id", ["2d", "2d-1x1", "3d"])
+def test_eval_layout_mismatch_bitwise(shape_id: str, x_layout: str, grad_layout: str) -> None:
+    """Gradients laid out unlike the input (or expanded) still give stock's values and strides."""
+    stock_cls, shape = SHAPES[shape_id]
+    stock, memsave = make_pair(stock_cls, shape[1], torch.float32)
+    stock.eval(), memsave.eval()
+    x = LAYOUTS[x_layout](torch.randn(shape))
+    grad = LAYOUTS[grad_layout](torch.randn(shape))
+    for mask in [(True, False, True), (True, False, False), (False, False, True)]:
+        assert_same(run(stock, x, grad, mask), run(memsave, x, grad, mask))
+
+
+@pytest.mark.parametrize("mask", MASKS, ids=MASK_IDS)
+def test_eval_saved_bytes(mask: tuple) -> None:
+    """Frozen weight: no activation saved (stock saves the input); trainable weight: as stock."""
+    stock, memsave = make_pair(nn.BatchNorm2d, 8, torch.float32)
+    stock.eval(), memsave.eval()
+    x, grad = torch.randn(4, 8, 16, 16), torch.randn(4, 8, 16, 16)
+    ref, mine = run(stock, x, grad, mask), run(memsave, x, grad, mask)
+    input_bytes = x.numel() * x.element_size()
+    if mask[0]:
+        assert ref["activations"] >= input_bytes  # the waste being fixed is real
+    assert mine["activations"] == (input_bytes if mask[1] else 0)
+    assert mine["activations"] <= ref["activations"]
+
+
+def test_eval_without_affine_saves_nothing() -> None:
+    """``affine=False``: only the input's gradient, equal to stock, with nothing of input size kept."""
+    stock, memsave = make_pair(nn.BatchNorm2d, 5, torch.float32, affine=False)
+    stock.eval(), memsave.eval()
+    x, grad = torch.randn(3, 5, 6, 6), torch.randn(3, 5, 6, 6)
+    ref, mine = run(stock, x, grad, (True,)), run(memsave, x, grad, (True,))
+    assert_same(ref, mine)
+    assert mine["activations"] == 0 < ref["activations"]
+
+
+@pytest.mark.parametrize("momentum", [0.1, None], ids=["momentum", "cumulative"])
+@pytest.mark.parametrize("mask", MASKS, ids=MASK_IDS)
+def test_training_is_stock(mask: tuple, momentum: float | None) -> None:
+    """Training mode: same outputs, gradients, saved bytes and running statistics as stock."""
+    stock, memsave = make_pair(nn.BatchNorm2d, 6, torch.float32, momentum=momentum)
+    for step in range(2):
+        x, grad = torch.randn(4, 6, 5, 7), torch.randn(4, 6, 5, 7)
+        ref, mine = run(stock, x, grad, mask), run(memsave, x, grad, mask)
+        assert_same(ref, mine)
+        assert mine["activations"] == ref["activations"]
+        for name, buffer in stock.named_buffers():
+            torch.testing.assert_close(memsave.get_buffer(name), buffer, atol=0, rtol=0)
+        assert int(memsave.num_batches_tracked) == step + 1
+
+
+def test_eval_without_running_stats_is_stock() -> None:
+    """``track_running_stats=False`` normalises with batch statistics in eval mode too: stock."""
+    stock, memsave = make_pair(nn.BatchNorm2d, 4, torch.float32, track_running_stats=False)
+    stock.eval(), memsave.eval()
+    x, grad = torch.randn(3, 4, 5, 5), torch.randn(3, 4, 5, 5)
+    ref, mine = (
+        run(stock, x, grad, (True, False, False)),
+        run(memsave, x, grad, (True, False, False)),
+    )
+    assert_same(ref, mine)
+    assert mine["activations"] == ref["activations"] > 0
+
+
+@pytest.mark.parametrize("mask", MASKS, ids=MASK_IDS)
+def test_gradcheck(mask: tuple) -> None:
+    """Eval-mode gradients are the true derivatives (float64 finite differences)."""
+    _, memsave = make_pair(nn.BatchNorm2d, 3, torch.float64)
+    memsave.eval()
+    x = torch.randn(2, 3, 4, 3, dtype=torch.float64, requires_grad=mask[0])
+    weight = memsave.weight.detach().requires_grad_(mask[1])
+    bias = memsave.bias.detach().requires_grad_(mask[2])
+
+    def f(x: Tensor, weight: Tensor, bias: Tensor) -> Tensor:
+        return torch.func.functional_call(memsave, {"weight": weight, "bias": bias}, (x,))
+
+    assert torch.autograd.gradcheck(f, (x, weight, bias))
+
+
+@pytest.mark.parametrize(
+    "context", [torch.no_grad, torch.inference_mode], ids=["no_grad", "inference"]
+)
+def test_without_grad_saves_nothing(context: Callable) -> None:
+    """Under no_grad/inference_mode the drop-in is the stock computation and saves nothing."""
+    stock, memsave = make_pair(nn.BatchNorm2d, 4, torch.float32)
+    stock.eval(), memsave.eval()
+    x = torch.randn(2, 4, 5, 5, requires_grad=True)
+    with context(), SavedTensorRecorder() as recorder:
+        out = memsave(x)
+    torch.testing.assert_close(out, stock(x).detach(), atol=0, rtol=0)
+    assert recorder.records == []
+
+
+def test_double_backward_raises_naming_layer() -> None:
+    """create_graph=True through a frozen eval BatchNorm raises a clear error."""
+    _, memsave = make_pair(nn.BatchNorm2d, 3, torch.float32)
+    memsave.eval().weight.requires_grad_(False)
+    x = torch.randn(2, 3, 4, 4, requires_grad=True)
+    with pytest.raises(RuntimeError, match="MemSaveBatchNorm"):
+        torch.autograd.grad(memsave(x).square().sum(), x, create_graph=True)
+
+
+def test_module_surface_is_stock() -> None:
+    """Same state_dict keys and values, same extra_repr, loads a stock checkpoint."""
+    stock, memsave = make_pair(nn.BatchNorm3d, 4, torch.float32)
+    assert list(memsave.state_dict()) == list(stock.state_dict())
+    assert memsave.extra_repr() == stock.extra_repr()
+    fresh = MemSaveBatchNorm3d(4)
+    fresh.load_state_dict(stock.state_dict())
+    for name, tensor in stock.state_dict().items():
+        torch.testing.assert_close(fresh.state_dict()[name], tensor, atol=0, rtol=0)
+
+
+def test_meta_device() -> None:
+    """Runs on the meta device with stock's shapes and strides, saving no activation."""
+    stock, memsave = (m.eval().to("meta") for m in make_pair(nn.BatchNorm2d, 4, torch.float32))
+    x = torch.empty(2, 4, 5, 5, device="meta").to(memory_format=torch.channels_last)
+    grad = torch.empty_like(x)
+    ref, mine = run(stock, x, grad, (True, False, True)), run(memsave, x, grad, (True, False, True))
+    assert_same_metadata(ref, mine)
+    assert mine["activations"] == 0 < ref["activations"]
+
+
+def test_fake_tensor_mode() -> None:
+    """Runs under FakeTensorMode with stock's shapes and strides."""
+    with FakeTensorMode():
+        results = []
+        for cls in (nn.BatchNorm2d, MemSaveBatchNorm2d):
+            module = cls(4).eval()
+            x = torch.randn(2, 4, 5, 5)
+            results.append(run(module, x, torch.randn(2, 4, 5, 5), (True, False, True)))
+        assert_same_metadata(*results)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32-input", "bf16-input"])
+@pytest.mark.parametrize("mask", MASKS, ids=MASK_IDS)
+def test_cpu_autocast(mask: tuple, dtype: torch.dtype) -> None:
+    """Under CPU bf16 autocast: stock's output dtype and bitwise gradients."""
+    stock, memsave = make_pair(nn.BatchNorm2d, 4, torch.float32)
+    stock.eval(), memsave.eval()
+    x, grad = torch.randn(3, 4, 5, 5, dtype=dtype), torch.randn(3, 4, 5, 5, dtype=dtype)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ref, mine = run(stock, x, grad, mask), run(memsave, x, grad, mask)
+    assert mine["out"].dtype == ref["out"].dtype
+    assert_same(ref, mine)
+
+
+def test_torch_compile_same_gradients() -> None:
+    """torch.compile(fullgraph=True) of a frozen eval BatchNorm: stock's gradients."""
+    stock, memsave = make_pair(nn.BatchNorm2d, 4, torch.float32)
+    x, grad = torch.randn(2, 4, 6, 6), torch.randn(2, 4, 6, 6)
+    results = []
+    for module in (stock.eval(), memsave.eval()):
+        compiled = torch.compile(module, backend="aot_eager", fullgraph=True)
+        results.append(run(compiled, x, grad, (True, False, True)))
+    assert_same(*results)
