@@ -76,7 +76,9 @@ class SavedTensorRecorder:
             for name, module in self.model.named_modules():
                 entry = (name, type(module).__name__)
                 self._handles.append(module.register_forward_pre_hook(self._enter_module(entry)))
-                self._handles.append(module.register_forward_hook(self._leave_module, always_call=True))
+                self._handles.append(
+                    module.register_forward_hook(self._leave_module, always_call=True)
+                )
         self._hooks.__enter__()
         return self
 
