@@ -1,0 +1,313 @@
+"""Example inputs for a model, by family, with the paper's defaults; and the scalar loss of an output.
+
+Families: images (B, 3, 224, 224) with B = 64; video (B, 3, 16, 112, 112); optical flow (two images);
+segmentation (images; dict output); detection (B = 4 images and, in train mode, targets with 2 boxes
+each); Hugging Face models (token ids (B, 256), or ``inputs_embeds`` when the input must be
+differentiable); user callables through a companion ``<callable>_inputs(batch_size)``.
+"""
+
+from __future__ import annotations
+
+import inspect
+import sys
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from memsave_cli.errors import SpecError
+from memsave_cli.specs import ModelSpec, companion_inputs
+
+BATCH_SIZE = 64
+DETECTION_BATCH_SIZE = 4
+IMAGE_SHAPE = (3, 224, 224)
+VIDEO_SHAPE = (3, 16, 112, 112)
+SEQUENCE_LENGTH = 256
+BOXES_PER_IMAGE = 2
+SEED = 0
+
+#: torchvision models whose input size differs from their family's default.
+SHAPE_OVERRIDES: dict[str, tuple[int, ...]] = {
+    "inception_v3": (3, 299, 299),
+    "quantized_inception_v3": (3, 299, 299),
+    "mvit_v1_b": (3, 16, 224, 224),
+    "mvit_v2_s": (3, 16, 224, 224),
+    "s3d": (3, 16, 224, 224),
+}
+
+#: Hugging Face heads that compute their own loss from ``labels`` of shape (B, sequence).
+_LM_HEADS = ("ForCausalLM", "LMHeadModel", "ForConditionalGeneration", "ForMaskedLM")
+
+
+@dataclass
+class Example:
+    """Inputs for ``model(*args, **kwargs)``; ``differentiable`` get ``requires_grad`` on request."""
+
+    args: tuple
+    kwargs: dict
+    differentiable: tuple[torch.Tensor, ...]
+    batch_size: int
+    family: str = field(default="tensor")  # images, video, flow, segmentation, detection, hf, ...
+
+
+class _Maker:
+    """Creates seeded tensors directly on one device; on meta they carry no data."""
+
+    def __init__(self, device: torch.device, dtype: torch.dtype) -> None:
+        self.device, self.dtype = device, dtype
+        self.meta = device.type == "meta"
+        self.generator = None if self.meta else torch.Generator(device).manual_seed(SEED)
+
+    def uniform(self, shape: Sequence[int], low: float = 0.0, high: float = 1.0) -> torch.Tensor:
+        if self.meta:
+            return torch.empty(tuple(shape), device=self.device, dtype=self.dtype)
+        x = torch.rand(tuple(shape), generator=self.generator, device=self.device, dtype=self.dtype)
+        return x * (high - low) + low if (low, high) != (0.0, 1.0) else x
+
+    def normal(self, shape: Sequence[int]) -> torch.Tensor:
+        if self.meta:
+            return torch.empty(tuple(shape), device=self.device, dtype=self.dtype)
+        return torch.randn(
+            tuple(shape), generator=self.generator, device=self.device, dtype=self.dtype
+        )
+
+    def integers(self, shape: Sequence[int], high: int, low: int = 0) -> torch.Tensor:
+        if self.meta:
+            return torch.empty(tuple(shape), device=self.device, dtype=torch.int64)
+        return torch.randint(low, high, tuple(shape), generator=self.generator, device=self.device)
+
+
+def make_example(
+    model: nn.Module,
+    spec: ModelSpec,
+    *,
+    batch_size: int | None,
+    input_shape: Sequence[int] | None,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    input_grad: bool = False,
+    embeds: bool | None = None,
+) -> Example:
+    """Inputs for ``model`` on ``device``: floats in ``dtype``, seeded, per-sample ``input_shape``.
+
+    ``input_grad`` says the input will be differentiable: Hugging Face models then get
+    ``inputs_embeds`` instead of token ids (``embeds`` forces either, as the paper fed embeddings).
+    """
+    make = _Maker(torch.device(device), dtype)
+    shape = tuple(int(n) for n in input_shape) if input_shape is not None else None
+    companion = companion_inputs(spec) if shape is None else None
+    if companion is not None:
+        return _companion_example(spec, companion, make, batch_size or BATCH_SIZE)
+    if _is_hf_model(model):
+        use_embeds = input_grad if embeds is None else embeds
+        return _hf_example(model, make, batch_size or BATCH_SIZE, shape, use_embeds)
+    family = _torchvision_family(spec)
+    if family == "detection":
+        batch = batch_size or DETECTION_BATCH_SIZE
+        return _detection_example(model, make, batch, shape or IMAGE_SHAPE)
+    batch = batch_size or BATCH_SIZE
+    shape = shape or SHAPE_OVERRIDES.get(spec.target) or _default_shape(model, spec, family)
+    if family == "flow":
+        first, second = make.uniform((batch, *shape)), make.uniform((batch, *shape))
+        return Example((first, second), {}, (first, second), batch, "flow")
+    x = make.uniform((batch, *shape))
+    return Example((x,), {}, (x,), batch, family or "tensor")
+
+
+def loss_of(output: object) -> torch.Tensor:
+    """The model's own loss if it returns one, else the sum of every floating tensor in ``output``.
+
+    A loss is an output's ``.loss`` (Hugging Face) or a mapping's ``"loss"``; a detection model's dict
+    of losses has no single one, and its sum is the sum of its values, as torchvision trains it.
+    """
+    loss = output.get("loss") if isinstance(output, Mapping) else getattr(output, "loss", None)
+    if isinstance(loss, torch.Tensor):
+        return loss
+    total: torch.Tensor | None = None
+    for tensor in _floating(output):
+        total = tensor.sum() if total is None else total + tensor.sum()
+    if total is None:
+        raise SpecError(f"the model output ({type(output).__name__}) holds no floating tensor")
+    return total
+
+
+def _floating(value: object) -> Iterator[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        if value.is_floating_point():
+            yield value
+    elif isinstance(value, Mapping):
+        for item in value.values():
+            yield from _floating(item)
+    elif isinstance(value, list | tuple):
+        for item in value:
+            yield from _floating(item)
+
+
+# -- torchvision families ------------------------------------------------------------------------
+
+
+def _torchvision_family(spec: ModelSpec) -> str | None:
+    """images | video | flow | segmentation | detection, from the builder's module; None otherwise."""
+    if spec.kind != "torchvision":
+        return None
+    import torchvision
+
+    module = torchvision.models.get_model_builder(spec.target).__module__
+    for part, family in (
+        (".detection.", "detection"),
+        (".video.", "video"),
+        (".optical_flow.", "flow"),
+        (".segmentation.", "segmentation"),
+    ):
+        if part in module:
+            return family
+    return "images"
+
+
+def _default_shape(model: nn.Module, spec: ModelSpec, family: str | None) -> tuple[int, ...]:
+    if family == "video":
+        return VIDEO_SHAPE
+    if family is not None:
+        return IMAGE_SHAPE
+    return _guess_shape(model, spec)
+
+
+def _guess_shape(model: nn.Module, spec: ModelSpec) -> tuple[int, ...]:
+    """A user model's per-sample shape from its first layer (Linear or ConvNd), else an error."""
+    first = next(
+        (
+            m
+            for m in model.modules()
+            if isinstance(m, nn.Linear | nn.Conv1d | nn.Conv2d | nn.Conv3d)
+        ),
+        None,
+    )
+    if isinstance(first, nn.Linear):
+        return (first.in_features,)
+    if isinstance(first, nn.Conv1d | nn.Conv2d | nn.Conv3d):
+        spatial = {1: (224,), 2: (224, 224), 3: (16, 112, 112)}[len(first.kernel_size)]
+        return (first.in_channels, *spatial)
+    raise SpecError(
+        f"cannot guess inputs for {spec.text}: define {spec.attr or 'model'}_inputs(batch_size) "
+        "next to it, or give an input shape"
+    )
+
+
+def _detection_example(
+    model: nn.Module, make: _Maker, batch: int, shape: tuple[int, ...]
+) -> Example:
+    """A list of images; in train mode also targets with boxes and labels (masks, keypoints when
+    the model has those heads), so that the model returns its dict of losses."""
+    images = [make.uniform(shape) for _ in range(batch)]
+    args: tuple = (images,)
+    if model.training:
+        args = (images, [_detection_target(model, make, shape) for _ in range(batch)])
+    return Example(args, {}, tuple(images), batch, "detection")
+
+
+def _detection_target(
+    model: nn.Module, make: _Maker, shape: tuple[int, ...]
+) -> dict[str, torch.Tensor]:
+    height, width = shape[-2:]
+    scale = torch.tensor([width, height], device=make.device, dtype=make.dtype)
+    corner = make.uniform((BOXES_PER_IMAGE, 2), 0.0, 0.5) * scale
+    size = make.uniform((BOXES_PER_IMAGE, 2), 0.125, 0.375) * scale
+    boxes = torch.cat([corner, corner + size], dim=1)
+    target = {
+        "boxes": boxes,
+        "labels": torch.ones(BOXES_PER_IMAGE, dtype=torch.int64, device=make.device),
+    }
+    heads = getattr(model, "roi_heads", None)
+    if heads is not None and heads.has_mask():
+        target["masks"] = make.integers((BOXES_PER_IMAGE, height, width), 2).to(torch.uint8)
+    if heads is not None and heads.has_keypoint():
+        count = heads.keypoint_predictor.kps_score_lowres.out_channels
+        where = corner[:, None, :] + make.uniform((BOXES_PER_IMAGE, count, 2)) * size[:, None, :]
+        visible = torch.ones((BOXES_PER_IMAGE, count, 1), device=make.device, dtype=make.dtype)
+        target["keypoints"] = torch.cat([where, visible], dim=2)
+    return target
+
+
+# -- Hugging Face --------------------------------------------------------------------------------
+
+
+def _is_hf_model(model: nn.Module) -> bool:
+    transformers = sys.modules.get("transformers")
+    return transformers is not None and isinstance(model, transformers.PreTrainedModel)
+
+
+def _hf_example(
+    model: nn.Module, make: _Maker, batch: int, shape: tuple[int, ...] | None, embeds: bool
+) -> Example:
+    """Token ids or embeddings; labels for LM heads (so the model returns its loss); decoder ids for
+    encoder-decoders. No ``use_cache=False`` nor attention mask: with either, transformers inspects
+    position ids or mask values (``.all()``), which meta tensors do not have."""
+    params = inspect.signature(model.forward).parameters
+    table = model.get_input_embeddings()
+    length = shape[0] if shape else min(SEQUENCE_LENGTH, _max_positions(model.config))
+    kwargs: dict[str, Any] = {}
+    if embeds:
+        kwargs["inputs_embeds"] = make.normal((batch, length, table.embedding_dim))
+    else:
+        kwargs["input_ids"] = make.integers((batch, length), table.num_embeddings)
+    if getattr(model.config, "is_encoder_decoder", False) and "decoder_input_ids" in params:
+        kwargs["decoder_input_ids"] = make.integers((batch, length), table.num_embeddings)
+    if "labels" in params and type(model).__name__.endswith(_LM_HEADS):
+        kwargs["labels"] = make.integers((batch, length), table.num_embeddings)
+    differentiable = (kwargs["inputs_embeds"],) if embeds else ()
+    return Example((), kwargs, differentiable, batch, "hf")
+
+
+def _max_positions(config: Any) -> int:
+    for key in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
+        value = getattr(config, key, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return SEQUENCE_LENGTH
+
+
+# -- user callables ------------------------------------------------------------------------------
+
+
+def _companion_example(
+    spec: ModelSpec, companion: Callable[..., Any], make: _Maker, batch: int
+) -> Example:
+    """Call ``<callable>_inputs(batch_size)`` seeded, on the device; floats are cast to the dtype."""
+    name = f"{spec.attr}_inputs"
+    try:
+        with torch.random.fork_rng(devices=[]), torch.device(make.device):
+            torch.manual_seed(SEED)
+            made = companion(batch)
+    except Exception as error:
+        raise SpecError(
+            f"{spec.text}: {name}({batch}) raised {type(error).__name__}: {error}"
+        ) from error
+    placed = _place(made, make)
+    if isinstance(placed, torch.Tensor):
+        args, kwargs = (placed,), {}
+    elif isinstance(placed, tuple | list):
+        args, kwargs = tuple(placed), {}
+    elif isinstance(placed, Mapping):
+        args, kwargs = (), dict(placed)
+    else:
+        raise SpecError(
+            f"{spec.text}: {name} returned {type(made).__name__}; expected a tensor, tuple or dict"
+        )
+    differentiable = tuple(_floating((args, kwargs)))
+    return Example(args, kwargs, differentiable, batch, "callable")
+
+
+def _place(value: object, make: _Maker) -> object:
+    if isinstance(value, torch.Tensor):
+        if value.is_floating_point():
+            return value.to(device=make.device, dtype=make.dtype)
+        return value.to(device=make.device)
+    if isinstance(value, Mapping):
+        return {key: _place(item, make) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_place(item, make) for item in value]
+    if isinstance(value, tuple):
+        return tuple(_place(item, make) for item in value)
+    return value

@@ -1,0 +1,401 @@
+"""Model specifications: what the user typed, and the model it builds (never with weights).
+
+Forms: ``torchvision:<name>``, ``<module.path>:<callable>``, ``<path/to/file.py>:<callable>`` and
+``hf:<config dir or hub id>``; model keyword arguments come as ``key=value`` strings.
+"""
+
+from __future__ import annotations
+
+import ast
+import contextlib
+import difflib
+import hashlib
+import importlib
+import importlib.util
+import inspect
+import os
+import sys
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import torch
+from torch import nn
+
+from memsave_cli.errors import MemsaveError, SpecError
+
+HF_INSTALL = 'pip install "memsave-cli[hf]"'
+FORMS = (
+    "torchvision:<name>, <module.path>:<callable>, <path/to/file.py>:<callable> "
+    "or hf:<config dir or hub id>"
+)
+_LIST_TORCHVISION = (
+    'list them with: python -c "import torchvision; print(torchvision.models.list_models())"'
+)
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A parsed model specification; picklable, so that workers can build the model themselves."""
+
+    text: str  # as the user wrote it, e.g. "torchvision:resnet101"
+    kind: str  # "torchvision" | "module" | "file" | "hf"
+    target: str  # model name, module path, file path, or hf config dir / hub id
+    attr: str | None  # callable name for module/file specs
+    kwargs: tuple[tuple[str, object], ...] = ()  # model kwargs (parsed from key=value strings)
+
+
+def parse_spec(text: str, kwargs: Sequence[str] | Mapping[str, object] = ()) -> ModelSpec:
+    """Parse ``text`` and ``kwargs`` into a spec, checking all that can be checked without building.
+
+    Module and file specs are imported here (not called) so that a typo fails before any worker starts.
+    """
+    text = text.strip()
+    pairs = parse_kwargs(kwargs)
+    prefix, sep, rest = text.partition(":")
+    if prefix == "torchvision" and rest:
+        _check_torchvision_name(rest)
+        return ModelSpec(text, "torchvision", rest, None, pairs)
+    if prefix == "hf" and rest:
+        _check_hf_target(text, rest)
+        return ModelSpec(text, "hf", rest, None, pairs)
+    target, sep, attr = text.rpartition(":")
+    if not sep or not target or not attr:
+        raise SpecError(_unreadable(text))
+    if not all(part.isidentifier() for part in attr.split(".")):
+        raise SpecError(f"cannot read model spec '{text}': '{attr}' is not a callable name")
+    kind = "file" if _looks_like_file(target) else "module"
+    if kind == "module" and not all(part.isidentifier() for part in target.split(".")):
+        raise SpecError(
+            f"cannot read model spec '{text}': '{target}' is neither a module nor a .py file"
+        )
+    spec = ModelSpec(text, kind, target, attr, pairs)
+    resolve_callable(spec)
+    return spec
+
+
+def build_model(spec: ModelSpec) -> nn.Module:
+    """Build the model on the current default device (wrap in ``with torch.device("meta"):``).
+
+    Any failure of the builder is a SpecError naming the spec, except running out of memory, which
+    is an outcome of the measurement and propagates unchanged.
+    """
+    builder = _BUILDERS[spec.kind]
+    try:
+        model = _on_default_device(lambda: builder(spec))
+    except (MemsaveError, torch.OutOfMemoryError, MemoryError):
+        raise
+    except Exception as error:
+        raise SpecError(f"building {spec.text} raised {_describe(error)}") from error
+    if not isinstance(model, nn.Module):
+        raise SpecError(f"{spec.text} returned {type(model).__name__}, not a torch.nn.Module")
+    return model
+
+
+def parse_kwargs(kwargs: Sequence[str] | Mapping[str, object]) -> tuple[tuple[str, object], ...]:
+    """``["depth=3", "act=relu"]`` -> ``(("depth", 3), ("act", "relu"))``; values are Python literals
+    when they parse as one (ints, floats, bools, None, tuples; lists become tuples), else strings."""
+    if isinstance(kwargs, Mapping):
+        pairs = [(str(key), _freeze(value)) for key, value in kwargs.items()]
+    else:
+        pairs = [_parse_pair(item) for item in ([kwargs] if isinstance(kwargs, str) else kwargs)]
+    seen: set[str] = set()
+    for key, _ in pairs:
+        if not key.isidentifier():
+            raise SpecError(f"model kwarg name '{key}' is not a valid Python identifier")
+        if key in seen:
+            raise SpecError(f"model kwarg '{key}' is given twice")
+        seen.add(key)
+    return tuple(pairs)
+
+
+def resolve_callable(spec: ModelSpec) -> Callable[..., Any]:
+    """The factory a module or file spec names (imported, not called)."""
+    module = _load_module(spec)
+    factory = _lookup(module, spec.attr or "")
+    if factory is None:
+        close = difflib.get_close_matches(spec.attr or "", dir(module), n=3)
+        hint = f"; did you mean {', '.join(close)}?" if close else ""
+        raise SpecError(f"{spec.text}: '{spec.target}' has no attribute '{spec.attr}'{hint}")
+    if not callable(factory):
+        raise SpecError(f"{spec.text}: '{spec.attr}' is a {type(factory).__name__}, not a callable")
+    return factory
+
+
+def companion_inputs(spec: ModelSpec) -> Callable[..., Any] | None:
+    """The ``<callable>_inputs(batch_size)`` beside a module/file spec's factory, if it defines one."""
+    if spec.kind not in ("module", "file") or not spec.attr:
+        return None
+    found = _lookup(_load_module(spec), spec.attr + "_inputs")
+    return found if callable(found) else None
+
+
+def _parse_pair(item: str) -> tuple[str, object]:
+    key, sep, value = item.partition("=")
+    if not sep or not key.strip():
+        raise SpecError(f"model kwarg '{item}' must look like key=value")
+    return key.strip(), _parse_value(value.strip())
+
+
+def _parse_value(text: str) -> object:
+    lowered = text.lower()
+    if lowered in ("true", "false"):
+        return lowered == "true"
+    if lowered in ("none", "null"):
+        return None
+    try:
+        return _freeze(ast.literal_eval(text))
+    except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
+        return text
+
+
+def _freeze(value: object) -> object:
+    """Lists become tuples so that a spec stays hashable."""
+    if isinstance(value, list | tuple):
+        return tuple(_freeze(item) for item in value)
+    return value
+
+
+def _unreadable(text: str) -> str:
+    message = f"cannot read model spec '{text}': expected {FORMS}"
+    if ":" not in text and text in _torchvision_names():
+        message += f"; did you mean torchvision:{text}?"
+    return message
+
+
+def _looks_like_file(target: str) -> bool:
+    return target.endswith(".py") or "/" in target or os.sep in target
+
+
+def _describe(error: BaseException) -> str:
+    lines = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__
+
+
+# -- torchvision ---------------------------------------------------------------------------------
+
+
+def _torchvision_names() -> list[str]:
+    import torchvision
+
+    return torchvision.models.list_models()
+
+
+def _check_torchvision_name(name: str) -> None:
+    names = _torchvision_names()
+    if name in names:
+        return
+    close = difflib.get_close_matches(name, names, n=4, cutoff=0.5)
+    hint = f"close matches: {', '.join(close)}; " if close else ""
+    raise SpecError(f"unknown torchvision model '{name}'; {hint}{_LIST_TORCHVISION}")
+
+
+def _build_torchvision(spec: ModelSpec) -> nn.Module:
+    import torchvision
+
+    _check_torchvision_name(spec.target)
+    kwargs = dict(spec.kwargs)
+    for key in ("weights", "weights_backbone"):
+        if kwargs.get(key) is not None:
+            raise SpecError(f"{spec.text}: memsave never loads weights; drop {key}={kwargs[key]}")
+    builder = torchvision.models.get_model_builder(spec.target)
+    kwargs["weights"] = None
+    if "weights_backbone" in inspect.signature(builder).parameters:
+        kwargs["weights_backbone"] = None
+    return torchvision.models.get_model(spec.target, **kwargs)
+
+
+# -- module and file specs -----------------------------------------------------------------------
+
+
+def _build_callable(spec: ModelSpec) -> nn.Module:
+    factory = resolve_callable(spec)
+    try:
+        with _on_sys_path(_search_dir(spec)):
+            return factory(**dict(spec.kwargs))
+    except (torch.OutOfMemoryError, MemoryError):
+        raise
+    except Exception as error:
+        raise SpecError(f"{spec.text} raised {_describe(error)}") from error
+
+
+def _load_module(spec: ModelSpec) -> ModuleType:
+    if spec.kind == "file":
+        return _load_file(spec)
+    try:
+        with _on_sys_path(os.getcwd()):
+            return importlib.import_module(spec.target)
+    except ModuleNotFoundError as error:
+        if error.name and spec.target.startswith(error.name):
+            raise SpecError(f"{spec.text}: no module named '{error.name}'") from error
+        raise SpecError(
+            f"{spec.text}: importing '{spec.target}' raised {_describe(error)}"
+        ) from error
+    except Exception as error:
+        raise SpecError(
+            f"{spec.text}: importing '{spec.target}' raised {_describe(error)}"
+        ) from error
+
+
+def _load_file(spec: ModelSpec) -> ModuleType:
+    """Load a .py file as a module once per process (keyed by its resolved path)."""
+    path = Path(spec.target).expanduser()
+    if not path.is_file():
+        raise SpecError(f"{spec.text}: no such file '{spec.target}'")
+    path = path.resolve()
+    name = f"_memsave_user_{path.stem}_{hashlib.sha1(str(path).encode()).hexdigest()[:10]}"
+    if name in sys.modules:
+        return sys.modules[name]
+    module_spec = importlib.util.spec_from_file_location(name, path)
+    if module_spec is None or module_spec.loader is None:
+        raise SpecError(f"{spec.text}: cannot load '{spec.target}' as a Python module")
+    module = importlib.util.module_from_spec(module_spec)
+    sys.modules[name] = module
+    try:
+        with _on_sys_path(str(path.parent)):
+            module_spec.loader.exec_module(module)
+    except Exception as error:
+        del sys.modules[name]
+        raise SpecError(
+            f"{spec.text}: loading '{spec.target}' raised {_describe(error)}"
+        ) from error
+    return module
+
+
+def _lookup(module: ModuleType, dotted: str) -> Any:
+    found: Any = module
+    for part in dotted.split("."):
+        found = getattr(found, part, None)
+        if found is None:
+            return None
+    return found
+
+
+def _search_dir(spec: ModelSpec) -> str:
+    return (
+        str(Path(spec.target).expanduser().resolve().parent) if spec.kind == "file" else os.getcwd()
+    )
+
+
+@contextlib.contextmanager
+def _on_sys_path(directory: str) -> Iterator[None]:
+    """Make ``directory`` importable for the duration (a file's siblings, the working directory)."""
+    added = directory not in sys.path
+    if added:
+        sys.path.insert(0, directory)
+    try:
+        yield
+    finally:
+        if added and directory in sys.path:
+            sys.path.remove(directory)
+
+
+# -- Hugging Face --------------------------------------------------------------------------------
+
+
+def _import_transformers(text: str) -> ModuleType:
+    try:
+        import transformers
+    except ImportError as error:
+        raise SpecError(f"{text}: hf: specs need transformers: {HF_INSTALL}") from error
+    return transformers
+
+
+def _check_hf_target(text: str, target: str) -> None:
+    if importlib.util.find_spec("transformers") is None:
+        raise SpecError(f"{text}: hf: specs need transformers: {HF_INSTALL}")
+    path = Path(target).expanduser()
+    if path.exists() and not (path / "config.json").is_file():
+        raise SpecError(f"{text}: no config.json in '{target}'")
+    if not path.exists() and target.startswith((".", "/", "~")):
+        raise SpecError(f"{text}: no such directory '{target}'")
+
+
+def _build_hf(spec: ModelSpec) -> nn.Module:
+    transformers = _import_transformers(spec.text)
+    try:
+        config = transformers.AutoConfig.from_pretrained(spec.target, **dict(spec.kwargs))
+    except (OSError, ValueError) as error:
+        raise SpecError(
+            f"{spec.text}: cannot read a config for '{spec.target}' ({_describe(error)}); "
+            "offline, give a local directory with a config.json"
+        ) from error
+    model_class = _hf_model_class(transformers, config)
+    from_config = getattr(model_class, "from_config", None) or model_class._from_config
+    return from_config(config)
+
+
+def _hf_model_class(transformers: ModuleType, config: Any) -> Any:
+    """The class the config names in ``architectures``; else seq2seq LM for encoder-decoders, causal
+    LM for decoder families, and the bare ``AutoModel`` for encoders (those with a masked-LM head)."""
+    for name in getattr(config, "architectures", None) or ():
+        found = getattr(transformers, name, None)
+        if isinstance(found, type) and hasattr(found, "_from_config"):
+            return found
+    kind = type(config)
+    if getattr(config, "is_encoder_decoder", False):
+        if kind in transformers.AutoModelForSeq2SeqLM._model_mapping:
+            return transformers.AutoModelForSeq2SeqLM
+    elif (
+        kind in transformers.AutoModelForCausalLM._model_mapping
+        and kind not in transformers.AutoModelForMaskedLM._model_mapping
+    ):
+        return transformers.AutoModelForCausalLM
+    return transformers.AutoModel
+
+
+_BUILDERS: dict[str, Callable[[ModelSpec], Any]] = {
+    "torchvision": _build_torchvision,
+    "module": _build_callable,
+    "file": _build_callable,
+    "hf": _build_hf,
+}
+
+
+# -- meta builds ---------------------------------------------------------------------------------
+
+
+def _on_default_device(build: Callable[[], Any]) -> Any:
+    """Run ``build``; on meta, retry builders that compute with tensor data while constructing.
+
+    NOTE [meta builds]: under ``torch.device("meta")`` every tensor a builder creates is meta, so a
+    builder that derives its layer widths from tensor values (``.tolist()``, as torchvision's RegNet
+    does) fails. The retry builds on the CPU but moves each parameter and buffer to meta the moment it
+    is registered: the arithmetic sees real numbers, while weights never take real memory.
+    """
+    try:
+        return build()
+    except (NotImplementedError, RuntimeError) as error:
+        if torch.get_default_device().type != "meta" or "meta" not in str(error):
+            raise
+    with _registered_on_meta():
+        return build()
+
+
+@contextlib.contextmanager
+def _registered_on_meta() -> Iterator[None]:
+    register_parameter = nn.Module.register_parameter
+    register_buffer = nn.Module.register_buffer
+
+    def parameter_on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        if param is not None and param.device.type != "meta":
+            param = nn.Parameter(param.detach().to("meta"), requires_grad=param.requires_grad)
+        register_parameter(module, name, param)
+
+    def buffer_on_meta(
+        module: nn.Module, name: str, tensor: torch.Tensor | None, persistent: bool = True
+    ) -> None:
+        if tensor is not None:
+            tensor = tensor.to("meta")
+        register_buffer(module, name, tensor, persistent)
+
+    nn.Module.register_parameter = parameter_on_meta  # type: ignore[method-assign]
+    nn.Module.register_buffer = buffer_on_meta  # type: ignore[method-assign]
+    try:
+        with torch.device("cpu"):
+            yield
+    finally:
+        nn.Module.register_parameter = register_parameter  # type: ignore[method-assign]
+        nn.Module.register_buffer = register_buffer  # type: ignore[method-assign]
