@@ -1,0 +1,98 @@
+"""``memsave probe``: the paper's visual abstract for one layer type."""
+
+from __future__ import annotations
+
+from enum import Enum
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from memsave_cli.cli._console import human_console, write_output
+from memsave_cli.cli._errors import reported_errors
+from memsave_cli.cli._help import DEBUG_HELP, examples
+from memsave_cli.cli._progress import progress_bar
+
+EPILOG = examples(
+    "memsave probe conv2d --plot conv2d.png",
+    "memsave probe bn2d --mode eval --depth 8",
+    "memsave probe linear --compile",
+    "memsave probe conv3d --device cpu --batch-size 2   # real data, small input",
+)
+
+
+class ProbeLayerName(str, Enum):
+    linear = "linear"
+    conv1d = "conv1d"
+    conv2d = "conv2d"
+    conv3d = "conv3d"
+    conv_transpose1d = "conv_transpose1d"
+    conv_transpose2d = "conv_transpose2d"
+    conv_transpose3d = "conv_transpose3d"
+    bn2d = "bn2d"
+
+
+class Mode(str, Enum):
+    train = "train"
+    eval = "eval"
+
+
+class ProbeDevice(str, Enum):
+    meta = "meta"
+    cpu = "cpu"
+    cuda = "cuda"
+
+
+def probe(
+    ctx: typer.Context,
+    layer: Annotated[ProbeLayerName, typer.Argument(help="Layer type the stack is made of.")],
+    depth: Annotated[int, typer.Option(min=1, help="Largest number of layers.")] = 10,
+    mode: Annotated[Mode, typer.Option(help="Train or eval mode (matters for bn2d).")] = Mode.train,
+    compiled: Annotated[
+        bool, typer.Option("--compile", help="Run the stack through torch.compile.")
+    ] = False,
+    device: Annotated[
+        ProbeDevice, typer.Option(help="meta estimates without data; cpu/cuda run for real.")
+    ] = ProbeDevice.meta,
+    batch_size: Annotated[
+        int | None, typer.Option(min=1, help="Batch size (default: the paper's 512 MiB input).")
+    ] = None,
+    plot: Annotated[
+        Path | None, typer.Option(help="Write a PNG plot to PATH (needs matplotlib).")
+    ] = None,
+    json_path: Annotated[
+        str | None, typer.Option("--json", help="Write the numbers as JSON to PATH (- for stdout).")
+    ] = None,
+    debug: Annotated[bool, typer.Option("--debug", help=DEBUG_HELP)] = False,
+) -> None:
+    """Forward memory against depth for a stack of size-preserving LAYER layers.
+
+    Five scenarios as in the paper's visual abstract: all parameters differentiable, none,
+    layers 4+ differentiable, only layer 4 differentiable with stock layers, and the same with
+    memsave layers. Stock PyTorch keeps every layer input after layer 4 although only layer 4's
+    weight needs one; memsave keeps just that one.
+    """
+    with reported_errors(ctx, debug):
+        from memsave_cli import probe as core
+        from memsave_cli.render.probe import plot_probe, probe_table
+
+        depths = tuple(range(1, depth + 1))
+        with progress_bar(f"probing {layer.value}", depth * len(core.SCENARIOS)) as advance:
+            result = core.probe(
+                layer.value,
+                depths=depths,
+                mode=mode.value,
+                compiled=compiled,
+                device=device.value,
+                batch_size=batch_size,
+                on_step=lambda scenario, d: advance(f"{scenario}, depth {d}"),
+            )
+        console = human_console(json_path)
+        console.print(probe_table(result))
+        for scenario, error in result.errors.items():
+            console.print(f"{scenario} failed: {error}", style="red", markup=False)
+        if plot is not None:
+            plot_probe(result, plot)
+            console.print(f"plot written: {plot}")
+        if json_path is not None:
+            write_output(json_path, result.to_json())

@@ -1,0 +1,115 @@
+"""Rich table and matplotlib plot of a probe result (``memsave probe``)."""
+
+from __future__ import annotations
+
+import io
+import os
+import tempfile
+from pathlib import Path
+
+from rich.table import Table
+
+from memsave_cli.errors import MemsaveError
+from memsave_cli.probe import SCENARIOS, ProbeResult
+from memsave_cli.render.units import format_bytes
+
+_METRIC_TITLE = {
+    "forward_peak": "Forward peak",
+    "kept_after_forward": "Memory kept after forward (compiled)",
+}
+
+#: Short column headings of the table; the caption spells them out.
+_HEADINGS = {
+    "all": "all",
+    "none": "none",
+    "from4": "layers 4+",
+    "only4": "layer 4",
+    "only4-memsave": "layer 4 memsave",
+}
+
+_CAPTION = (
+    "columns: which layers' parameters are differentiable (all, none, layer 4 and after, "
+    "only layer 4 with stock or with memsave layers)"
+)
+
+#: Line styles per scenario, so the selective curves stay apart where they overlap.
+_STYLES = {
+    "all": {"color": "tab:red", "marker": "o"},
+    "none": {"color": "tab:gray", "marker": "s"},
+    "from4": {"color": "tab:orange", "marker": "^", "linestyle": "--"},
+    "only4": {"color": "tab:blue", "marker": "v", "linestyle": ":"},
+    "only4-memsave": {"color": "tab:green", "marker": "D"},
+}
+
+
+class PlotError(MemsaveError):
+    """The plot could not be drawn (matplotlib missing) or written."""
+
+
+def title(result: ProbeResult) -> str:
+    shape = "x".join(map(str, result.input_shape))
+    compiled = ", torch.compile" if result.compiled else ""
+    return (
+        f"{_METRIC_TITLE[result.metric]} of {result.layer} stacks, {result.mode} mode{compiled}, "
+        f"input {shape} on {result.device}"
+    )
+
+
+def probe_table(result: ProbeResult) -> Table:
+    """One row per depth, one column per scenario."""
+    table = Table(
+        title=title(result), title_justify="left", caption=_CAPTION, caption_justify="left"
+    )
+    table.add_column("Depth", justify="right")
+    for key in result.curves:
+        table.add_column(_HEADINGS.get(key, key), justify="right")
+    for index, depth in enumerate(result.depths):
+        values = [result.curves[key][index] for key in result.curves]
+        table.add_row(str(depth), *(format_bytes(v) if v is not None else "failed" for v in values))
+    return table
+
+
+def plot_probe(result: ProbeResult, path: Path) -> None:
+    """Draw memory against depth, one line per scenario, and write a PNG to ``path`` atomically."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        from matplotlib import pyplot as plt
+    except ImportError as exc:
+        raise PlotError(
+            "plotting needs matplotlib: pip install 'memsave-cli[plot]' (or drop --plot)"
+        ) from exc
+    figure, axes = plt.subplots(figsize=(6.4, 4.2), dpi=150)
+    for key, values in result.curves.items():
+        points = [
+            (d, v / 2**30) for d, v in zip(result.depths, values, strict=True) if v is not None
+        ]
+        if points:
+            depths, gib = zip(*points, strict=True)
+            axes.plot(depths, gib, label=SCENARIOS.get(key, key), **_STYLES.get(key, {}))
+    axes.set_xlabel("number of layers")
+    axes.set_ylabel(f"{_METRIC_TITLE[result.metric].lower()} [GiB]")
+    axes.set_title(
+        f"{result.layer}, {result.mode} mode" + (", compiled" if result.compiled else "")
+    )
+    axes.grid(alpha=0.3)
+    axes.legend(fontsize="small")
+    figure.tight_layout()
+    buffer = io.BytesIO()
+    figure.savefig(buffer, format="png")
+    plt.close(figure)
+    _write_bytes_atomic(path, buffer.getvalue())
+
+
+def _write_bytes_atomic(path: Path, data: bytes) -> None:
+    """Write ``data`` through a temporary file in the same folder and a rename."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
