@@ -1,0 +1,153 @@
+"""Swap a model's stock layers for their memsave drop-ins (``convert``) and back (``revert``).
+
+NOTE [converting by class swap]: every drop-in subclasses its stock class and overrides
+``forward`` only, so a module is converted by assigning its ``__class__``. Its ``__dict__`` is
+untouched: parameters, buffers, hooks, ``state_dict`` keys, attributes and the module tree stay
+exactly as they were, and a converted model loads a stock checkpoint (and vice versa). Only
+modules whose type is exactly a registered stock class are swapped; a subclass may have its own
+``forward``, which a drop-in would silently bypass.
+
+NOTE [functional ReLU of Transformer layers]: ``nn.TransformerEncoderLayer`` and
+``nn.TransformerDecoderLayer`` apply their activation as a plain function (``F.relu`` by
+default), not as a submodule. ``convert`` replaces that ``F.relu`` with ``memsave_relu``, which
+computes the same values and gradients as ``MemSaveReLU``. ``activation_relu_or_gelu`` stays 1: it
+only selects the fused inference path, which runs when no gradient is needed and saves nothing.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterable
+
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from memsave_cli.errors import MemsaveError
+
+# Imported for their ``@drop_in`` registrations, so that DROP_INS is complete.
+from memsave_cli.layers import activation, batchnorm, conv, dropout  # noqa: F401
+from memsave_cli.layers.activation import MemSaveReLU
+from memsave_cli.layers.registry import DROP_INS
+
+#: Layer types ``convert`` accepts in ``include``: a stock class, its name, or a family name.
+LayerSelection = type[nn.Module] | str
+TRANSFORMER_LAYERS = (nn.TransformerEncoderLayer, nn.TransformerDecoderLayer)
+FUNCTIONAL_RELU = "F.relu"
+
+
+class UnknownLayerError(MemsaveError, ValueError):
+    """``include`` names a layer type or family that has no memsave drop-in."""
+
+
+_RELU = MemSaveReLU()
+
+
+def memsave_relu(input: Tensor) -> Tensor:
+    """``F.relu`` keeping a 1-bit mask for backward: the converted Transformer activation."""
+    return _RELU(input)
+
+
+def convert(
+    model: nn.Module,
+    *,
+    inplace: bool = False,
+    include: LayerSelection | Iterable[LayerSelection] | None = None,
+) -> nn.Module:
+    """``model`` with every supported stock layer swapped for its memsave drop-in.
+
+    ``inplace=False`` converts a deep copy (parameters and buffers copied); ``inplace=True``
+    converts ``model`` itself. ``include`` restricts the swap to some stock layer types: classes
+    (``nn.Conv2d``), class names (``"Conv2d"``) or families (``"conv"``, ``"batchnorm"``,
+    ``"activation"``, ``"dropout"``, ...: the ``memsave_cli.layers`` module defining the drop-in).
+    """
+    selected = select_drop_ins(include)
+    target = model if inplace else copy.deepcopy(model)
+    for module in target.modules():
+        drop_in = selected.get(type(module))
+        if drop_in is not None:
+            module.__class__ = drop_in
+        if nn.ReLU in selected and _has_activation(module, F.relu):
+            module.activation = memsave_relu
+    return target
+
+
+def revert(model: nn.Module, *, inplace: bool = False) -> nn.Module:
+    """``model`` with every memsave drop-in swapped back to its stock layer (undoes ``convert``)."""
+    stock_of = {drop_in: stock for stock, drop_in in DROP_INS.items()}
+    target = model if inplace else copy.deepcopy(model)
+    for module in target.modules():
+        stock = stock_of.get(type(module))
+        if stock is not None:
+            module.__class__ = stock
+        if _has_activation(module, memsave_relu):
+            module.activation = F.relu
+    return target
+
+
+def converted_counts(model: nn.Module) -> dict[str, int]:
+    """How many memsave drop-ins ``model`` holds, per stock type name (``{"Conv2d": 20, ...}``).
+
+    Transformer layers whose functional ReLU was converted count under ``"F.relu"``.
+    """
+    stock_of = {drop_in: stock for stock, drop_in in DROP_INS.items()}
+    counts: dict[str, int] = {}
+    for module in model.modules():
+        stock = stock_of.get(type(module))
+        name = stock.__name__ if stock is not None else None
+        if _has_activation(module, memsave_relu):
+            name = FUNCTIONAL_RELU
+        if name is not None:
+            counts[name] = counts.get(name, 0) + 1
+    return counts
+
+
+def select_drop_ins(
+    include: LayerSelection | Iterable[LayerSelection] | None,
+) -> dict[type[nn.Module], type[nn.Module]]:
+    """The part of the registry (stock class -> drop-in) that ``include`` selects."""
+    if include is None:
+        return dict(DROP_INS)
+    items = [include] if isinstance(include, str | type) else list(include)
+    selected: dict[type[nn.Module], type[nn.Module]] = {}
+    for item in items:
+        for stock in _resolve(item):
+            selected[stock] = DROP_INS[stock]
+    return selected
+
+
+def layer_families() -> dict[str, list[str]]:
+    """Family name -> stock class names it selects, for every registered drop-in."""
+    families: dict[str, list[str]] = {}
+    for stock, drop_in in DROP_INS.items():
+        families.setdefault(_family(drop_in), []).append(stock.__name__)
+    return families
+
+
+def _resolve(item: LayerSelection) -> list[type[nn.Module]]:
+    """Stock classes that one ``include`` entry names."""
+    if isinstance(item, type):
+        if item in DROP_INS:
+            return [item]
+        raise UnknownLayerError(
+            f"No memsave drop-in for {item.__name__}: only these exact stock classes have one: "
+            f"{', '.join(sorted(s.__name__ for s in DROP_INS))}."
+        )
+    key = item.lower()
+    matches = [s for s, d in DROP_INS.items() if key in (s.__name__.lower(), _family(d))]
+    if matches:
+        return matches
+    families = ", ".join(f"{name!r}" for name in sorted(layer_families()))
+    raise UnknownLayerError(
+        f"Unknown layer type {item!r}: expected a stock class name such as 'Conv2d' or a family "
+        f"({families})."
+    )
+
+
+def _family(drop_in: type[nn.Module]) -> str:
+    """The family of a drop-in: the name of the ``memsave_cli.layers`` module defining it."""
+    return drop_in.__module__.rsplit(".", 1)[-1]
+
+
+def _has_activation(module: nn.Module, function: object) -> bool:
+    """Whether ``module`` is exactly a stock Transformer layer applying ``function``."""
+    return type(module) in TRANSFORMER_LAYERS and getattr(module, "activation", None) is function

@@ -1,0 +1,268 @@
+"""convert / revert / converted_counts: exact-type swaps that keep parameters, hooks and checkpoints."""
+
+from __future__ import annotations
+
+import copy
+import io
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from memsave_cli.errors import MemsaveError
+from memsave_cli.layers.batchnorm import MemSaveBatchNorm2d
+from memsave_cli.layers.convert import (
+    UnknownLayerError,
+    convert,
+    converted_counts,
+    layer_families,
+    memsave_relu,
+    revert,
+    select_drop_ins,
+)
+from memsave_cli.layers.registry import DROP_INS
+
+
+class OwnForwardConv(nn.Conv2d):
+    """A subclass with its own forward: converting it would bypass that forward."""
+
+    def forward(self, input: Tensor) -> Tensor:
+        return super().forward(input) * 2
+
+
+class PlainSubclassConv(nn.Conv2d):
+    """A subclass without its own forward: still not an exact stock type."""
+
+
+def small_cnn() -> nn.Sequential:
+    """A CNN with one module of every registered stock type that takes a 4D input, and more."""
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1),
+        nn.BatchNorm2d(8),
+        nn.ReLU(),
+        nn.Sequential(nn.Conv2d(8, 8, 3, padding=1, bias=False), nn.LeakyReLU(0.1)),
+        OwnForwardConv(8, 8, 1),
+        PlainSubclassConv(8, 8, 1),
+        nn.ReLU6(inplace=True),
+        nn.Hardtanh(-0.5, 0.5),
+        nn.Dropout2d(0.0),
+        nn.ConvTranspose2d(8, 4, 2, stride=2),
+        nn.Flatten(),
+        nn.Dropout(0.0),
+        nn.Linear(4 * 16 * 16, 5),
+    )
+
+
+def stock_types(model: nn.Module) -> list[type]:
+    return [type(m) for m in model.modules()]
+
+
+def test_convert_swaps_exact_types_only() -> None:
+    """Registered exact types become drop-ins; subclasses and unsupported layers stay."""
+    stock = small_cnn()
+    converted = convert(stock)
+    for before, after in zip(stock.modules(), converted.modules(), strict=True):
+        expected = DROP_INS.get(type(before), type(before))
+        assert type(after) is expected
+        assert issubclass(type(after), type(before))
+    assert type(converted[4]) is OwnForwardConv
+    assert type(converted[5]) is PlainSubclassConv
+    assert type(converted[-1]) is nn.Linear
+
+
+def test_copy_by_default_shares_nothing() -> None:
+    """``inplace=False`` leaves the model alone and copies parameters and buffers."""
+    stock = small_cnn()
+    types_before = stock_types(stock)
+    converted = convert(stock)
+    assert converted is not stock
+    assert stock_types(stock) == types_before
+    stock_tensors = {t.data_ptr() for t in (*stock.parameters(), *stock.buffers())}
+    for tensor in (*converted.parameters(), *converted.buffers()):
+        assert tensor.data_ptr() not in stock_tensors
+
+
+def test_inplace_shares_everything() -> None:
+    """``inplace=True`` returns the same model with the very same parameters and buffers."""
+    stock = small_cnn()
+    params, buffers = list(stock.parameters()), list(stock.buffers())
+    converted = convert(stock, inplace=True)
+    assert converted is stock
+    assert all(a is b for a, b in zip(converted.parameters(), params, strict=True))
+    assert all(a is b for a, b in zip(converted.buffers(), buffers, strict=True))
+    assert type(stock[0]) is DROP_INS[nn.Conv2d]
+
+
+def test_same_outputs_and_gradients_as_stock() -> None:
+    """The converted CNN computes stock's outputs and gradients, bitwise."""
+    stock = small_cnn()
+    converted = convert(stock)
+    x = torch.randn(2, 3, 8, 8)
+    results = []
+    for model in (stock, converted):
+        model.zero_grad()
+        xi = x.clone().requires_grad_()
+        out = model(xi)
+        out.square().sum().backward()
+        grads = [xi.grad, *(p.grad for p in model.parameters())]
+        results.append((out, grads))
+    torch.testing.assert_close(results[1][0], results[0][0], atol=0, rtol=0)
+    for mine, ref in zip(results[1][1], results[0][1], strict=True):
+        torch.testing.assert_close(mine, ref, atol=0, rtol=0)
+
+
+def test_state_dict_round_trips() -> None:
+    """Identical state_dict keys; each model loads the other's checkpoint (strict)."""
+    stock = small_cnn()
+    converted = convert(stock)
+    assert list(converted.state_dict()) == list(stock.state_dict())
+    other = small_cnn()
+    with torch.no_grad():
+        for p in other.parameters():
+            p.add_(1.0)
+    converted.load_state_dict(other.state_dict())
+    stock.load_state_dict(convert(other).state_dict())
+    for name, tensor in other.state_dict().items():
+        torch.testing.assert_close(converted.state_dict()[name], tensor, atol=0, rtol=0)
+        torch.testing.assert_close(stock.state_dict()[name], tensor, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("inplace", [False, True], ids=["copy", "inplace"])
+def test_hooks_survive(inplace: bool) -> None:
+    """Forward hooks registered before conversion still fire on the drop-in."""
+    stock = small_cnn()
+    calls: list[str] = []
+    stock[0].register_forward_hook(lambda m, a, o: calls.append(type(m).__name__))
+    converted = convert(stock, inplace=inplace)
+    converted(torch.randn(1, 3, 8, 8))
+    assert calls == ["MemSaveConv2d"]
+
+
+def test_root_module_converts_and_reverts() -> None:
+    """A bare layer is converted itself, and reverted back to the stock class."""
+    bn = nn.BatchNorm2d(4)
+    converted = convert(bn)
+    assert type(converted) is MemSaveBatchNorm2d
+    assert type(bn) is nn.BatchNorm2d
+    reverted = revert(converted, inplace=True)
+    assert reverted is converted and type(reverted) is nn.BatchNorm2d
+
+
+@pytest.mark.parametrize("inplace", [False, True], ids=["copy", "inplace"])
+def test_revert_undoes_convert(inplace: bool) -> None:
+    """revert restores every stock type and leaves parameters as they are."""
+    stock = small_cnn()
+    converted = convert(stock)
+    reverted = revert(converted, inplace=inplace)
+    assert (reverted is converted) == inplace
+    assert stock_types(reverted) == stock_types(stock)
+    assert converted_counts(reverted) == {}
+    for a, b in zip(reverted.state_dict().values(), stock.state_dict().values(), strict=True):
+        torch.testing.assert_close(a, b, atol=0, rtol=0)
+
+
+def test_converted_counts_per_stock_type() -> None:
+    """Counts are per stock type name, and only of modules that were converted."""
+    counts = converted_counts(convert(small_cnn()))
+    assert counts == {
+        "Conv2d": 2,
+        "BatchNorm2d": 1,
+        "ReLU": 1,
+        "LeakyReLU": 1,
+        "ReLU6": 1,
+        "Hardtanh": 1,
+        "Dropout2d": 1,
+        "ConvTranspose2d": 1,
+        "Dropout": 1,
+    }
+    assert converted_counts(small_cnn()) == {}
+
+
+@pytest.mark.parametrize(
+    "include, expected",
+    [
+        ("conv", {"Conv2d": 2, "ConvTranspose2d": 1}),
+        (nn.Conv2d, {"Conv2d": 2}),
+        ("Conv2d", {"Conv2d": 2}),
+        ("batchnorm2d", {"BatchNorm2d": 1}),
+        (["ReLU", nn.Dropout], {"ReLU": 1, "Dropout": 1}),
+        (("activation",), {"ReLU": 1, "LeakyReLU": 1, "ReLU6": 1, "Hardtanh": 1}),
+        ([], {}),
+    ],
+    ids=["family", "class", "name", "name-any-case", "mixed", "activation-family", "nothing"],
+)
+def test_include_restricts(include: object, expected: dict[str, int]) -> None:
+    """``include`` selects by class, class name or family."""
+    assert converted_counts(convert(small_cnn(), include=include)) == expected
+
+
+@pytest.mark.parametrize("include", ["conv2", nn.Linear, OwnForwardConv, ["ReLU", "GELU"]])
+def test_include_unknown_raises(include: object) -> None:
+    """Unknown names and classes without a drop-in raise a MemsaveError that lists the options."""
+    with pytest.raises(UnknownLayerError, match="Conv2d") as error:
+        convert(small_cnn(), include=include)
+    assert isinstance(error.value, MemsaveError) and isinstance(error.value, ValueError)
+
+
+def test_families_cover_the_registry() -> None:
+    """Every registered stock class belongs to exactly one family, and the family selects it."""
+    families = layer_families()
+    names = [name for members in families.values() for name in members]
+    assert sorted(names) == sorted(stock.__name__ for stock in DROP_INS)
+    for family, members in families.items():
+        assert sorted(s.__name__ for s in select_drop_ins(family)) == sorted(members)
+
+
+def transformer(activation: str = "relu") -> nn.Module:
+    """Two encoder layers and a decoder layer; dropout 0 so stock and memsave draw nothing."""
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, activation=activation)
+    encoder = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+    decoder = nn.TransformerDecoderLayer(16, 2, 32, dropout=0.0, activation=activation)
+    return nn.ModuleDict({"encoder": encoder, "decoder": decoder})
+
+
+def run_transformer(model: nn.Module, src: Tensor, tgt: Tensor) -> list[Tensor]:
+    """Output and gradients (inputs and parameters) of encoder then decoder."""
+    model.zero_grad()
+    src, tgt = src.clone().requires_grad_(), tgt.clone().requires_grad_()
+    out = model["decoder"](tgt, model["encoder"](src))
+    out.square().sum().backward()
+    return [out, src.grad, tgt.grad, *(p.grad for p in model.parameters())]
+
+
+def test_transformer_functional_relu_converted() -> None:
+    """F.relu in Transformer layers becomes memsave_relu, exactly, and revert restores it."""
+    stock = transformer()
+    converted = convert(stock)
+    layers = [*converted["encoder"].layers, converted["decoder"]]
+    assert all(layer.activation is memsave_relu for layer in layers)
+    assert converted["encoder"].layers[0].activation_relu_or_gelu == 1
+    assert converted_counts(converted)["F.relu"] == 3
+    src, tgt = torch.randn(5, 2, 16), torch.randn(4, 2, 16)
+    for mine, ref in zip(
+        run_transformer(converted, src, tgt), run_transformer(stock, src, tgt), strict=True
+    ):
+        torch.testing.assert_close(mine, ref, atol=0, rtol=0)
+    reverted = revert(converted)
+    assert all(layer.activation is F.relu for layer in [*reverted["encoder"].layers])
+    assert "F.relu" not in converted_counts(reverted)
+
+
+def test_transformer_other_activation_untouched() -> None:
+    """A GELU Transformer layer, or a ReLU not included, keeps its activation."""
+    assert convert(transformer("gelu"))["decoder"].activation is F.gelu
+    assert convert(transformer(), include="conv")["decoder"].activation is F.relu
+
+
+def test_converted_model_pickles() -> None:
+    """A converted model survives torch.save/torch.load and deepcopy as a whole."""
+    converted = convert(nn.Sequential(small_cnn(), transformer()["decoder"]))
+    buffer = io.BytesIO()
+    torch.save(converted, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    assert stock_types(loaded) == stock_types(converted) == stock_types(copy.deepcopy(converted))
+    assert loaded[1].activation is memsave_relu
