@@ -1,0 +1,273 @@
+"""Dropout layers that save an 8-byte seed instead of a mask, and regenerate the mask in backward.
+
+NOTE [regenerated dropout masks]: stock dropout saves its noise tensor (``bernoulli(1 - p) /
+(1 - p)``, as large as the input, in the input's dtype). Here forward draws one int64 seed from
+the global CPU generator (so runs seeded with ``torch.manual_seed`` stay reproducible and
+consecutive calls differ), and ``memsave::dropout_noise`` turns that seed into the noise with a
+private ``torch.Generator`` on the input's device. The noise is a pure function of (seed, p,
+shape, device, dtype): its random bits are always drawn into a fresh contiguous buffer, so the
+memory layout of the tensor it multiplies cannot change it, and backward regenerates exactly the
+noise forward used.
+
+The noise holds exactly stock's values: 0 for a dropped element and ``scale = 1 / (1 - p)`` as
+stock's ``div_`` rounds it in that dtype for a kept one, so ``input * noise`` and
+``grad * noise`` are bitwise what stock computes for the same mask. An element is kept when its
+32 random bits, read as a signed integer, fall below ``-2**31 + round((1 - p) * 2**32)``: the keep
+probability matches ``1 - p`` to 2**-32 (stock's CPU bernoulli compares a 24-bit float uniform).
+Drawing 64 random bits per two elements is also several times cheaper on CPU than stock's
+per-element float ``bernoulli_``, which keeps regeneration in backward affordable.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor, nn
+
+from memsave_cli.layers._backward import forbid_double_backward
+from memsave_cli.layers.registry import drop_in
+
+#: Seeds are drawn uniformly from [0, 2**62): any of them is a valid ``manual_seed`` argument.
+_SEED_BOUND = 2**62
+
+#: Integer dtype with the itemsize of each real floating dtype, to build the noise from its bits.
+_SAME_SIZE_INT = {
+    torch.float16: torch.int16,
+    torch.bfloat16: torch.int16,
+    torch.float32: torch.int32,
+    torch.float64: torch.int64,
+}
+
+
+def _scale(dtype: torch.dtype, device: torch.device, p: float) -> Tensor:
+    """``1 / (1 - p)`` as a 0-dim tensor, rounded exactly as stock's ``noise.div_(1 - p)``."""
+    return torch.ones((), dtype=dtype, device=device).div_(1.0 - p)
+
+
+def _keep_threshold(p: float) -> int:
+    """Signed 32-bit threshold below which a uniformly random int32 keeps its element."""
+    keep_count = min(round((1.0 - p) * 2**32), 2**32 - 1)
+    return -(2**31) + keep_count
+
+
+def _random_int32(n: int, generator: torch.Generator, device: torch.device) -> Tensor:
+    """``n`` uniformly random int32 values (a contiguous view into ``ceil(n / 2)`` int64 words)."""
+    words = torch.empty((n + 1) // 2, dtype=torch.int64, device=device)
+    words.random_(-(2**63), None, generator=generator)
+    return words.view(torch.int32)[:n]
+
+
+@torch.library.custom_op("memsave::dropout_noise", mutates_args=())
+def dropout_noise(like: Tensor, seed: Tensor, p: float, shape: Sequence[int]) -> Tensor:
+    """Stock-valued dropout noise of ``shape``: 0 with probability ``p``, else ``1 / (1 - p)``.
+
+    Deterministic given ``seed`` (a 0-dim int64 tensor); ``like`` supplies dtype and device.
+    """
+    generator = torch.Generator(device=like.device)
+    generator.manual_seed(int(seed.item()))
+    # The random bits are the only input-sized allocation; the noise is built in place in them.
+    keep = _random_int32(math.prod(shape), generator, like.device).view(tuple(shape))
+    keep.lt_(_keep_threshold(p))
+    scale = _scale(like.dtype, like.device, p)
+    int_type = _SAME_SIZE_INT.get(like.dtype)
+    if int_type is None:
+        return keep.to(like.dtype).mul_(scale)
+    # 0 or 1 times the bit pattern of ``scale`` is the bit pattern of 0.0 or of ``scale``.
+    return keep.to(int_type).mul_(scale.view(int_type)).view(like.dtype)
+
+
+@dropout_noise.register_fake
+def _dropout_noise_fake(like: Tensor, seed: Tensor, p: float, shape: Sequence[int]) -> Tensor:
+    return like.new_empty(tuple(shape))
+
+
+def draw_seed() -> Tensor:
+    """A fresh 0-dim int64 seed from the global CPU generator (advances it, like stock dropout)."""
+    return torch.randint(_SEED_BOUND, (), dtype=torch.int64)
+
+
+def _noise_shape(input: Tensor, feature: bool) -> list[int]:
+    """Shape of the noise: the input's for element dropout, ``(N, C, 1, ...)`` for feature."""
+    if not feature:
+        return list(input.shape)
+    return [input.shape[0], input.shape[1]] + [1] * (input.dim() - 2)
+
+
+class SeededDropout(torch.autograd.Function):
+    """``input * noise`` whose backward regenerates ``noise`` from the saved seed."""
+
+    @staticmethod
+    def forward(
+        input: Tensor, seed: Tensor, p: float, noise_shape: list[int], inplace: bool
+    ) -> Tensor:
+        noise = dropout_noise(input, seed, p, noise_shape)
+        return input.mul_(noise) if inplace else torch.mul(input, noise)
+
+    @staticmethod
+    def setup_context(ctx, inputs: tuple, output: Tensor) -> None:
+        input, seed, p, noise_shape, inplace = inputs
+        if inplace:
+            ctx.mark_dirty(input)
+        ctx.p = p
+        ctx.noise_shape = noise_shape
+        if ctx.needs_input_grad[0]:
+            # The seed (8 bytes) is all backward needs: the noise is regenerated from it.
+            ctx.save_for_backward(seed)
+
+    @staticmethod
+    def backward(ctx, grad_output: Tensor) -> tuple[Tensor | None, None, None, None, None]:
+        forbid_double_backward("MemSaveDropout")
+        if not ctx.needs_input_grad[0]:
+            return None, None, None, None, None
+        (seed,) = ctx.saved_tensors
+        # Deliberate transient: the regenerated noise (input-sized for element dropout).
+        noise = dropout_noise(grad_output, seed, ctx.p, ctx.noise_shape)
+        if noise.shape == grad_output.shape and grad_output.is_contiguous():
+            # Element dropout: the fresh noise buffer becomes the gradient, nothing else is allocated.
+            return noise.mul_(grad_output), None, None, None, None
+        return torch.mul(grad_output, noise), None, None, None, None
+
+
+def seeded_dropout(
+    input: Tensor, seed: Tensor, p: float, *, feature: bool = False, inplace: bool = False
+) -> Tensor:
+    """Dropout with probability ``p`` whose noise is a pure function of ``seed``.
+
+    ``feature=True`` drops whole channels (noise of shape ``(N, C, 1, ...)``) like stock
+    ``feature_dropout``; ``p`` must lie in (0, 1) (stock special-cases 0 and 1, see
+    :func:`dropout`).
+    """
+    if not 0.0 < p < 1.0:
+        raise ValueError(f"seeded_dropout needs 0 < p < 1, got {p}")
+    if feature and input.dim() < 2:
+        raise RuntimeError("Feature dropout requires at least 2 dimensions in the input")
+    return SeededDropout.apply(input, seed, p, _noise_shape(input, feature), inplace)
+
+
+def _needs_memsave(input: Tensor, p: float, training: bool) -> bool:
+    """Whether the seeded path is needed: otherwise stock saves nothing of input size."""
+    return (
+        training
+        and 0.0 < p < 1.0
+        and input.numel() > 0
+        and input.requires_grad
+        and torch.is_grad_enabled()
+    )
+
+
+def _check_p(p: float) -> None:
+    if p < 0.0 or p > 1.0:
+        raise ValueError(f"dropout probability has to be between 0 and 1, but got {p}")
+
+
+def dropout(input: Tensor, p: float = 0.5, training: bool = True, inplace: bool = False) -> Tensor:
+    """Drop-in for ``F.dropout`` that saves a seed instead of its noise when a gradient is needed."""
+    _check_p(p)
+    if not _needs_memsave(input, p, training):
+        return nn.functional.dropout(input, p, training, inplace)
+    return seeded_dropout(input, draw_seed(), p, inplace=inplace)
+
+
+def _feature_dropout(input: Tensor, p: float, training: bool, inplace: bool) -> Tensor:
+    """Channel-wise dropout of an input with batch and channel dimensions (``feature_dropout``)."""
+    if not _needs_memsave(input, p, training):
+        if inplace:
+            return torch.feature_dropout_(input, p, training)
+        return torch.feature_dropout(input, p, training)
+    return seeded_dropout(input, draw_seed(), p, feature=True, inplace=inplace)
+
+
+def _unbatched_feature_dropout(input: Tensor, p: float, training: bool, inplace: bool) -> Tensor:
+    """Feature dropout of an input without batch dimension: add one, drop, remove it."""
+    batched = input.unsqueeze_(0) if inplace else input.unsqueeze(0)
+    result = _feature_dropout(batched, p, training, inplace)
+    return result.squeeze_(0) if inplace else result.squeeze(0)
+
+
+def dropout1d(
+    input: Tensor, p: float = 0.5, training: bool = True, inplace: bool = False
+) -> Tensor:
+    """Drop-in for ``F.dropout1d``: inputs ``(N, C, L)`` or unbatched ``(C, L)``."""
+    _check_p(p)
+    if input.dim() not in (2, 3):
+        raise RuntimeError(
+            f"dropout1d: Expected 2D or 3D input, but received a {input.dim()}D input. Note that "
+            "dropout1d exists to provide channel-wise dropout on inputs with 1 spatial "
+            "dimension, a channel dimension, and an optional batch dimension (i.e. 2D or 3D "
+            "inputs)."
+        )
+    if input.dim() == 2:
+        return _unbatched_feature_dropout(input, p, training, inplace)
+    return _feature_dropout(input, p, training, inplace)
+
+
+def dropout2d(
+    input: Tensor, p: float = 0.5, training: bool = True, inplace: bool = False
+) -> Tensor:
+    """Drop-in for ``F.dropout2d``: like stock, a 3D input is treated as batched ``(N, C, L)``."""
+    _check_p(p)
+    if input.dim() not in (3, 4):
+        warnings.warn(
+            f"dropout2d: Received a {input.dim()}-D input to dropout2d, which is deprecated "
+            "(see torch.nn.functional.dropout2d).",
+            stacklevel=2,
+        )
+    if input.dim() == 3:
+        warnings.warn(
+            "dropout2d: Received a 3D input to dropout2d and assuming that channel-wise 1D "
+            "dropout behavior is desired - input is interpreted as shape (N, C, L) "
+            "(see torch.nn.functional.dropout2d).",
+            stacklevel=2,
+        )
+    return _feature_dropout(input, p, training, inplace)
+
+
+def dropout3d(
+    input: Tensor, p: float = 0.5, training: bool = True, inplace: bool = False
+) -> Tensor:
+    """Drop-in for ``F.dropout3d``: inputs ``(N, C, D, H, W)``; other ranks are unbatched."""
+    _check_p(p)
+    if input.dim() not in (4, 5):
+        warnings.warn(
+            f"dropout3d: Received a {input.dim()}-D input to dropout3d, which is deprecated "
+            "(see torch.nn.functional.dropout3d).",
+            stacklevel=2,
+        )
+    if input.dim() != 5:
+        return _unbatched_feature_dropout(input, p, training, inplace)
+    return _feature_dropout(input, p, training, inplace)
+
+
+@drop_in(nn.Dropout)
+class MemSaveDropout(nn.Dropout):
+    """``nn.Dropout`` that saves an 8-byte seed instead of an input-sized noise tensor."""
+
+    def forward(self, input: Tensor) -> Tensor:
+        return dropout(input, self.p, self.training, self.inplace)
+
+
+@drop_in(nn.Dropout1d)
+class MemSaveDropout1d(nn.Dropout1d):
+    """``nn.Dropout1d`` that saves an 8-byte seed instead of a per-channel noise tensor."""
+
+    def forward(self, input: Tensor) -> Tensor:
+        return dropout1d(input, self.p, self.training, self.inplace)
+
+
+@drop_in(nn.Dropout2d)
+class MemSaveDropout2d(nn.Dropout2d):
+    """``nn.Dropout2d`` that saves an 8-byte seed instead of a per-channel noise tensor."""
+
+    def forward(self, input: Tensor) -> Tensor:
+        return dropout2d(input, self.p, self.training, self.inplace)
+
+
+@drop_in(nn.Dropout3d)
+class MemSaveDropout3d(nn.Dropout3d):
+    """``nn.Dropout3d`` that saves an 8-byte seed instead of a per-channel noise tensor."""
+
+    def forward(self, input: Tensor) -> Tensor:
+        return dropout3d(input, self.p, self.training, self.inplace)

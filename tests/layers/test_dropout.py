@@ -1,0 +1,270 @@
+"""Memsave dropout: stock numerics for the mask it drew, seed-only memory, stock RNG semantics."""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import pytest
+import torch
+from torch import Tensor, nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.testing import assert_close
+
+from memsave_cli.layers.dropout import (
+    MemSaveDropout,
+    MemSaveDropout1d,
+    MemSaveDropout2d,
+    MemSaveDropout3d,
+    dropout_noise,
+    seeded_dropout,
+)
+from memsave_cli.layers.registry import DROP_INS
+from memsave_cli.saved import SavedTensorRecorder
+
+#: (memsave class, stock class, input shape, dims sharing one mask value) per case.
+CASES = {
+    "Dropout": (MemSaveDropout, nn.Dropout, (4, 6, 5, 7), ()),
+    "Dropout-1d-input": (MemSaveDropout, nn.Dropout, (37,), ()),
+    "Dropout1d": (MemSaveDropout1d, nn.Dropout1d, (4, 6, 9), (2,)),
+    "Dropout1d-unbatched": (MemSaveDropout1d, nn.Dropout1d, (6, 9), (1,)),
+    "Dropout2d": (MemSaveDropout2d, nn.Dropout2d, (4, 6, 5, 7), (2, 3)),
+    "Dropout3d": (MemSaveDropout3d, nn.Dropout3d, (3, 5, 4, 3, 6), (2, 3, 4)),
+    "Dropout3d-unbatched": (MemSaveDropout3d, nn.Dropout3d, (5, 4, 3, 6), (1, 2, 3)),
+}
+PS = [0.0, 0.3, 0.5, 0.9, 1.0]
+DTYPES = {
+    "float64": torch.float64,
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+
+
+def _positive(shape: tuple[int, ...], dtype: torch.dtype = torch.float32) -> Tensor:
+    """An input without zeros, so that the forward output reveals the mask."""
+    return (torch.rand(shape) + 0.5).to(dtype)
+
+
+def _noise_from_output(output: Tensor, p: float) -> Tensor:
+    """Stock's noise for the mask visible in ``output``: ``mask / (1 - p)`` in output's dtype."""
+    if p == 1.0:
+        return torch.zeros_like(output)
+    return output.ne(0).to(output.dtype).div_(1.0 - p)
+
+
+def _run(module: nn.Module, x: Tensor, grad: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """Forward and backward of ``module`` on a fresh leaf copy of ``x``: (output, input grad)."""
+    leaf = x.detach().clone().requires_grad_()
+    output = module(leaf)
+    output.backward(torch.randn_like(output) if grad is None else grad)
+    return output, leaf.grad
+
+
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+@pytest.mark.parametrize("p", PS, ids=[f"p={p}" for p in PS])
+@pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
+def test_gradient_is_grad_times_mask_over_keep(case: tuple, p: float, dtype: torch.dtype) -> None:
+    memsave_cls, _, shape, shared_dims = case
+    x = _positive(shape, dtype)
+    leaf = x.clone().requires_grad_()
+    output = memsave_cls(p)(leaf)
+    grad = torch.randn_like(output)
+    output.backward(grad)
+    noise = _noise_from_output(output, p)
+    assert_close(output, x * noise, atol=0, rtol=0)
+    assert_close(leaf.grad, grad * noise, atol=0, rtol=0)
+    if shared_dims:
+        assert_close(noise, noise.amax(dim=shared_dims, keepdim=True).expand_as(noise))
+
+
+@pytest.mark.parametrize("p", [0.2, 0.7], ids=["p=0.2", "p=0.7"])
+@pytest.mark.parametrize("memsave_cls", [MemSaveDropout, MemSaveDropout2d], ids=["elem", "feat"])
+def test_channels_last_keeps_layout_and_mask(memsave_cls: type, p: float) -> None:
+    x = _positive((3, 5, 6, 4)).to(memory_format=torch.channels_last)
+    grad = torch.randn(3, 5, 6, 4)  # contiguous: backward must regenerate the same mask anyway
+    output, input_grad = _run(memsave_cls(p), x, grad)
+    assert output.is_contiguous(memory_format=torch.channels_last)
+    noise = _noise_from_output(output, p)
+    assert_close(output, x * noise, atol=0, rtol=0)
+    assert_close(input_grad, grad * noise, atol=0, rtol=0)
+
+
+def test_expanded_grad_output() -> None:
+    x = _positive((7, 9)).requires_grad_()
+    output = MemSaveDropout(0.4)(x)
+    output.sum().backward()
+    assert_close(x.grad, _noise_from_output(output, 0.4), atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("p", [0.1, 0.3, 0.5, 0.9], ids=lambda p: f"p={p}")
+@pytest.mark.parametrize(
+    "memsave_cls,shape",
+    [(MemSaveDropout, (1000, 1000)), (MemSaveDropout2d, (200, 200, 2, 2))],
+    ids=["elem", "feat"],
+)
+def test_drop_fraction_matches_p(memsave_cls: type, shape: tuple[int, ...], p: float) -> None:
+    torch.manual_seed(0)
+    output = memsave_cls(p)(torch.ones(shape, requires_grad=True))
+    draws = math.prod(shape[:2]) if memsave_cls is MemSaveDropout2d else math.prod(shape)
+    dropped = output.eq(0).double().mean().item()
+    assert abs(dropped - p) < 5 * math.sqrt(p * (1 - p) / draws), dropped
+
+
+def test_reproducible_under_manual_seed_and_advances_global_rng() -> None:
+    x = _positive((64, 33))
+    torch.manual_seed(123)
+    first = _run(MemSaveDropout(0.5), x, torch.ones(64, 33))
+    after_first = torch.rand(4)
+    torch.manual_seed(123)
+    second = _run(MemSaveDropout(0.5), x, torch.ones(64, 33))
+    assert_close(first, second, atol=0, rtol=0)
+    torch.manual_seed(123)
+    assert not torch.equal(torch.rand(4), after_first), "dropout must draw from the global RNG"
+
+
+def test_consecutive_calls_are_independent() -> None:
+    torch.manual_seed(0)
+    module, x = MemSaveDropout(0.5), torch.ones(200_000, requires_grad=True)
+    first, second = module(x).ne(0), module(x).ne(0)
+    agreement = first.eq(second).double().mean().item()
+    assert abs(agreement - 0.5) < 5 * math.sqrt(0.25 / x.numel())
+
+
+def test_noise_depends_on_seed_only_not_dtype() -> None:
+    like32, like16 = torch.empty(3), torch.empty(3, dtype=torch.bfloat16)
+    seed = torch.tensor(2024)
+    a = dropout_noise(like32, seed, 0.5, [40, 50])
+    b = dropout_noise(like16, seed, 0.5, [40, 50])
+    assert_close(a.ne(0), b.ne(0), atol=0, rtol=0)
+    assert not torch.equal(a, dropout_noise(like32, torch.tensor(2025), 0.5, [40, 50]))
+
+
+@pytest.mark.parametrize("feature", [False, True], ids=["elem", "feat"])
+def test_gradcheck(feature: bool) -> None:
+    x = torch.randn(3, 4, 5, dtype=torch.float64, requires_grad=True)
+    seed = torch.tensor(7)
+    assert torch.autograd.gradcheck(lambda t: seeded_dropout(t, seed, 0.4, feature=feature), (x,))
+
+
+@pytest.mark.parametrize("memsave_cls", [MemSaveDropout, MemSaveDropout2d], ids=["elem", "feat"])
+def test_inplace_modifies_input_and_gives_stock_gradient(memsave_cls: type) -> None:
+    base = _positive((4, 6, 5, 5)).requires_grad_()
+    x = base * 1.0
+    output = memsave_cls(0.4, inplace=True)(x)
+    assert output is x
+    grad = torch.randn_like(output)
+    output.backward(grad)
+    assert_close(base.grad, grad * _noise_from_output(output, 0.4), atol=0, rtol=0)
+
+
+def test_inplace_unbatched_restores_shape() -> None:
+    base = _positive((6, 9)).requires_grad_()
+    x = base * 1.0
+    output = MemSaveDropout1d(0.5, inplace=True)(x)
+    assert output is x and x.shape == (6, 9)
+    output.sum().backward()
+    assert_close(base.grad, _noise_from_output(output, 0.5), atol=0, rtol=0)
+
+
+def test_inplace_on_leaf_raises_like_stock() -> None:
+    with pytest.raises(RuntimeError, match="leaf Variable"):
+        MemSaveDropout(0.5, inplace=True)(torch.ones(3, requires_grad=True))
+
+
+@pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
+def test_saves_only_a_seed(case: tuple) -> None:
+    memsave_cls, stock_cls, shape, _ = case
+    x = torch.randn(shape, requires_grad=True)
+    with SavedTensorRecorder() as stock:
+        stock_cls(0.5)(x)
+    with SavedTensorRecorder() as memsave:
+        memsave_cls(0.5)(x)
+    assert memsave.total_bytes == 8 < stock.total_bytes
+    if memsave_cls is MemSaveDropout:
+        assert stock.total_bytes == x.numel() * x.element_size()
+
+
+@pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
+def test_eval_and_no_grad_are_stock(case: tuple) -> None:
+    memsave_cls, stock_cls, shape, _ = case
+    x = torch.randn(shape, requires_grad=True)
+    memsave, stock = memsave_cls(0.5).eval(), stock_cls(0.5).eval()
+    with SavedTensorRecorder() as recorder:
+        assert_close(memsave(x), stock(x), atol=0, rtol=0)
+    assert recorder.total_bytes == 0
+    memsave.train()
+    with torch.no_grad(), SavedTensorRecorder() as recorder:
+        output = memsave(x)
+    with torch.inference_mode():
+        memsave(torch.randn(shape))
+    assert recorder.total_bytes == 0 and not output.requires_grad
+
+
+def test_unbatched_and_deprecated_shapes_follow_stock() -> None:
+    with pytest.warns(UserWarning, match="3D input to dropout2d"):
+        output = MemSaveDropout2d(0.5)(_positive((8, 6, 40)).requires_grad_())
+    noise = _noise_from_output(output, 0.5)
+    assert_close(noise, noise[:, :, :1].expand_as(noise))  # channel-wise over (N, C, L)
+    with pytest.raises(RuntimeError, match="Expected 2D or 3D input"):
+        MemSaveDropout1d(0.5)(torch.ones(2, 3, 4, 5, requires_grad=True))
+    with pytest.raises(RuntimeError, match="at least 2 dimensions"), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        MemSaveDropout2d(0.5)(torch.ones(5, requires_grad=True))
+    with pytest.raises(ValueError, match="between 0 and 1"):
+        MemSaveDropout(1.5)
+
+
+@pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
+def test_meta_and_fake_tensors(case: tuple) -> None:
+    memsave_cls, _, shape, _ = case
+    x = torch.randn(shape, device="meta", requires_grad=True)
+    output = memsave_cls(0.5)(x)
+    output.sum().backward()
+    assert output.shape == shape and x.grad.shape == shape and x.grad.device.type == "meta"
+    with FakeTensorMode():
+        x = torch.randn(shape, requires_grad=True)
+        output = memsave_cls(0.5)(x)
+        output.sum().backward()
+        assert x.grad.shape == shape
+
+
+def test_autocast_bfloat16_matches_stock() -> None:
+    linear = nn.Linear(16, 16)
+    x = torch.randn(8, 16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        hidden = linear(x)
+        output = MemSaveDropout(0.3)(hidden)
+        stock = nn.Dropout(0.3)(linear(x))
+    assert output.dtype == stock.dtype == hidden.dtype == torch.bfloat16
+    grad = torch.randn_like(output)
+    (hidden_grad,) = torch.autograd.grad(output, hidden, grad)
+    noise = _noise_from_output(output, 0.3)
+    assert_close(output, hidden * noise, atol=0, rtol=0)
+    assert_close(hidden_grad, grad * noise, atol=0, rtol=0)
+
+
+def test_double_backward_raises_naming_the_layer() -> None:
+    x = torch.randn(5, requires_grad=True)
+    with pytest.raises(RuntimeError, match="MemSaveDropout does not support double backward"):
+        torch.autograd.grad(MemSaveDropout(0.5)(x).sum(), x, create_graph=True)
+
+
+def test_drop_ins_are_registered_and_stock_shaped() -> None:
+    for memsave_cls, stock_cls, *_ in CASES.values():
+        assert DROP_INS[stock_cls] is memsave_cls
+        memsave, stock = memsave_cls(0.25, inplace=True), stock_cls(0.25, inplace=True)
+        assert memsave.extra_repr() == stock.extra_repr() and memsave.state_dict() == {}
+
+
+def test_compile_gradient_matches_its_mask() -> None:
+    torch.manual_seed(0)
+    compiled = torch.compile(MemSaveDropout(0.4), fullgraph=True)
+    x = _positive((10, 12)).requires_grad_()
+    output = compiled(x)
+    grad = torch.randn_like(output)
+    output.backward(grad)
+    noise = _noise_from_output(output.detach(), 0.4)
+    assert 0 < noise.count_nonzero() < noise.numel()
+    assert_close(output, x * noise, atol=0, rtol=0)
+    assert_close(x.grad, grad * noise, atol=0, rtol=0)
