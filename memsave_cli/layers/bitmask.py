@@ -1,0 +1,139 @@
+"""1-bit packing of boolean masks: eight elements per byte, in the memory order of the mask.
+
+NOTE [bit packing with plain torch operations]: packing reinterprets eight bool bytes (each 0 or 1)
+as one int64 word and multiplies it by ``_GATHER``, which carries byte ``i`` (bit ``8 * i``) to bit
+``56 + i``; no two partial products share a bit, so the top byte of the product is the packed byte
+(bit ``i`` = element ``8 * k + i``). Unpacking looks every packed byte up in a 256 x 8 table. Both
+are ordinary tensor operations, so they run on every device, on ``meta``, under ``FakeTensorMode``
+and inside ``torch.compile(fullgraph=True)``, where inductor fuses them with the comparison that
+produced the mask. The int64 product overflows by design; every backend wraps two's-complement.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+#: Multiplier moving bool byte ``i`` of an int64 word to bit ``56 + i`` (see the NOTE above).
+_GATHER = 0x0102040810204080
+#: Index of the most significant byte of an int64 word in memory.
+_TOP_BYTE = 7 if sys.byteorder == "little" else 0
+
+
+@dataclass(frozen=True)
+class BitLayout:
+    """Which element each packed bit belongs to: the mask's shape and its dims in memory order.
+
+    ``order`` lists the dimensions from outermost to innermost, so that bits follow the memory
+    layout of the tensor the mask describes (channels_last inputs pack without a copy).
+    """
+
+    shape: tuple[int, ...]
+    order: tuple[int, ...]
+
+    @property
+    def numel(self) -> int:
+        """Number of mask elements (packed bits that carry information)."""
+        count = 1
+        for size in self.shape:
+            count *= size
+        return count
+
+
+def layout_of(tensor: Tensor) -> BitLayout:
+    """The layout whose bit order follows ``tensor``'s memory order (largest stride first)."""
+    strides = tensor.stride()
+    order = sorted(range(tensor.dim()), key=lambda dim: strides[dim], reverse=True)
+    return BitLayout(tuple(tensor.shape), tuple(order))
+
+
+def packed_numel(numel: int) -> int:
+    """Bytes holding ``numel`` packed bits."""
+    return -(-numel // 8)
+
+
+def pack_bits(mask: Tensor, layout: BitLayout | None = None) -> Tensor:
+    """Pack the bool tensor ``mask`` into ``ceil(numel / 8)`` uint8 bytes, bits in ``layout`` order.
+
+    ``layout`` defaults to ``layout_of(mask)``; ``mask`` itself is never modified.
+    """
+    if mask.dtype != torch.bool:
+        raise ValueError(f"pack_bits expects a bool mask, got dtype {mask.dtype}.")
+    layout = layout_of(mask) if layout is None else layout
+    _check_shape(mask, layout.shape)
+    flat = mask.permute(layout.order).contiguous().view(-1)  # no copy when mask follows layout
+    if flat.numel() == 0:
+        return flat.new_empty(0, dtype=torch.uint8)
+    padding = -flat.numel() % 8
+    if padding or _misaligned(flat):
+        # Allocation: a copy of the mask rounded up to whole int64 words (odd sizes, offset views).
+        flat = torch.cat([flat, flat.new_zeros(padding)])
+    words = flat.view(torch.int64)
+    # Allocation: one int64 per packed byte, whose top byte is then copied out compactly.
+    product = words * _GATHER
+    return product.view(torch.uint8)[_TOP_BYTE::8].clone()
+
+
+def unpack_as(
+    bits: Tensor, layout: BitLayout, dtype: torch.dtype, *, invert: bool = False
+) -> Tensor:
+    """Unpack ``bits`` into a tensor of ``layout.shape`` and ``dtype``: 1 where a bit is set, else 0.
+
+    With ``invert`` the values are swapped (0 where set). The result's strides follow
+    ``layout.order``; it is the only tensor of mask size this allocates.
+    """
+    expected = packed_numel(layout.numel)
+    if bits.dtype != torch.uint8 or bits.shape != (expected,):
+        raise ValueError(
+            f"Packed bits mismatch: expected uint8 of shape ({expected},), "
+            f"got {bits.dtype} of shape {tuple(bits.shape)}."
+        )
+    table = _byte_table(bits.device, dtype, invert)
+    # Allocation: the unpacked mask, eight values per packed byte.
+    flat = table.index_select(0, bits.to(torch.int32)).view(-1)[: layout.numel]
+    physical = [layout.shape[dim] for dim in layout.order]
+    return flat.view(physical).permute(_inverse(layout.order))
+
+
+def unpack_bits(bits: Tensor, layout: BitLayout) -> Tensor:
+    """The bool mask that ``pack_bits`` packed into ``bits`` (inverse of ``pack_bits``)."""
+    return unpack_as(bits, layout, torch.bool)
+
+
+def _misaligned(flat: Tensor) -> bool:
+    """Whether ``flat`` starts inside an int64 word of its storage (a sliced view).
+
+    Under ``torch.compile`` the storage offset is not traceable; there the mask is always a fresh
+    intermediate starting its own storage.
+    """
+    return not torch.compiler.is_compiling() and flat.storage_offset() % 8 != 0
+
+
+def _byte_table(device: torch.device, dtype: torch.dtype, invert: bool) -> Tensor:
+    """A 256 x 8 table: row ``b`` holds the eight bits of byte ``b``, lowest bit first."""
+    codes = torch.arange(256, device=device, dtype=torch.int32).unsqueeze(1)
+    shifts = torch.arange(8, device=device, dtype=torch.int32)
+    set_bits = torch.bitwise_right_shift(codes, shifts).bitwise_and_(1)
+    if invert:
+        set_bits = set_bits.bitwise_xor_(1)
+    return set_bits.to(dtype)
+
+
+def _inverse(order: Sequence[int]) -> list[int]:
+    """The permutation undoing ``order``."""
+    inverse = [0] * len(order)
+    for position, dim in enumerate(order):
+        inverse[dim] = position
+    return inverse
+
+
+def _check_shape(mask: Tensor, shape: Sequence[int]) -> None:
+    """Raise when the mask's shape differs from the layout's."""
+    if tuple(mask.shape) != tuple(shape):
+        raise ValueError(
+            f"Shape mismatch: expected mask of shape {tuple(shape)}, got {tuple(mask.shape)}."
+        )
