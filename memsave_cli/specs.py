@@ -117,7 +117,7 @@ def resolve_callable(spec: ModelSpec) -> Callable[..., Any]:
     factory = _lookup(module, spec.attr or "")
     if factory is None:
         close = difflib.get_close_matches(spec.attr or "", dir(module), n=3)
-        hint = f"; did you mean {', '.join(close)}?" if close else ""
+        hint = f"; close matches: {', '.join(close)}" if close else ""
         raise SpecError(f"{spec.text}: '{spec.target}' has no attribute '{spec.attr}'{hint}")
     if not callable(factory):
         raise SpecError(f"{spec.text}: '{spec.attr}' is a {type(factory).__name__}, not a callable")
