@@ -1,0 +1,401 @@
+"""One measurement inside the current process: build, forward, backward, optional optimizer step.
+
+NOTE [what a run measures]: ``param_bytes`` are the model's parameters and buffers;
+``forward_peak_bytes`` is the peak from just before the forward until it returns (parameters,
+buffers, inputs and everything live during the forward: the paper's metric); ``peak_bytes`` goes
+on through the loss, the backward and the optimizer step. With an optimizer, a first step creates
+its states and the measured step is the second, so both peaks include the states as in every
+later step of a training loop. cuda reads the caching allocator's statistics; cpu and meta count
+live storages exactly (``memsave_cli.tracker``), so their numbers agree with each other to the byte.
+Times are medians of ``repeat`` untracked steps taken after the measured one (which warms up).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import statistics
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, replace
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from memsave_cli.cases import Case, apply_case
+from memsave_cli.errors import MemsaveError
+from memsave_cli.inputs import Example, loss_of, make_example
+from memsave_cli.report import LayerSaved, Run, Status
+from memsave_cli.saved import SavedTensorRecorder
+from memsave_cli.specs import ModelSpec, build_model
+from memsave_cli.tracker import MemoryTracker
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+IMPLS = ("stock", "memsave", "memsave-conv")
+OPTIMIZERS = ("sgd", "adam", "adamw")
+DEVICES = ("cuda", "cpu", "meta")
+#: Every error of a model that cannot run on meta starts with this, so callers can fall back.
+NEEDS_REAL_DATA = "needs real data"
+
+
+class NeedsRealDataError(MemsaveError):
+    """The model computes with tensor values (e.g. detection models), which meta tensors lack."""
+
+
+@dataclass(frozen=True)
+class Job:
+    """A picklable description of one measurement: model, case, implementation and settings."""
+
+    spec: ModelSpec
+    case: Case
+    impl: str  # "stock" | "memsave" | "memsave-conv" (the paper's convolutions-only row)
+    device: str  # "cuda" | "cpu" | "meta"
+    dtype: str = "float32"
+    batch_size: int | None = None
+    input_shape: tuple[int, ...] | None = None
+    bn_eval: bool = False
+    optimizer: str | None = None
+    repeat: int = 3
+    per_layer: bool = True
+
+
+@dataclass
+class Prepared:
+    """A model ready to step: converted, cased, with inputs and an optimizer over its trainables."""
+
+    model: nn.Module
+    example: Example
+    optimizer: torch.optim.Optimizer | None
+
+
+def measure(job: Job) -> Run:
+    """Run ``job`` here and return its Run; out-of-memory is a Run with status ``oom``.
+
+    Other errors propagate (the worker turns them into a Run with status ``error``).
+    """
+    check_job(job)
+    try:
+        prepared = prepare(job)
+        if job.device == "cuda":
+            return _measure_cuda(job, prepared)
+        return _measure_tracked(job, prepared)
+    except (torch.OutOfMemoryError, MemoryError) as error:
+        return Run(job.case.label, job.impl, status=Status.OOM, error=one_line(error))
+
+
+def check_job(job: Job) -> None:
+    """Raise MemsaveError for a setting this module does not know."""
+    for value, known, what in (
+        (job.device, DEVICES, "device"),
+        (job.dtype, tuple(DTYPES), "dtype"),
+        (job.impl, IMPLS, "implementation"),
+        (job.optimizer or "sgd", OPTIMIZERS, "optimizer"),
+    ):
+        if value not in known:
+            raise MemsaveError(f"unknown {what} '{value}': expected one of {', '.join(known)}")
+    if job.repeat < 1:
+        raise MemsaveError(f"repeat must be at least 1, got {job.repeat}")
+
+
+def prepare(job: Job) -> Prepared:
+    """Build the model on the job's device in its dtype, convert it, set modes, case and inputs."""
+    device, dtype = torch.device(job.device), DTYPES[job.dtype]
+    with torch.device(device), _default_dtype(dtype):
+        model = build_model(job.spec)
+    model = convert_impl(model.to(dtype=dtype), job.impl)
+    model.train()
+    if job.bn_eval:
+        for module in model.modules():
+            if isinstance(module, nn.modules.batchnorm._BatchNorm):
+                module.eval()
+    apply_case(model, job.case)
+    example = make_example(
+        model,
+        job.spec,
+        batch_size=job.batch_size,
+        input_shape=job.input_shape,
+        dtype=dtype,
+        device=device,
+        input_grad=job.case.input_grad,
+    )
+    if job.case.input_grad:
+        for tensor in example.differentiable:
+            tensor.requires_grad_(True)
+    return Prepared(model, example, make_optimizer(model, job.optimizer))
+
+
+def convert_impl(model: nn.Module, impl: str) -> nn.Module:
+    """``model`` with memsave layers swapped in as ``impl`` asks (``stock`` leaves it alone)."""
+    if impl == "stock":
+        return model
+    from memsave_cli.layers.convert import convert
+
+    include = ("conv",) if impl == "memsave-conv" else None
+    return convert(model, inplace=True, include=include)
+
+
+def make_optimizer(model: nn.Module, name: str | None) -> torch.optim.Optimizer | None:
+    """The named optimizer over the trainable parameters (None without a name or trainables).
+
+    ``foreach=True`` everywhere, as torch defaults to on cuda: its temporaries count in the peak.
+    """
+    params = [p for p in model.parameters() if p.requires_grad]
+    if name is None or not params:
+        return None
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=1e-3, momentum=0.9, foreach=True)
+    factory = torch.optim.Adam if name == "adam" else torch.optim.AdamW
+    return factory(params, lr=1e-3, foreach=True)
+
+
+def train_step(prepared: Prepared, after_forward: Callable[[], None] = lambda: None) -> None:
+    """Forward, loss, backward and optimizer step, as a training loop does them.
+
+    The output is dropped once the loss is computed, so only what autograd saved outlives it.
+    """
+    output = prepared.model(*prepared.example.args, **prepared.example.kwargs)
+    after_forward()
+    loss = loss_of(output)
+    del output
+    if loss.requires_grad:  # the "none" case has nothing to differentiate
+        loss.backward()
+    del loss
+    if prepared.optimizer is not None:
+        prepared.optimizer.step()
+
+
+def clear_grads(prepared: Prepared) -> None:
+    """Free every gradient, so that the next step starts as the first one did."""
+    prepared.model.zero_grad(set_to_none=True)
+    for tensor in prepared.example.differentiable:
+        tensor.grad = None
+
+
+def _measure_tracked(job: Job, prepared: Prepared) -> Run:
+    """cpu and meta: exact tensor accounting for one step, then (cpu) untracked timed steps."""
+    tracker = MemoryTracker(job.device)
+    tracker.track_module(prepared.model)
+    tracker.track(prepared.example.args, prepared.example.kwargs)
+    marks: dict[str, int] = {}
+    with _meta_errors(job), tracker, fused_attention_on_meta():
+        if prepared.optimizer is not None:
+            train_step(prepared)  # creates the optimizer states
+            clear_grads(prepared)
+        tracker.reset_peak()
+        with SavedTensorRecorder(prepared.model) as recorder:
+            train_step(prepared, lambda: marks.setdefault("forward", tracker.peak_bytes))
+    tracker.detach()
+    time_s = None if job.device == "meta" else _median_time(job, prepared, _wall_time)
+    return _run(job, prepared, recorder, marks["forward"], tracker.peak_bytes, time_s)
+
+
+def _measure_cuda(job: Job, prepared: Prepared) -> Run:
+    """cuda: the caching allocator's peak statistics, NVML's process memory, CUDA-event times."""
+    if prepared.optimizer is not None:
+        train_step(prepared)
+        clear_grads(prepared)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    marks: dict[str, int] = {}
+    with SavedTensorRecorder(prepared.model) as recorder:
+        train_step(prepared, lambda: marks.setdefault("forward", torch.cuda.max_memory_allocated()))
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated()
+    device_bytes = nvml_process_bytes()
+    time_s = _median_time(job, prepared, _cuda_time)
+    run = _run(job, prepared, recorder, marks["forward"], peak, time_s)
+    return replace(run, device_bytes=device_bytes)
+
+
+def _median_time(
+    job: Job, prepared: Prepared, timer: Callable[[Callable[[], None]], float]
+) -> float:
+    def step() -> None:
+        clear_grads(prepared)
+        train_step(prepared)
+
+    return statistics.median(timer(step) for _ in range(job.repeat))
+
+
+def _wall_time(step: Callable[[], None]) -> float:
+    start = time.perf_counter()
+    step()
+    return time.perf_counter() - start
+
+
+def _cuda_time(step: Callable[[], None]) -> float:
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    step()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1000.0
+
+
+def _run(
+    job: Job,
+    prepared: Prepared,
+    recorder: SavedTensorRecorder,
+    forward_peak: int,
+    peak: int,
+    time_s: float | None,
+) -> Run:
+    layers = layer_rows(recorder) if job.per_layer else ()
+    return Run(
+        case=job.case.label,
+        impl=job.impl,
+        param_bytes=model_bytes(prepared.model),
+        forward_peak_bytes=forward_peak,
+        peak_bytes=peak,
+        saved_bytes=recorder.activation_bytes,
+        time_s=time_s,
+        layers=layers,
+    )
+
+
+def model_bytes(model: nn.Module) -> int:
+    """Parameters and buffers, each distinct storage once, rounded as the allocator rounds."""
+    return MemoryTracker().track(list(model.parameters()), list(model.buffers()))
+
+
+def layer_rows(recorder: SavedTensorRecorder) -> tuple[LayerSaved, ...]:
+    """Saved bytes per layer: each distinct non-parameter storage once, at the innermost module
+    that saved it first; ``shared`` when another layer saved it too. Rows sum to ``saved_bytes``."""
+    rows: dict[tuple[str, str], list] = {}
+    for record in recorder.records:
+        if record.is_parameter:
+            continue
+        row = rows.setdefault((record.module, record.module_type), [0, False])
+        row[0] += record.nbytes
+        row[1] = row[1] or record.shared
+    return tuple(
+        LayerSaved(name, kind, nbytes, shared) for (name, kind), (nbytes, shared) in rows.items()
+    )
+
+
+def nvml_process_bytes() -> int | None:
+    """This process's device memory as NVML sees it (context included), or None if unavailable."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+    except Exception:
+        return None
+    try:
+        total, found = 0, False
+        for index in range(pynvml.nvmlDeviceGetCount()):
+            handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+            for process in pynvml.nvmlDeviceGetComputeRunningProcesses(handle):
+                if process.pid == os.getpid() and process.usedGpuMemory is not None:
+                    total, found = total + process.usedGpuMemory, True
+        return total if found else None
+    except Exception:
+        return None
+    finally:
+        pynvml.nvmlShutdown()
+
+
+def one_line(error: BaseException) -> str:
+    """``Type: first line of the message`` (just the message for memsave's own errors)."""
+    lines = str(error).strip().splitlines()
+    text = lines[0] if lines else ""
+    if isinstance(error, MemsaveError):
+        return text or type(error).__name__
+    return f"{type(error).__name__}: {text}" if text else type(error).__name__
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    """Build floating parameters directly in ``dtype`` (no float32 detour for large models)."""
+    saved = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(saved)
+
+
+_META_HINTS = ("meta tensor", "no data", "data-dependent", "data dependent")
+
+
+@contextlib.contextmanager
+def _meta_errors(job: Job) -> Iterator[None]:
+    """Turn a meta run's failure to compute with tensor values into NeedsRealDataError."""
+    try:
+        yield
+    except (RuntimeError, NotImplementedError) as error:
+        if job.device != "meta" or not any(h in str(error).lower() for h in _META_HINTS):
+            raise
+        raise NeedsRealDataError(
+            f"{NEEDS_REAL_DATA}: {job.spec.text} computes with tensor values "
+            f"({one_line(error)}), which the meta device does not have; use --device cpu"
+        ) from error
+
+
+# -- attention on meta ---------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def fused_attention_on_meta() -> Iterator[None]:
+    """On meta, run scaled dot-product attention as the fused kernel real devices pick.
+
+    NOTE [attention on meta]: ``F.scaled_dot_product_attention`` chooses its kernel per device; on
+    meta it always takes the math fallback, which saves the (B, H, L, S) attention weights, while
+    cpu and cuda run a fused kernel that saves only its output and a (B, H, L) log-sum-exp. While
+    this context is active, a meta call without dropout (the cpu kernel's own condition) runs the
+    cpu flash kernel's meta implementation instead, so meta counts what cpu counts and close to
+    what cuda holds. The function is replaced on ``torch.nn.functional``, which is where
+    ``nn.MultiheadAttention`` and Hugging Face models look it up.
+    """
+    original = F.scaled_dot_product_attention
+
+    def attention(*args, **kwargs):
+        call = _sdpa_call(*args, **kwargs)
+        return _fused_attention(call) if _fusable_on_meta(call) else original(*args, **kwargs)
+
+    F.scaled_dot_product_attention = attention
+    try:
+        yield
+    finally:
+        F.scaled_dot_product_attention = original
+
+
+def _sdpa_call(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+) -> dict:
+    """The arguments of one ``scaled_dot_product_attention`` call, by name."""
+    return dict(locals())
+
+
+def _fusable_on_meta(call: dict) -> bool:
+    q, k, v = call["query"], call["key"], call["value"]
+    return (
+        q.device.type == "meta"
+        and q.dim() == k.dim() == v.dim() == 4
+        and q.size(-1) == k.size(-1) == v.size(-1)
+        and call["dropout_p"] == 0.0
+    )
+
+
+def _fused_attention(call: dict) -> torch.Tensor:
+    q, mask = call["query"], call["attn_mask"]
+    if mask is not None and mask.dtype == torch.bool:  # as the dispatcher does: an additive mask
+        mask = torch.zeros_like(mask, dtype=q.dtype).masked_fill_(mask.logical_not(), -math.inf)
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default(
+        q,
+        call["key"],
+        call["value"],
+        0.0,
+        call["is_causal"],
+        attn_mask=mask,
+        scale=call["scale"],
+    )[0]

@@ -1,0 +1,219 @@
+"""Isolation: every Job runs in its own worker process, forked from a server with torch preloaded.
+
+NOTE [worker protocol]: the parent starts each worker from a multiprocessing forkserver that has
+already imported torch, torchvision and memsave (a fork costs milliseconds where a fresh
+interpreter costs seconds; the server is a fresh interpreter of its own, so it never inherits an
+initialised CUDA context). A worker writes its stdout and stderr to a temporary file and sends
+exactly one ``Run`` back over a dedicated pipe; nothing is ever parsed from its output. The
+parent turns every other ending into a Run of its own: no message and a dead process is
+``crashed`` (exit code or signal, and the tail of the worker's stderr), a message that is not a
+Run is ``error``, and a worker past its deadline is killed and ``timeout``. Workers still
+running when the parent stops (an exception, Ctrl-C) are killed in ``finally``.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import multiprocessing
+import os
+import signal
+import sys
+import tempfile
+import time
+import traceback
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from multiprocessing.connection import Connection, wait
+from pathlib import Path
+
+from memsave_cli.measure import Job, measure, one_line
+from memsave_cli.report import Run, Status
+
+#: Modules the fork server imports once, so that every worker starts with them loaded.
+PRELOAD = ("torch", "torchvision", "memsave_cli.measure")
+TAIL_CHARS = 300
+_EXIT_GRACE_S = 5.0
+
+
+def run_jobs(
+    jobs: Sequence[Job],
+    *,
+    timeout: float,
+    workers: int | None = None,
+    on_done: Callable[[Job, Run], None] | None = None,
+    target: Callable[[Job], Run] = measure,
+) -> list[Run]:
+    """Run each job in its own worker process, at most ``workers`` at once; Runs in job order.
+
+    ``timeout`` (seconds) applies to each job; ``on_done`` is called as each job finishes;
+    ``target`` is what a worker calls with its job (an importable function, ``measure`` unless
+    testing). Failures of a job are Runs with their status, never exceptions.
+    """
+    workers = max(1, min(workers or default_workers(jobs), len(jobs) or 1))
+    context = worker_context()
+    pending = deque(enumerate(jobs))
+    active: list[_Worker] = []
+    runs: list[Run | None] = [None] * len(jobs)
+    try:
+        while pending or active:
+            while pending and len(active) < workers:
+                index, job = pending.popleft()
+                active.append(_Worker.start(context, index, job, target, timeout))
+            _wait_any(active)
+            for worker in list(active):
+                run = worker.outcome()
+                if run is not None:
+                    active.remove(worker)
+                    worker.close()
+                    runs[worker.index] = run
+                    if on_done is not None:
+                        on_done(worker.job, run)
+    finally:
+        for worker in active:
+            worker.close()
+    return [run for run in runs if run is not None]
+
+
+def default_workers(jobs: Sequence[Job]) -> int:
+    """As many workers as cores when every job is on meta (no device, no timing), else one."""
+    if jobs and all(job.device == "meta" for job in jobs):
+        return os.cpu_count() or 1
+    return 1
+
+
+def worker_context() -> multiprocessing.context.BaseContext:
+    """The forkserver context, preloading torch, torchvision and memsave in the server."""
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(list(PRELOAD))
+    return context
+
+
+@dataclass
+class _Worker:
+    """One running job: its process, the read end of its result pipe, its log and deadline."""
+
+    index: int
+    job: Job
+    process: multiprocessing.process.BaseProcess
+    conn: Connection
+    log: Path
+    timeout: float
+    deadline: float
+
+    @classmethod
+    def start(
+        cls,
+        context: multiprocessing.context.BaseContext,
+        index: int,
+        job: Job,
+        target: Callable[[Job], Run],
+        timeout: float,
+    ) -> _Worker:
+        fd, log = tempfile.mkstemp(prefix="memsave-worker-", suffix=".log")
+        os.close(fd)
+        reader, writer = context.Pipe(duplex=False)
+        process = context.Process(
+            target=_work, args=(job, writer, log, target), name=f"memsave-{index}", daemon=True
+        )
+        process.start()
+        writer.close()  # the child holds the only write end: its death reads as end of file
+        return cls(index, job, process, reader, Path(log), timeout, time.monotonic() + timeout)
+
+    def outcome(self) -> Run | None:
+        """The job's Run if it has ended (result, crash or timeout), else None."""
+        if self.conn.poll():
+            return self._receive()
+        if not self.process.is_alive():
+            return self._failed(Status.CRASHED, f"worker {_exit_reason(self.process)}")
+        if time.monotonic() >= self.deadline:
+            self.kill()
+            return self._failed(Status.TIMEOUT, f"no result within {self.timeout:g} s; killed")
+        return None
+
+    def _receive(self) -> Run:
+        try:
+            message = self.conn.recv()
+        except (EOFError, OSError):
+            self.process.join(_EXIT_GRACE_S)
+            return self._failed(Status.CRASHED, f"worker {_exit_reason(self.process)}")
+        except Exception as error:
+            return self._failed(Status.ERROR, f"malformed result ({one_line(error)})")
+        if not isinstance(message, Run):
+            return self._failed(
+                Status.ERROR, f"malformed result: expected a Run, got {type(message).__name__}"
+            )
+        return message
+
+    def _failed(self, status: Status, reason: str) -> Run:
+        tail = _tail(self.log)
+        error = f"{reason}; stderr: {tail}" if tail else reason
+        return Run(self.job.case.label, self.job.impl, status=status, error=error)
+
+    def kill(self) -> None:
+        if self.process.is_alive():
+            self.process.kill()
+        self.process.join(_EXIT_GRACE_S)
+
+    def close(self) -> None:
+        """Kill the process if it still runs, and release its pipe and log."""
+        self.process.join(0.1 if self.process.is_alive() else None)
+        self.kill()
+        self.conn.close()
+        self.log.unlink(missing_ok=True)
+
+
+def _wait_any(active: list[_Worker]) -> None:
+    """Block until some worker sends, dies, or reaches its deadline."""
+    now = time.monotonic()
+    soonest = min(worker.deadline for worker in active)
+    handles = [w.conn for w in active] + [w.process.sentinel for w in active]
+    wait(handles, timeout=max(0.0, soonest - now))
+
+
+def _exit_reason(process: multiprocessing.process.BaseProcess) -> str:
+    code = process.exitcode
+    if code is None:
+        return "closed its result pipe without a result"
+    if code < 0:
+        try:
+            return f"killed by signal {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exited with code {code} without a result"
+
+
+def _tail(log: Path) -> str:
+    """The end of a worker's output on one line, at most TAIL_CHARS characters.
+
+    After a fatal signal that is faulthandler's verdict and the innermost frame, not its list of
+    extension modules; otherwise the last three lines.
+    """
+    try:
+        text = log.read_text(errors="replace")
+    except OSError:
+        return ""
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    fatal = next((i for i, line in enumerate(lines) if line.startswith("Fatal Python error")), None)
+    if fatal is not None:
+        frame = next((line for line in lines[fatal:] if line.startswith("File ")), "")
+        lines = [lines[fatal], frame]
+    joined = " | ".join(line for line in lines[-3:] if line)
+    return joined if len(joined) <= TAIL_CHARS else "..." + joined[-TAIL_CHARS:]
+
+
+def _work(job: Job, conn: Connection, log: str, target: Callable[[Job], Run]) -> None:
+    """Worker body: output to the log file, one Run (or one failure) over the pipe."""
+    with open(log, "w") as handle:
+        os.dup2(handle.fileno(), 1)
+        os.dup2(handle.fileno(), 2)
+    faulthandler.enable(file=sys.stderr)
+    try:
+        run = target(job)
+    except Exception as error:
+        traceback.print_exc()
+        run = Run(job.case.label, job.impl, status=Status.ERROR, error=one_line(error))
+    sys.stdout.flush()
+    sys.stderr.flush()
+    conn.send(run)
+    conn.close()

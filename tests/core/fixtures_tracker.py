@@ -1,0 +1,164 @@
+"""Small models (module:callable specs) and worker behaviours for the measurement-core tests.
+
+Models come with ``<name>_inputs(batch_size)``; ``behave`` is a runner target that does what the
+job's spec attribute names (crash, raise, hang, return garbage), so that one ``run_jobs`` call can
+mix failing and succeeding workers.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+
+import torch
+from torch import nn
+
+from memsave_cli.report import Run
+
+
+def mlp() -> nn.Module:
+    return nn.Sequential(nn.Linear(100, 300), nn.ReLU(), nn.Linear(300, 10))
+
+
+def mlp_inputs(batch_size: int) -> torch.Tensor:
+    return torch.randn(batch_size, 100)
+
+
+def small_cnn() -> nn.Module:
+    return nn.Sequential(
+        nn.Conv2d(3, 16, 3, padding=1, bias=False),
+        nn.BatchNorm2d(16),
+        nn.ReLU(inplace=True),
+        nn.MaxPool2d(2),
+        nn.Conv2d(16, 32, 3, padding=1),
+        nn.BatchNorm2d(32),
+        nn.ReLU(inplace=True),
+        nn.Dropout(0.2),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(32, 10),
+    )
+
+
+def small_cnn_inputs(batch_size: int) -> torch.Tensor:
+    return torch.randn(batch_size, 3, 32, 32)
+
+
+class AttentionNet(nn.Module):
+    """A pre-norm transformer block: layer norm, multi-head attention, GELU feed-forward."""
+
+    def __init__(self, width: int = 32, heads: int = 4) -> None:
+        super().__init__()
+        self.norm1 = nn.LayerNorm(width)
+        self.attention = nn.MultiheadAttention(width, heads, batch_first=True)
+        self.norm2 = nn.LayerNorm(width)
+        self.feed = nn.Sequential(
+            nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm1(x)
+        x = x + self.attention(h, h, h, need_weights=False)[0]
+        return x + self.feed(self.norm2(x))
+
+
+def attention_net() -> nn.Module:
+    return AttentionNet()
+
+
+def attention_net_inputs(batch_size: int) -> torch.Tensor:
+    return torch.randn(batch_size, 24, 32)
+
+
+class ItemNet(nn.Module):
+    """Branches on a tensor value, as detection models do: impossible without data."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.linear(x)
+        return y if y.sum().item() > 0 else -y
+
+
+def item_net() -> nn.Module:
+    return ItemNet()
+
+
+def item_net_inputs(batch_size: int) -> torch.Tensor:
+    return torch.randn(batch_size, 8)
+
+
+class OomNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 80.00 GiB")
+
+
+def oom_net() -> nn.Module:
+    return OomNet()
+
+
+def oom_net_inputs(batch_size: int) -> torch.Tensor:
+    return torch.randn(batch_size, 8)
+
+
+def flat_mlp() -> nn.Module:
+    """No normalisation layer: the norm case has nothing to train."""
+    return nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4))
+
+
+def flat_mlp_inputs(batch_size: int) -> torch.Tensor:
+    return torch.randn(batch_size, 16)
+
+
+# -- runner behaviours ----------------------------------------------------------------------------
+
+
+class _Explodes:
+    """Pickles fine in the worker, but unpickling it raises in the parent."""
+
+    def __reduce__(self):
+        return (_explode, ())
+
+
+def _explode() -> None:
+    raise ValueError("cannot rebuild this object")
+
+
+def behave(job) -> Run:
+    """Runner target: act as ``job.spec.attr`` says; the ok kinds report facts about the worker."""
+    action = job.spec.attr
+    if action == "ok":
+        return Run(job.case.label, job.impl, param_bytes=os.getpid(), saved_bytes=_preloaded())
+    if action == "nap":
+        start = time.time()
+        time.sleep(1.0)
+        return Run(job.case.label, job.impl, time_s=start, peak_bytes=int(time.time() * 1000))
+    if action == "exit":
+        print("clue: about to exit", file=sys.stderr, flush=True)
+        os._exit(3)
+    if action == "segfault":
+        os.kill(os.getpid(), signal.SIGSEGV)
+    if action == "raise":
+        raise ValueError("boom\nsecond line of the message")
+    if action == "hang":
+        with open(job.spec.target, "w") as handle:
+            handle.write(str(os.getpid()))
+        time.sleep(600)
+    if action == "garbage":
+        return {"not": "a run"}  # type: ignore[return-value]
+    if action == "unpicklable":
+        return _Explodes()  # type: ignore[return-value]
+    raise AssertionError(f"unknown behaviour {action}")
+
+
+def _preloaded() -> int:
+    """1 when torchvision was imported before this worker ran (the fork server preloads it)."""
+    return int("torchvision" in sys.modules)

@@ -1,0 +1,161 @@
+"""measure(): meta == cpu to the byte, saved bytes per layer, peaks with optimizer states, outcomes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from memsave_cli.cases import resolve_case
+from memsave_cli.measure import (
+    NEEDS_REAL_DATA,
+    Job,
+    NeedsRealDataError,
+    fused_attention_on_meta,
+    measure,
+    prepare,
+)
+from memsave_cli.report import LayerSaved, Status
+from memsave_cli.specs import parse_spec
+from memsave_cli.tracker import round_bytes
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def job(model: str, case: str = "all", device: str = "meta", **settings) -> Job:
+    settings.setdefault("batch_size", 4)
+    return Job(
+        parse_spec(f"fixtures_tracker:{model}"), resolve_case(case), "stock", device, **settings
+    )
+
+
+def memory(run) -> tuple:
+    return run.param_bytes, run.forward_peak_bytes, run.peak_bytes, run.saved_bytes, run.layers
+
+
+@pytest.mark.parametrize("model", ["mlp", "small_cnn", "attention_net"])
+@pytest.mark.parametrize("case", ["all", "input", "norm", "surgical"])
+def test_meta_equals_cpu(model: str, case: str) -> None:
+    if case == "norm" and model == "mlp":
+        pytest.skip("the MLP has no normalisation layer")
+    meta = measure(job(model, case, repeat=1))
+    cpu = measure(job(model, case, "cpu", repeat=1))
+    assert meta.ok and cpu.ok, (meta.error, cpu.error)
+    assert memory(meta) == memory(cpu)
+    assert meta.time_s is None and cpu.time_s > 0
+
+
+def test_sgd_states_are_in_both_peaks() -> None:
+    plain = measure(job("mlp", "all"))
+    sgd = measure(job("mlp", "all", optimizer="sgd"))
+    momentum = plain.param_bytes  # one buffer per trainable parameter, all trainable here
+    assert sgd.forward_peak_bytes == plain.forward_peak_bytes + momentum
+    assert sgd.peak_bytes >= plain.peak_bytes + momentum
+
+
+def test_adam_states_only_for_trainable_parameters() -> None:
+    plain = measure(job("small_cnn", "norm"))
+    adam = measure(job("small_cnn", "norm", optimizer="adam"))
+    model = prepare(job("small_cnn", "norm")).model
+    states = 2 * sum(round_bytes(p.nbytes) for p in model.parameters() if p.requires_grad)
+    assert adam.forward_peak_bytes == plain.forward_peak_bytes + states
+
+
+def test_mlp_peaks_and_saved_tensors_by_hand() -> None:
+    """Linear(100, 300) -> ReLU -> Linear(300, 10) on a batch of 8, every parameter trainable."""
+    run = measure(job("mlp", "all", batch_size=8))
+    weights = [(300, 100), (300,), (10, 300), (10,)]
+    params = sum(round_bytes(4 * torch.Size(s).numel()) for s in weights)
+    x, hidden = round_bytes(4 * 8 * 100), round_bytes(4 * 8 * 300)
+    assert run.param_bytes == params
+    assert run.forward_peak_bytes == params + x + 2 * hidden  # addmm output and ReLU output
+    # saved: the input (first Linear's weight gradient) and the ReLU output, which the second
+    # Linear saves too (shared); weights are parameters, not saved activations
+    assert run.layers == (
+        LayerSaved("0", "Linear", 8 * 100 * 4, False),
+        LayerSaved("1", "ReLU", 8 * 300 * 4, True),
+    )
+    assert run.saved_bytes == sum(layer.saved_bytes for layer in run.layers)
+
+
+def test_frozen_linear_saves_no_input() -> None:
+    """With only the input differentiable, stock Linear keeps its weight, not its input."""
+    run = measure(job("mlp", "input", batch_size=8))
+    assert run.layers == (LayerSaved("1", "ReLU", 8 * 300 * 4, False),)
+
+
+def test_layer_rows_never_double_count() -> None:
+    run = measure(job("small_cnn", "all"))
+    assert run.saved_bytes == sum(layer.saved_bytes for layer in run.layers)
+    assert len({layer.name for layer in run.layers}) == len(run.layers)
+    assert any(layer.shared for layer in run.layers)  # in-place ReLU output = next conv's input
+
+
+def test_bn_eval_and_dtype_are_applied() -> None:
+    prepared = prepare(job("small_cnn", "all", bn_eval=True, dtype="bfloat16"))
+    modes = {type(m).__name__: m.training for m in prepared.model.modules()}
+    assert modes["BatchNorm2d"] is False and modes["Conv2d"] is True and modes["Dropout"] is True
+    assert {p.dtype for p in prepared.model.parameters()} == {torch.bfloat16}
+    assert prepared.example.args[0].dtype == torch.bfloat16
+    half = measure(job("mlp", "all", dtype="bfloat16"))
+    full = measure(job("mlp", "all"))
+    assert 2 * half.saved_bytes == full.saved_bytes
+
+
+def test_none_case_is_inference() -> None:
+    run = measure(job("small_cnn", "none"))
+    assert run.ok and run.saved_bytes == 0 and run.layers == ()
+    assert 0 <= run.peak_bytes - run.forward_peak_bytes <= 512  # at most the scalar loss
+
+
+def test_data_dependent_model_on_meta_says_so() -> None:
+    with pytest.raises(NeedsRealDataError, match=f"^{NEEDS_REAL_DATA}.*--device cpu"):
+        measure(job("item_net"))
+    assert measure(job("item_net", device="cpu", repeat=1)).ok
+
+
+def test_out_of_memory_is_an_outcome() -> None:
+    run = measure(job("oom_net"))
+    assert run.status is Status.OOM
+    assert run.error.startswith("OutOfMemoryError: CUDA out of memory")
+
+
+@pytest.mark.parametrize("mask", ["none", "bool", "float", "causal"])
+def test_fused_attention_on_meta_matches_cpu(mask: str) -> None:
+    """The meta stand-in computes nothing, but keeps what the cpu kernel keeps, byte for byte."""
+    from memsave_cli.tracker import MemoryTracker
+
+    def count(device: str) -> tuple[int, int, tuple]:
+        q = torch.randn(2, 4, 24, 8, device=device, requires_grad=True)
+        k, v = torch.randn(2, 4, 24, 8, device=device), torch.randn(2, 4, 24, 8, device=device)
+        attn = {"none": None, "causal": None}.get(mask)
+        if mask == "bool":
+            attn = torch.ones(24, 24, dtype=torch.bool, device=device).tril()
+        if mask == "float":
+            attn = torch.zeros(2, 1, 24, 24, device=device)
+        tracker = MemoryTracker(device)
+        tracker.track(q, k, v, attn)
+        with tracker, fused_attention_on_meta():
+            out = nn.functional.scaled_dot_product_attention(
+                q, k, v, attn_mask=attn, is_causal=mask == "causal"
+            )
+            shape = tuple(out.shape)
+            out.sum().backward()
+        return tracker.peak_bytes, tracker.current_bytes, shape
+
+    meta, cpu = count("meta"), count("cpu")
+    assert meta == cpu
+
+
+@pytest.mark.cuda
+@cuda
+def test_cuda_run_agrees_with_meta() -> None:
+    meta = measure(job("small_cnn", "all", batch_size=32))
+    real = measure(job("small_cnn", "all", "cuda", batch_size=32, repeat=2))
+    assert real.ok, real.error
+    assert real.param_bytes == meta.param_bytes
+    assert real.saved_bytes == meta.saved_bytes
+    # the allocator holds at least every tensor counted on meta, plus cuDNN/cuBLAS workspaces
+    assert meta.forward_peak_bytes <= real.forward_peak_bytes <= meta.forward_peak_bytes + 2**26
+    assert real.device_bytes is None or real.device_bytes >= real.peak_bytes
+    assert real.time_s > 0

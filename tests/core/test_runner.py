@@ -1,0 +1,129 @@
+"""Worker isolation: results over a pipe; crash, raise, timeout and malformed results as outcomes."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import time
+from pathlib import Path
+
+import fixtures_tracker
+import pytest
+
+from memsave_cli.cases import resolve_case
+from memsave_cli.measure import Job, measure
+from memsave_cli.report import Run, Status
+from memsave_cli.runner import default_workers, run_jobs
+from memsave_cli.specs import ModelSpec, parse_spec
+
+
+def behaviour(action: str, target: str = "fixtures_tracker", impl: str = "stock") -> Job:
+    spec = ModelSpec(f"fixture:{action}", "module", target, action)
+    return Job(spec, resolve_case("all"), impl, "meta")
+
+
+def test_each_job_runs_in_its_own_preloaded_worker() -> None:
+    jobs = [behaviour("ok", impl=impl) for impl in ("stock", "memsave", "memsave-conv")]
+    done: list[tuple[Job, Run]] = []
+    runs = run_jobs(
+        jobs,
+        timeout=60,
+        workers=2,
+        target=fixtures_tracker.behave,
+        on_done=lambda j, r: done.append((j, r)),
+    )
+    assert [r.impl for r in runs] == ["stock", "memsave", "memsave-conv"]
+    assert all(r.ok for r in runs)
+    pids = {r.param_bytes for r in runs}
+    assert len(pids) == 3 and os.getpid() not in pids
+    assert all(r.saved_bytes == 1 for r in runs), "torchvision was not preloaded in the workers"
+    assert len(done) == 3
+    assert all(runs[jobs.index(job)] is run for job, run in done)
+
+
+def test_failures_are_outcomes_and_the_others_finish() -> None:
+    actions = ["exit", "ok", "raise", "segfault", "garbage", "unpicklable", "ok"]
+    runs = run_jobs(
+        [behaviour(a) for a in actions], timeout=60, workers=2, target=fixtures_tracker.behave
+    )
+    by_action = dict(zip(actions, runs, strict=True))
+    assert [r.status for r in runs] == [
+        Status.CRASHED,
+        Status.OK,
+        Status.ERROR,
+        Status.CRASHED,
+        Status.ERROR,
+        Status.ERROR,
+        Status.OK,
+    ]
+    assert "code 3" in by_action["exit"].error and "clue: about to exit" in by_action["exit"].error
+    assert by_action["raise"].error == "ValueError: boom"
+    assert "SIGSEGV" in by_action["segfault"].error
+    assert "Segmentation fault" in by_action["segfault"].error  # faulthandler's report, from stderr
+    assert "expected a Run, got dict" in by_action["garbage"].error
+    assert "cannot rebuild this object" in by_action["unpicklable"].error
+    for run in runs:
+        assert run.error is None or "\n" not in run.error
+
+
+def test_timeout_kills_the_worker(tmp_path: Path) -> None:
+    pid_file = tmp_path / "pid"
+    jobs = [behaviour("hang", target=str(pid_file)), behaviour("ok")]
+    start = time.monotonic()
+    runs = run_jobs(jobs, timeout=3, workers=2, target=fixtures_tracker.behave)
+    assert time.monotonic() - start < 20
+    assert [r.status for r in runs] == [Status.TIMEOUT, Status.OK]
+    assert "3 s" in runs[0].error
+    pid = int(pid_file.read_text())
+    assert _gone(pid), f"worker {pid} still runs after its timeout"
+
+
+def _gone(pid: int, within: float = 5.0) -> bool:
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().split()[2]
+        except (FileNotFoundError, ProcessLookupError):
+            return True
+        if state == "Z":
+            return True
+        time.sleep(0.1)
+    return False
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_workers_bound_concurrency(workers: int) -> None:
+    runs = run_jobs(
+        [behaviour("nap") for _ in range(3)],
+        timeout=60,
+        workers=workers,
+        target=fixtures_tracker.behave,
+    )
+    spans = sorted((r.time_s, r.peak_bytes / 1000) for r in runs)
+    overlaps = sum(later[0] < earlier[1] for earlier, later in itertools.pairwise(spans))
+    assert overlaps == 0 if workers == 1 else overlaps >= 1
+
+
+def test_default_workers_by_device() -> None:
+    meta = behaviour("ok")
+    cpu = Job(meta.spec, meta.case, "stock", "cpu")
+    assert default_workers([meta, meta]) == (os.cpu_count() or 1)
+    assert default_workers([meta, cpu]) == 1
+
+
+def test_measure_through_a_worker_matches_in_process() -> None:
+    job = Job(
+        parse_spec("fixtures_tracker:small_cnn"), resolve_case("all"), "stock", "meta", batch_size=4
+    )
+    (run,) = run_jobs([job], timeout=120)
+    assert run.ok, run.error
+    assert run == measure(job)
+
+
+def test_errors_of_measure_reach_the_parent() -> None:
+    job = Job(
+        parse_spec("fixtures_tracker:item_net"), resolve_case("all"), "stock", "meta", batch_size=2
+    )
+    (run,) = run_jobs([job], timeout=120)
+    assert run.status is Status.ERROR
+    assert run.error.startswith("needs real data")
