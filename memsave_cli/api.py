@@ -1,0 +1,151 @@
+"""The Python API: ``profile`` measures a model per case and implementation, each in isolation."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
+
+import torch
+
+from memsave_cli.cases import PAPER_CASES, Case, has_norm_layers, resolve_case
+from memsave_cli.errors import MemsaveError
+from memsave_cli.measure import DEVICES, NEEDS_REAL_DATA, Job, check_job
+from memsave_cli.report import Report, Run
+from memsave_cli.runner import run_jobs
+from memsave_cli.specs import ModelSpec, build_model, parse_spec
+
+
+def profile(
+    model: str,
+    *,
+    cases: Sequence[str | Case] = PAPER_CASES,
+    impls: Sequence[str] = ("stock", "memsave"),
+    device: str = "auto",
+    batch_size: int | None = None,
+    input_shape: Sequence[int] | None = None,
+    dtype: str = "float32",
+    bn_eval: bool = False,
+    optimizer: str | None = None,
+    repeat: int = 3,
+    timeout: float = 600.0,
+    model_kwargs: Sequence[str] | Mapping[str, object] = (),
+    on_run: Callable[[Run], None] | None = None,
+    workers: int | None = None,
+) -> Report:
+    """Measure ``model`` (a spec such as ``"torchvision:resnet101"``) for every case x impl.
+
+    Every run happens in its own worker process (``timeout`` seconds each, ``workers`` at once);
+    ``on_run`` sees each run as it finishes. ``device="auto"`` is cuda when available, else meta;
+    there a model that needs real data (detection) is measured on cpu instead. Settings that
+    cannot work raise MemsaveError before any worker starts; a failing run is a Run with a status.
+    """
+    spec = parse_spec(model, model_kwargs)
+    notes: list[str] = []
+    chosen = resolve_device(device, notes)
+    settings = {
+        "dtype": dtype,
+        "batch_size": batch_size,
+        "input_shape": tuple(int(n) for n in input_shape) if input_shape is not None else None,
+        "bn_eval": bn_eval,
+        "optimizer": optimizer,
+        "repeat": repeat,
+    }
+    _check_settings(spec, impls, chosen, settings)
+    selected = _select_cases(spec, cases, notes)
+    jobs = [Job(spec, case, impl, chosen, **settings) for case in selected for impl in impls]
+    if not jobs:
+        raise MemsaveError("nothing to measure: every case was skipped")
+    runs, chosen = _run_with_fallback(jobs, device, timeout, workers, on_run, notes)
+    return Report(
+        model=spec.text,
+        device=chosen,
+        dtype=dtype,
+        batch_size=batch_size,
+        bn_eval=bn_eval,
+        runs=tuple(runs),
+        notes=tuple(notes),
+    )
+
+
+def resolve_device(device: str, notes: list[str]) -> str:
+    """``auto`` -> ``cuda`` when a CUDA device is available, else ``meta`` (noted either way)."""
+    if device == "auto":
+        if torch.cuda.is_available():
+            notes.append("device auto: measuring on cuda")
+            return "cuda"
+        notes.append(
+            "device auto: no CUDA device, so memory is estimated on meta "
+            "(exact tensor accounting, no time); use --device cpu for times"
+        )
+        return "meta"
+    if device not in DEVICES:
+        raise MemsaveError(f"unknown device '{device}': expected auto, {', '.join(DEVICES)}")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise MemsaveError("device cuda: no CUDA device is available; use --device meta or cpu")
+    return device
+
+
+def _select_cases(spec: ModelSpec, cases: Sequence[str | Case], notes: list[str]) -> list[Case]:
+    """Resolve case names; drop ``norm`` with a note when the model has no norm layer to train."""
+    resolved = [case if isinstance(case, Case) else resolve_case(case) for case in cases]
+    if not resolved:
+        raise MemsaveError("no case to measure: give at least one")
+    if any(case.name == "norm" for case in resolved) and not _has_norms(spec):
+        notes.append(f"case norm skipped: {spec.text} has no normalisation layer with parameters")
+        resolved = [case for case in resolved if case.name != "norm"]
+    return resolved
+
+
+def _has_norms(spec: ModelSpec) -> bool:
+    with torch.device("meta"):
+        return has_norm_layers(build_model(spec))
+
+
+def _check_settings(spec: ModelSpec, impls: Sequence[str], device: str, settings: dict) -> None:
+    """Raise MemsaveError for any setting no run could use, before a worker starts."""
+    if not impls:
+        raise MemsaveError("no implementation to measure: give stock, memsave or memsave-conv")
+    for impl in impls:
+        check_job(Job(spec, Case("all"), impl, device, **settings))
+    if settings["batch_size"] is not None and settings["batch_size"] < 1:
+        raise MemsaveError(f"batch size must be at least 1, got {settings['batch_size']}")
+    shape = settings["input_shape"]
+    if shape is not None and (not shape or min(shape) < 1):
+        raise MemsaveError(f"input shape must be positive sizes, got {shape}")
+
+
+def _run_with_fallback(
+    jobs: list[Job],
+    device: str,
+    timeout: float,
+    workers: int | None,
+    on_run: Callable[[Run], None] | None,
+    notes: list[str],
+) -> tuple[list[Run], str]:
+    """Run ``jobs``; with ``auto`` on meta, rerun on cpu those whose model needs real data."""
+    fallback = device == "auto" and jobs[0].device == "meta"
+
+    def done(job: Job, run: Run) -> None:
+        if on_run is not None and not (fallback and _needs_real_data(run)):
+            on_run(run)
+
+    runs = run_jobs(jobs, timeout=timeout, workers=workers, on_done=done)
+    redo = [i for i, run in enumerate(runs) if fallback and _needs_real_data(run)]
+    if not redo:
+        return runs, jobs[0].device
+    cpu_jobs = [_on_cpu(jobs[i]) for i in redo]
+    for i, run in zip(redo, run_jobs(cpu_jobs, timeout=timeout, on_done=done), strict=True):
+        runs[i] = run
+    notes.append(
+        f"{jobs[0].spec.text} computes with tensor values, which meta tensors do not have: "
+        "measured on cpu instead (exact tensor accounting, real times)"
+    )
+    return runs, "cpu" if len(redo) == len(runs) else "meta"
+
+
+def _needs_real_data(run: Run) -> bool:
+    return run.error is not None and run.error.startswith(NEEDS_REAL_DATA)
+
+
+def _on_cpu(job: Job) -> Job:
+    return replace(job, device="cpu")

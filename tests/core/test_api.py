@@ -1,0 +1,115 @@
+"""profile(): one isolated run per case x impl, device choice, skipped norm case, meta fallback."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from memsave_cli.api import profile
+from memsave_cli.cases import Case
+from memsave_cli.errors import CaseError, MemsaveError, SpecError
+from memsave_cli.measure import Job, measure
+from memsave_cli.report import Report, Status
+from memsave_cli.specs import parse_spec
+
+no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is present")
+
+
+def test_profile_runs_every_case_and_impl_like_measure() -> None:
+    seen = []
+    report = profile(
+        "fixtures_tracker:small_cnn",
+        cases=("all", "input", Case("custom", ("0.*",))),
+        impls=("stock",),
+        device="meta",
+        batch_size=4,
+        on_run=seen.append,
+    )
+    assert [(r.case, r.impl) for r in report.runs] == [
+        ("all", "stock"),
+        ("input", "stock"),
+        ("0.*", "stock"),
+    ]
+    assert sorted(seen, key=report.runs.index) == list(report.runs)
+    assert (report.model, report.device, report.batch_size) == (
+        "fixtures_tracker:small_cnn",
+        "meta",
+        4,
+    )
+    job = Job(parse_spec("fixtures_tracker:small_cnn"), Case("all"), "stock", "meta", batch_size=4)
+    assert report.run("all", "stock") == measure(job)
+    assert Report.from_json(report.to_json()) == report
+
+
+def test_norm_case_is_skipped_without_norm_layers() -> None:
+    report = profile("fixtures_tracker:flat_mlp", impls=("stock",), device="meta", batch_size=2)
+    assert [r.case for r in report.runs] == ["all", "input", "surgical"]
+    assert any("case norm skipped" in note for note in report.notes)
+
+
+@no_cuda
+def test_auto_without_cuda_estimates_on_meta() -> None:
+    report = profile("fixtures_tracker:mlp", cases=("all",), impls=("stock",), batch_size=2)
+    assert report.device == "meta"
+    assert any("no CUDA device" in note for note in report.notes)
+    assert report.runs[0].ok and report.runs[0].time_s is None
+
+
+@no_cuda
+def test_auto_falls_back_to_cpu_when_meta_cannot_run() -> None:
+    seen = []
+    report = profile(
+        "fixtures_tracker:item_net",
+        cases=("all", "input"),
+        impls=("stock",),
+        batch_size=2,
+        repeat=1,
+        on_run=seen.append,
+    )
+    assert report.device == "cpu"
+    assert all(r.ok and r.time_s is not None for r in report.runs)
+    assert len(seen) == 2 and all(r.ok for r in seen)  # the meta failures are not reported
+    assert any("measured on cpu instead" in note for note in report.notes)
+
+
+def test_explicit_meta_reports_why_it_cannot_run() -> None:
+    report = profile("fixtures_tracker:item_net", cases=("all",), impls=("stock",), device="meta")
+    (run,) = report.runs
+    assert run.status is Status.ERROR
+    assert run.error.startswith("needs real data") and "--device cpu" in run.error
+
+
+@pytest.mark.parametrize(
+    ("settings", "error", "message"),
+    [
+        ({"impls": ("fast",)}, MemsaveError, "unknown implementation 'fast'"),
+        ({"device": "tpu"}, MemsaveError, "unknown device 'tpu'"),
+        ({"dtype": "int8"}, MemsaveError, "unknown dtype 'int8'"),
+        ({"optimizer": "lion"}, MemsaveError, "unknown optimizer 'lion'"),
+        ({"batch_size": 0}, MemsaveError, "batch size must be at least 1"),
+        ({"cases": ("sideways",)}, CaseError, "unknown case 'sideways'"),
+        ({"cases": ("norm",)}, MemsaveError, "every case was skipped"),
+    ],
+)
+def test_bad_settings_fail_before_any_worker(settings: dict, error: type, message: str) -> None:
+    with pytest.raises(error, match=message):
+        profile("fixtures_tracker:flat_mlp", **{"device": "meta", **settings})
+
+
+def test_bad_spec_is_a_spec_error() -> None:
+    with pytest.raises(SpecError):
+        profile("fixtures_tracker:no_such_model", device="meta")
+
+
+@no_cuda
+def test_cuda_without_a_device_is_refused() -> None:
+    with pytest.raises(MemsaveError, match="no CUDA device"):
+        profile("fixtures_tracker:mlp", device="cuda")
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_auto_with_cuda_measures_on_cuda() -> None:
+    report = profile("fixtures_tracker:mlp", cases=("all",), impls=("stock",), batch_size=2)
+    assert report.device == "cuda"
+    assert report.runs[0].ok and report.runs[0].time_s > 0
