@@ -7,7 +7,7 @@ from typing import Annotated
 import typer
 
 from memsave_cli import __version__
-from memsave_cli.cli import check, layers, probe
+from memsave_cli.cli import check, fit, layers, probe
 
 app = typer.Typer(
     name="memsave",
@@ -41,6 +41,7 @@ def root(
 
 
 app.command("check", epilog=check.EPILOG)(check.check)
+app.command("fit", epilog=fit.EPILOG)(fit.fit)
 app.command("layers", epilog=layers.EPILOG)(layers.layers)
 app.command("probe", epilog=probe.EPILOG)(probe.probe)
 

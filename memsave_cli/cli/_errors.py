@@ -54,7 +54,9 @@ def _explain(exc: BaseException, message: str, debug: bool) -> None:
 
 
 def _say(message: str) -> None:
-    stderr_console().print(f"error: {message}", style="bold red", markup=False, highlight=False)
+    stderr_console().print(
+        f"error: {message}", style="bold red", markup=False, highlight=False, soft_wrap=True
+    )
 
 
 def _first_line(exc: BaseException) -> str:

@@ -11,8 +11,11 @@ from memsave_cli.cli._console import stderr_console
 
 
 @contextmanager
-def progress_bar(description: str, total: int) -> Iterator[Callable[[str], None]]:
-    """Yield ``advance(label)``, which moves the bar one step and shows what just finished."""
+def progress_bar(description: str, total: int | None) -> Iterator[Callable[[str], None]]:
+    """Yield ``advance(label)``, which moves the bar one step and shows what just finished.
+
+    ``total=None`` shows a pulsing bar and a count, for work of unknown length.
+    """
     columns = (
         TextColumn("{task.description}"),
         BarColumn(),

@@ -91,3 +91,41 @@ def make_run() -> Callable[..., Run]:
 @pytest.fixture
 def make_report() -> Callable[..., Report]:
     return _report
+
+
+TINY_MODELS = """
+from torch import nn
+
+
+def cnn(width: int = 8) -> nn.Module:
+    return nn.Sequential(
+        nn.Conv2d(3, width, 3, padding=1),
+        nn.BatchNorm2d(width),
+        nn.ReLU(),
+        nn.Conv2d(width, width, 3, padding=1),
+        nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(width, 10),
+    )
+
+
+def mlp() -> nn.Module:
+    return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+
+
+def broken() -> nn.Module:
+    raise ValueError("this factory always fails")
+
+
+def not_a_module():
+    return 42
+"""
+
+
+@pytest.fixture
+def tiny_models(tmp_path: Path) -> Path:
+    """A file of small model factories for file specs (``path/to/models.py:cnn``)."""
+    path = tmp_path / "tiny_models.py"
+    path.write_text(TINY_MODELS)
+    return path

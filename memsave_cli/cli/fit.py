@@ -1,0 +1,105 @@
+"""``memsave fit``: the largest batch size that fits a memory budget."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from memsave_cli.cli._console import human_console, write_output
+from memsave_cli.cli._errors import reported_errors
+from memsave_cli.cli._help import DEBUG_HELP, examples
+from memsave_cli.cli._options import Device, Dtype, Impl, Optimizer, impl_names
+from memsave_cli.cli._parse import parse_shape, select_cases
+from memsave_cli.cli._progress import progress_bar
+
+EPILOG = examples(
+    "memsave fit torchvision:resnet101 --budget 24GiB",
+    "memsave fit torchvision:resnet50 --budget 8GB --case input --optimizer adam",
+    "memsave fit mymodels.py:build --budget 1.5e9 --trainable 'head.*' --json fit.json",
+)
+
+
+def fit(
+    ctx: typer.Context,
+    model: Annotated[str, typer.Argument(help="Model spec, e.g. torchvision:resnet101.")],
+    budget: Annotated[str, typer.Option(help="Memory budget: 24GiB, 500MB, 1.5e9 (bytes).")],
+    case: Annotated[
+        list[str] | None,
+        typer.Option(
+            help="Case: all, input, norm, surgical, none (repeatable).", show_default=False
+        ),
+    ] = None,
+    trainable: Annotated[
+        list[str] | None, typer.Option(help="Glob over parameter names to train (repeatable).")
+    ] = None,
+    input_grad: Annotated[
+        bool | None,
+        typer.Option("--input-grad/--no-input-grad", help="Make the input differentiable."),
+    ] = None,
+    impl: Annotated[list[Impl] | None, typer.Option(help="Implementation (repeatable).")] = None,
+    device: Annotated[
+        Device, typer.Option(help="Where to measure; meta needs no memory.")
+    ] = Device.meta,
+    dtype: Annotated[Dtype, typer.Option(help="Parameter and input dtype.")] = Dtype.float32,
+    input_shape: Annotated[
+        str | None, typer.Option(help="Per-sample input shape, e.g. 3,224,224.")
+    ] = None,
+    bn_eval: Annotated[bool, typer.Option("--bn-eval", help="BatchNorm in eval mode.")] = False,
+    optimizer: Annotated[
+        Optimizer | None, typer.Option(help="Include an optimizer step in the peak.")
+    ] = None,
+    kwarg: Annotated[
+        list[str] | None, typer.Option(help="Model keyword argument key=value (repeatable).")
+    ] = None,
+    max_batch_size: Annotated[int, typer.Option(min=1, help="Largest batch size to try.")] = 1
+    << 20,
+    timeout: Annotated[
+        float, typer.Option(min=1, help="Seconds per measurement (cpu/cuda workers).")
+    ] = 600.0,
+    json_path: Annotated[
+        str | None, typer.Option("--json", help="Write rows as JSON to PATH (- for stdout).")
+    ] = None,
+    debug: Annotated[bool, typer.Option("--debug", help=DEBUG_HELP)] = False,
+) -> None:
+    """Find the largest batch size whose training-step peak fits BUDGET, per case and impl.
+
+    Searches on the meta device by default: exact tensor accounting, no memory needed, no GPU.
+    """
+    with reported_errors(ctx, debug):
+        from memsave_cli.fit import fit as fit_core
+        from memsave_cli.render.fit import fit_view
+
+        with progress_bar("fitting", None) as advance:
+            result = fit_core(
+                model,
+                budget=budget,
+                cases=select_cases(case, trainable, input_grad),
+                impls=impl_names(impl),
+                device=_device(device),
+                dtype=dtype.value,
+                input_shape=parse_shape(input_shape),
+                bn_eval=bn_eval,
+                optimizer=optimizer.value if optimizer else None,
+                model_kwargs=kwarg or (),
+                max_batch_size=max_batch_size,
+                timeout=timeout,
+                on_measure=lambda job, run: advance(
+                    f"{job.case.label}/{job.impl} batch {job.batch_size}"
+                ),
+            )
+        console = human_console(json_path)
+        console.print(fit_view(result))
+        for note in result.notes:
+            console.print(f"note: {note}", style="yellow", markup=False)
+        if json_path is not None:
+            write_output(json_path, result.to_json())
+
+
+def _device(device: Device) -> str:
+    """``auto`` means cuda when available; fit's default is meta, which needs no GPU."""
+    if device is Device.auto:
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "meta"
+    return device.value

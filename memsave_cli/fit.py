@@ -1,0 +1,253 @@
+"""The largest batch size whose peak memory fits a budget, per case and implementation.
+
+NOTE [search]: peak memory grows with the batch size, almost exactly affinely (parameters are
+fixed, activations scale), but allocator rounding and kernels that change with size make it
+only nearly so. The search therefore measures batch sizes 1 and 2, takes the affine guess as
+its first probe, gallops from there (steps 1, 2, 4, ... up while it fits, down while it does
+not) until it brackets the answer, and finishes with a binary search: exact for any monotone
+peak, and about four measurements when the guess is right. All searches advance together, one
+round of measurements at a time, so that a round can run in parallel worker processes.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Generator, Sequence
+from dataclasses import asdict, dataclass, replace
+
+import torch
+
+from memsave_cli.budget import parse_bytes
+from memsave_cli.cases import PAPER_CASES, Case, has_norm_layers, resolve_case
+from memsave_cli.errors import MemsaveError
+from memsave_cli.measure import Job, measure, one_line
+from memsave_cli.report import Run, Status
+from memsave_cli.specs import ModelSpec, build_model, parse_spec
+
+#: Upper end of the search when nothing else stops it (a peak that ignores the batch size).
+MAX_BATCH_SIZE = 1 << 20
+
+#: A search yields batch sizes to measure, receives their peaks (None: did not fit) and
+#: returns the largest batch size that fits (0 when even one sample does not).
+Search = Generator[int, "int | None", int]
+
+
+class FitError(MemsaveError):
+    """A fit could not be carried out (a failing model, an impossible setting)."""
+
+
+@dataclass(frozen=True)
+class FitRow:
+    """The answer for one case and implementation."""
+
+    case: str
+    impl: str
+    batch_size: int  # 0 when even a single sample exceeds the budget
+    peak_bytes: int | None  # peak at that batch size (at batch size 1 when it is 0)
+
+
+@dataclass(frozen=True)
+class FitResult:
+    """Every row of one ``fit`` call, with what it was asked."""
+
+    model: str
+    device: str
+    budget_bytes: int
+    rows: tuple[FitRow, ...]
+    notes: tuple[str, ...] = ()
+    max_batch_size: int = MAX_BATCH_SIZE
+
+    def to_json(self) -> str:
+        """The rows as a JSON list of ``{case, impl, batch_size, peak_bytes}``."""
+        return json.dumps([asdict(row) for row in self.rows], indent=2)
+
+
+def fit(
+    model: str,
+    *,
+    budget: int | str,
+    cases: Sequence[str | Case] = PAPER_CASES,
+    impls: Sequence[str] = ("stock", "memsave"),
+    device: str = "meta",
+    dtype: str = "float32",
+    input_shape: Sequence[int] | None = None,
+    bn_eval: bool = False,
+    optimizer: str | None = None,
+    model_kwargs: Sequence[str] | dict[str, object] = (),
+    max_batch_size: int = MAX_BATCH_SIZE,
+    timeout: float = 600.0,
+    on_measure: Callable[[Job, Run], None] | None = None,
+) -> FitResult:
+    """Find, per case and implementation, the largest batch size whose step peak fits ``budget``.
+
+    The peak is ``peak_bytes``: forward, backward and (with ``optimizer``) the optimizer step.
+    On meta the measurements run in this process; on cpu and cuda each runs in its own worker.
+    """
+    budget_bytes = parse_bytes(budget) if isinstance(budget, str) else int(budget)
+    if budget_bytes < 1 or max_batch_size < 1:
+        raise FitError("budget and maximum batch size must be positive")
+    spec = parse_spec(model, model_kwargs)
+    chosen, notes = _cases(spec, cases)
+    jobs = {
+        (case, impl): Job(
+            spec,
+            case,
+            impl,
+            device,
+            dtype,
+            None,
+            _shape(input_shape),
+            bn_eval,
+            optimizer,
+            repeat=1,
+            per_layer=False,
+        )
+        for case in chosen
+        for impl in impls
+    }
+    searches = {key: largest_fitting(budget_bytes, max_batch_size) for key in jobs}
+    answers = run_searches(searches, jobs, _measurer(device, timeout), on_measure)
+    rows = tuple(
+        FitRow(case.label, impl, batch, peak) for (case, impl), (batch, peak) in answers.items()
+    )
+    return FitResult(spec.text, device, budget_bytes, rows, tuple(notes), max_batch_size)
+
+
+def largest_fitting(budget: int, max_batch_size: int = MAX_BATCH_SIZE) -> Search:
+    """The search of the NOTE above, as a generator driven by :func:`run_searches`."""
+    peaks: dict[int, int | None] = {}
+
+    def fits(batch: int) -> Generator[int, int | None, bool]:
+        if batch not in peaks:
+            peaks[batch] = yield batch
+        peak = peaks[batch]
+        return peak is not None and peak <= budget
+
+    if not (yield from fits(1)):
+        return 0
+    lo, hi = 1, max_batch_size + 1  # invariant: lo fits, hi does not (or lies past the end)
+    guess = _affine_guess(peaks[1], (yield from _peak(fits, peaks, 2, max_batch_size)), budget)
+    candidate, step = min(max(guess, lo), max_batch_size), 1
+    if (yield from fits(candidate)):
+        lo = candidate
+        while lo + step < hi:
+            if not (yield from fits(lo + step)):
+                hi = lo + step
+                break
+            lo, step = lo + step, step * 2
+    else:
+        hi = candidate
+        while hi - step > lo:
+            if (yield from fits(hi - step)):
+                lo = hi - step
+                break
+            hi, step = hi - step, step * 2
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if (yield from fits(mid)) else (lo, mid)
+    return lo
+
+
+def run_searches(
+    searches: dict[tuple[Case, str], Search],
+    jobs: dict[tuple[Case, str], Job],
+    measure_round: Callable[[list[Job]], list[Run]],
+    on_measure: Callable[[Job, Run], None] | None = None,
+) -> dict[tuple[Case, str], tuple[int, int | None]]:
+    """Drive every search to its answer, measuring one batch size per search and round.
+
+    Returns (batch size, its peak) per key; the peak is at batch size 1 when nothing fits.
+    """
+    asked = {key: next(search) for key, search in searches.items()}
+    measured: dict[tuple[Case, str], dict[int, int | None]] = {key: {} for key in searches}
+    answers: dict[tuple[Case, str], tuple[int, int | None]] = {}
+    while asked:
+        keys = list(asked)
+        batch_jobs = [_with_batch(jobs[key], asked[key]) for key in keys]
+        for key, job, run in zip(keys, batch_jobs, measure_round(batch_jobs), strict=True):
+            if on_measure is not None:
+                on_measure(job, run)
+            peak = _peak_of(job, run)
+            measured[key][job.batch_size] = peak
+            try:
+                asked[key] = searches[key].send(peak)
+            except StopIteration as stop:
+                del asked[key]
+                batch = stop.value
+                answers[key] = (batch, measured[key].get(max(batch, 1)))
+    return {key: answers[key] for key in searches}
+
+
+def _peak(fits, peaks: dict[int, int | None], batch: int, max_batch_size: int):
+    """Peak at ``batch`` (measured through ``fits``), or None past the end of the search."""
+    if batch > max_batch_size:
+        return None
+    yield from fits(batch)
+    return peaks[batch]
+
+
+def _affine_guess(peak1: int | None, peak2: int | None, budget: int) -> int:
+    """The largest batch size an affine peak through the first two measurements allows."""
+    if peak1 is None or peak2 is None:
+        return 1
+    slope = peak2 - peak1
+    if slope <= 0:
+        return MAX_BATCH_SIZE
+    return 1 + (budget - peak1) // slope
+
+
+def _peak_of(job: Job, run: Run) -> int | None:
+    """The run's step peak; None when it ran out of memory; other failures are errors."""
+    if run.status is Status.OOM:
+        return None
+    if not run.ok or run.peak_bytes is None:
+        raise FitError(
+            f"case {job.case.label}, {job.impl}, batch size {job.batch_size}: "
+            f"{run.status.value}: {run.error or 'no peak measured'}"
+        )
+    return run.peak_bytes
+
+
+def _cases(spec: ModelSpec, cases: Sequence[str | Case]) -> tuple[list[Case], list[str]]:
+    """Resolved cases; ``norm`` is skipped with a note when it is one of the defaults and the
+    model has no norm layers (asked for explicitly, it fails with CaseError instead)."""
+    resolved = [c if isinstance(c, Case) else resolve_case(c) for c in cases]
+    if tuple(cases) != PAPER_CASES:
+        return resolved, []
+    with torch.device("meta"):
+        model = build_model(spec)
+    if has_norm_layers(model):
+        return resolved, []
+    note = f"case norm skipped: {type(model).__name__} has no normalisation layers"
+    return [c for c in resolved if c.name != "norm"], [note]
+
+
+def _measurer(device: str, timeout: float) -> Callable[[list[Job]], list[Run]]:
+    """In-process measurements on meta; isolated workers elsewhere (real out-of-memory)."""
+    if device == "meta":
+        return lambda jobs: [_measure_here(job) for job in jobs]
+
+    def isolated(jobs: list[Job]) -> list[Run]:
+        from memsave_cli.runner import run_jobs
+
+        return run_jobs(jobs, timeout=timeout)
+
+    return isolated
+
+
+def _measure_here(job: Job) -> Run:
+    """``measure(job)`` in this process; a model's own exception becomes a failed Run."""
+    try:
+        return measure(job)
+    except MemsaveError:
+        raise
+    except Exception as error:
+        return Run(job.case.label, job.impl, status=Status.ERROR, error=one_line(error))
+
+
+def _with_batch(job: Job, batch_size: int) -> Job:
+    return replace(job, batch_size=batch_size)
+
+
+def _shape(input_shape: Sequence[int] | None) -> tuple[int, ...] | None:
+    return None if input_shape is None else tuple(int(n) for n in input_shape)

@@ -1,0 +1,55 @@
+"""Rich rendering of a fit result (``memsave fit``)."""
+
+from __future__ import annotations
+
+from rich.console import Group
+from rich.table import Table
+from rich.text import Text
+
+from memsave_cli.fit import FitResult, FitRow
+from memsave_cli.render.summary import IMPL_LABELS
+from memsave_cli.render.units import format_bytes
+
+
+def fit_view(result: FitResult) -> Group:
+    """A heading that names the budget, and the table below it."""
+    heading = Text(
+        f"{result.model}: largest batch size within {format_bytes(result.budget_bytes)} "
+        f"(peak of a training step, on {result.device})",
+        style="italic",
+    )
+    return Group(heading, fit_table(result))
+
+
+def fit_table(result: FitResult) -> Table:
+    """One row per case, one column per implementation: largest batch size and its peak."""
+    impls = list(dict.fromkeys(row.impl for row in result.rows))
+    cases = list(dict.fromkeys(row.case for row in result.rows))
+    cells = {(row.case, row.impl): row for row in result.rows}
+    table = Table()
+    table.add_column("Case")
+    for impl in impls:
+        table.add_column(IMPL_LABELS.get(impl, impl), justify="right")
+    if "stock" in impls and len(impls) > 1:
+        table.add_column("Gain", justify="right")
+    for case in cases:
+        row = [_cell(cells.get((case, impl)), result) for impl in impls]
+        if "stock" in impls and len(impls) > 1:
+            row.append(_gain(cells.get((case, "stock")), cells.get((case, impls[-1]))))
+        table.add_row(case, *row)
+    return table
+
+
+def _cell(row: FitRow | None, result: FitResult) -> str:
+    if row is None:
+        return ""
+    if row.batch_size == 0:
+        return f"none fits (1 needs {format_bytes(row.peak_bytes)})"
+    capped = "+" if row.batch_size >= result.max_batch_size else ""
+    return f"{row.batch_size}{capped} ({format_bytes(row.peak_bytes)})"
+
+
+def _gain(stock: FitRow | None, other: FitRow | None) -> str:
+    if stock is None or other is None or not stock.batch_size:
+        return "-"
+    return f"x{other.batch_size / stock.batch_size:.2f}"

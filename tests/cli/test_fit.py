@@ -1,0 +1,172 @@
+"""``memsave fit``: the search is exact, the answer matches direct measurements, errors exit 2."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import random
+
+import pytest
+
+from memsave_cli.cases import resolve_case
+from memsave_cli.cli import app
+from memsave_cli.fit import fit, largest_fitting
+from memsave_cli.measure import Job, measure
+from memsave_cli.specs import parse_spec
+
+SHAPE = (3, 16, 16)
+
+has_convert = hasattr(importlib.import_module("memsave_cli.layers"), "convert")
+
+
+def _drive(peak_at, budget, max_batch_size=1 << 20):
+    """Run one search against a peak function; return its answer and how often it measured."""
+    search, count = largest_fitting(budget, max_batch_size), 0
+    try:
+        batch = next(search)
+        while True:
+            count += 1
+            batch = search.send(peak_at(batch))
+    except StopIteration as stop:
+        return stop.value, count
+
+
+def _brute_force(peak_at, budget, max_batch_size):
+    best = 0
+    for batch in range(1, max_batch_size + 1):
+        peak = peak_at(batch)
+        if peak is None or peak > budget:
+            break
+        best = batch
+    return best
+
+
+def test_search_is_exact_for_monotone_peaks():
+    rng = random.Random(0)
+    for _ in range(500):
+        base, slope = rng.randint(0, 10**6), rng.randint(1, 10**4)
+        kink, jump, block = rng.randint(1, 600), rng.randint(0, 10**5), rng.choice([1, 512])
+        oom = rng.choice([None, rng.randint(1, 700)])
+
+        def peak_at(b, base=base, slope=slope, kink=kink, jump=jump, block=block, oom=oom):
+            if oom is not None and b >= oom:
+                return None
+            raw = base + slope * b + jump * (b > kink)
+            return -(-raw // block) * block
+
+        budget = rng.randint(base, base + slope * 700)
+        limit = rng.choice([1000, rng.randint(1, 800)])
+        assert _drive(peak_at, budget, limit)[0] == _brute_force(peak_at, budget, limit)
+
+
+def test_search_needs_few_measurements_for_affine_peaks():
+    answer, count = _drive(lambda b: 1000 + 100 * b, 1000 + 100 * 37 + 50)
+    assert answer == 37 and count == 4  # batch 1, 2, the guess, and one past it
+
+
+def test_search_when_nothing_fits_and_when_everything_fits():
+    assert _drive(lambda b: 10**9, 100) == (0, 1)
+    assert _drive(lambda b: 10, 100, max_batch_size=64)[0] == 64
+
+
+def _peak(spec, case, batch):
+    job = Job(spec, resolve_case(case), "stock", "meta", batch_size=batch, input_shape=SHAPE)
+    return measure(job).peak_bytes
+
+
+def test_fit_agrees_with_direct_measurement(tiny_models):
+    model = f"{tiny_models}:cnn"
+    spec = parse_spec(model)
+    budget = _peak(spec, "all", 40) + 1000  # a budget between the peaks of two batch sizes
+    result = fit(model, budget=budget, cases=("all", "input"), impls=("stock",), input_shape=SHAPE)
+    for row in result.rows:
+        assert row.peak_bytes == _peak(spec, row.case, row.batch_size) <= budget
+        assert _peak(spec, row.case, row.batch_size + 1) > budget
+    assert {row.case for row in result.rows} == {"all", "input"}
+
+
+def test_fit_command_json_rows(runner, tiny_models, tmp_path):
+    path = tmp_path / "fit.json"
+    args = ["fit", f"{tiny_models}:cnn", "--budget", "4MiB", "--input-shape", "3,16,16"]
+    result = runner.invoke(app, [*args, "--impl", "stock", "--case", "input", "--json", str(path)])
+    assert result.exit_code == 0, result.output
+    rows = json.loads(path.read_text())
+    assert [set(row) for row in rows] == [{"case", "impl", "batch_size", "peak_bytes"}]
+    row = rows[0]
+    assert (row["case"], row["impl"]) == ("input", "stock")
+    assert (
+        row["peak_bytes"]
+        <= 4 * 2**20
+        < _peak(parse_spec(f"{tiny_models}:cnn"), "input", row["batch_size"] + 1)
+    )
+    assert f"{row['batch_size']} (" in result.output and "4.00 MiB" in result.output
+
+
+def test_fit_json_to_stdout(runner, tiny_models):
+    args = ["fit", f"{tiny_models}:mlp", "--budget", "1MiB", "--input-shape", "16"]
+    result = runner.invoke(app, [*args, "--impl", "stock", "--case", "all", "--json", "-"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)[0]["batch_size"] > 0
+
+
+def test_nothing_fits(runner, tiny_models):
+    args = ["fit", f"{tiny_models}:cnn", "--budget", "1kB", "--input-shape", "3,16,16"]
+    result = runner.invoke(app, [*args, "--impl", "stock", "--case", "all", "--json", "-"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)[0]["batch_size"] == 0
+    assert "none fits" in result.stderr
+
+
+def test_default_cases_skip_norm_without_norm_layers(tiny_models):
+    result = fit(f"{tiny_models}:mlp", budget="1MiB", impls=("stock",), input_shape=(16,))
+    assert [row.case for row in result.rows] == ["all", "input", "surgical"]
+    assert "case norm skipped" in result.notes[0]
+
+
+@pytest.mark.skipif(not has_convert, reason="memsave_cli.layers.convert is not available yet")
+def test_memsave_fits_more_with_frozen_weights(tiny_models):
+    result = fit(f"{tiny_models}:cnn", budget="8MiB", cases=("input",), input_shape=SHAPE)
+    batches = {row.impl: row.batch_size for row in result.rows}
+    assert batches["memsave"] > batches["stock"]
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--budget", "lots"], "cannot read memory size 'lots'"),
+        (["--budget", "0"], "at least 1 byte"),
+        (["--budget", "1GiB", "--case", "everything"], "unknown case 'everything'"),
+        (
+            ["--budget", "1GiB", "--trainable", "nothing.*"],
+            "pattern 'nothing.*' selects no parameter",
+        ),
+        (["--budget", "1GiB", "--case", "norm"], "case 'norm' selects nothing"),
+        (["--budget", "1GiB", "--input-shape", "16,0"], "is not a shape"),
+        (["--budget", "1GiB", "--max-batch-size", "0"], "--max-batch-size"),
+    ],
+)
+def test_fit_bad_input_exits_2(runner, tiny_models, args, message):
+    result = runner.invoke(app, ["fit", f"{tiny_models}:mlp", "--input-shape", "16", *args])
+    assert result.exit_code == 2, result.output
+    assert message in result.output
+    assert "Traceback" not in result.output
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        ("nonsense", "nonsense"),
+        ("{models}:broken", "this factory always fails"),
+        ("{models}:missing", "missing"),
+        ("{models}:not_a_module", "not_a_module"),
+        ("{tmp}/absent.py:build", "absent.py"),
+        ("no_such_module_xyz:build", "no_such_module_xyz"),
+        ("torchvision:resnet9000", "resnet9000"),
+    ],
+)
+def test_fit_bad_model_exits_2(runner, tiny_models, spec, message):
+    spec = spec.format(models=tiny_models, tmp=tiny_models.parent)
+    result = runner.invoke(app, ["fit", spec, "--budget", "1GiB", "--input-shape", "16"])
+    assert result.exit_code == 2, result.output
+    assert message in result.output
+    assert len(result.output.strip().splitlines()) == 1, result.output
