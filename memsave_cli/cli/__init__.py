@@ -7,7 +7,7 @@ from typing import Annotated
 import typer
 
 from memsave_cli import __version__
-from memsave_cli.cli import check, fit, layers, probe
+from memsave_cli.cli import check, fit, layers, probe, profile
 
 app = typer.Typer(
     name="memsave",
@@ -40,6 +40,7 @@ def root(
     """Measure how much memory memsave's layers save when you train only part of a model."""
 
 
+app.command("profile", epilog=profile.EPILOG)(profile.profile)
 app.command("check", epilog=check.EPILOG)(check.check)
 app.command("fit", epilog=fit.EPILOG)(fit.fit)
 app.command("layers", epilog=layers.EPILOG)(layers.layers)

@@ -2,59 +2,74 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
+from rich import box
 from rich.console import Console, Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
 from memsave_cli.render import summary
-from memsave_cli.render.units import format_bytes, format_ratio, format_seconds
+from memsave_cli.render.units import binary_unit, format_bytes, format_in, format_ratio
 from memsave_cli.report import Report
 
 #: Sections of the comparison table: (Run attribute, heading); a section shows when measured.
 SECTIONS = (
     ("forward_peak_bytes", "Forward peak"),
-    ("peak_bytes", "Peak, forward + backward"),
-    ("saved_bytes", "Saved for backward"),
-    ("device_bytes", "Device memory (NVML)"),
-    ("time_s", "Time, forward + backward"),
+    ("peak_bytes", "Step peak"),
+    ("saved_bytes", "Saved"),
+    ("device_bytes", "Device (NVML)"),
+    ("time_s", "Time"),
+)
+
+_CAPTION = (
+    "Forward peak: parameters, inputs and all live during forward (the paper's metric); "
+    "step peak: through backward (and optimizer step); saved: tensors kept for backward."
 )
 
 
-def comparison_table(report: Report) -> Table:
+def comparison_table(report: Report) -> RenderableType:
     """Rows PyTorch and + memsave per measured quantity, one column per case, like the paper."""
     cases = summary.cases_of(report)
     reference = summary.reference_case(report)
     against = "PyTorch 'all'" if reference else "PyTorch, same case"
     table = Table(
-        title=f"{report.model}: peak memory and time (ratio to {against})",
-        title_justify="left",
+        caption=_CAPTION,
+        caption_justify="left",
+        box=box.SIMPLE_HEAD,
+        pad_edge=False,
     )
-    table.add_column("Case")
+    table.add_column("Case", no_wrap=True)
     for case in cases:
-        table.add_column(case, justify="right")
+        table.add_column(case, justify="right", no_wrap=True)
     for metric, heading in SECTIONS:
         if not summary.has_metric(report, metric):
             continue
         if table.row_count:
             table.add_section()
-        table.add_row(Text(heading, style="bold"), *("" for _ in cases))
         cells = summary.comparison(report, metric)
+        unit, scale = _section_unit(cells.values(), metric)
+        table.add_row(Text(f"{heading} [{unit}]", style="bold"), *("" for _ in cases))
         for impl in summary.impls_of(report):
-            values = [_cell_text(cells.get((impl, case)), metric) for case in cases]
+            values = [_cell_text(cells.get((impl, case)), metric, scale) for case in cases]
             table.add_row(summary.IMPL_LABELS.get(impl, impl), *values)
-    return table
+    return titled(f"{report.model}: memory and time, ratio to {against}", table)
 
 
-def layer_table(report: Report, case: str, top: int) -> Table | None:
-    """Saved bytes of the ``top`` layers memsave changes most in ``case`` (None without data)."""
-    found = summary.layer_rows(report, case, top)
+def layer_table(report: Report, cases: list[str], top: int) -> RenderableType | None:
+    """Saved bytes of the ``top`` layers memsave changes most in ``cases`` (None without data).
+
+    Several cases share one table when their rows are the same.
+    """
+    found = summary.layer_rows(report, cases[0], top)
     if found is None:
         return None
     rows, total = found
-    table = Table(
-        title=f"Saved for backward, case {case}: top {len(rows)} of {total} layers",
-        title_justify="left",
-    )
+    if len(cases) == 1:
+        title = f"Saved for backward, case {cases[0]}: top {len(rows)} of {total} layers"
+    else:
+        title = f"Saved for backward, cases {', '.join(cases)}: top {len(rows)} layers"
+    table = Table()
     table.add_column("Layer")
     table.add_column("Type")
     for column in ("PyTorch", "memsave", "Difference"):
@@ -69,7 +84,28 @@ def layer_table(report: Report, case: str, top: int) -> Table | None:
         )
     if any(row.shared for row in rows):
         table.caption = "* also saves a storage another layer saves (counted once, here)"
-    return table
+        table.caption_justify = "left"
+    return titled(title, table)
+
+
+def titled(title: str, table: Table) -> Group:
+    """``table`` under a title line that is never wrapped to the table's width."""
+    return Group(Text(title, style="italic"), table)
+
+
+def layer_tables(report: Report, top: int) -> list[RenderableType]:
+    """One table per group of consecutive cases whose top layers are the same."""
+    groups: list[tuple[list[str], object]] = []
+    for case in summary.cases_of(report):
+        rows = summary.layer_rows(report, case, top)
+        if rows is None:
+            continue
+        if groups and groups[-1][1] == rows[0]:
+            groups[-1][0].append(case)
+        else:
+            groups.append(([case], rows[0]))
+    tables = (layer_table(report, cases, top) for cases, _ in groups)
+    return [table for table in tables if table is not None]
 
 
 def verdicts(report: Report) -> Text:
@@ -78,7 +114,7 @@ def verdicts(report: Report) -> Text:
     return Text("\n".join(lines))
 
 
-def failures_table(report: Report) -> Table | None:
+def failures_table(report: Report) -> RenderableType | None:
     """Runs that did not finish, with the reason each gave (None when all finished)."""
     failed = summary.failed_runs(report)
     if not failed:
@@ -91,14 +127,11 @@ def failures_table(report: Report) -> Table | None:
     return table
 
 
-def profile_view(report: Report, *, top: int = 10) -> RenderableType:
+def profile_view(report: Report, *, top: int = 5) -> RenderableType:
     """Everything ``memsave profile`` prints, in reading order."""
     parts: list[RenderableType] = [comparison_table(report)]
     if top > 0:
-        for case in summary.cases_of(report):
-            table = layer_table(report, case, top)
-            if table is not None:
-                parts.append(table)
+        parts.extend(layer_tables(report, top))
     parts.append(verdicts(report))
     parts.append(Text(summary.provenance(report), style="dim"))
     parts.extend(Text(f"note: {note}", style="yellow") for note in report.notes)
@@ -108,19 +141,27 @@ def profile_view(report: Report, *, top: int = 10) -> RenderableType:
     return Group(*_spaced(parts))
 
 
-def print_profile(console: Console, report: Report, *, top: int = 10) -> None:
+def print_profile(console: Console, report: Report, *, top: int = 5) -> None:
     """Print the profile view of ``report`` on ``console``."""
     console.print(profile_view(report, top=top))
 
 
-def _cell_text(cell: summary.Cell | None, metric: str) -> str:
+def _section_unit(cells: Iterable[summary.Cell], metric: str) -> tuple[str, int]:
+    """One unit per section (seconds, or the binary unit of its largest value), as the paper."""
+    if metric == "time_s":
+        return "s", 1
+    values = [int(c.value) for c in cells if c.value is not None]
+    return binary_unit(max(values, default=0))
+
+
+def _cell_text(cell: summary.Cell | None, metric: str, scale: int) -> str:
     if cell is None:
         return ""
     if cell.failure is not None:
         return cell.failure
     if cell.value is None:
         return "-"
-    shown = format_seconds(cell.value) if metric == "time_s" else format_bytes(int(cell.value))
+    shown = f"{cell.value:.3f}" if metric == "time_s" else format_in(int(cell.value), scale)
     return f"{shown} ({format_ratio(cell.ratio)})"
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from memsave_cli.render.units import format_bytes, ratio
+from memsave_cli.render.units import format_bytes, format_change, ratio
 from memsave_cli.report import Report, Run
 
 #: Row labels as the paper prints them; unknown impls show under their own name.
@@ -112,7 +112,7 @@ def verdict(report: Report, case: str) -> str:
     before, after = stock.forward_peak_bytes, memsave.forward_peak_bytes
     if before is None or after is None:
         return f"case {case}: no verdict (no forward peak measured)"
-    change = f"(forward peak {format_bytes(before)} -> {format_bytes(after)})"
+    change = f"(forward peak {format_change(before, after)})"
     if abs(after - before) <= NEGLIGIBLE * before:
         return f"memsave makes no difference in case {case} {change}"
     share = abs(after - before) / before if before else 0.0

@@ -10,11 +10,27 @@ def format_bytes(nbytes: int | None, *, signed: bool = False) -> str:
     if nbytes is None:
         return "-"
     sign = "+" if signed and nbytes > 0 else "-" if nbytes < 0 else ""
-    size = abs(nbytes)
-    for unit, scale in _BINARY:
-        if size >= scale:
-            return f"{sign}{size / scale:.2f} {unit}"
-    return f"{sign}{size} B"
+    unit, scale = binary_unit(abs(nbytes))
+    return f"{sign}{format_in(abs(nbytes), scale)} {unit}"
+
+
+def binary_unit(nbytes: int) -> tuple[str, int]:
+    """The binary unit ``format_bytes`` would pick for ``nbytes``: its name and its size."""
+    return next(((unit, scale) for unit, scale in _BINARY if abs(nbytes) >= scale), ("B", 1))
+
+
+def format_in(nbytes: int, scale: int) -> str:
+    """``nbytes`` as a number in a given unit, three or four significant digits (7.83, 45.2, 214)."""
+    value = nbytes / scale
+    if scale == 1 or abs(value) >= 100:
+        return f"{value:.0f}"
+    return f"{value:.1f}" if abs(value) >= 10 else f"{value:.2f}"
+
+
+def format_change(before: int, after: int) -> str:
+    """``213.93 -> 167.47 MiB``: two sizes in the unit of the larger one."""
+    unit, scale = binary_unit(max(abs(before), abs(after)))
+    return f"{format_in(before, scale)} -> {format_in(after, scale)} {unit}"
 
 
 def format_ratio(value: float | None) -> str:

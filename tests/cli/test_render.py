@@ -39,20 +39,29 @@ def test_ratio_falls_back_to_same_case_without_stock_all(paper_report):
 
 
 def test_profile_view_rows_like_the_paper(paper_report):
-    text = _render(paper_report)
-    pytorch = next(line for line in text.splitlines() if line.startswith("│ PyTorch"))
-    memsave = next(line for line in text.splitlines() if line.startswith("│ + memsave"))
-    assert pytorch.count("800.00 MiB (1.00)") == 4
-    for cell in ("870.00 MiB (1.09)", "530.00 MiB (0.66)", "700.00 MiB (0.88)"):
-        assert cell in memsave
-    assert "Time" not in text  # not measured on meta
+    lines = _render(paper_report).splitlines()
+    heading = lines.index(next(line for line in lines if "Forward peak [MiB]" in line))
+    pytorch, memsave = lines[heading + 1], lines[heading + 2]
+    assert pytorch.split()[0] == "PyTorch" and pytorch.count("800 (1.00)") == 4
+    assert memsave.split()[:2] == ["+", "memsave"]
+    assert memsave.split()[2:] == [
+        "870",
+        "(1.09)",
+        "530",
+        "(0.66)",
+        "530",
+        "(0.66)",
+        "700",
+        "(0.88)",
+    ]
+    assert not any(line.strip().startswith("Time") for line in lines)  # not measured on meta
 
 
 def test_verdicts(paper_report):
     lines = [summary.verdict(paper_report, case) for case in ("all", "input", "surgical")]
-    assert lines[0].startswith("memsave needs 70.00 MiB (9%) more in case all")
-    assert lines[1].startswith("memsave saves 270.00 MiB (34%) in case input")
-    assert lines[2].startswith("memsave saves 100.00 MiB (12%) in case surgical")
+    assert lines[0] == "memsave needs 70.0 MiB (9%) more in case all (forward peak 800 -> 870 MiB)"
+    assert lines[1] == "memsave saves 270 MiB (34%) in case input (forward peak 800 -> 530 MiB)"
+    assert lines[2].startswith("memsave saves 100 MiB (12%) in case surgical")
 
 
 def test_verdict_no_difference_and_failure(paper_report, make_run):
@@ -70,8 +79,10 @@ def test_layer_rows_sorted_by_change(paper_report):
     assert total == 3
     assert [(r.name, r.difference) for r in rows] == [("conv1", -40 * MIB), ("relu", -29 * MIB)]
     text = _render(paper_report, top=2)
-    assert "Saved for backward, case input: top 2 of 3 layers" in text
-    assert "-40.00 MiB" in text and "│ fc" not in text
+    assert "Saved for backward, cases all, input, norm, surgical: top 2 layers" in text
+    assert "-40.0 MiB" in text and "│ fc" not in text
+    single = paper_report.with_runs(tuple(r for r in paper_report.runs if r.case == "input"))
+    assert "Saved for backward, case input: top 2 of 3 layers" in _render(single, top=2)
 
 
 def test_top_zero_hides_layer_tables(paper_report):

@@ -1,0 +1,122 @@
+"""``memsave profile``: peak memory and time of stock vs memsave layers, per case."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from memsave_cli.cli._console import STDOUT, human_console, write_output
+from memsave_cli.cli._errors import USAGE_EXIT, reported_errors
+from memsave_cli.cli._help import DEBUG_HELP, examples
+from memsave_cli.cli._options import Device, Dtype, Impl, Optimizer, impl_names
+from memsave_cli.cli._parse import parse_shape, select_cases
+from memsave_cli.cli._progress import progress_bar
+
+EPILOG = examples(
+    "memsave profile torchvision:resnet101 --case surgical",
+    "memsave profile torchvision:resnet18 --device cpu --batch-size 8",
+    "memsave profile torchvision:vit_b_16 --trainable 'heads.*' --input-grad",
+    "memsave profile mymodels.py:build --kwarg width=64 --input-shape 3,64,64",
+    "memsave profile hf:./llama-config --dtype bfloat16 --batch-size 8 --json report.json",
+)
+
+
+def profile(
+    ctx: typer.Context,
+    model: Annotated[
+        str,
+        typer.Argument(
+            help="torchvision:NAME, module.path:CALLABLE, path/to/file.py:CALLABLE or hf:CONFIG."
+        ),
+    ],
+    case: Annotated[
+        list[str] | None,
+        typer.Option(
+            help="Case: all, input, norm, surgical, none (repeatable; default: the paper's four).",
+            show_default=False,
+        ),
+    ] = None,
+    trainable: Annotated[
+        list[str] | None,
+        typer.Option(help="Glob over parameter names to train, a custom case (repeatable)."),
+    ] = None,
+    input_grad: Annotated[
+        bool | None,
+        typer.Option("--input-grad/--no-input-grad", help="Make the input differentiable."),
+    ] = None,
+    device: Annotated[
+        Device, typer.Option(help="auto: cuda if available, else meta (an estimate).")
+    ] = Device.auto,
+    batch_size: Annotated[
+        int | None, typer.Option(min=1, help="Batch size (default: the paper's, e.g. 64).")
+    ] = None,
+    input_shape: Annotated[
+        str | None, typer.Option(help="Per-sample input shape, e.g. 3,224,224.")
+    ] = None,
+    dtype: Annotated[Dtype, typer.Option(help="Parameter and input dtype.")] = Dtype.float32,
+    bn_eval: Annotated[
+        bool, typer.Option("--bn-eval", help="BatchNorm in eval mode (paper appendix).")
+    ] = False,
+    impl: Annotated[
+        list[Impl] | None,
+        typer.Option(help="stock, memsave, memsave-conv or both (repeatable).", show_default=False),
+    ] = None,
+    optimizer: Annotated[
+        Optimizer | None, typer.Option(help="Include an optimizer step in the peak.")
+    ] = None,
+    kwarg: Annotated[
+        list[str] | None, typer.Option(help="Model keyword argument key=value (repeatable).")
+    ] = None,
+    top: Annotated[int, typer.Option(min=0, help="Layers shown per case (0: none).")] = 5,
+    repeat: Annotated[int, typer.Option(min=1, help="Timed repeats (cpu/cuda).")] = 3,
+    timeout: Annotated[float, typer.Option(min=1, help="Seconds per isolated run.")] = 600.0,
+    workers: Annotated[
+        int | None, typer.Option(min=1, help="Runs at once (default: cores on meta, else 1).")
+    ] = None,
+    json_path: Annotated[
+        str | None, typer.Option("--json", help="Write the report as JSON to PATH (- for stdout).")
+    ] = None,
+    csv_path: Annotated[
+        str | None, typer.Option("--csv", help="Write the runs as CSV to PATH (- for stdout).")
+    ] = None,
+    debug: Annotated[bool, typer.Option("--debug", help=DEBUG_HELP)] = False,
+) -> None:
+    """Measure peak memory (and time, on cpu/cuda) of MODEL with stock and memsave layers.
+
+    Each case x implementation runs in its own worker process. Prints the comparison the paper
+    shows, the layers whose saved tensors change most, a verdict per case, and failed runs.
+    """
+    with reported_errors(ctx, debug):
+        if json_path == STDOUT and csv_path == STDOUT:
+            raise typer.BadParameter("only one of --json and --csv can write to stdout (-)")
+        from memsave_cli.api import profile as profile_core
+        from memsave_cli.render.csv import report_csv
+        from memsave_cli.render.profile import print_profile
+
+        cases = select_cases(case, trainable, input_grad)
+        impls = impl_names(impl)
+        with progress_bar(f"profiling {model}", len(cases) * len(impls)) as advance:
+            report = profile_core(
+                model,
+                cases=cases,
+                impls=impls,
+                device=device.value,
+                batch_size=batch_size,
+                input_shape=parse_shape(input_shape),
+                dtype=dtype.value,
+                bn_eval=bn_eval,
+                optimizer=optimizer.value if optimizer else None,
+                repeat=repeat,
+                timeout=timeout,
+                model_kwargs=kwarg or (),
+                workers=workers,
+                on_run=lambda run: advance(f"{run.case}/{run.impl}: {run.status.value}"),
+            )
+        print_profile(human_console(json_path, csv_path), report, top=top)
+        if json_path is not None:
+            write_output(json_path, report.to_json())
+        if csv_path is not None:
+            write_output(csv_path, report_csv(report))
+    if report.runs and not any(run.ok for run in report.runs):
+        raise typer.Exit(USAGE_EXIT)  # nothing measured: the table above says why
