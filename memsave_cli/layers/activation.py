@@ -1,0 +1,265 @@
+"""ReLU, LeakyReLU, ReLU6 and Hardtanh that save a 1-bit mask instead of a full-size tensor.
+
+NOTE [which bit each activation keeps]: stock autograd saves a full tensor for these activations
+(ReLU its result, LeakyReLU its input or in place its result, Hardtanh and ReLU6 their input,
+copied before an in-place update), yet its backward reads
+one bit per element of it: ReLU and Hardtanh pass the gradient unless ``saved <= min`` or
+``saved >= max`` (``threshold_backward``, ``hardtanh_backward``; ReLU has ``min = 0`` and no
+``max``), LeakyReLU scales it by the slope unless ``saved > 0``. The drop-ins evaluate that exact
+comparison on the tensor stock would save and keep it as packed bits (``bitmask.py``). Backward
+unpacks the bits into a 0/1 tensor of the gradient's dtype and passes it to the ATen backward
+kernel in place of the saved tensor, so gradients are bitwise equal to stock, NaN included.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.autograd import Function
+
+from memsave_cli.layers._backward import forbid_double_backward
+from memsave_cli.layers.bitmask import layout_of, pack_bits, unpack_as
+from memsave_cli.layers.registry import drop_in
+
+
+class _ReLUFunction(Function):
+    """ReLU keeping one bit per element, set where ``result <= 0`` blocks the gradient."""
+
+    @staticmethod
+    def forward(x: Tensor, inplace: bool, saves_result: bool) -> tuple[Tensor, Tensor]:
+        y = _returned(torch.relu_(x), x) if inplace else torch.relu(x)
+        return y, pack_bits(torch.le(y, 0), layout_of(x))
+
+    @staticmethod
+    def setup_context(ctx, inputs: tuple, output: tuple[Tensor, Tensor]) -> None:
+        x, inplace, _ = inputs
+        _save_bits(ctx, x, output[1], inplace)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor, _bits_grad: None) -> tuple[Tensor | None, None, None]:
+        forbid_double_backward("MemSaveReLU")
+        if not ctx.needs_input_grad[0]:
+            return None, None, None
+        keep = _unpack(ctx, grad, invert=True)
+        # Written over ``keep``: the gradient is the only tensor of input size backward allocates.
+        return (
+            torch.ops.aten.threshold_backward.grad_input(grad, keep, 0, grad_input=keep),
+            None,
+            None,
+        )
+
+
+class _LeakyReLUFunction(Function):
+    """LeakyReLU keeping one bit per element, set where ``saved > 0`` passes the gradient unscaled."""
+
+    @staticmethod
+    def forward(
+        x: Tensor, slope: float, inplace: bool, saves_result: bool
+    ) -> tuple[Tensor, Tensor]:
+        y = _returned(F.leaky_relu(x, slope, inplace), x, inplace)
+        return y, pack_bits(torch.gt(y if saves_result else x, 0), layout_of(x))
+
+    @staticmethod
+    def setup_context(ctx, inputs: tuple, output: tuple[Tensor, Tensor]) -> None:
+        x, ctx.slope, inplace, ctx.saves_result = inputs
+        _save_bits(ctx, x, output[1], inplace)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor, _bits_grad: None) -> tuple[Tensor | None, None, None, None]:
+        forbid_double_backward("MemSaveLeakyReLU")
+        if not ctx.needs_input_grad[0]:
+            return None, None, None, None
+        positive = _unpack(ctx, grad, invert=False)
+        # ``self_is_result`` as stock passes it: in place with a negative slope raises stock's error.
+        grad_input = torch.ops.aten.leaky_relu_backward.grad_input(
+            grad, positive, ctx.slope, ctx.saves_result, grad_input=positive
+        )
+        return grad_input, None, None, None
+
+
+class _HardtanhFunction(Function):
+    """Hardtanh keeping one bit per element, set where the input between the bounds passes it.
+
+    Stock saves the input even in place (a copy taken before it is overwritten), so the bits
+    always come from the input, before an in-place update.
+    """
+
+    @staticmethod
+    def forward(
+        x: Tensor, min_val: float, max_val: float, inplace: bool, saves_result: bool
+    ) -> tuple[Tensor, Tensor]:
+        bits = pack_bits(_hardtanh_keep(x, min_val, max_val), layout_of(x))
+        return _returned(F.hardtanh(x, min_val, max_val, inplace), x, inplace), bits
+
+    @staticmethod
+    def setup_context(ctx, inputs: tuple, output: tuple[Tensor, Tensor]) -> None:
+        x, _min_val, _max_val, inplace, _ = inputs
+        _save_bits(ctx, x, output[1], inplace)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor, _bits_grad: None) -> tuple[Tensor | None, ...]:
+        forbid_double_backward("MemSaveHardtanh/MemSaveReLU6")
+        if not ctx.needs_input_grad[0]:
+            return None, None, None, None, None
+        keep = _unpack(ctx, grad, invert=False)
+        # Written over ``keep``: the gradient is the only tensor of input size backward allocates.
+        grad_input = torch.ops.aten.threshold_backward.grad_input(grad, keep, 0, grad_input=keep)
+        return grad_input, None, None, None, None
+
+
+def _hardtanh_keep(x: Tensor, min_val: float, max_val: float) -> Tensor:
+    """Bool mask of the elements whose gradient stock ``hardtanh_backward`` passes.
+
+    NOTE [NaN in hardtanh_backward]: the kernel's formula blocks ``x <= min or x >= max`` and so
+    passes NaN; its vectorised CPU loop computes ``min < x < max`` instead and blocks
+    NaN (only the few elements of each CPU loop's scalar tail follow the formula). On CPU the mask
+    follows the vectorised loop, elsewhere (CUDA) the formula; both agree on every number.
+    """
+    low, high = kernel_bounds(x.dtype, min_val, max_val)
+    # Allocation: two bool masks of input size, combined in place into the first.
+    if x.device.type == "cpu":
+        return torch.gt(x, low).logical_and_(torch.lt(x, high))
+    return torch.le(x, low).logical_or_(torch.ge(x, high)).logical_not_()
+
+
+def _returned(y: Tensor, x: Tensor, inplace: bool = True) -> Tensor:
+    """The tensor to return: ``x`` itself after an in-place op (``torch.compile`` requires the
+    very input object that ``mark_dirty`` names), ``y`` otherwise."""
+    return x if inplace else y
+
+
+def _save_bits(ctx, x: Tensor, bits: Tensor, inplace: bool) -> None:
+    """Save only the packed bits; in place, mark the input dirty as stock in-place ops do."""
+    ctx.layout = layout_of(x)
+    if inplace:
+        ctx.mark_dirty(x)
+    ctx.mark_non_differentiable(bits)
+    ctx.save_for_backward(bits)
+
+
+def _unpack(ctx, grad: Tensor, *, invert: bool) -> Tensor:
+    """The saved bits as a 0/1 tensor of ``grad``'s dtype (``invert``: 1 where a bit is clear)."""
+    (bits,) = ctx.saved_tensors
+    return unpack_as(bits, ctx.layout, grad.dtype, invert=invert)
+
+
+def _activate(
+    function: type[Function], stock: Callable, x: Tensor, *args: float, inplace: bool
+) -> Tensor:
+    """Apply ``function`` to ``x`` like ``stock(x, *args, inplace)``, saving a 1-bit mask.
+
+    NOTE [in-place drop-ins]: stock runs (and saves nothing) when no gradient can reach ``x``,
+    and for an in-place call on a leaf that requires grad, so the error is stock's own. Autograd
+    forbids a Function that modifies a view in place from returning two tensors (the result and
+    its bits), so an in-place call on a view computes out of place and copies the result back:
+    gradients and the bits (taken from the result, as stock saves it) are the same.
+    """
+    if not (torch.is_grad_enabled() and x.requires_grad) or (inplace and x.is_leaf):
+        return stock(x, *args, inplace)
+    if inplace and x._base is not None:
+        # Allocation: the out-of-place result, freed once copied into the view.
+        return x.copy_(function.apply(x, *args, False, True)[0])
+    return function.apply(x, *args, inplace, inplace)[0]
+
+
+def kernel_bounds(dtype: torch.dtype, min_val: float, max_val: float) -> tuple[float, float]:
+    """Bounds in ``dtype`` with ``x <= low`` and ``x >= high`` exactly as ``hardtanh_backward`` decides.
+
+    NOTE [hardtanh bounds in reduced precision]: the ATen kernel compares in its math type (float32
+    for float32, float16 and bfloat16; float64 for float64) against the bounds rounded to that
+    type. For float16/bfloat16 inputs that equals comparing against the nearest representable
+    value on the safe side of each bound; a plain ``x <= min_val`` would round ``min_val`` to the
+    nearest bfloat16 instead and disagree with stock next to the bound.
+    """
+    if dtype == torch.float64:
+        return float(min_val), float(max_val)
+    low, high = _float32(min_val), _float32(max_val)
+    if dtype == torch.bfloat16:
+        return _bfloat16_bracket(low)[0], _bfloat16_bracket(high)[1]
+    if dtype == torch.float16:
+        return _float16_bracket(low)[0], _float16_bracket(high)[1]
+    return low, high
+
+
+def _float32(value: float) -> float:
+    """``value`` rounded to the nearest float32, overflowing to infinity."""
+    try:
+        return struct.unpack("<f", struct.pack("<f", value))[0]
+    except OverflowError:
+        return math.copysign(math.inf, value)
+
+
+def _bfloat16_bracket(value: float) -> tuple[float, float]:
+    """The largest bfloat16 <= ``value`` and the smallest >= it, for a float32 ``value``."""
+    if math.isnan(value):
+        return value, value
+    bits = struct.unpack("<I", struct.pack("<f", value))[0]
+    toward_zero = bits & 0xFFFF0000
+    if toward_zero == bits:
+        return value, value
+    near = struct.unpack("<f", struct.pack("<I", toward_zero))[0]
+    far = struct.unpack("<f", struct.pack("<I", toward_zero + 0x10000))[0]
+    return min(near, far), max(near, far)
+
+
+def _float16_bracket(value: float) -> tuple[float, float]:
+    """The largest float16 <= ``value`` and the smallest >= it, for a float32 ``value``."""
+    if math.isnan(value):
+        return value, value
+    try:
+        nearest = struct.unpack("<e", struct.pack("<e", value))[0]
+    except OverflowError:
+        nearest = math.copysign(math.inf, value)
+    if nearest == value:
+        return value, value
+    bits = struct.unpack("<H", struct.pack("<e", nearest))[0]
+    step = 1 if abs(value) > abs(nearest) else -1
+    neighbour = struct.unpack("<e", struct.pack("<H", bits + step))[0]
+    return min(nearest, neighbour), max(nearest, neighbour)
+
+
+@drop_in(nn.ReLU)
+class MemSaveReLU(nn.ReLU):
+    """``nn.ReLU`` saving a 1-bit mask (numel / 8 bytes) instead of its full result."""
+
+    def forward(self, input: Tensor) -> Tensor:
+        return _activate(_ReLUFunction, F.relu, input, inplace=self.inplace)
+
+
+@drop_in(nn.LeakyReLU)
+class MemSaveLeakyReLU(nn.LeakyReLU):
+    """``nn.LeakyReLU`` saving a 1-bit mask (numel / 8 bytes) instead of its input."""
+
+    def forward(self, input: Tensor) -> Tensor:
+        return _activate(
+            _LeakyReLUFunction, F.leaky_relu, input, self.negative_slope, inplace=self.inplace
+        )
+
+
+def _hardtanh(module: nn.Hardtanh, input: Tensor) -> Tensor:
+    """Hardtanh (or ReLU6) of ``input`` with ``module``'s bounds, saving a 1-bit mask."""
+    if module.min_val > module.max_val:
+        raise ValueError("min_val cannot be greater than max_val")
+    bounds = (module.min_val, module.max_val)
+    return _activate(_HardtanhFunction, F.hardtanh, input, *bounds, inplace=module.inplace)
+
+
+@drop_in(nn.Hardtanh)
+class MemSaveHardtanh(nn.Hardtanh):
+    """``nn.Hardtanh`` saving a 1-bit mask (numel / 8 bytes) instead of its input."""
+
+    def forward(self, input: Tensor) -> Tensor:
+        return _hardtanh(self, input)
+
+
+@drop_in(nn.ReLU6)
+class MemSaveReLU6(nn.ReLU6):
+    """``nn.ReLU6`` saving a 1-bit mask (numel / 8 bytes) instead of its input."""
+
+    def forward(self, input: Tensor) -> Tensor:
+        return _hardtanh(self, input)
