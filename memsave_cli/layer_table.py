@@ -83,7 +83,7 @@ def layer_row(
     cls: type[nn.Module], example: _Example, mode: str, dtype: torch.dtype = torch.float32
 ) -> LayerRow:
     """Measure stock and memsave versions of ``cls`` in every setting."""
-    from memsave_cli.layers import convert
+    from memsave_cli.layers.convert import convert
 
     with torch.device("meta"):
         stock = example.build().to(dtype).train(mode != "eval")
@@ -116,26 +116,29 @@ def saved_in_setting(
 
 
 def describe(saved: list[Tensor], smaller: list[Tensor], module: nn.Module, x: Tensor) -> str:
-    """Name what was saved: input, parameter names, or dtype with its size relative to x.
+    """Name what was saved: input, weights, or a dtype with its size relative to the input.
 
     ``smaller`` holds the same saves from a run with a smaller batch: a tensor of the same size
     there does not grow with the batch (statistics, placeholders) and shows as ``f32[4]``.
     """
-    names = {t.untyped_storage(): n for n, t in _state(module)}
+    state = {t.untyped_storage() for _, t in _state(module)}
     labels: dict[str, int] = {}
     for index, tensor in enumerate(saved):
         storage = tensor.untyped_storage()
         if storage is x.untyped_storage():
             label = "input"
-        elif storage in names:
-            label = names[storage]
+        elif storage in state:
+            label = "weights"  # parameters and buffers: in memory anyway, never per element
         else:
             fixed = index < len(smaller) and storage_nbytes(smaller[index]) == storage_nbytes(
                 tensor
             )
             label = _relative_label(tensor, x, fixed)
         labels[label] = labels.get(label, 0) + 1
-    return ", ".join(f"{k} x{n}" if n > 1 else k for k, n in labels.items()) or "nothing"
+    return (
+        ", ".join(k if n == 1 or k == "weights" else f"{k} x{n}" for k, n in labels.items())
+        or "nothing"
+    )
 
 
 @dataclass(frozen=True)
@@ -213,5 +216,5 @@ def _relative_label(tensor: Tensor, x: Tensor, fixed: bool) -> str:
 
 
 def _import_layers() -> None:
-    """Import the drop-ins so that they register themselves."""
-    import memsave_cli.layers  # noqa: F401
+    """Import the drop-ins so that they register themselves (the converter imports them all)."""
+    import memsave_cli.layers.convert  # noqa: F401

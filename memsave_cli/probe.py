@@ -142,7 +142,7 @@ def build_stack(spec: ProbeLayer, depth: int, scenario: str, device: str) -> nn.
     for index, layer in enumerate(model, start=1):
         layer.requires_grad_(_trains(scenario, index))
     if scenario.endswith("memsave"):
-        from memsave_cli.layers import convert
+        from memsave_cli.layers.convert import convert
 
         model = convert(model)
     return model

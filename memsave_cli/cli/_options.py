@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 from enum import Enum
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 
 class Dtype(str, Enum):
@@ -34,7 +36,9 @@ class Optimizer(str, Enum):
 
 
 def torch_dtype(dtype: Dtype) -> torch.dtype:
-    """The torch dtype a Dtype choice names."""
+    """The torch dtype a Dtype choice names (torch is imported only when a command runs)."""
+    import torch
+
     return getattr(torch, dtype.value)
 
 

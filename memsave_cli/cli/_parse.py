@@ -4,10 +4,15 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import typer
 
-from memsave_cli.cases import PAPER_CASES, Case, resolve_case
+if TYPE_CHECKING:
+    from memsave_cli.cases import Case
+
+#: The paper's cases, the default (as in ``memsave_cli.cases``, which imports torch).
+PAPER_CASES = ("all", "input", "norm", "surgical")
 
 
 def select_cases(
@@ -16,6 +21,8 @@ def select_cases(
     """The cases to measure: the paper's four by default (as names, so that the core may skip
     ``norm`` on models without norm layers), else the named ones plus a custom case for
     ``--trainable`` patterns. ``input_grad`` applies to every case it is given with."""
+    from memsave_cli.cases import resolve_case
+
     names = list(names or ())
     patterns = tuple(trainable or ())
     if not names and not patterns and input_grad is None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
@@ -11,27 +12,31 @@ from memsave_cli.layer_table import SETTINGS, LayerRow, Saved
 
 _SETTING_HEADINGS = {"input": "input grad", "weights": "weight grad", "both": "both"}
 
+#: Settings shown as columns; ``both`` is in the JSON (memsave saves as stock does there).
+_SHOWN = ("input", "weights")
 
-def layers_table(rows: list[LayerRow], dtype: str) -> Table:
+
+def layers_table(rows: list[LayerRow], dtype: str) -> Group:
     """Bytes saved per input element, PyTorch -> memsave, per differentiability setting."""
     table = Table(
-        title=f"Saved for backward per input element ({dtype} bytes), PyTorch -> memsave",
-        title_justify="left",
-        caption="input grad: weights frozen, input differentiable (memsave's case); "
-        "weight grad: input not differentiable; measured on meta",
+        caption="input grad: weights frozen, input differentiable (memsave's case); weight "
+        "grad: input not differentiable. * no drop-in: the stock layer is already optimal. "
+        "Measured on meta (as on cpu; cuda's dropout keeps a 1-byte mask).",
         caption_justify="left",
     )
-    table.add_column("Layer")
-    table.add_column("Mode")
-    for name, _, _ in SETTINGS:
-        table.add_column(_SETTING_HEADINGS[name], justify="right")
+    table.add_column("Layer", no_wrap=True)
+    table.add_column("Mode", no_wrap=True)
+    for name in _SHOWN:
+        table.add_column(_SETTING_HEADINGS[name], justify="right", no_wrap=True)
     table.add_column("memsave keeps (input grad)")
     for row in rows:
-        cells = [_cell(row.stock[name], row.memsave[name]) for name, _, _ in SETTINGS]
+        cells = [_cell(row.stock[name], row.memsave[name]) for name in _SHOWN]
         kept = row.memsave["input"].kept if row.memsave["input"] else "-"
-        layer = row.layer if row.converted else f"{row.layer} (stock)"
+        layer = row.layer if row.converted else f"{row.layer} *"
         table.add_row(layer, row.mode, *cells, kept)
-    return table
+    return Group(
+        Text(f"Saved for backward per input element, {dtype} bytes: PyTorch -> memsave"), table
+    )
 
 
 def layers_json(rows: list[LayerRow]) -> str:
@@ -65,4 +70,4 @@ def _cell(stock: Saved | None, memsave: Saved | None) -> Text:
 
 
 def _number(value: float) -> str:
-    return f"{value:.4g}"
+    return f"{value:.3g}"

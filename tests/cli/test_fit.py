@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib
 import json
 import random
 
@@ -15,8 +14,6 @@ from memsave_cli.measure import Job, measure
 from memsave_cli.specs import parse_spec
 
 SHAPE = (3, 16, 16)
-
-has_convert = hasattr(importlib.import_module("memsave_cli.layers"), "convert")
 
 
 def _drive(peak_at, budget, max_batch_size=1 << 20):
@@ -123,7 +120,6 @@ def test_default_cases_skip_norm_without_norm_layers(tiny_models):
     assert "case norm skipped" in result.notes[0]
 
 
-@pytest.mark.skipif(not has_convert, reason="memsave_cli.layers.convert is not available yet")
 def test_memsave_fits_more_with_frozen_weights(tiny_models):
     result = fit(f"{tiny_models}:cnn", budget="8MiB", cases=("input",), input_shape=SHAPE)
     batches = {row.impl: row.batch_size for row in result.rows}

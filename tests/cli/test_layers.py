@@ -12,10 +12,6 @@ from memsave_cli.cli import app
 from memsave_cli.layer_table import BATCHES, SETTINGS, example_for, layer_table, supported_layers
 from memsave_cli.saved import SavedTensorRecorder
 
-layers_pkg = pytest.importorskip("memsave_cli.layers")
-if not hasattr(layers_pkg, "convert"):
-    pytest.skip("memsave_cli.layers.convert is not available yet", allow_module_level=True)
-
 
 @pytest.fixture(scope="module")
 def rows():

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib
 import json
 import sys
 
@@ -13,11 +12,6 @@ from memsave_cli.probe import LAYERS, ProbeError, probe
 
 T = 2**29  # every probe input and hidden tensor takes 512 MiB in float32
 CONV2D_WEIGHT = 2560  # 8*8*3*3 float32 = 2304 bytes, rounded up to 512-byte blocks
-
-needs_convert = pytest.mark.skipif(
-    not hasattr(importlib.import_module("memsave_cli.layers"), "convert"),
-    reason="memsave_cli.layers.convert is not available yet",
-)
 
 
 @pytest.mark.parametrize("layer", list(LAYERS))
@@ -59,7 +53,6 @@ def test_linear_is_already_optimal():
     assert result.curves["only4"][0] - result.curves["none"][0] == pytest.approx(T, rel=1e-3)
 
 
-@needs_convert
 @pytest.mark.parametrize(("layer", "mode"), [("conv2d", "train"), ("bn2d", "eval")])
 def test_memsave_keeps_only_layer_4_input(layer, mode):
     result = probe(layer, depths=(5, 6, 8), mode=mode)

@@ -1,0 +1,82 @@
+"""The ``memsave`` app itself: version, help with examples, ``python -m``, completion, errors."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from memsave_cli import __version__
+from memsave_cli.cli import app
+from memsave_cli.cli._errors import reported_errors
+from memsave_cli.errors import MemsaveError
+
+COMMANDS = ("profile", "check", "fit", "probe", "layers")
+
+
+def test_version(runner):
+    result = runner.invoke(app, ["--version"])
+    assert result.exit_code == 0, result.output
+    assert result.output.strip() == f"memsave {__version__}"
+
+
+def test_no_arguments_shows_help(runner):
+    result = runner.invoke(app, [])
+    assert "Usage" in result.output
+    for command in COMMANDS:
+        assert command in result.output
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_every_command_has_help_with_examples(runner, command):
+    result = runner.invoke(app, [command, "--help"])
+    assert result.exit_code == 0, result.output
+    assert "Examples" in result.output
+    assert f"memsave {command}" in result.output
+    assert "--debug" in result.output
+
+
+def test_shell_completion_is_offered(runner):
+    result = runner.invoke(app, ["--help"])
+    assert "--install-completion" in result.output and "--show-completion" in result.output
+
+
+def test_python_dash_m():
+    result = subprocess.run(
+        [sys.executable, "-m", "memsave_cli", "--version"], capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == f"memsave {__version__}"
+
+
+def test_unknown_command_exits_2(runner):
+    result = runner.invoke(app, ["profiel"])
+    assert result.exit_code == 2
+    assert "profiel" in result.output
+
+
+class _Custom(MemsaveError):
+    exit_code = 3
+
+
+@pytest.mark.parametrize(
+    ("error", "code", "line"),
+    [
+        (MemsaveError("bad spec 'x': expected a:b"), 2, "error: bad spec 'x': expected a:b"),
+        (_Custom("[not] rich markup"), 3, "error: [not] rich markup"),
+        (
+            RuntimeError("shape mismatch\nlong torch detail"),
+            2,
+            "error: RuntimeError: shape mismatch (run with --debug for the traceback)",
+        ),
+        (KeyboardInterrupt(), 130, "error: interrupted"),
+    ],
+)
+def test_errors_become_one_line_and_an_exit_code(capsys, error, code, line):
+    import typer
+
+    with pytest.raises(typer.Exit) as exit_info, reported_errors(None):
+        raise error
+    assert exit_info.value.exit_code == code
+    assert capsys.readouterr().err.strip() == line
