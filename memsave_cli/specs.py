@@ -82,13 +82,13 @@ def build_model(spec: ModelSpec) -> nn.Module:
     Any failure of the builder is a SpecError naming the spec, except running out of memory, which
     is an outcome of the measurement and propagates unchanged.
     """
-    builder = _BUILDERS[spec.kind]
     try:
-        model = _on_default_device(lambda: builder(spec))
+        model = _on_default_device(lambda: _BUILDERS[spec.kind](spec))
     except (MemsaveError, torch.OutOfMemoryError, MemoryError):
         raise
     except Exception as error:
-        raise SpecError(f"building {spec.text} raised {_describe(error)}") from error
+        who = spec.text if spec.kind in ("module", "file") else f"building {spec.text}"
+        raise SpecError(f"{who} raised {_describe(error)}") from error
     if not isinstance(model, nn.Module):
         raise SpecError(f"{spec.text} returned {type(model).__name__}, not a torch.nn.Module")
     return model
@@ -212,13 +212,8 @@ def _build_torchvision(spec: ModelSpec) -> nn.Module:
 
 def _build_callable(spec: ModelSpec) -> nn.Module:
     factory = resolve_callable(spec)
-    try:
-        with _on_sys_path(_search_dir(spec)):
-            return factory(**dict(spec.kwargs))
-    except (torch.OutOfMemoryError, MemoryError):
-        raise
-    except Exception as error:
-        raise SpecError(f"{spec.text} raised {_describe(error)}") from error
+    with _on_sys_path(_search_dir(spec)):
+        return factory(**dict(spec.kwargs))
 
 
 def _load_module(spec: ModelSpec) -> ModuleType:
@@ -227,16 +222,12 @@ def _load_module(spec: ModelSpec) -> ModuleType:
     try:
         with _on_sys_path(os.getcwd()):
             return importlib.import_module(spec.target)
-    except ModuleNotFoundError as error:
-        if error.name and spec.target.startswith(error.name):
-            raise SpecError(f"{spec.text}: no module named '{error.name}'") from error
-        raise SpecError(
-            f"{spec.text}: importing '{spec.target}' raised {_describe(error)}"
-        ) from error
     except Exception as error:
-        raise SpecError(
-            f"{spec.text}: importing '{spec.target}' raised {_describe(error)}"
-        ) from error
+        missing = isinstance(error, ModuleNotFoundError) and error.name
+        if missing and spec.target.startswith(missing):
+            raise SpecError(f"{spec.text}: no module named '{missing}'") from error
+        message = f"{spec.text}: importing '{spec.target}' raised {_describe(error)}"
+        raise SpecError(message) from error
 
 
 def _load_file(spec: ModelSpec) -> ModuleType:
@@ -316,12 +307,17 @@ def _check_hf_target(text: str, target: str) -> None:
 def _build_hf(spec: ModelSpec) -> nn.Module:
     transformers = _import_transformers(spec.text)
     try:
-        config = transformers.AutoConfig.from_pretrained(spec.target, **dict(spec.kwargs))
+        config, unused = transformers.AutoConfig.from_pretrained(
+            spec.target, return_unused_kwargs=True, **dict(spec.kwargs)
+        )
     except (OSError, ValueError) as error:
         raise SpecError(
             f"{spec.text}: cannot read a config for '{spec.target}' ({_describe(error)}); "
             "offline, give a local directory with a config.json"
         ) from error
+    if unused:
+        names = ", ".join(sorted(unused))
+        raise SpecError(f"{spec.text}: {type(config).__name__} has no setting {names}")
     model_class = _hf_model_class(transformers, config)
     from_config = getattr(model_class, "from_config", None) or model_class._from_config
     return from_config(config)

@@ -216,6 +216,13 @@ def test_module_spec_builds_on_the_default_device() -> None:
 
 
 @pytest.mark.usefixtures("on_path")
+def test_factory_that_computes_with_tensor_values_builds_on_meta() -> None:
+    with torch.device("meta"):
+        model = build_model(parse_spec("tiny_models:make_sized", ["width=5"]))
+    assert (model.in_features, model.weight.device.type) == (10, "meta")
+
+
+@pytest.mark.usefixtures("on_path")
 def test_module_spec_finds_its_companion_inputs() -> None:
     assert companion_inputs(parse_spec("tiny_models:make_mlp")) is not None
     assert companion_inputs(parse_spec("tiny_models:make_conv")) is None
@@ -412,6 +419,13 @@ def test_hf_model_class_follows_the_config(tmp_path: Path, family: str, expected
     with torch.device("meta"):
         model = build_model(parse_spec(f"hf:{_config_dir(tmp_path, config)}"))
     assert type(model).__name__ == expected
+
+
+def test_hf_kwargs_the_config_does_not_know(tmp_path: Path) -> None:
+    transformers = pytest.importorskip("transformers")
+    text = f"hf:{_config_dir(tmp_path, _tiny_llama(transformers))}"
+    message = _error(text, ["num_hidden_layer=1", "colour=red"], build=True)
+    assert message == f"{text}: LlamaConfig has no setting colour, num_hidden_layer"
 
 
 def test_hf_directory_without_config(tmp_path: Path) -> None:
