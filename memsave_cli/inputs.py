@@ -246,6 +246,11 @@ def _hf_example(
     position ids or mask values (``.all()``), which meta tensors do not have."""
     params = inspect.signature(model.forward).parameters
     table = model.get_input_embeddings()
+    if not isinstance(table, nn.Embedding):
+        raise SpecError(
+            f"{type(model).__name__} does not take token ids: wrap it in a callable spec with a "
+            "<callable>_inputs(batch_size) companion"
+        )
     length = shape[0] if shape else min(SEQUENCE_LENGTH, _max_positions(model.config))
     kwargs: dict[str, Any] = {}
     if embeds:

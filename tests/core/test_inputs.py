@@ -297,6 +297,22 @@ def test_encoder_without_head_sums_its_outputs(tmp_path: Path, device: str) -> N
         )
 
 
+def test_hf_model_without_token_ids_says_what_to_do(tmp_path: Path) -> None:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.ViTConfig(
+        hidden_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=32,
+        image_size=32,
+    )
+    config.save_pretrained(tmp_path)
+    with pytest.raises(
+        SpecError, match="ViTModel does not take token ids: wrap it in a callable spec"
+    ):
+        _example(f"hf:{tmp_path}", "meta", batch_size=2)
+
+
 # -- user callables ------------------------------------------------------------------------------
 
 
