@@ -12,18 +12,19 @@ from memsave_cli.layer_table import SETTINGS, LayerRow, Saved
 
 _SETTING_HEADINGS = {"input": "input grad", "weights": "weight grad", "both": "both"}
 
+_FOOTNOTE = (
+    "input grad: weights frozen, input differentiable (memsave's case); weight grad: input not "
+    "differentiable. * no drop-in: the stock layer is already optimal. Measured on meta, as on "
+    "cpu (cuda's stock dropout keeps a 1-byte mask instead)."
+)
+
 #: Settings shown as columns; ``both`` is in the JSON (memsave saves as stock does there).
 _SHOWN = ("input", "weights")
 
 
 def layers_table(rows: list[LayerRow], dtype: str) -> Group:
     """Bytes saved per input element, PyTorch -> memsave, per differentiability setting."""
-    table = Table(
-        caption="input grad: weights frozen, input differentiable (memsave's case); weight "
-        "grad: input not differentiable. * no drop-in: the stock layer is already optimal. "
-        "Measured on meta (as on cpu; cuda's dropout keeps a 1-byte mask).",
-        caption_justify="left",
-    )
+    table = Table()
     table.add_column("Layer", no_wrap=True)
     table.add_column("Mode", no_wrap=True)
     for name in _SHOWN:
@@ -34,9 +35,8 @@ def layers_table(rows: list[LayerRow], dtype: str) -> Group:
         kept = row.memsave["input"].kept if row.memsave["input"] else "-"
         layer = row.layer if row.converted else f"{row.layer} *"
         table.add_row(layer, row.mode, *cells, kept)
-    return Group(
-        Text(f"Saved for backward per input element, {dtype} bytes: PyTorch -> memsave"), table
-    )
+    title = Text(f"Saved for backward per input element, {dtype} bytes: PyTorch -> memsave")
+    return Group(title, table, Text(_FOOTNOTE, style="dim"))
 
 
 def layers_json(rows: list[LayerRow]) -> str:

@@ -34,8 +34,6 @@ def comparison_table(report: Report) -> RenderableType:
     reference = summary.reference_case(report)
     against = "PyTorch 'all'" if reference else "PyTorch, same case"
     table = Table(
-        caption=_CAPTION,
-        caption_justify="left",
         box=box.SIMPLE_HEAD,
         pad_edge=False,
     )
@@ -53,7 +51,7 @@ def comparison_table(report: Report) -> RenderableType:
         for impl in summary.impls_of(report):
             values = [_cell_text(cells.get((impl, case)), metric, scale) for case in cases]
             table.add_row(summary.IMPL_LABELS.get(impl, impl), *values)
-    return titled(f"{report.model}: memory and time, ratio to {against}", table)
+    return titled(f"{report.model}: memory and time, ratio to {against}", table, _CAPTION)
 
 
 def layer_table(report: Report, cases: list[str], top: int) -> RenderableType | None:
@@ -82,15 +80,18 @@ def layer_table(report: Report, cases: list[str], top: int) -> RenderableType | 
             format_bytes(row.memsave),
             format_bytes(row.difference, signed=True),
         )
+    footnote = None
     if any(row.shared for row in rows):
-        table.caption = "* also saves a storage another layer saves (counted once, here)"
-        table.caption_justify = "left"
-    return titled(title, table)
+        footnote = "* also saves a storage another layer saves (counted once, here)"
+    return titled(title, table, footnote)
 
 
-def titled(title: str, table: Table) -> Group:
-    """``table`` under a title line that is never wrapped to the table's width."""
-    return Group(Text(title, style="italic"), table)
+def titled(title: str, table: Table, footnote: str | None = None) -> Group:
+    """``table`` between a title and a footnote line, neither wrapped to the table's width."""
+    parts: list[RenderableType] = [Text(title, style="italic"), table]
+    if footnote:
+        parts.append(Text(footnote, style="dim"))
+    return Group(*parts)
 
 
 def layer_tables(report: Report, top: int) -> list[RenderableType]:

@@ -93,7 +93,9 @@ def layer_rows(report: Report, case: str, top: int) -> tuple[list[LayerRow], int
     for layer in stock.layers:
         rows[layer.name] = LayerRow(layer.name, layer.type, layer.saved_bytes, 0, layer.shared)
     for layer in memsave.layers:
-        old = rows.get(layer.name, LayerRow(layer.name, layer.type, 0, 0, False))
+        # A drop-in's type name is its stock class's with a prefix: show the stock name.
+        kind = layer.type.removeprefix("MemSave")
+        old = rows.get(layer.name, LayerRow(layer.name, kind, 0, 0, False))
         rows[layer.name] = LayerRow(
             old.name, old.type, old.stock, layer.saved_bytes, old.shared or layer.shared
         )

@@ -7,6 +7,7 @@ import io
 import json
 
 import pytest
+import torch
 
 import memsave_cli.api
 from memsave_cli.cases import Case, resolve_case
@@ -194,6 +195,13 @@ def test_glob_selecting_nothing_exits_2(runner, tiny_models):
     result = runner.invoke(app, args)
     assert result.exit_code == 2, result.output
     assert "pattern 'nothing.*' selects no parameter" in result.output
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_cuda_without_gpu_exits_2(runner, tiny_models):
+    result = runner.invoke(app, ["profile", f"{tiny_models}:cnn", "--device", "cuda"])
+    assert result.exit_code == 2, result.output
+    assert "no CUDA device" in result.output
 
 
 def test_debug_shows_traceback(runner, tiny_models):

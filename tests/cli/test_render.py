@@ -117,3 +117,18 @@ def test_csv_has_one_row_per_run(paper_report):
         assert int(row["peak_bytes"]) == run.peak_bytes
         assert row["time_s"] == ""
     assert list(rows[0])[-len(RUN_COLUMNS) :] == list(RUN_COLUMNS)
+
+
+def test_layer_rows_name_drop_ins_by_their_stock_type(paper_report, make_run):
+    from memsave_cli.report import LayerSaved
+
+    stock = make_run("all", "stock", 100 * MIB, layers=(LayerSaved("relu", "ReLU", 4 * MIB),))
+    memsave = make_run(
+        "all", "memsave", 90 * MIB, layers=(LayerSaved("conv", "MemSaveConv2d", 2 * MIB),)
+    )
+    rows, total = summary.layer_rows(paper_report.with_runs((stock, memsave)), "all", top=5)
+    assert total == 2
+    assert {(r.name, r.type, r.stock, r.memsave) for r in rows} == {
+        ("relu", "ReLU", 4 * MIB, 0),
+        ("conv", "Conv2d", 0, 2 * MIB),
+    }
