@@ -33,7 +33,7 @@ class _ReLUFunction(Function):
     @staticmethod
     def forward(x: Tensor, inplace: bool, saves_result: bool) -> tuple[Tensor, Tensor]:
         y = _returned(torch.relu_(x), x) if inplace else torch.relu(x)
-        return y, pack_bits(torch.le(y, 0), layout_of(x))
+        return y, pack_bits(torch.le(y, 0), layout_of(x), scratch=True)
 
     @staticmethod
     def setup_context(ctx, inputs: tuple, output: tuple[Tensor, Tensor]) -> None:
@@ -62,7 +62,7 @@ class _LeakyReLUFunction(Function):
         x: Tensor, slope: float, inplace: bool, saves_result: bool
     ) -> tuple[Tensor, Tensor]:
         y = _returned(F.leaky_relu(x, slope, inplace), x, inplace)
-        return y, pack_bits(torch.gt(y if saves_result else x, 0), layout_of(x))
+        return y, pack_bits(torch.gt(y if saves_result else x, 0), layout_of(x), scratch=True)
 
     @staticmethod
     def setup_context(ctx, inputs: tuple, output: tuple[Tensor, Tensor]) -> None:
@@ -93,7 +93,7 @@ class _HardtanhFunction(Function):
     def forward(
         x: Tensor, min_val: float, max_val: float, inplace: bool, saves_result: bool
     ) -> tuple[Tensor, Tensor]:
-        bits = pack_bits(_hardtanh_keep(x, min_val, max_val), layout_of(x))
+        bits = pack_bits(_hardtanh_keep(x, min_val, max_val), layout_of(x), scratch=True)
         return _returned(F.hardtanh(x, min_val, max_val, inplace), x, inplace), bits
 
     @staticmethod

@@ -56,10 +56,11 @@ def packed_numel(numel: int) -> int:
     return -(-numel // 8)
 
 
-def pack_bits(mask: Tensor, layout: BitLayout | None = None) -> Tensor:
+def pack_bits(mask: Tensor, layout: BitLayout | None = None, *, scratch: bool = False) -> Tensor:
     """Pack the bool tensor ``mask`` into ``ceil(numel / 8)`` uint8 bytes, bits in ``layout`` order.
 
-    ``layout`` defaults to ``layout_of(mask)``; ``mask`` itself is never modified.
+    ``layout`` defaults to ``layout_of(mask)``. ``mask`` is left alone unless ``scratch`` says it
+    is a temporary of the caller's: packing then works in its memory instead of allocating.
     """
     if mask.dtype != torch.bool:
         raise ValueError(f"pack_bits expects a bool mask, got dtype {mask.dtype}.")
@@ -72,9 +73,10 @@ def pack_bits(mask: Tensor, layout: BitLayout | None = None) -> Tensor:
     if padding or _misaligned(flat):
         # Allocation: a copy of the mask rounded up to whole int64 words (odd sizes, offset views).
         flat = torch.cat([flat, flat.new_zeros(padding)])
+        scratch = True
     words = flat.view(torch.int64)
-    # Allocation: one int64 per packed byte, whose top byte is then copied out compactly.
-    product = words * _GATHER
+    # Allocation unless ``scratch``: the products, whose top bytes are then copied out compactly.
+    product = words.mul_(_GATHER) if scratch else words * _GATHER
     return product.view(torch.uint8)[_TOP_BYTE::8].clone()
 
 
@@ -92,7 +94,7 @@ def unpack_as(
             f"Packed bits mismatch: expected uint8 of shape ({expected},), "
             f"got {bits.dtype} of shape {tuple(bits.shape)}."
         )
-    table = _byte_table(bits.device, dtype, invert)
+    table = _byte_table(bits, dtype, invert)
     # Allocation: the unpacked mask, eight values per packed byte.
     flat = table.index_select(0, bits.to(torch.int32)).view(-1)[: layout.numel]
     physical = [layout.shape[dim] for dim in layout.order]
@@ -113,8 +115,30 @@ def _misaligned(flat: Tensor) -> bool:
     return not torch.compiler.is_compiling() and flat.storage_offset() % 8 != 0
 
 
-def _byte_table(device: torch.device, dtype: torch.dtype, invert: bool) -> Tensor:
-    """A 256 x 8 table: row ``b`` holds the eight bits of byte ``b``, lowest bit first."""
+def _byte_table(bits: Tensor, dtype: torch.dtype, invert: bool) -> Tensor:
+    """A 256 x 8 table for unpacking ``bits``: row ``b`` holds the bits of byte ``b``, lowest first.
+
+    Tables for plain CPU tensors are cached (building one costs more than a small unpack); for
+    other devices, fake tensors and under ``torch.compile`` they are built alongside ``bits``.
+    """
+    cacheable = (
+        type(bits) is Tensor and bits.device.type == "cpu" and not torch.compiler.is_compiling()
+    )
+    key = (dtype, invert)
+    if cacheable and key in _CPU_TABLES:
+        return _CPU_TABLES[key]
+    table = _build_byte_table(bits.device, dtype, invert)
+    if cacheable:
+        _CPU_TABLES[key] = table
+    return table
+
+
+#: CPU byte tables by (dtype, invert).
+_CPU_TABLES: dict[tuple[torch.dtype, bool], Tensor] = {}
+
+
+def _build_byte_table(device: torch.device, dtype: torch.dtype, invert: bool) -> Tensor:
+    """The table of ``_byte_table``, built with tensor operations on ``device``."""
     codes = torch.arange(256, device=device, dtype=torch.int32).unsqueeze(1)
     shifts = torch.arange(8, device=device, dtype=torch.int32)
     set_bits = torch.bitwise_right_shift(codes, shifts).bitwise_and_(1)
