@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass, replace
 
 import torch
 
+from memsave_cli.api import resolve_device
 from memsave_cli.budget import parse_bytes
 from memsave_cli.cases import PAPER_CASES, Case, has_norm_layers, resolve_case
 from memsave_cli.errors import MemsaveError
@@ -82,12 +83,16 @@ def fit(
 
     The peak is ``peak_bytes``: forward, backward and (with ``optimizer``) the optimizer step.
     On meta the measurements run in this process; on cpu and cuda each runs in its own worker.
+    ``device="auto"`` is cuda when available, else meta.
     """
     budget_bytes = parse_bytes(budget) if isinstance(budget, str) else int(budget)
     if budget_bytes < 1 or max_batch_size < 1:
         raise FitError("budget and maximum batch size must be positive")
     spec = parse_spec(model, model_kwargs)
-    chosen, notes = _cases(spec, cases)
+    notes: list[str] = []
+    device = resolve_device(device, notes)
+    chosen, skipped = _cases(spec, cases)
+    notes.extend(skipped)
     jobs = {
         (case, impl): Job(
             spec,

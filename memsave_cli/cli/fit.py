@@ -76,7 +76,7 @@ def fit(
                 budget=budget,
                 cases=select_cases(case, trainable, input_grad),
                 impls=impl_names(impl),
-                device=_device(device),
+                device=device.value,
                 dtype=dtype.value,
                 input_shape=parse_shape(input_shape),
                 bn_eval=bn_eval,
@@ -94,12 +94,3 @@ def fit(
             console.print(f"note: {note}", style="yellow", markup=False)
         if json_path is not None:
             write_output(json_path, result.to_json())
-
-
-def _device(device: Device) -> str:
-    """``auto`` means cuda when available; fit's default is meta, which needs no GPU."""
-    if device is Device.auto:
-        import torch
-
-        return "cuda" if torch.cuda.is_available() else "meta"
-    return device.value

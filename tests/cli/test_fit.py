@@ -6,6 +6,7 @@ import json
 import random
 
 import pytest
+import torch
 
 from memsave_cli.cases import resolve_case
 from memsave_cli.cli import app
@@ -36,6 +37,14 @@ def _brute_force(peak_at, budget, max_batch_size):
             break
         best = batch
     return best
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_fit_on_cuda_without_gpu_exits_2(runner, tiny_models):
+    args = ["fit", f"{tiny_models}:mlp", "--budget", "1GiB", "--device", "cuda"]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 2, result.output
+    assert "no CUDA device" in result.output
 
 
 def test_search_is_exact_for_monotone_peaks():
@@ -139,6 +148,7 @@ def test_memsave_fits_more_with_frozen_weights(tiny_models):
         (["--budget", "1GiB", "--case", "norm"], "case 'norm' selects nothing"),
         (["--budget", "1GiB", "--input-shape", "16,0"], "is not a shape"),
         (["--budget", "1GiB", "--max-batch-size", "0"], "--max-batch-size"),
+        (["--budget", "1GiB", "--device", "tpu"], "--device"),
     ],
 )
 def test_fit_bad_input_exits_2(runner, tiny_models, args, message):
