@@ -1,14 +1,17 @@
 """ReLU, LeakyReLU, ReLU6 and Hardtanh that save a 1-bit mask instead of a full-size tensor.
 
 NOTE [which bit each activation keeps]: stock autograd saves a full tensor for these activations
-(ReLU its result, LeakyReLU its input or in place its result, Hardtanh and ReLU6 their input,
-copied before an in-place update), yet its backward reads
-one bit per element of it: ReLU and Hardtanh pass the gradient unless ``saved <= min`` or
-``saved >= max`` (``threshold_backward``, ``hardtanh_backward``; ReLU has ``min = 0`` and no
-``max``), LeakyReLU scales it by the slope unless ``saved > 0``. The drop-ins evaluate that exact
-comparison on the tensor stock would save and keep it as packed bits (``bitmask.py``). Backward
-unpacks the bits into a 0/1 tensor of the gradient's dtype and passes it to the ATen backward
-kernel in place of the saved tensor, so gradients are bitwise equal to stock, NaN included.
+(ReLU its result; LeakyReLU its input, or its result when in place; Hardtanh and ReLU6 their
+input, copied before an in-place update), yet its backward reads one bit per element of it:
+ReLU passes the gradient unless ``result <= 0`` (``threshold_backward``), Hardtanh unless the
+input is at or beyond a bound (``hardtanh_backward``), LeakyReLU passes it unscaled where
+``saved > 0`` (``leaky_relu_backward``). The drop-ins evaluate that exact comparison on the tensor
+stock would save and keep it as packed bits (``bitmask.py``). Backward unpacks the bits into a
+0/1 tensor of the gradient's dtype and hands it to the ATen backward kernel in place of the saved
+tensor, so gradients are bitwise equal to stock, infinities and NaN included.
+
+Every Function takes ``inplace`` (modify ``x``) and ``saves_result`` (which tensor stock would
+save, for LeakyReLU); they differ only for an in-place call on a view (NOTE [in-place drop-ins]).
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ class _ReLUFunction(Function):
 
     @staticmethod
     def forward(x: Tensor, inplace: bool, saves_result: bool) -> tuple[Tensor, Tensor]:
-        y = _returned(torch.relu_(x), x) if inplace else torch.relu(x)
+        y = _output(torch.relu_(x) if inplace else torch.relu(x), x, inplace)
         return y, pack_bits(torch.le(y, 0), layout_of(x), scratch=True)
 
     @staticmethod
@@ -61,7 +64,7 @@ class _LeakyReLUFunction(Function):
     def forward(
         x: Tensor, slope: float, inplace: bool, saves_result: bool
     ) -> tuple[Tensor, Tensor]:
-        y = _returned(F.leaky_relu(x, slope, inplace), x, inplace)
+        y = _output(F.leaky_relu(x, slope, inplace), x, inplace)
         return y, pack_bits(torch.gt(y if saves_result else x, 0), layout_of(x), scratch=True)
 
     @staticmethod
@@ -94,7 +97,7 @@ class _HardtanhFunction(Function):
         x: Tensor, min_val: float, max_val: float, inplace: bool, saves_result: bool
     ) -> tuple[Tensor, Tensor]:
         bits = pack_bits(_hardtanh_keep(x, min_val, max_val), layout_of(x), scratch=True)
-        return _returned(F.hardtanh(x, min_val, max_val, inplace), x, inplace), bits
+        return _output(F.hardtanh(x, min_val, max_val, inplace), x, inplace), bits
 
     @staticmethod
     def setup_context(ctx, inputs: tuple, output: tuple[Tensor, Tensor]) -> None:
@@ -116,9 +119,10 @@ def _hardtanh_keep(x: Tensor, min_val: float, max_val: float) -> Tensor:
     """Bool mask of the elements whose gradient stock ``hardtanh_backward`` passes.
 
     NOTE [NaN in hardtanh_backward]: the kernel's formula blocks ``x <= min or x >= max`` and so
-    passes NaN; its vectorised CPU loop computes ``min < x < max`` instead and blocks
-    NaN (only the few elements of each CPU loop's scalar tail follow the formula). On CPU the mask
-    follows the vectorised loop, elsewhere (CUDA) the formula; both agree on every number.
+    passes NaN; its vectorised CPU loop passes ``min < x < max`` instead and so blocks NaN. Only
+    the scalar tail of each CPU loop (the last elements, or every element when the input and
+    gradient layouts differ) follows the formula. The mask follows the vectorised loop on CPU and
+    the formula elsewhere (CUDA); the two agree on every number.
     """
     low, high = kernel_bounds(x.dtype, min_val, max_val)
     # Allocation: two bool masks of input size, combined in place into the first.
@@ -127,9 +131,9 @@ def _hardtanh_keep(x: Tensor, min_val: float, max_val: float) -> Tensor:
     return torch.le(x, low).logical_or_(torch.ge(x, high)).logical_not_()
 
 
-def _returned(y: Tensor, x: Tensor, inplace: bool = True) -> Tensor:
-    """The tensor to return: ``x`` itself after an in-place op (``torch.compile`` requires the
-    very input object that ``mark_dirty`` names), ``y`` otherwise."""
+def _output(y: Tensor, x: Tensor, inplace: bool) -> Tensor:
+    """The tensor a Function returns: in place, the input object itself (equal to ``y``), which
+    ``torch.compile`` requires of an input named by ``mark_dirty``."""
     return x if inplace else y
 
 
@@ -156,8 +160,8 @@ def _activate(
     NOTE [in-place drop-ins]: stock runs (and saves nothing) when no gradient can reach ``x``,
     and for an in-place call on a leaf that requires grad, so the error is stock's own. Autograd
     forbids a Function that modifies a view in place from returning two tensors (the result and
-    its bits), so an in-place call on a view computes out of place and copies the result back:
-    gradients and the bits (taken from the result, as stock saves it) are the same.
+    its bits), so an in-place call on a view computes out of place and copies the result back;
+    ``saves_result`` keeps the bits those of the in-place call, so gradients are the same.
     """
     if not (torch.is_grad_enabled() and x.requires_grad) or (inplace and x.is_leaf):
         return stock(x, *args, inplace)
