@@ -93,23 +93,9 @@ def fit(
     device = resolve_device(device, notes)
     chosen, skipped = _cases(spec, cases)
     notes.extend(skipped)
-    jobs = {
-        (case, impl): Job(
-            spec,
-            case,
-            impl,
-            device,
-            dtype,
-            None,
-            _shape(input_shape),
-            bn_eval,
-            optimizer,
-            repeat=1,
-            per_layer=False,
-        )
-        for case in chosen
-        for impl in impls
-    }
+    settings = {"dtype": dtype, "input_shape": _shape(input_shape), "bn_eval": bn_eval}
+    settings |= {"optimizer": optimizer, "repeat": 1, "per_layer": False}
+    jobs = {(c, i): Job(spec, c, i, device, **settings) for c in chosen for i in impls}
     searches = {key: largest_fitting(budget_bytes, max_batch_size) for key in jobs}
     answers = run_searches(searches, jobs, _measurer(device, timeout), on_measure)
     rows = tuple(
@@ -130,27 +116,36 @@ def largest_fitting(budget: int, max_batch_size: int = MAX_BATCH_SIZE) -> Search
 
     if not (yield from fits(1)):
         return 0
-    lo, hi = 1, max_batch_size + 1  # invariant: lo fits, hi does not (or lies past the end)
-    guess = _affine_guess(peaks[1], (yield from _peak(fits, peaks, 2, max_batch_size)), budget)
-    candidate, step = min(max(guess, lo), max_batch_size), 1
-    if (yield from fits(candidate)):
-        lo = candidate
-        while lo + step < hi:
-            if not (yield from fits(lo + step)):
-                hi = lo + step
-                break
-            lo, step = lo + step, step * 2
-    else:
-        hi = candidate
-        while hi - step > lo:
-            if (yield from fits(hi - step)):
-                lo = hi - step
-                break
-            hi, step = hi - step, step * 2
+    second = None
+    if max_batch_size >= 2:
+        yield from fits(2)
+        second = peaks[2]
+    guess = min(max(_affine_guess(peaks[1], second, budget), 1), max_batch_size)
+    # Invariant from here on: lo fits, hi does not (or lies just past the end).
+    lo, hi = yield from _bracket(fits, guess, 1, max_batch_size + 1)
     while hi - lo > 1:
         mid = (lo + hi) // 2
         lo, hi = (mid, hi) if (yield from fits(mid)) else (lo, mid)
     return lo
+
+
+def _bracket(fits, start: int, lo: int, hi: int) -> Generator[int, int | None, tuple[int, int]]:
+    """Gallop from ``start`` (steps 1, 2, 4, ...) up while it fits, or down while it does not,
+    until a fitting and a non-fitting batch size enclose the answer; returns them."""
+    step = 1
+    if (yield from fits(start)):
+        lo = start
+        while lo + step < hi:
+            if not (yield from fits(lo + step)):
+                return lo, lo + step
+            lo, step = lo + step, step * 2
+        return lo, hi
+    hi = start
+    while hi - step > lo:
+        if (yield from fits(hi - step)):
+            return hi - step, hi
+        hi, step = hi - step, step * 2
+    return lo, hi
 
 
 def run_searches(
@@ -181,14 +176,6 @@ def run_searches(
                 batch = stop.value
                 answers[key] = (batch, measured[key].get(max(batch, 1)))
     return {key: answers[key] for key in searches}
-
-
-def _peak(fits, peaks: dict[int, int | None], batch: int, max_batch_size: int):
-    """Peak at ``batch`` (measured through ``fits``), or None past the end of the search."""
-    if batch > max_batch_size:
-        return None
-    yield from fits(batch)
-    return peaks[batch]
 
 
 def _affine_guess(peak1: int | None, peak2: int | None, budget: int) -> int:
