@@ -1,0 +1,298 @@
+"""Max pooling that saves each argmax as a small offset inside its window instead of the input.
+
+NOTE [max-pool window offsets]: stock max pooling saves its input and int64 argmax indices
+(flat positions in the input's spatial plane). Backward needs neither the input (only its shape)
+nor 64 bits per output: an argmax always lies inside its own pooling window, so its offset ``k``
+in that window (``0 <= k < K``, ``K`` the number of window elements) identifies it, and ``k``
+fits in int8 for windows of up to 128 elements (int16 beyond). With ``start(o)`` the flat index
+of output ``o``'s window origin (negative under padding) and ``table[k]`` the flat distance of
+window element ``k`` from it, ``index = start(o) + table[k]``. Forward runs ATen's
+``max_pool{2,3}d_with_indices`` and inverts that relation through a small lookup table over
+``index - start(o)``; backward rebuilds the int64 indices (a deliberate transient) and runs
+ATen's own backward kernel with a shape-only input, so gradients are bitwise stock.
+
+``table`` is injective on the argmaxes only when every inner spatial dimension is at least as
+wide as the window's extent along it (mixed radix); otherwise forward first re-ravels the
+indices into a plane stretched to that extent, where it is.
+
+NOTE [chunked max pooling on CPU]: converting a whole output's int64 indices costs several
+passes over a buffer 8x the output's element count, which on CPU costs as much as the pooling.
+On CPU, forward and backward therefore run the ATen kernels block by block (planes for
+contiguous tensors, batch samples for channels-last ones), writing into slices of the full
+output/gradient, so each block's int64 indices stay in cache. Each plane is pooled
+independently, so the blocks compute exactly what the whole call computes.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor, nn
+from torch._prims_common import suggest_memory_format
+from torch._subclasses.fake_tensor import is_fake
+from torch.nn.modules.utils import _pair, _single, _triple
+
+from memsave_cli.layers._backward import forbid_double_backward, shape_only
+from memsave_cli.layers.registry import drop_in
+
+aten = torch.ops.aten
+
+# Comprehensions below build lists, not generators: torch.compile fails on a generator left
+# unfinished (``all`` stops early), so the layer would not trace with ``fullgraph=True``.
+
+#: Output elements per block in the chunked CPU path (see NOTE [chunked max pooling on CPU]).
+CHUNK_ELEMENTS = 1 << 17
+
+_KERNELS = {
+    2: (aten.max_pool2d_with_indices.out, aten.max_pool2d_with_indices_backward.grad_input),
+    3: (aten.max_pool3d_with_indices.out, aten.max_pool3d_with_indices_backward.grad_input),
+}
+
+
+def offset_dtype(window_elements: int) -> torch.dtype:
+    """Smallest integer dtype holding every offset ``0 .. window_elements - 1``."""
+    for dtype in (torch.int8, torch.int16, torch.int32):
+        if window_elements - 1 <= torch.iinfo(dtype).max:
+            return dtype
+    return torch.int64
+
+
+def _flat_strides(shape: tuple[int, ...]) -> list[int]:
+    """Row-major strides of a plane of ``shape``."""
+    strides = [1] * len(shape)
+    for d in range(len(shape) - 2, -1, -1):
+        strides[d] = strides[d + 1] * shape[d + 1]
+    return strides
+
+
+def _grid_sum(vectors: list[Tensor]) -> Tensor:
+    """``sum_d vectors[d]`` broadcast over the grid: shape ``(len(v_0), len(v_1), ...)``."""
+    total = vectors[0].new_zeros(())
+    for d, vector in enumerate(vectors):
+        total = total + vector.view([-1] + [1] * (len(vectors) - 1 - d))
+    return total
+
+
+def _window_starts(out_shape, stride, padding, strides, device) -> Tensor:
+    """Flat index of every output's window origin in a plane with ``strides``: shape ``out_shape``."""
+    vectors = [
+        (torch.arange(size, device=device) * s - p) * flat
+        for size, s, p, flat in zip(out_shape, stride, padding, strides, strict=True)
+    ]
+    return _grid_sum(vectors)
+
+
+def _window_table(kernel, dilation, strides, device) -> Tensor:
+    """Flat distance of each window element from the window origin, in window order: ``(K,)``."""
+    vectors = [
+        torch.arange(k, device=device) * dil * flat
+        for k, dil, flat in zip(kernel, dilation, strides, strict=True)
+    ]
+    return _grid_sum(vectors).reshape(-1)
+
+
+def _stretched(in_shape, kernel, dilation) -> tuple[int, ...]:
+    """``in_shape`` with inner dimensions widened to the window extent where it exceeds them."""
+    extents = [(k - 1) * dil + 1 for k, dil in zip(kernel, dilation, strict=True)]
+    return (in_shape[0], *[max(n, e) for n, e in zip(in_shape[1:], extents[1:], strict=True)])
+
+
+def _reravel(flat: Tensor, shape: tuple[int, ...], new_shape: tuple[int, ...]) -> Tensor:
+    """Flat indices into a plane of ``shape`` re-expressed in a plane of ``new_shape``."""
+    result, rest = torch.zeros_like(flat), flat
+    for size, stride in zip(reversed(shape), reversed(_flat_strides(new_shape)), strict=True):
+        result += torch.remainder(rest, size) * stride
+        rest = torch.div(rest, size, rounding_mode="floor")
+    return result
+
+
+def _offset_inverse(kernel, dilation, strides, device: torch.device) -> Tensor:
+    """Lookup from a window element's flat distance back to its offset, in :func:`offset_dtype`.
+
+    Only valid where the table is injective (see NOTE [max-pool window offsets]).
+    """
+    table = _window_table(kernel, dilation, strides, device)
+    span = sum(
+        [(k - 1) * dil * flat for k, dil, flat in zip(kernel, dilation, strides, strict=True)]
+    )
+    inverse = table.new_zeros(span + 1, dtype=offset_dtype(table.numel()))
+    inverse[table] = torch.arange(table.numel(), device=device, dtype=inverse.dtype)
+    return inverse
+
+
+class IndexMaps:
+    """The small lookup tensors converting one pooling's flat argmax indices to window offsets.
+
+    ``in_shape``/``out_shape`` are spatial shapes; ``options`` is (kernel, stride, padding,
+    dilation). Built once per call and applied to any block of planes.
+    """
+
+    def __init__(self, in_shape, out_shape, options, device: torch.device) -> None:
+        kernel, stride, padding, dilation = options
+        self.in_shape = tuple(in_shape)
+        self.plane = _stretched(self.in_shape, kernel, dilation)
+        strides = _flat_strides(self.in_shape)
+        self.table = _window_table(kernel, dilation, strides, device)
+        self.starts = _window_starts(out_shape, stride, padding, strides, device)
+        plane_strides = _flat_strides(self.plane)
+        self.inverse = _offset_inverse(kernel, dilation, plane_strides, device)
+        self.plane_starts = self.starts
+        if self.plane != self.in_shape:
+            self.plane_starts = _window_starts(out_shape, stride, padding, plane_strides, device)
+
+    def to_offsets(self, indices: Tensor, out: Tensor) -> Tensor:
+        """Write the window offsets of ATen's flat argmax ``indices`` (consumed) into ``out``."""
+        if self.plane != self.in_shape:
+            indices = _reravel(indices, self.in_shape, self.plane)
+        return torch.take(self.inverse, indices.sub_(self.plane_starts), out=out)
+
+    def to_indices(self, offsets: Tensor) -> Tensor:
+        """ATen's flat int64 argmax indices back from window ``offsets``."""
+        # Deliberate transient: the int64 indices ATen's backward kernel reads.
+        return torch.take(self.table, offsets.long()).add_(self.starts)
+
+
+def _is_chunked(tensor: Tensor) -> bool:
+    """Whether to pool block by block (NOTE [chunked max pooling on CPU])."""
+    return tensor.device.type == "cpu" and not torch.compiler.is_compiling() and not is_fake(tensor)
+
+
+def _blocks(tensors: list[Tensor], nd: int, chunked: bool) -> list[list[Tensor]]:
+    """Matching dim-0 slices of same-layout tensors (planes if contiguous, else samples)."""
+    views = tensors
+    if all([t.is_contiguous() for t in tensors]):
+        views = [t.view(-1, *t.shape[t.dim() - nd :]) for t in tensors]
+    rows = views[0].shape[0]
+    if not chunked:
+        return [views]
+    step = max(1, CHUNK_ELEMENTS // max(math.prod(views[-1].shape[1:]), 1))
+    return [[view[start : start + step] for view in views] for start in range(0, rows, step)]
+
+
+class MaxPoolWithOffsets(torch.autograd.Function):
+    """Max pooling (``nd`` = 2 or 3 spatial dims) saving window offsets instead of the input."""
+
+    @staticmethod
+    def forward(x: Tensor, kernel, stride, padding, dilation, ceil_mode) -> tuple[Tensor, Tensor]:
+        nd = len(kernel)
+        x = x.contiguous(memory_format=suggest_memory_format(x))
+        pool, _ = _KERNELS[nd]
+        args = (kernel, stride, padding, dilation, ceil_mode)
+        # One pooling call fixes the output shape; blocks then write into slices of the output.
+        out_shape = _output_shape(x, nd, args)
+        layout = suggest_memory_format(x)
+        out = x.new_empty(out_shape).contiguous(memory_format=layout)
+        offsets = torch.empty_like(out, dtype=offset_dtype(math.prod(kernel)))
+        maps = IndexMaps(x.shape[-nd:], out_shape[-nd:], args[:4], x.device)
+        for x_block, out_block, off_block in _blocks([x, out, offsets], nd, _is_chunked(x)):
+            indices = torch.empty_like(out_block, dtype=torch.int64)
+            pool(x_block, *args, out=out_block, indices=indices)
+            maps.to_offsets(indices, out=off_block)
+        return out, offsets
+
+    @staticmethod
+    def setup_context(ctx, inputs: tuple, outputs: tuple[Tensor, Tensor]) -> None:
+        x, *args = inputs
+        offsets = outputs[1]
+        ctx.mark_non_differentiable(offsets)
+        ctx.args = tuple(args)
+        ctx.input_shape = tuple(x.shape)
+        ctx.layout = suggest_memory_format(x)
+        # Only the offsets (1 byte per output for windows up to 128 elements); no input.
+        ctx.save_for_backward(offsets)
+
+    @staticmethod
+    def backward(ctx, grad_output: Tensor, _grad_offsets: None) -> tuple:
+        forbid_double_backward("MemSaveMaxPool")
+        (offsets,) = ctx.saved_tensors
+        nd = len(ctx.args[0])
+        _, pool_backward = _KERNELS[nd]
+        # 2d: the gradient is laid out like the input, as stock lays it out. 3d: ATen's out= kernel
+        # restrides a channels-last-3d gradient to contiguous, which a block slice cannot follow.
+        layout = ctx.layout if nd == 2 else torch.contiguous_format
+        grad_output = grad_output.contiguous(memory_format=layout)
+        offsets = offsets.contiguous(memory_format=layout)
+        # Deliberate: the gradient itself.
+        grad_input = grad_output.new_empty(ctx.input_shape).contiguous(memory_format=layout)
+        maps = IndexMaps(ctx.input_shape[-nd:], offsets.shape[-nd:], ctx.args[:4], offsets.device)
+        blocks = _blocks([grad_input, grad_output, offsets], nd, _is_chunked(grad_output))
+        for gi_block, go_block, off_block in blocks:
+            indices = maps.to_indices(off_block)
+            like = shape_only(go_block, gi_block.shape)
+            pool_backward(go_block, like, *ctx.args, indices, grad_input=gi_block)
+        return grad_input, None, None, None, None, None
+
+
+def _output_shape(x: Tensor, nd: int, args: tuple) -> list[int]:
+    """Output shape of max pooling ``x`` (ATen's rounding rules, incl. ``ceil_mode``)."""
+    kernel, stride, padding, dilation, ceil_mode = args
+    spatial = []
+    for size, k, s, p, d in zip(x.shape[-nd:], kernel, stride, padding, dilation, strict=True):
+        span = size + 2 * p - d * (k - 1) - 1
+        out = (span + (s - 1 if ceil_mode else 0)) // s + 1
+        if ceil_mode and (out - 1) * s >= size + p:
+            out -= 1
+        spatial.append(out)
+    return [*x.shape[: x.dim() - nd], *spatial]
+
+
+def max_pool_with_offsets(input: Tensor, kernel, stride, padding, dilation, ceil_mode) -> Tensor:
+    """Max pooling over the last ``len(kernel)`` (2 or 3) dims, saving window offsets only."""
+    return MaxPoolWithOffsets.apply(input, kernel, stride, padding, dilation, ceil_mode)[0]
+
+
+def _needs_memsave(module: nn.Module, input: Tensor, nd: int) -> bool:
+    """Whether the offsets path applies; otherwise stock runs (and raises stock's errors)."""
+    return (
+        not module.return_indices
+        and input.requires_grad
+        and torch.is_grad_enabled()
+        and input.numel() > 0
+        and input.dim() in (nd + 1, nd + 2)
+    )
+
+
+def _options(module: nn.Module, expand) -> tuple:
+    """The module's (kernel, stride, padding, dilation) as tuples of its dimensionality."""
+    stride = module.stride if module.stride is not None else module.kernel_size
+    return tuple([expand(v) for v in (module.kernel_size, stride, module.padding, module.dilation)])
+
+
+@drop_in(nn.MaxPool1d)
+class MemSaveMaxPool1d(nn.MaxPool1d):
+    """``nn.MaxPool1d`` saving 1-byte window offsets (as 2d pooling over a height of 1)."""
+
+    def forward(self, input: Tensor) -> Tensor:
+        if not _needs_memsave(self, input, 1):
+            return super().forward(input)
+        kernel, stride, padding, dilation = [v[0] for v in _options(self, _single)]
+        output = max_pool_with_offsets(
+            input.unsqueeze(-2),
+            (1, kernel),
+            (1, stride),
+            (0, padding),
+            (1, dilation),
+            self.ceil_mode,
+        )
+        return output.squeeze(-2)
+
+
+@drop_in(nn.MaxPool2d)
+class MemSaveMaxPool2d(nn.MaxPool2d):
+    """``nn.MaxPool2d`` saving 1-byte window offsets instead of its input and int64 indices."""
+
+    def forward(self, input: Tensor) -> Tensor:
+        if not _needs_memsave(self, input, 2):
+            return super().forward(input)
+        return max_pool_with_offsets(input, *_options(self, _pair), self.ceil_mode)
+
+
+@drop_in(nn.MaxPool3d)
+class MemSaveMaxPool3d(nn.MaxPool3d):
+    """``nn.MaxPool3d`` saving 1-byte window offsets instead of its input and int64 indices."""
+
+    def forward(self, input: Tensor) -> Tensor:
+        if not _needs_memsave(self, input, 3):
+            return super().forward(input)
+        return max_pool_with_offsets(input, *_options(self, _triple), self.ceil_mode)

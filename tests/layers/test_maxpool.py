@@ -1,0 +1,284 @@
+"""Memsave max pooling: bitwise stock outputs and gradients while saving 1-byte window offsets."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import Tensor, nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.testing import assert_close
+
+from memsave_cli.layers import maxpool
+from memsave_cli.layers.maxpool import (
+    MemSaveMaxPool1d,
+    MemSaveMaxPool2d,
+    MemSaveMaxPool3d,
+    offset_dtype,
+)
+from memsave_cli.layers.registry import DROP_INS
+from memsave_cli.saved import SavedTensorRecorder
+
+#: id -> (memsave class, stock class, constructor kwargs, input shape).
+CASES = {
+    "1d-k3s2p1": (
+        MemSaveMaxPool1d,
+        nn.MaxPool1d,
+        dict(kernel_size=3, stride=2, padding=1),
+        (2, 3, 17),
+    ),
+    "1d-dil2-ceil": (
+        MemSaveMaxPool1d,
+        nn.MaxPool1d,
+        dict(kernel_size=4, stride=3, padding=2, dilation=2, ceil_mode=True),
+        (2, 3, 20),
+    ),
+    "1d-unbatched": (MemSaveMaxPool1d, nn.MaxPool1d, dict(kernel_size=2), (5, 9)),
+    "2d-k3s2p1": (
+        MemSaveMaxPool2d,
+        nn.MaxPool2d,
+        dict(kernel_size=3, stride=2, padding=1),
+        (2, 3, 11, 9),
+    ),
+    "2d-k2": (MemSaveMaxPool2d, nn.MaxPool2d, dict(kernel_size=2), (2, 4, 8, 6)),
+    "2d-rect-ceil": (
+        MemSaveMaxPool2d,
+        nn.MaxPool2d,
+        dict(kernel_size=(3, 2), stride=(2, 3), padding=(1, 0), ceil_mode=True),
+        (3, 2, 10, 13),
+    ),
+    "2d-dilation": (
+        MemSaveMaxPool2d,
+        nn.MaxPool2d,
+        dict(kernel_size=3, stride=1, padding=1, dilation=(2, 3)),
+        (2, 3, 9, 11),
+    ),
+    "2d-dilation-wider-than-input": (
+        MemSaveMaxPool2d,
+        nn.MaxPool2d,
+        dict(kernel_size=3, stride=(1, 2), padding=1, dilation=(2, 3)),
+        (2, 3, 9, 6),
+    ),
+    "2d-window-wider-than-input": (
+        MemSaveMaxPool2d,
+        nn.MaxPool2d,
+        dict(kernel_size=5, stride=1, padding=2),
+        (2, 3, 3, 2),
+    ),
+    "2d-unbatched": (MemSaveMaxPool2d, nn.MaxPool2d, dict(kernel_size=3, stride=2), (4, 7, 8)),
+    "2d-int16-offsets": (
+        MemSaveMaxPool2d,
+        nn.MaxPool2d,
+        dict(kernel_size=(12, 11), stride=2),
+        (2, 2, 15, 14),
+    ),
+    "3d-k3s2p1": (
+        MemSaveMaxPool3d,
+        nn.MaxPool3d,
+        dict(kernel_size=3, stride=2, padding=1),
+        (2, 3, 5, 7, 6),
+    ),
+    "3d-dil-ceil": (
+        MemSaveMaxPool3d,
+        nn.MaxPool3d,
+        dict(
+            kernel_size=(2, 3, 2),
+            stride=(1, 2, 2),
+            padding=(1, 1, 0),
+            dilation=(2, 1, 2),
+            ceil_mode=True,
+        ),
+        (2, 2, 6, 7, 9),
+    ),
+    "3d-window-wider-than-input": (
+        MemSaveMaxPool3d,
+        nn.MaxPool3d,
+        dict(kernel_size=(3, 5, 5), stride=1, padding=(1, 2, 2)),
+        (2, 2, 3, 2, 3),
+    ),
+    "3d-unbatched": (MemSaveMaxPool3d, nn.MaxPool3d, dict(kernel_size=2), (3, 4, 6, 5)),
+}
+DTYPES = {
+    "float64": torch.float64,
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+
+
+def _input(shape: tuple[int, ...], dtype: torch.dtype, channels_last: bool, ties: bool) -> Tensor:
+    """Random input; ``ties`` draws from {0, 1, 2} so that windows hold several maxima."""
+    x = torch.randint(0, 3, shape).to(dtype) if ties else torch.randn(shape, dtype=dtype)
+    if channels_last:
+        x = x.to(memory_format=torch.channels_last if x.dim() == 4 else torch.channels_last_3d)
+    return x
+
+
+def _window(case: tuple) -> int:
+    """Number of elements in the case's pooling window."""
+    memsave_cls, _, kwargs, _ = case
+    nd = {MemSaveMaxPool1d: 1, MemSaveMaxPool2d: 2, MemSaveMaxPool3d: 3}[memsave_cls]
+    kernel = kwargs["kernel_size"]
+    return math.prod(kernel) if isinstance(kernel, tuple) else kernel**nd
+
+
+def _compare(case: tuple, x: Tensor) -> tuple[Tensor, Tensor]:
+    """Assert memsave output and input gradient equal stock's bitwise; return memsave's."""
+    memsave_cls, stock_cls, kwargs, _ = case
+    stock_x, memsave_x = x.clone().requires_grad_(), x.clone().requires_grad_()
+    expected = stock_cls(**kwargs)(stock_x)
+    output = memsave_cls(**kwargs)(memsave_x)
+    grad = torch.randn_like(expected)
+    expected.backward(grad)
+    output.backward(grad)
+    assert_close(output, expected, atol=0, rtol=0, equal_nan=True)
+    assert_close(memsave_x.grad, stock_x.grad, atol=0, rtol=0, equal_nan=True)
+    return output, memsave_x.grad
+
+
+@pytest.mark.parametrize("ties", [False, True], ids=["distinct", "ties"])
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+@pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
+def test_matches_stock(case: tuple, dtype: torch.dtype, ties: bool) -> None:
+    torch.manual_seed(0)
+    _compare(case, _input(case[3], dtype, channels_last=False, ties=ties))
+
+
+BATCHED_2D_3D = {k: c for k, c in CASES.items() if k[:2] in ("2d", "3d") and "unbatched" not in k}
+
+
+@pytest.mark.parametrize("case", BATCHED_2D_3D.values(), ids=BATCHED_2D_3D.keys())
+def test_channels_last_matches_stock_and_layout(case: tuple) -> None:
+    torch.manual_seed(0)
+    x = _input(case[3], torch.float32, channels_last=True, ties=True)
+    output, grad = _compare(case, x)
+    memory_format = torch.channels_last if x.dim() == 4 else torch.channels_last_3d
+    assert output.is_contiguous(memory_format=memory_format)
+    if x.dim() == 4:
+        assert grad.is_contiguous(memory_format=torch.channels_last)
+
+
+@pytest.mark.parametrize("channels_last", [False, True], ids=["contiguous", "channels_last"])
+@pytest.mark.parametrize(
+    "case", [CASES["2d-k3s2p1"], CASES["3d-dil-ceil"], CASES["1d-k3s2p1"]], ids=["2d", "3d", "1d"]
+)
+def test_blockwise_cpu_path_matches_stock(monkeypatch, case: tuple, channels_last: bool) -> None:
+    monkeypatch.setattr(maxpool, "CHUNK_ELEMENTS", 7)  # many blocks, ragged last one
+    torch.manual_seed(0)
+    _compare(case, _input(case[3], torch.float32, channels_last and len(case[3]) >= 4, ties=True))
+
+
+def test_nan_inputs_match_stock() -> None:
+    x = torch.randn(2, 3, 8, 8)
+    x[0, 0, 1, 1] = x[1, 2, 5, 6] = float("nan")
+    _compare(CASES["2d-k3s2p1"], x)
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        CASES[k]
+        for k in (
+            "1d-dil2-ceil",
+            "2d-dilation",
+            "2d-window-wider-than-input",
+            "3d-window-wider-than-input",
+        )
+    ],
+    ids=["1d", "2d", "2d-wide", "3d-wide"],
+)
+def test_gradcheck(case: tuple) -> None:
+    memsave_cls, _, kwargs, shape = case
+    x = torch.randn(1, 2, *shape[2:], dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(memsave_cls(**kwargs), (x,), fast_mode=True)
+
+
+@pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
+def test_saves_only_small_offsets(case: tuple) -> None:
+    memsave_cls, stock_cls, kwargs, shape = case
+    x = torch.randn(shape, requires_grad=True)
+    with SavedTensorRecorder() as stock:
+        expected = stock_cls(**kwargs)(x)
+    with SavedTensorRecorder() as memsave:
+        memsave_cls(**kwargs)(x)
+    offset_bytes = expected.numel() * torch.empty(0, dtype=offset_dtype(_window(case))).itemsize
+    assert memsave.total_bytes == offset_bytes
+    assert stock.total_bytes == x.numel() * 4 + expected.numel() * 8
+
+
+def test_offset_dtype_is_smallest_fitting() -> None:
+    assert offset_dtype(9) == offset_dtype(128) == torch.int8
+    assert offset_dtype(129) == offset_dtype(32768) == torch.int16
+    assert offset_dtype(32769) == torch.int32
+
+
+def test_stock_paths_save_like_stock() -> None:
+    x = torch.randn(2, 3, 8, 8)
+    with SavedTensorRecorder() as recorder:
+        assert_close(MemSaveMaxPool2d(2)(x), nn.MaxPool2d(2)(x), atol=0, rtol=0)
+        with torch.no_grad():
+            MemSaveMaxPool2d(2)(x.requires_grad_())
+    with torch.inference_mode():
+        MemSaveMaxPool2d(2)(torch.randn(2, 3, 8, 8))
+    assert recorder.total_bytes == 0
+    stock_output, stock_indices = nn.MaxPool2d(2, return_indices=True)(x)
+    output, indices = MemSaveMaxPool2d(2, return_indices=True)(x)
+    assert_close((output, indices), (stock_output, stock_indices), atol=0, rtol=0)
+
+
+@pytest.mark.parametrize(
+    "case", [CASES[k] for k in ("1d-k3s2p1", "2d-rect-ceil", "3d-dil-ceil")], ids=["1d", "2d", "3d"]
+)
+def test_meta_and_fake_tensors(case: tuple) -> None:
+    memsave_cls, stock_cls, kwargs, shape = case
+    expected = stock_cls(**kwargs)(torch.empty(shape, device="meta")).shape
+    x = torch.empty(shape, device="meta", requires_grad=True)
+    output = memsave_cls(**kwargs)(x)
+    output.sum().backward()
+    assert output.shape == expected and x.grad.shape == shape
+    with FakeTensorMode():
+        x = torch.empty(shape, requires_grad=True)
+        output = memsave_cls(**kwargs)(x)
+        output.sum().backward()
+        assert output.shape == expected and x.grad.shape == shape
+
+
+def test_autocast_bfloat16_matches_stock() -> None:
+    torch.manual_seed(0)
+    conv = nn.Conv2d(3, 4, 3)
+    x = torch.randn(2, 3, 10, 10, requires_grad=True)
+    grads = []
+    for pool in (nn.MaxPool2d(3, 2, 1), MemSaveMaxPool2d(3, 2, 1)):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            output = pool(conv(x))
+        grads.append(
+            (output, *torch.autograd.grad(output.float().square().sum(), (x, conv.weight)))
+        )
+    assert grads[1][0].dtype == grads[0][0].dtype == torch.bfloat16
+    assert_close(grads[1], grads[0], atol=0, rtol=0)
+
+
+def test_double_backward_raises_naming_the_layer() -> None:
+    x = torch.randn(1, 2, 6, 6, requires_grad=True)
+    with pytest.raises(RuntimeError, match="MemSaveMaxPool does not support double backward"):
+        torch.autograd.grad(MemSaveMaxPool2d(2)(x).sum(), x, create_graph=True)
+
+
+def test_drop_ins_are_registered_and_stock_shaped() -> None:
+    for memsave_cls, stock_cls, kwargs, _ in CASES.values():
+        assert DROP_INS[stock_cls] is memsave_cls
+        assert memsave_cls(**kwargs).extra_repr() == stock_cls(**kwargs).extra_repr()
+
+
+def test_compile_matches_stock() -> None:
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, 11, 9)
+    stock_x, memsave_x = x.clone().requires_grad_(), x.clone().requires_grad_()
+    expected = nn.MaxPool2d(3, 2, 1)(stock_x)
+    output = torch.compile(MemSaveMaxPool2d(3, 2, 1), fullgraph=True)(memsave_x)
+    grad = torch.randn_like(expected)
+    expected.backward(grad)
+    output.backward(grad)
+    assert_close(output, expected, atol=0, rtol=0)
+    assert_close(memsave_x.grad, stock_x.grad, atol=0, rtol=0)
