@@ -98,7 +98,7 @@ def probe(
     Compiled runs hide their allocations from a dispatch mode, so they report what stays live
     after the forward pass instead: parameters, input, output and the tensors saved for backward.
     """
-    spec = _check(layer, depths, mode, batch_size)
+    spec = _check(layer, depths, mode, batch_size, device)
     shape = spec.input_shape if batch_size is None else (batch_size, *spec.input_shape[1:])
     curves: dict[str, list[int | None]] = {key: [] for key in SCENARIOS}
     errors: dict[str, str] = {}
@@ -194,7 +194,9 @@ def _input(shape: Sequence[int], device: str) -> Tensor:
     return torch.randn(tuple(shape), device=device)
 
 
-def _check(layer: str, depths: Sequence[int], mode: str, batch_size: int | None) -> ProbeLayer:
+def _check(
+    layer: str, depths: Sequence[int], mode: str, batch_size: int | None, device: str
+) -> ProbeLayer:
     """The probe layer named ``layer``, after checking the other settings."""
     if layer not in LAYERS:
         raise ProbeError(f"unknown probe layer {layer!r}: expected one of {', '.join(LAYERS)}")
@@ -204,4 +206,8 @@ def _check(layer: str, depths: Sequence[int], mode: str, batch_size: int | None)
         raise ProbeError(f"mode must be 'train' or 'eval', got {mode!r}")
     if batch_size is not None and batch_size < 1:
         raise ProbeError(f"batch size must be a positive integer, got {batch_size}")
+    if device not in ("meta", "cpu", "cuda"):
+        raise ProbeError(f"unknown device {device!r}: expected meta, cpu or cuda")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ProbeError("device cuda: no CUDA device is available; use --device meta or cpu")
     return LAYERS[layer]

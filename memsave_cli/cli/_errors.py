@@ -36,7 +36,7 @@ def reported_errors(ctx: typer.Context | None, debug: bool = False) -> Iterator[
         _say("interrupted")
         raise typer.Exit(INTERRUPT_EXIT) from None
     except MemsaveError as exc:
-        _explain(exc, str(exc), debug)
+        _explain(exc, " ".join(_lines(exc)) or type(exc).__name__, debug)
         raise typer.Exit(exc.exit_code) from None
     except Exception as exc:
         message = f"{type(exc).__name__}: {_first_line(exc)}"
@@ -61,5 +61,9 @@ def _say(message: str) -> None:
 
 def _first_line(exc: BaseException) -> str:
     """The first non-empty line of an exception's message (torch errors run to many lines)."""
-    lines = [line for line in str(exc).splitlines() if line.strip()]
+    lines = _lines(exc)
     return lines[0] if lines else repr(exc)
+
+
+def _lines(exc: BaseException) -> list[str]:
+    return [line.strip() for line in str(exc).splitlines() if line.strip()]

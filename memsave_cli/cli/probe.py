@@ -9,7 +9,7 @@ from typing import Annotated
 import typer
 
 from memsave_cli.cli._console import human_console, write_output
-from memsave_cli.cli._errors import reported_errors
+from memsave_cli.cli._errors import USAGE_EXIT, reported_errors
 from memsave_cli.cli._help import DEBUG_HELP, examples
 from memsave_cli.cli._progress import progress_bar
 
@@ -96,3 +96,5 @@ def probe(
             console.print(f"plot written: {plot}")
         if json_path is not None:
             write_output(json_path, result.to_json())
+    if all(value is None for values in result.curves.values() for value in values):
+        raise typer.Exit(USAGE_EXIT)  # nothing measured: the lines above say why

@@ -6,6 +6,7 @@ import json
 import sys
 
 import pytest
+import torch
 
 from memsave_cli.cli import app
 from memsave_cli.probe import LAYERS, ProbeError, probe
@@ -89,6 +90,7 @@ def test_batch_size_scales_the_input():
         ({"layer": "conv2d", "depths": (0, 1)}, "depths must be positive"),
         ({"layer": "conv2d", "mode": "test"}, "mode must be"),
         ({"layer": "conv2d", "batch_size": 0}, "batch size must be a positive integer"),
+        ({"layer": "conv2d", "device": "tpu"}, "unknown device 'tpu'"),
     ],
 )
 def test_probe_errors(kwargs, message):
@@ -140,3 +142,22 @@ def test_probe_bad_options_exit_2(runner, args, message):
     result = runner.invoke(app, args)
     assert result.exit_code == 2, result.output
     assert message in result.output
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_probe_cuda_without_gpu_exits_2(runner):
+    result = runner.invoke(app, ["probe", "conv2d", "--device", "cuda"])
+    assert result.exit_code == 2, result.output
+    assert "no CUDA device" in result.output
+
+
+def test_probe_where_every_cell_fails_exits_2(runner, monkeypatch):
+    import memsave_cli.probe as core
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("kernel exploded")
+
+    monkeypatch.setattr(core, "measure_stack", broken)
+    result = runner.invoke(app, ["probe", "conv1d", "--depth", "2"])
+    assert result.exit_code == 2, result.output
+    assert "all failed: RuntimeError: kernel exploded" in result.output
