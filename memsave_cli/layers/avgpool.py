@@ -1,0 +1,204 @@
+"""Average pooling (plain and adaptive) that saves nothing but shapes for backward.
+
+NOTE [shape-only average pooling]: the gradient of an average pool is a fixed linear map of the
+output gradient: ATen's ``avg_pool{2,3}d_backward`` and ``_adaptive_avg_pool{2,3}d_backward``
+read only the input's shape (and its suggested memory format). Stock autograd nevertheless
+saves the whole input; here backward hands those kernels a shape-only placeholder, so gradients
+are bitwise stock and nothing is saved. 1d pooling runs as 2d pooling over a height of 1,
+exactly as ATen's ``avg_pool1d`` and ``adaptive_avg_pool1d`` do. Adaptive pooling to a single
+output element is computed by stock as a ``mean``, which already saves nothing, so it stays stock.
+
+A placeholder suggests the contiguous layout, so kernels lay their gradient out contiguously;
+for channels-last 2d inputs the gradient is instead written through ATen's out= kernel into a
+channels-last buffer, as stock lays it out (same values either way).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+from torch._prims_common import suggest_memory_format
+from torch.nn.modules.utils import _list_with_default, _pair, _single, _triple
+
+from memsave_cli.layers._backward import forbid_double_backward, shape_only
+from memsave_cli.layers.registry import drop_in
+
+aten = torch.ops.aten
+
+_AVG_KERNELS = {
+    2: (aten.avg_pool2d.default, aten.avg_pool2d_backward.default),
+    3: (aten.avg_pool3d.default, aten.avg_pool3d_backward.default),
+}
+_ADAPTIVE_KERNELS = {
+    2: (aten._adaptive_avg_pool2d.default, aten._adaptive_avg_pool2d_backward.default),
+    3: (aten._adaptive_avg_pool3d.default, aten._adaptive_avg_pool3d_backward.default),
+}
+
+
+class AvgPoolShapeOnly(torch.autograd.Function):
+    """``avg_pool{2,3}d`` (``nd`` = ``len(kernel)``) whose backward needs only the input shape."""
+
+    @staticmethod
+    def forward(
+        x: Tensor, kernel, stride, padding, ceil_mode, count_include_pad, divisor
+    ) -> Tensor:
+        pool, _ = _AVG_KERNELS[len(kernel)]
+        return pool(x, kernel, stride, padding, ceil_mode, count_include_pad, divisor)
+
+    @staticmethod
+    def setup_context(ctx, inputs: tuple, output: Tensor) -> None:
+        x, *options = inputs
+        ctx.options = tuple(options)
+        ctx.input_shape = tuple(x.shape)
+        ctx.layout = suggest_memory_format(x)  # nothing saved: shape and layout only
+
+    @staticmethod
+    def backward(ctx, grad_output: Tensor) -> tuple:
+        forbid_double_backward("MemSaveAvgPool")
+        like = shape_only(grad_output, ctx.input_shape)
+        if len(ctx.input_shape) == 4 and ctx.layout == torch.channels_last:
+            # Deliberate: the gradient itself, channels-last like stock's (2d out= kernel only).
+            grad_input = grad_output.new_empty(ctx.input_shape)
+            grad_input = grad_input.contiguous(memory_format=torch.channels_last)
+            aten.avg_pool2d_backward.grad_input(
+                grad_output, like, *ctx.options, grad_input=grad_input
+            )
+        else:
+            _, pool_backward = _AVG_KERNELS[len(ctx.options[0])]
+            grad_input = pool_backward(grad_output, like, *ctx.options)
+        return grad_input, None, None, None, None, None, None
+
+
+class AdaptiveAvgPoolShapeOnly(torch.autograd.Function):
+    """``_adaptive_avg_pool{2,3}d`` whose backward needs only the input shape."""
+
+    @staticmethod
+    def forward(x: Tensor, output_size: tuple[int, ...]) -> Tensor:
+        pool, _ = _ADAPTIVE_KERNELS[len(output_size)]
+        return pool(x, output_size)
+
+    @staticmethod
+    def setup_context(ctx, inputs: tuple, output: Tensor) -> None:
+        x, output_size = inputs
+        ctx.nd = len(output_size)
+        ctx.input_shape = tuple(x.shape)  # nothing saved: the shape only
+
+    @staticmethod
+    def backward(ctx, grad_output: Tensor) -> tuple[Tensor, None]:
+        forbid_double_backward("MemSaveAdaptiveAvgPool")
+        _, pool_backward = _ADAPTIVE_KERNELS[ctx.nd]
+        # The kernel allocates the gradient (contiguous for the placeholder); nothing else.
+        return pool_backward(grad_output, shape_only(grad_output, ctx.input_shape)), None
+
+
+def _needs_memsave(input: Tensor, nd: int) -> bool:
+    """Whether the shape-only path applies; otherwise stock runs (and raises stock's errors)."""
+    return (
+        input.requires_grad
+        and torch.is_grad_enabled()
+        and input.numel() > 0
+        and input.dim() in (nd + 1, nd + 2)
+    )
+
+
+def _stride(module: nn.Module):
+    """The module's stride, defaulting to its kernel size like ATen."""
+    return module.stride if module.stride not in (None, (), []) else module.kernel_size
+
+
+@drop_in(nn.AvgPool1d)
+class MemSaveAvgPool1d(nn.AvgPool1d):
+    """``nn.AvgPool1d`` saving nothing but shapes (as 2d pooling over a height of 1)."""
+
+    def forward(self, input: Tensor) -> Tensor:
+        if not _needs_memsave(input, 1):
+            return super().forward(input)
+        (kernel,), (stride,), (padding,) = (
+            _single(v) for v in (self.kernel_size, _stride(self), self.padding)
+        )
+        options = ((1, kernel), (1, stride), (0, padding), self.ceil_mode, self.count_include_pad)
+        output = AvgPoolShapeOnly.apply(input.unsqueeze(-2), *options, None)
+        return output.squeeze(-2)
+
+
+@drop_in(nn.AvgPool2d)
+class MemSaveAvgPool2d(nn.AvgPool2d):
+    """``nn.AvgPool2d`` saving nothing but shapes."""
+
+    def forward(self, input: Tensor) -> Tensor:
+        if not _needs_memsave(input, 2):
+            return super().forward(input)
+        kernel, stride, padding = (
+            _pair(v) for v in (self.kernel_size, _stride(self), self.padding)
+        )
+        return AvgPoolShapeOnly.apply(
+            input,
+            kernel,
+            stride,
+            padding,
+            self.ceil_mode,
+            self.count_include_pad,
+            self.divisor_override,
+        )
+
+
+@drop_in(nn.AvgPool3d)
+class MemSaveAvgPool3d(nn.AvgPool3d):
+    """``nn.AvgPool3d`` saving nothing but shapes."""
+
+    def forward(self, input: Tensor) -> Tensor:
+        if not _needs_memsave(input, 3):
+            return super().forward(input)
+        kernel, stride, padding = (
+            _triple(v) for v in (self.kernel_size, _stride(self), self.padding)
+        )
+        return AvgPoolShapeOnly.apply(
+            input,
+            kernel,
+            stride,
+            padding,
+            self.ceil_mode,
+            self.count_include_pad,
+            self.divisor_override,
+        )
+
+
+def _adaptive(module: nn.Module, input: Tensor, nd: int, expand) -> Tensor | None:
+    """Shape-only adaptive pooling of ``input``, or None where stock already saves nothing."""
+    if not _needs_memsave(input, nd):
+        return None
+    output_size = tuple(_list_with_default(expand(module.output_size), input.shape))
+    if all(size == 1 for size in output_size):
+        return None  # stock computes a mean here, which saves no tensor
+    return AdaptiveAvgPoolShapeOnly.apply(input, output_size)
+
+
+@drop_in(nn.AdaptiveAvgPool1d)
+class MemSaveAdaptiveAvgPool1d(nn.AdaptiveAvgPool1d):
+    """``nn.AdaptiveAvgPool1d`` saving nothing but shapes (2d pooling over a height of 1)."""
+
+    def forward(self, input: Tensor) -> Tensor:
+        if not _needs_memsave(input, 1):
+            return super().forward(input)
+        (size,) = _single(self.output_size)
+        if size == 1:
+            return super().forward(input)
+        return AdaptiveAvgPoolShapeOnly.apply(input.unsqueeze(-2), (1, size)).squeeze(-2)
+
+
+@drop_in(nn.AdaptiveAvgPool2d)
+class MemSaveAdaptiveAvgPool2d(nn.AdaptiveAvgPool2d):
+    """``nn.AdaptiveAvgPool2d`` saving nothing but shapes (``None`` sizes keep the input's)."""
+
+    def forward(self, input: Tensor) -> Tensor:
+        output = _adaptive(self, input, 2, _pair)
+        return super().forward(input) if output is None else output
+
+
+@drop_in(nn.AdaptiveAvgPool3d)
+class MemSaveAdaptiveAvgPool3d(nn.AdaptiveAvgPool3d):
+    """``nn.AdaptiveAvgPool3d`` saving nothing but shapes (``None`` sizes keep the input's)."""
+
+    def forward(self, input: Tensor) -> Tensor:
+        output = _adaptive(self, input, 3, _triple)
+        return super().forward(input) if output is None else output

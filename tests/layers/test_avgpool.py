@@ -1,0 +1,299 @@
+"""Memsave average pooling: bitwise stock outputs and gradients while saving no tensor."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import Tensor, nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.testing import assert_close
+
+from memsave_cli.layers.avgpool import (
+    MemSaveAdaptiveAvgPool1d,
+    MemSaveAdaptiveAvgPool2d,
+    MemSaveAdaptiveAvgPool3d,
+    MemSaveAvgPool1d,
+    MemSaveAvgPool2d,
+    MemSaveAvgPool3d,
+)
+from memsave_cli.layers.registry import DROP_INS
+from memsave_cli.saved import SavedTensorRecorder
+
+#: id -> (memsave class, stock class, constructor kwargs, input shape).
+CASES = {
+    "avg1d-k3s2p1": (
+        MemSaveAvgPool1d,
+        nn.AvgPool1d,
+        dict(kernel_size=3, stride=2, padding=1),
+        (2, 3, 17),
+    ),
+    "avg1d-ceil-nopad": (
+        MemSaveAvgPool1d,
+        nn.AvgPool1d,
+        dict(kernel_size=4, stride=3, padding=2, ceil_mode=True, count_include_pad=False),
+        (2, 3, 20),
+    ),
+    "avg1d-unbatched": (MemSaveAvgPool1d, nn.AvgPool1d, dict(kernel_size=2), (5, 9)),
+    "avg2d-k3s2p1": (
+        MemSaveAvgPool2d,
+        nn.AvgPool2d,
+        dict(kernel_size=3, stride=2, padding=1),
+        (2, 3, 11, 9),
+    ),
+    "avg2d-rect-ceil-divisor": (
+        MemSaveAvgPool2d,
+        nn.AvgPool2d,
+        dict(
+            kernel_size=(3, 2),
+            stride=(2, 1),
+            padding=(1, 0),
+            ceil_mode=True,
+            count_include_pad=False,
+            divisor_override=5,
+        ),
+        (3, 2, 10, 13),
+    ),
+    "avg2d-unbatched": (MemSaveAvgPool2d, nn.AvgPool2d, dict(kernel_size=2), (4, 7, 8)),
+    "avg3d-k3s2p1": (
+        MemSaveAvgPool3d,
+        nn.AvgPool3d,
+        dict(kernel_size=3, stride=2, padding=1),
+        (2, 3, 5, 7, 6),
+    ),
+    "avg3d-ceil-nopad-divisor": (
+        MemSaveAvgPool3d,
+        nn.AvgPool3d,
+        dict(
+            kernel_size=(2, 3, 2),
+            stride=(1, 2, 2),
+            padding=(1, 1, 0),
+            ceil_mode=True,
+            count_include_pad=False,
+            divisor_override=3,
+        ),
+        (2, 2, 6, 7, 9),
+    ),
+    "avg3d-unbatched": (MemSaveAvgPool3d, nn.AvgPool3d, dict(kernel_size=2), (3, 4, 6, 5)),
+    "adaptive1d": (MemSaveAdaptiveAvgPool1d, nn.AdaptiveAvgPool1d, dict(output_size=5), (2, 3, 17)),
+    "adaptive1d-unbatched": (
+        MemSaveAdaptiveAvgPool1d,
+        nn.AdaptiveAvgPool1d,
+        dict(output_size=4),
+        (3, 11),
+    ),
+    "adaptive2d-odd": (
+        MemSaveAdaptiveAvgPool2d,
+        nn.AdaptiveAvgPool2d,
+        dict(output_size=(5, 4)),
+        (2, 3, 13, 11),
+    ),
+    "adaptive2d-none": (
+        MemSaveAdaptiveAvgPool2d,
+        nn.AdaptiveAvgPool2d,
+        dict(output_size=(None, 3)),
+        (2, 3, 6, 10),
+    ),
+    "adaptive2d-upsample": (
+        MemSaveAdaptiveAvgPool2d,
+        nn.AdaptiveAvgPool2d,
+        dict(output_size=7),
+        (2, 3, 5, 4),
+    ),
+    "adaptive2d-unbatched": (
+        MemSaveAdaptiveAvgPool2d,
+        nn.AdaptiveAvgPool2d,
+        dict(output_size=3),
+        (4, 7, 8),
+    ),
+    "adaptive3d-none": (
+        MemSaveAdaptiveAvgPool3d,
+        nn.AdaptiveAvgPool3d,
+        dict(output_size=(3, None, 2)),
+        (2, 3, 5, 7, 6),
+    ),
+    "adaptive3d-unbatched": (
+        MemSaveAdaptiveAvgPool3d,
+        nn.AdaptiveAvgPool3d,
+        dict(output_size=2),
+        (3, 4, 6, 5),
+    ),
+}
+#: Adaptive pooling to one element: stock computes a mean there, which already saves nothing.
+MEAN_CASES = {
+    "adaptive1d-to-1": (
+        MemSaveAdaptiveAvgPool1d,
+        nn.AdaptiveAvgPool1d,
+        dict(output_size=1),
+        (2, 3, 17),
+    ),
+    "adaptive2d-to-1": (
+        MemSaveAdaptiveAvgPool2d,
+        nn.AdaptiveAvgPool2d,
+        dict(output_size=1),
+        (2, 3, 7, 6),
+    ),
+    "adaptive3d-to-1": (
+        MemSaveAdaptiveAvgPool3d,
+        nn.AdaptiveAvgPool3d,
+        dict(output_size=(1, 1, 1)),
+        (2, 3, 4, 5, 6),
+    ),
+}
+ALL_CASES = {**CASES, **MEAN_CASES}
+DTYPES = {
+    "float64": torch.float64,
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+
+
+def _compare(case: tuple, x: Tensor) -> tuple[Tensor | None, Tensor | None]:
+    """Assert memsave output and input gradient equal stock's bitwise; return memsave's."""
+    memsave_cls, stock_cls, kwargs, _ = case
+    stock_x, memsave_x = x.clone().requires_grad_(), x.clone().requires_grad_()
+    try:
+        expected = stock_cls(**kwargs)(stock_x)
+    except NotImplementedError as error:  # e.g. no CPU bfloat16 kernel: memsave has none either
+        with pytest.raises(NotImplementedError, match=str(error)[:30]):
+            memsave_cls(**kwargs)(memsave_x)
+        return None, None
+    output = memsave_cls(**kwargs)(memsave_x)
+    grad = torch.randn_like(expected)
+    expected.backward(grad)
+    output.backward(grad)
+    assert_close(output, expected, atol=0, rtol=0)
+    assert_close(memsave_x.grad, stock_x.grad, atol=0, rtol=0)
+    return output, memsave_x.grad
+
+
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+@pytest.mark.parametrize("case", ALL_CASES.values(), ids=ALL_CASES.keys())
+def test_matches_stock(case: tuple, dtype: torch.dtype) -> None:
+    torch.manual_seed(0)
+    _compare(case, torch.randn(case[3], dtype=dtype))
+
+
+def _is_batched_2d_3d(case: tuple) -> bool:
+    memsave_cls, _, _, shape = case
+    nd = 2 if "2d" in memsave_cls.__name__ else 3 if "3d" in memsave_cls.__name__ else 1
+    return nd > 1 and len(shape) == nd + 2
+
+
+@pytest.mark.parametrize(
+    "case",
+    [c for c in ALL_CASES.values() if _is_batched_2d_3d(c)],
+    ids=[k for k, c in ALL_CASES.items() if _is_batched_2d_3d(c)],
+)
+def test_channels_last_matches_stock(case: tuple) -> None:
+    torch.manual_seed(0)
+    x = torch.randn(case[3])
+    x = x.to(memory_format=torch.channels_last if x.dim() == 4 else torch.channels_last_3d)
+    _, grad = _compare(case, x)
+    if case[0] is MemSaveAvgPool2d:
+        assert grad.is_contiguous(memory_format=torch.channels_last)  # laid out like stock's
+
+
+@pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
+def test_gradcheck(case: tuple) -> None:
+    memsave_cls, _, kwargs, shape = case
+    x = torch.randn(shape, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(memsave_cls(**kwargs), (x,), fast_mode=True)
+
+
+@pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
+def test_saves_nothing(case: tuple) -> None:
+    memsave_cls, stock_cls, kwargs, shape = case
+    x = torch.randn(shape, requires_grad=True)
+    with SavedTensorRecorder() as stock:
+        stock_cls(**kwargs)(x)
+    with SavedTensorRecorder() as memsave:
+        memsave_cls(**kwargs)(x)
+    assert memsave.total_bytes == 0
+    assert stock.total_bytes == x.numel() * x.element_size()
+
+
+def test_stock_paths_save_nothing_either() -> None:
+    x = torch.randn(2, 3, 8, 8)
+    with SavedTensorRecorder() as recorder:
+        assert_close(MemSaveAvgPool2d(2)(x), nn.AvgPool2d(2)(x), atol=0, rtol=0)
+        with torch.no_grad():
+            MemSaveAdaptiveAvgPool2d(3)(x.requires_grad_())
+        for memsave_cls, _, kwargs, shape in MEAN_CASES.values():
+            memsave_cls(**kwargs)(torch.randn(shape, requires_grad=True))
+    with torch.inference_mode():
+        MemSaveAvgPool2d(2)(torch.randn(2, 3, 8, 8))
+    assert recorder.total_bytes == 0
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        CASES[k]
+        for k in ("avg1d-k3s2p1", "avg3d-ceil-nopad-divisor", "adaptive2d-none", "adaptive3d-none")
+    ],
+    ids=["avg1d", "avg3d", "adaptive2d", "adaptive3d"],
+)
+def test_meta_and_fake_tensors(case: tuple) -> None:
+    memsave_cls, stock_cls, kwargs, shape = case
+    expected = stock_cls(**kwargs)(torch.empty(shape, device="meta")).shape
+    x = torch.empty(shape, device="meta", requires_grad=True)
+    output = memsave_cls(**kwargs)(x)
+    output.sum().backward()
+    assert output.shape == expected and x.grad.shape == shape
+    with FakeTensorMode():
+        x = torch.empty(shape, requires_grad=True)
+        output = memsave_cls(**kwargs)(x)
+        output.sum().backward()
+        assert output.shape == expected and x.grad.shape == shape
+
+
+def test_autocast_bfloat16_matches_stock() -> None:
+    torch.manual_seed(0)
+    conv = nn.Conv2d(3, 4, 3)
+    x = torch.randn(2, 3, 10, 10, requires_grad=True)
+    results = []
+    for pool in (
+        nn.Sequential(nn.AvgPool2d(3, 2, 1), nn.AdaptiveAvgPool2d(2)),
+        nn.Sequential(MemSaveAvgPool2d(3, 2, 1), MemSaveAdaptiveAvgPool2d(2)),
+    ):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            output = pool(conv(x))
+        results.append(
+            (output, *torch.autograd.grad(output.float().square().sum(), (x, conv.weight)))
+        )
+    assert results[1][0].dtype == results[0][0].dtype == torch.bfloat16
+    assert_close(results[1], results[0], atol=0, rtol=0)
+
+
+@pytest.mark.parametrize(
+    "memsave_cls,name",
+    [(MemSaveAvgPool2d, "MemSaveAvgPool"), (MemSaveAdaptiveAvgPool2d, "MemSaveAdaptiveAvgPool")],
+)
+def test_double_backward_raises_naming_the_layer(memsave_cls: type, name: str) -> None:
+    x = torch.randn(1, 2, 6, 6, requires_grad=True)
+    with pytest.raises(RuntimeError, match=f"{name} does not support double backward"):
+        torch.autograd.grad(memsave_cls(2)(x).sum(), x, create_graph=True)
+
+
+def test_drop_ins_are_registered_and_stock_shaped() -> None:
+    for memsave_cls, stock_cls, kwargs, _ in ALL_CASES.values():
+        assert DROP_INS[stock_cls] is memsave_cls
+        assert memsave_cls(**kwargs).extra_repr() == stock_cls(**kwargs).extra_repr()
+
+
+def test_compile_matches_stock() -> None:
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, 11, 9)
+    stock = nn.Sequential(nn.AvgPool2d(3, 2, 1), nn.AdaptiveAvgPool2d((4, None)))
+    memsave = torch.compile(
+        nn.Sequential(MemSaveAvgPool2d(3, 2, 1), MemSaveAdaptiveAvgPool2d((4, None))),
+        fullgraph=True,
+    )
+    stock_x, memsave_x = x.clone().requires_grad_(), x.clone().requires_grad_()
+    expected, output = stock(stock_x), memsave(memsave_x)
+    grad = torch.randn_like(expected)
+    expected.backward(grad)
+    output.backward(grad)
+    assert_close(output, expected, atol=0, rtol=0)
+    assert_close(memsave_x.grad, stock_x.grad, atol=0, rtol=0)
