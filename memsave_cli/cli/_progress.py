@@ -23,7 +23,11 @@ def progress_bar(description: str, total: int | None) -> Iterator[Callable[[str]
         TimeElapsedColumn(),
         TextColumn("{task.fields[last]}", style="dim"),
     )
-    with Progress(*columns, console=stderr_console(), transient=True) as progress:
+    console = stderr_console()
+    # Drawn only on a terminal: logs and CI output stay free of half-drawn bars.
+    with Progress(
+        *columns, console=console, transient=True, disable=not console.is_terminal
+    ) as progress:
         task = progress.add_task(description, total=total, last="")
 
         def advance(label: str) -> None:

@@ -7,7 +7,9 @@ import os
 import tempfile
 from pathlib import Path
 
+from rich.console import Group
 from rich.table import Table
+from rich.text import Text
 
 from memsave_cli.errors import MemsaveError
 from memsave_cli.probe import SCENARIOS, ProbeResult
@@ -66,7 +68,7 @@ def probe_table(result: ProbeResult) -> Table:
     for index, depth in enumerate(result.depths):
         values = [result.curves[key][index] for key in result.curves]
         table.add_row(str(depth), *(format_bytes(v) if v is not None else "failed" for v in values))
-    return table
+    return Group(Text(title(result), style="italic"), table, Text(_CAPTION, style="dim"))
 
 
 def plot_probe(result: ProbeResult, path: Path) -> None:
