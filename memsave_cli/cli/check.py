@@ -28,7 +28,10 @@ def check(
     ctx: typer.Context,
     report: Annotated[Path, typer.Argument(help="Report written by `memsave profile --json`.")],
     baseline: Annotated[
-        Path, typer.Option("--baseline", "-b", help="Baseline report to compare against.")
+        Path,
+        typer.Option(
+            "--baseline", "-b", metavar="PATH", help="Baseline report to compare against."
+        ),
     ],
     tolerance: Annotated[
         float,

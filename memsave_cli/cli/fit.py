@@ -23,34 +23,45 @@ EPILOG = examples(
 def fit(
     ctx: typer.Context,
     model: Annotated[str, typer.Argument(help="Model spec, e.g. torchvision:resnet101.")],
-    budget: Annotated[str, typer.Option(help="Memory budget: 24GiB, 500MB, 1.5e9 (bytes).")],
+    budget: Annotated[
+        str, typer.Option(metavar="SIZE", help="Memory budget: 24GiB, 500MB, 1.5e9 (bytes).")
+    ],
     case: Annotated[
         list[str] | None,
         typer.Option(
-            help="Case: all, input, norm, surgical, none (repeatable).", show_default=False
+            metavar="CASE",
+            help="Case: all, input, norm, surgical, none (repeatable; default: the paper's four).",
+            show_default=False,
         ),
     ] = None,
     trainable: Annotated[
-        list[str] | None, typer.Option(help="Glob over parameter names to train (repeatable).")
+        list[str] | None,
+        typer.Option(metavar="GLOB", help="Glob over parameter names to train (repeatable)."),
     ] = None,
     input_grad: Annotated[
         bool | None,
         typer.Option("--input-grad/--no-input-grad", help="Make the input differentiable."),
     ] = None,
-    impl: Annotated[list[Impl] | None, typer.Option(help="Implementation (repeatable).")] = None,
+    impl: Annotated[
+        list[Impl] | None,
+        typer.Option(
+            metavar="IMPL", help="stock, memsave, memsave-conv or both (repeatable; default: both)."
+        ),
+    ] = None,
     device: Annotated[
         Device, typer.Option(help="Where to measure; meta needs no memory.")
     ] = Device.meta,
     dtype: Annotated[Dtype, typer.Option(help="Parameter and input dtype.")] = Dtype.float32,
     input_shape: Annotated[
-        str | None, typer.Option(help="Per-sample input shape, e.g. 3,224,224.")
+        str | None, typer.Option(metavar="SHAPE", help="Per-sample input shape, e.g. 3,224,224.")
     ] = None,
     bn_eval: Annotated[bool, typer.Option("--bn-eval", help="BatchNorm in eval mode.")] = False,
     optimizer: Annotated[
         Optimizer | None, typer.Option(help="Include an optimizer step in the peak.")
     ] = None,
     kwarg: Annotated[
-        list[str] | None, typer.Option(help="Model keyword argument key=value (repeatable).")
+        list[str] | None,
+        typer.Option(metavar="KEY=VALUE", help="Model keyword argument (repeatable)."),
     ] = None,
     max_batch_size: Annotated[int, typer.Option(min=1, help="Largest batch size to try.")] = 1
     << 20,
@@ -58,7 +69,8 @@ def fit(
         float, typer.Option(min=1, help="Seconds per measurement (cpu/cuda workers).")
     ] = 600.0,
     json_path: Annotated[
-        str | None, typer.Option("--json", help="Write rows as JSON to PATH (- for stdout).")
+        str | None,
+        typer.Option("--json", metavar="PATH", help="Write rows as JSON (- for stdout)."),
     ] = None,
     debug: Annotated[bool, typer.Option("--debug", help=DEBUG_HELP)] = False,
 ) -> None:

@@ -23,7 +23,7 @@ def layers(
     dtype: Annotated[Dtype, typer.Option(help="Data type of the inputs.")] = Dtype.float32,
     json_path: Annotated[
         str | None,
-        typer.Option("--json", help="Also write the table as JSON to PATH (- for stdout)."),
+        typer.Option("--json", metavar="PATH", help="Also write the table as JSON (- for stdout)."),
     ] = None,
     debug: Annotated[bool, typer.Option("--debug", help=DEBUG_HELP)] = False,
 ) -> None:

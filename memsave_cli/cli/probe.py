@@ -58,10 +58,11 @@ def probe(
         int | None, typer.Option(min=1, help="Batch size (default: the paper's 512 MiB input).")
     ] = None,
     plot: Annotated[
-        Path | None, typer.Option(help="Write a PNG plot to PATH (needs matplotlib).")
+        Path | None, typer.Option(metavar="PATH", help="Write a PNG plot (needs matplotlib).")
     ] = None,
     json_path: Annotated[
-        str | None, typer.Option("--json", help="Write the numbers as JSON to PATH (- for stdout).")
+        str | None,
+        typer.Option("--json", metavar="PATH", help="Write the numbers as JSON (- for stdout)."),
     ] = None,
     debug: Annotated[bool, typer.Option("--debug", help=DEBUG_HELP)] = False,
 ) -> None:

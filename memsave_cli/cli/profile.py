@@ -33,13 +33,16 @@ def profile(
     case: Annotated[
         list[str] | None,
         typer.Option(
+            metavar="CASE",
             help="Case: all, input, norm, surgical, none (repeatable; default: the paper's four).",
             show_default=False,
         ),
     ] = None,
     trainable: Annotated[
         list[str] | None,
-        typer.Option(help="Glob over parameter names to train, a custom case (repeatable)."),
+        typer.Option(
+            metavar="GLOB", help="Glob over parameter names to train, a custom case (repeatable)."
+        ),
     ] = None,
     input_grad: Annotated[
         bool | None,
@@ -52,7 +55,7 @@ def profile(
         int | None, typer.Option(min=1, help="Batch size (default: the paper's, e.g. 64).")
     ] = None,
     input_shape: Annotated[
-        str | None, typer.Option(help="Per-sample input shape, e.g. 3,224,224.")
+        str | None, typer.Option(metavar="SHAPE", help="Per-sample input shape, e.g. 3,224,224.")
     ] = None,
     dtype: Annotated[Dtype, typer.Option(help="Parameter and input dtype.")] = Dtype.float32,
     bn_eval: Annotated[
@@ -60,13 +63,18 @@ def profile(
     ] = False,
     impl: Annotated[
         list[Impl] | None,
-        typer.Option(help="stock, memsave, memsave-conv or both (repeatable).", show_default=False),
+        typer.Option(
+            metavar="IMPL",
+            help="stock, memsave, memsave-conv or both (repeatable; default: both).",
+            show_default=False,
+        ),
     ] = None,
     optimizer: Annotated[
         Optimizer | None, typer.Option(help="Include an optimizer step in the peak.")
     ] = None,
     kwarg: Annotated[
-        list[str] | None, typer.Option(help="Model keyword argument key=value (repeatable).")
+        list[str] | None,
+        typer.Option(metavar="KEY=VALUE", help="Model keyword argument (repeatable)."),
     ] = None,
     top: Annotated[int, typer.Option(min=0, help="Layers shown per case (0: none).")] = 5,
     repeat: Annotated[int, typer.Option(min=1, help="Timed repeats (cpu/cuda).")] = 3,
@@ -75,10 +83,12 @@ def profile(
         int | None, typer.Option(min=1, help="Runs at once (default: cores on meta, else 1).")
     ] = None,
     json_path: Annotated[
-        str | None, typer.Option("--json", help="Write the report as JSON to PATH (- for stdout).")
+        str | None,
+        typer.Option("--json", metavar="PATH", help="Write the report as JSON (- for stdout)."),
     ] = None,
     csv_path: Annotated[
-        str | None, typer.Option("--csv", help="Write the runs as CSV to PATH (- for stdout).")
+        str | None,
+        typer.Option("--csv", metavar="PATH", help="Write the runs as CSV (- for stdout)."),
     ] = None,
     debug: Annotated[bool, typer.Option("--debug", help=DEBUG_HELP)] = False,
 ) -> None:
