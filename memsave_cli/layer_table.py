@@ -11,6 +11,8 @@ the weights only (the first trainable layer of a network), or both.
 from __future__ import annotations
 
 import copy
+import importlib
+import pkgutil
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -216,5 +218,9 @@ def _relative_label(tensor: Tensor, x: Tensor, fixed: bool) -> str:
 
 
 def _import_layers() -> None:
-    """Import the drop-ins so that they register themselves (the converter imports them all)."""
-    import memsave_cli.layers.convert  # noqa: F401
+    """Import every module of ``memsave_cli.layers``, so that each drop-in registers itself."""
+    import memsave_cli.layers as package
+
+    for module in pkgutil.iter_modules(package.__path__):
+        if not module.name.startswith("_"):
+            importlib.import_module(f"{package.__name__}.{module.name}")

@@ -71,6 +71,12 @@ def test_known_facts(rows):
         conv = by_key["Conv2d", "any"]
         assert conv.stock["input"].per_element == 4 and conv.memsave["input"].per_element == 0
         assert conv.memsave["weights"].per_element == 4  # the weight gradient needs the input
+    if ("MaxPool2d", "any") in by_key and by_key["MaxPool2d", "any"].converted:
+        pool = by_key["MaxPool2d", "any"]
+        assert pool.stock["input"].per_element == 4 + 8 / 4  # input, int64 index per 2x2 window
+        assert pool.memsave["input"].per_element <= 1 / 4  # at most a byte per window
+    if ("AvgPool2d", "any") in by_key and by_key["AvgPool2d", "any"].converted:
+        assert by_key["AvgPool2d", "any"].memsave["input"].per_element == 0
 
 
 def test_parameterless_layers_have_no_weight_setting(rows):
