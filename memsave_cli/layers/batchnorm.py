@@ -52,7 +52,6 @@ class BatchNormEvalFunction(torch.autograd.Function):
         ctx.mask = list(ctx.needs_input_grad[:3])
         ctx.eps = eps
         ctx.size, ctx.stride = tuple(x.shape), tuple(x.stride())
-        ctx.memory_format = suggest_memory_format(x)
         # Only the weight's gradient reads the input. Weight and statistics are per-channel.
         ctx.save_for_backward(x if ctx.mask[1] else None, weight, running_mean, running_var)
 
@@ -61,11 +60,11 @@ class BatchNormEvalFunction(torch.autograd.Function):
         forbid_double_backward("MemSaveBatchNorm")
         x, weight, running_mean, running_var = ctx.saved_tensors
         stand_in, same_layout = (x, True) if x is not None else _input_stand_in(grad, ctx)
-        grad_x, grad_weight, grad_bias = torch.ops.aten.native_batch_norm_backward(
+        grad_x, grad_weight, grad_bias = torch.ops.aten.native_batch_norm_backward.default(
             grad, stand_in, weight, running_mean, running_var, None, None, False, ctx.eps, ctx.mask
         )
         if grad_x is not None and not same_layout:
-            grad_x = _in_memory_format(grad_x, ctx.memory_format)
+            grad_x = _in_input_layout(grad_x, ctx.size, ctx.stride)
         return grad_x, grad_weight, grad_bias, None, None, None
 
 
@@ -88,8 +87,9 @@ def _input_stand_in(grad: Tensor, ctx: Any) -> tuple[Tensor, bool]:
     return shape_only(grad, ctx.size), False
 
 
-def _in_memory_format(grad_x: Tensor, memory_format: torch.memory_format) -> Tensor:
-    """``grad_x`` laid out as stock lays out ``dL/dx`` for an input of ``memory_format``."""
+def _in_input_layout(grad_x: Tensor, size: Sequence[int], stride: Sequence[int]) -> Tensor:
+    """``grad_x`` laid out as stock lays out ``dL/dx`` for an input of ``size`` and ``stride``."""
+    memory_format = suggest_memory_format(torch.empty_strided(size, stride, device="meta"))
     if memory_format == torch.contiguous_format:
         return grad_x
     # One copy of input size, only after a shape_only stand-in on a channels-last input, so that
