@@ -37,6 +37,16 @@ MASKS = [m for m in itertools.product([True, False], repeat=3) if any(m)]
 MASK_IDS = ["".join(n for n, on in zip("xwb", m, strict=True) if on) for m in MASKS]
 
 
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """One intra-op thread: these tensors are tiny, and on a shared, busy machine OpenMP threads
+    spin (stock and memsave run alike, so comparisons stay fair)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def _channels_last(t: Tensor) -> Tensor:
     fmt = {4: torch.channels_last, 5: torch.channels_last_3d}.get(t.dim(), torch.contiguous_format)
     return t.contiguous(memory_format=fmt)
