@@ -1,0 +1,330 @@
+"""Memory-saving drop-ins for ``Conv1d/2d/3d`` and ``ConvTranspose1d/2d/3d``.
+
+NOTE [what a convolution's backward needs]: the gradient of the input is a (transposed)
+convolution of the output gradient with the weight, the gradient of the weight correlates
+the output gradient with the input, and the gradient of the bias sums the output gradient.
+So the input is saved only when the weight needs a gradient and the weight only when the
+input needs one. Stock autograd saves both whenever any gradient is required.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch._prims_common import is_non_overlapping_and_dense_or_false, suggest_memory_format
+from torch.amp.autocast_mode import is_autocast_available
+
+from memsave_cli.layers._backward import forbid_double_backward, shape_only
+from memsave_cli.layers.registry import drop_in
+
+Conv = nn.Conv1d | nn.Conv2d | nn.Conv3d
+ConvTranspose = nn.ConvTranspose1d | nn.ConvTranspose2d | nn.ConvTranspose3d
+
+# NOTE [stand-ins for dropped tensors]: ``aten.convolution_backward`` takes the input and the
+# weight even when it only reads their shape and layout (the layout picks the kernel, so it
+# matters for bitwise equality). Every CPU backend starts with ``input.contiguous(format)``,
+# which turns a one-element ``shape_only`` stand-in into a full, written copy (measured: +16%
+# backward time on a 3x3 Conv2d). On CPU the stand-in is therefore an uninitialised tensor with
+# the dropped tensor's strides: the kernel passes it through and never writes it, so its pages
+# are never touched. cuDNN skips that copy when no weight gradient is asked for, so elsewhere the
+# one-element stand-in is used, and a channels-last choice it cannot convey rides on the weight.
+_DENSE_STAND_IN_DEVICES = frozenset({"cpu"})
+
+
+class _Geometry(NamedTuple):
+    """Shape and layout of a tensor that backward replaces by a stand-in."""
+
+    shape: torch.Size
+    stride: tuple[int, ...] | None  # None unless non-overlapping and dense
+    memory_format: torch.memory_format
+
+
+def _is_channels_last(t: Tensor) -> bool:
+    """Whether ATen would suggest a channels-last memory format for ``t``."""
+    return suggest_memory_format(t) != torch.contiguous_format
+
+
+def _geometry(t: Tensor) -> _Geometry:
+    """Record what a stand-in for ``t`` must reproduce."""
+    dense = is_non_overlapping_and_dense_or_false(t)
+    return _Geometry(t.shape, tuple(t.stride()) if dense else None, suggest_memory_format(t))
+
+
+def _stand_in(grad: Tensor, geometry: _Geometry) -> Tensor:
+    """A tensor the backward kernel reads only the shape and layout of (see NOTE above)."""
+    if grad.device.type not in _DENSE_STAND_IN_DEVICES:
+        return shape_only(grad, geometry.shape)
+    options = dict(dtype=grad.dtype, device=grad.device)
+    # Deliberate allocation, never written: see NOTE [stand-ins for dropped tensors].
+    if geometry.stride is not None:
+        return torch.empty_strided(geometry.shape, geometry.stride, **options)
+    return torch.empty(geometry.shape, memory_format=geometry.memory_format, **options)
+
+
+def _channels_last_weight(x: Tensor, weight: Tensor, dropped: list[_Geometry]) -> Tensor:
+    """Make ``weight`` carry a channels-last choice that a one-element stand-in dropped.
+
+    Kernels go channels-last when the input *or* the weight suggests it. The copy uses the
+    canonical strides, which also mark weights whose layout is ambiguous (1x1 kernels).
+    """
+    formats = {g.memory_format for g in dropped} - {torch.contiguous_format}
+    if not formats or any(_is_channels_last(t) for t in (x, weight)):
+        return weight
+    # Deliberate weight-size allocation: the kernel would make this copy of the weight itself.
+    return torch.empty_like(weight, memory_format=formats.pop()).copy_(weight)
+
+
+class _ConvFunction(torch.autograd.Function):
+    """``aten.convolution`` saving only what the requested gradients need."""
+
+    @staticmethod
+    def forward(
+        x: Tensor,
+        weight: Tensor,
+        bias: Tensor | None,
+        stride: Sequence[int],
+        padding: Sequence[int],
+        dilation: Sequence[int],
+        transposed: bool,
+        output_padding: Sequence[int],
+        groups: int,
+    ) -> Tensor:
+        return torch.ops.aten.convolution(
+            x, weight, bias, stride, padding, dilation, transposed, output_padding, groups
+        )
+
+    @staticmethod
+    def setup_context(
+        ctx: torch.autograd.function.FunctionCtx, inputs: tuple, output: Tensor
+    ) -> None:
+        x, weight, bias, *params = inputs
+        need_x, need_weight = ctx.needs_input_grad[:2]
+        # See NOTE [what a convolution's backward needs].
+        ctx.save_for_backward(x if need_weight else None, weight if need_x else None)
+        ctx.x_geometry = None if need_weight else _geometry(x)
+        ctx.weight_geometry = None if need_x else _geometry(weight)
+        ctx.bias_shape = None if bias is None else bias.shape
+        ctx.params = params
+        ctx.layer = f"MemSaveConv{'Transpose' if params[3] else ''}{x.dim() - 2}d"
+
+    @staticmethod
+    def backward(ctx: torch.autograd.function.FunctionCtx, grad: Tensor) -> tuple:
+        forbid_double_backward(ctx.layer)
+        x, weight = ctx.saved_tensors
+        x = _stand_in(grad, ctx.x_geometry) if x is None else x
+        weight = _stand_in(grad, ctx.weight_geometry) if weight is None else weight
+        if grad.device.type not in _DENSE_STAND_IN_DEVICES:
+            dropped = [g for g in (ctx.x_geometry, ctx.weight_geometry) if g is not None]
+            weight = _channels_last_weight(x, weight, dropped)
+        mask = list(ctx.needs_input_grad[:3])
+        grads = torch.ops.aten.convolution_backward(
+            grad, x, weight, ctx.bias_shape, *ctx.params, mask
+        )
+        return (*grads, None, None, None, None, None, None)
+
+
+_PAD_BACKWARD = {
+    "reflect": (
+        "reflection_pad1d_backward",
+        "reflection_pad2d_backward",
+        "reflection_pad3d_backward",
+    ),
+    "replicate": (
+        "replication_pad1d_backward",
+        "replication_pad2d_backward",
+        "replication_pad3d_backward",
+    ),
+}
+
+
+class _PadFunction(torch.autograd.Function):
+    """``F.pad`` in reflect or replicate mode; stock saves the whole input, this only its shape."""
+
+    @staticmethod
+    def forward(x: Tensor, pad: Sequence[int], mode: str) -> Tensor:
+        return F.pad(x, pad, mode=mode)
+
+    @staticmethod
+    def setup_context(
+        ctx: torch.autograd.function.FunctionCtx, inputs: tuple, output: Tensor
+    ) -> None:
+        x, pad, mode = inputs
+        ctx.x_shape, ctx.pad, ctx.mode = x.shape, pad, mode
+        ctx.layout = suggest_memory_format(x)
+
+    @staticmethod
+    def backward(ctx: torch.autograd.function.FunctionCtx, grad: Tensor) -> tuple:
+        forbid_double_backward(f"MemSaveConv{len(ctx.x_shape) - 2}d (padding_mode={ctx.mode!r})")
+        kernel = getattr(torch.ops.aten, _PAD_BACKWARD[ctx.mode][len(ctx.pad) // 2 - 1])
+        # These kernels read only the stand-in's shape (no copy of it is made).
+        grad_x = kernel(grad, shape_only(grad, ctx.x_shape), ctx.pad)
+        # They lay the result out like the stand-in (contiguous); stock keeps the input's layout.
+        return grad_x.contiguous(memory_format=ctx.layout), None, None
+
+
+def _pad(x: Tensor, pad: Sequence[int], mode: str) -> Tensor:
+    """``F.pad`` as stock convolutions use it, without saving the input for reflect/replicate."""
+    if mode in _PAD_BACKWARD and x.requires_grad and torch.is_grad_enabled():
+        return _PadFunction.apply(x, list(pad), mode)
+    return F.pad(x, pad, mode=mode)
+
+
+def _same_padding(module: Conv) -> tuple[list[int], list[int]]:
+    """Symmetric padding for ``padding='same'`` and the extra right padding odd totals need.
+
+    Mirrors ATen's ``_convolution_mode``: the left side gets ``total // 2`` and the remainder is
+    added to the right of the input with a zero pad, in ``F.pad`` order (last dimension first).
+    """
+    symmetric, extra = [], []
+    for d, k in zip(module.dilation, module.kernel_size, strict=True):
+        total = d * (k - 1)
+        symmetric.append(total // 2)
+        extra = [0, total - 2 * (total // 2), *extra]
+    return symmetric, extra
+
+
+def _padded_input(module: Conv, x: Tensor) -> tuple[Tensor, list[int]]:
+    """The input padded the way the stock module pads it, and the padding left to the kernel."""
+    n = len(module.kernel_size)
+    if module.padding_mode != "zeros":
+        return _pad(x, module._reversed_padding_repeated_twice, module.padding_mode), [0] * n
+    if module.padding == "valid":
+        return x, [0] * n
+    if module.padding == "same":
+        symmetric, extra = _same_padding(module)
+        return (F.pad(x, extra) if any(extra) else x), symmetric
+    return x, list(module.padding)
+
+
+def _autocast_cast(t: Tensor | None, device_type: str, dtype: torch.dtype) -> Tensor | None:
+    """Cast ``t`` the way autocast casts the arguments of a lower-precision op."""
+    eligible = t is not None and t.is_floating_point() and t.device.type == device_type
+    if not eligible or t.dtype in (torch.float64, dtype):
+        return t
+    return t.to(dtype)
+
+
+def _convolve(x: Tensor, weight: Tensor, bias: Tensor | None, *params: object) -> Tensor:
+    """Run ``_ConvFunction``, casting explicitly where autocast would cast a stock convolution."""
+    device_type = x.device.type
+    if not (is_autocast_available(device_type) and torch.is_autocast_enabled(device_type)):
+        return _ConvFunction.apply(x, weight, bias, *params)
+    dtype = torch.get_autocast_dtype(device_type)
+    x, weight, bias = (_autocast_cast(t, device_type, dtype) for t in (x, weight, bias))
+    with torch.autocast(device_type, enabled=False):
+        return _ConvFunction.apply(x, weight, bias, *params)
+
+
+def _batched(x: Tensor, n: int, run: Callable[[Tensor], Tensor]) -> Tensor:
+    """Apply ``run`` to a batched view of ``x``, as ``F.convNd`` does for unbatched inputs."""
+    if x.dim() == n + 2:
+        return run(x)
+    return run(x.unsqueeze(0)).squeeze(0)
+
+
+def conv_forward(module: Conv, x: Tensor) -> Tensor:
+    """Forward of a memsave ``ConvNd``: stock padding, then ``_ConvFunction``."""
+    n = len(module.kernel_size)
+
+    def run(batch: Tensor) -> Tensor:
+        batch, padding = _padded_input(module, batch)
+        params = (module.stride, padding, module.dilation, False, [0] * n, module.groups)
+        return _convolve(batch, module.weight, module.bias, *params)
+
+    return _batched(x, n, run)
+
+
+def conv_transpose_forward(
+    module: ConvTranspose, x: Tensor, output_size: list[int] | None
+) -> Tensor:
+    """Forward of a memsave ``ConvTransposeNd``, with the stock ``output_size`` handling."""
+    n = len(module.kernel_size)
+    output_padding = module._output_padding(
+        x, output_size, module.stride, module.padding, module.kernel_size, n, module.dilation
+    )
+
+    def run(batch: Tensor) -> Tensor:
+        params = (
+            module.stride,
+            module.padding,
+            module.dilation,
+            True,
+            output_padding,
+            module.groups,
+        )
+        return _convolve(batch, module.weight, module.bias, *params)
+
+    return _batched(x, n, run)
+
+
+def _use_memsave(module: Conv | ConvTranspose, x: Tensor) -> bool:
+    """Whether a backward is recorded and the input is valid; otherwise stock runs (and raises)."""
+    if not torch.is_grad_enabled() or x.dim() not in (module.weight.dim() - 1, module.weight.dim()):
+        return False
+    bias = module.bias
+    return (
+        x.requires_grad or module.weight.requires_grad or (bias is not None and bias.requires_grad)
+    )
+
+
+@drop_in(nn.Conv1d)
+class MemSaveConv1d(nn.Conv1d):
+    """``nn.Conv1d`` that saves the input only if the weight is trained, the weight only if the input is."""
+
+    def forward(self, input: Tensor) -> Tensor:
+        return conv_forward(self, input) if _use_memsave(self, input) else super().forward(input)
+
+
+@drop_in(nn.Conv2d)
+class MemSaveConv2d(nn.Conv2d):
+    """``nn.Conv2d`` that saves the input only if the weight is trained, the weight only if the input is."""
+
+    def forward(self, input: Tensor) -> Tensor:
+        return conv_forward(self, input) if _use_memsave(self, input) else super().forward(input)
+
+
+@drop_in(nn.Conv3d)
+class MemSaveConv3d(nn.Conv3d):
+    """``nn.Conv3d`` that saves the input only if the weight is trained, the weight only if the input is."""
+
+    def forward(self, input: Tensor) -> Tensor:
+        return conv_forward(self, input) if _use_memsave(self, input) else super().forward(input)
+
+
+def _transpose_ok(module: ConvTranspose, x: Tensor) -> bool:
+    """Stock transposed convolutions support zero padding only; anything else goes to stock."""
+    return module.padding_mode == "zeros" and _use_memsave(module, x)
+
+
+@drop_in(nn.ConvTranspose1d)
+class MemSaveConvTranspose1d(nn.ConvTranspose1d):
+    """``nn.ConvTranspose1d`` saving the input only if the weight is trained, and vice versa."""
+
+    def forward(self, input: Tensor, output_size: list[int] | None = None) -> Tensor:
+        if not _transpose_ok(self, input):
+            return super().forward(input, output_size)
+        return conv_transpose_forward(self, input, output_size)
+
+
+@drop_in(nn.ConvTranspose2d)
+class MemSaveConvTranspose2d(nn.ConvTranspose2d):
+    """``nn.ConvTranspose2d`` saving the input only if the weight is trained, and vice versa."""
+
+    def forward(self, input: Tensor, output_size: list[int] | None = None) -> Tensor:
+        if not _transpose_ok(self, input):
+            return super().forward(input, output_size)
+        return conv_transpose_forward(self, input, output_size)
+
+
+@drop_in(nn.ConvTranspose3d)
+class MemSaveConvTranspose3d(nn.ConvTranspose3d):
+    """``nn.ConvTranspose3d`` saving the input only if the weight is trained, and vice versa."""
+
+    def forward(self, input: Tensor, output_size: list[int] | None = None) -> Tensor:
+        if not _transpose_ok(self, input):
+            return super().forward(input, output_size)
+        return conv_transpose_forward(self, input, output_size)
