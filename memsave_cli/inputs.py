@@ -79,6 +79,11 @@ class _Maker:
         return torch.randint(low, high, tuple(shape), generator=self.generator, device=self.device)
 
 
+def _default(batch_size: int | None, default: int) -> int:
+    """The requested batch size, or the family's default when none was asked for."""
+    return default if batch_size is None else batch_size
+
+
 def make_example(
     model: nn.Module,
     spec: ModelSpec,
@@ -95,19 +100,21 @@ def make_example(
     ``input_grad`` says the input will be differentiable: Hugging Face models then get
     ``inputs_embeds`` instead of token ids (``embeds`` forces either, as the paper fed embeddings).
     """
+    if batch_size is not None and batch_size < 1:
+        raise ValueError(f"batch size must be a positive integer, got {batch_size}")
     make = _Maker(torch.device(device), dtype)
     shape = tuple(int(n) for n in input_shape) if input_shape is not None else None
     companion = companion_inputs(spec) if shape is None else None
     if companion is not None:
-        return _companion_example(spec, companion, make, batch_size or BATCH_SIZE)
+        return _companion_example(spec, companion, make, _default(batch_size, BATCH_SIZE))
     if _is_hf_model(model):
         use_embeds = input_grad if embeds is None else embeds
-        return _hf_example(model, make, batch_size or BATCH_SIZE, shape, use_embeds)
+        return _hf_example(model, make, _default(batch_size, BATCH_SIZE), shape, use_embeds)
     family = _torchvision_family(spec)
     if family == "detection":
-        batch = batch_size or DETECTION_BATCH_SIZE
+        batch = _default(batch_size, DETECTION_BATCH_SIZE)
         return _detection_example(model, make, batch, shape or IMAGE_SHAPE)
-    batch = batch_size or BATCH_SIZE
+    batch = _default(batch_size, BATCH_SIZE)
     shape = shape or SHAPE_OVERRIDES.get(spec.target) or _default_shape(model, spec, family)
     if family == "flow":
         first, second = make.uniform((batch, *shape)), make.uniform((batch, *shape))
