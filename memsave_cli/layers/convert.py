@@ -25,7 +25,7 @@ from torch import Tensor, nn
 from memsave_cli.errors import MemsaveError
 
 # Imported for their ``@drop_in`` registrations, so that DROP_INS is complete.
-from memsave_cli.layers import activation, batchnorm, conv, dropout  # noqa: F401
+from memsave_cli.layers import activation, avgpool, batchnorm, conv, dropout, maxpool  # noqa: F401
 from memsave_cli.layers.activation import MemSaveReLU
 from memsave_cli.layers.registry import DROP_INS
 

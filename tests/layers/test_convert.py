@@ -36,7 +36,7 @@ class PlainSubclassConv(nn.Conv2d):
 
 
 def small_cnn() -> nn.Sequential:
-    """A CNN with one module of every registered stock type that takes a 4D input, and more."""
+    """A CNN with a module of every registered family, subclasses and an unsupported layer."""
     torch.manual_seed(0)
     return nn.Sequential(
         nn.Conv2d(3, 8, 3, padding=1),
@@ -49,9 +49,12 @@ def small_cnn() -> nn.Sequential:
         nn.Hardtanh(-0.5, 0.5),
         nn.Dropout2d(0.0),
         nn.ConvTranspose2d(8, 4, 2, stride=2),
+        nn.MaxPool2d(2),
+        nn.AvgPool2d(2),
+        nn.AdaptiveAvgPool2d(2),
         nn.Flatten(),
         nn.Dropout(0.0),
-        nn.Linear(4 * 16 * 16, 5),
+        nn.Linear(4 * 2 * 2, 5),
     )
 
 
@@ -175,6 +178,9 @@ def test_converted_counts_per_stock_type() -> None:
         "Hardtanh": 1,
         "Dropout2d": 1,
         "ConvTranspose2d": 1,
+        "MaxPool2d": 1,
+        "AvgPool2d": 1,
+        "AdaptiveAvgPool2d": 1,
         "Dropout": 1,
     }
     assert converted_counts(small_cnn()) == {}
@@ -187,11 +193,12 @@ def test_converted_counts_per_stock_type() -> None:
         (nn.Conv2d, {"Conv2d": 2}),
         ("Conv2d", {"Conv2d": 2}),
         ("batchnorm2d", {"BatchNorm2d": 1}),
+        ("avgpool", {"AvgPool2d": 1, "AdaptiveAvgPool2d": 1}),
         (["ReLU", nn.Dropout], {"ReLU": 1, "Dropout": 1}),
         (("activation",), {"ReLU": 1, "LeakyReLU": 1, "ReLU6": 1, "Hardtanh": 1}),
         ([], {}),
     ],
-    ids=["family", "class", "name", "name-any-case", "mixed", "activation-family", "nothing"],
+    ids=["family", "class", "name", "any-case", "pool-family", "mixed", "act-family", "nothing"],
 )
 def test_include_restricts(include: object, expected: dict[str, int]) -> None:
     """``include`` selects by class, class name or family."""
