@@ -11,6 +11,7 @@ import torch
 from torch import Tensor, nn
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
+from memsave_cli.layers import bitmask
 from memsave_cli.layers.activation import (
     MemSaveHardtanh,
     MemSaveLeakyReLU,
@@ -23,6 +24,16 @@ from memsave_cli.layers.registry import DROP_INS
 from memsave_cli.saved import SavedTensorRecorder
 
 SHAPE = (2, 3, 5, 7)  # 210 elements: not a multiple of 8
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """One intra-op thread: the tensors are small, and spinning OpenMP threads on a busy machine
+    only slow the tests down. Results do not depend on the thread count."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 @dataclass(frozen=True)
@@ -139,6 +150,24 @@ def _assert_same(expected: object, actual: object) -> None:
 @pytest.mark.parametrize("case", CASES, ids=lambda case: case.name)
 def test_matches_stock(case: Case, dtype: torch.dtype, inplace: bool, layout: str) -> None:
     x = _input(dtype, case, layout)
+    grad = _grad_output(x)
+    stock, memsave = case.build(inplace)
+    _assert_same(
+        _forward_backward(stock, x, grad, inplace), _forward_backward(memsave, x, grad, inplace)
+    )
+
+
+@pytest.mark.parametrize(
+    "layout", ["contiguous", "channels_last"], ids=lambda name: f"layout={name}"
+)
+@pytest.mark.parametrize("inplace", [False, True], ids=lambda flag: f"inplace={flag}")
+@pytest.mark.parametrize("case", CASES, ids=lambda case: case.name)
+def test_torch_kernels_match_stock(
+    case: Case, inplace: bool, layout: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without the numpy CPU kernels (NOTE [numpy kernels on CPU]) the torch path is exact too."""
+    monkeypatch.setattr(bitmask, "numpy", None)
+    x = _input(torch.bfloat16, case, layout)
     grad = _grad_output(x)
     stock, memsave = case.build(inplace)
     _assert_same(

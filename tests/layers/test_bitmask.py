@@ -9,6 +9,7 @@ import torch
 from torch import Tensor
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
+from memsave_cli.layers import bitmask
 from memsave_cli.layers.bitmask import (
     BitLayout,
     layout_of,
@@ -61,6 +62,24 @@ LAYOUTS: dict[str, Callable[[Tensor], Tensor]] = {
 }
 
 
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """One intra-op thread: the tensors are small, and spinning OpenMP threads on a busy machine
+    only slow the tests down. Results do not depend on the thread count."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(params=["numpy", "torch"], ids=lambda path: f"kernels={path}")
+def kernels(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Run a test with the numpy CPU kernels and again with the torch operations alone."""
+    if request.param == "torch":
+        monkeypatch.setattr(bitmask, "numpy", None)
+    return request.param
+
+
 def _random_mask(shape: tuple[int, ...], seed: int = 0) -> Tensor:
     generator = torch.Generator().manual_seed(seed)
     return torch.rand(shape, generator=generator) > 0.5
@@ -77,7 +96,7 @@ def _reference_pack(mask: Tensor) -> Tensor:
 
 @pytest.mark.parametrize("layout", LAYOUTS, ids=lambda name: f"layout={name}")
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda shape: f"shape={shape}")
-def test_round_trip(shape: tuple[int, ...], layout: str) -> None:
+def test_round_trip(shape: tuple[int, ...], layout: str, kernels: str) -> None:
     mask = LAYOUTS[layout](_random_mask(shape))
     original = mask.clone()
     bits = pack_bits(mask)
@@ -89,12 +108,12 @@ def test_round_trip(shape: tuple[int, ...], layout: str) -> None:
 
 
 @pytest.mark.parametrize("shape", [(1,), (7,), (13,), (64,), (3, 5, 7)], ids=str)
-def test_bit_order_matches_brute_force(shape: tuple[int, ...]) -> None:
+def test_bit_order_matches_brute_force(shape: tuple[int, ...], kernels: str) -> None:
     mask = _random_mask(shape, seed=1)
     torch.testing.assert_close(pack_bits(mask), _reference_pack(mask), atol=0, rtol=0)
 
 
-def test_channels_last_packs_in_memory_order() -> None:
+def test_channels_last_packs_in_memory_order(kernels: str) -> None:
     mask = _random_mask((2, 5, 3, 3)).to(memory_format=torch.channels_last)
     in_memory = mask.permute(0, 2, 3, 1)  # contiguous: the physical order of ``mask``
     assert layout_of(mask).order == (0, 2, 3, 1)
@@ -115,7 +134,7 @@ def test_explicit_layout_reorders_the_bits() -> None:
     "dtype", [torch.float64, torch.float32, torch.bfloat16, torch.float16, torch.uint8], ids=str
 )
 @pytest.mark.parametrize("invert", [False, True], ids=lambda flag: f"invert={flag}")
-def test_unpack_as_values(dtype: torch.dtype, invert: bool) -> None:
+def test_unpack_as_values(dtype: torch.dtype, invert: bool, kernels: str) -> None:
     mask = _random_mask((3, 11))
     expected = (~mask if invert else mask).to(dtype)
     unpacked = unpack_as(pack_bits(mask), layout_of(mask), dtype, invert=invert)
@@ -148,6 +167,17 @@ def test_fake_tensor_mode() -> None:
         unpacked = unpack_bits(bits, layout_of(mask))
     assert isinstance(bits, FakeTensor) and bits.shape == (packed_numel(2 * 3 * 7 * 7),)
     assert isinstance(unpacked, FakeTensor) and unpacked.shape == mask.shape
+
+
+def test_numpy_and_torch_kernels_agree(monkeypatch: pytest.MonkeyPatch) -> None:
+    masks = [_random_mask((n,), seed=n) for n in (1, 9, 64, 1001)]
+    layouts = [layout_of(mask) for mask in masks]
+    with_numpy = [pack_bits(mask) for mask in masks]
+    unpacked = [unpack_as(b, L, torch.bfloat16) for b, L in zip(with_numpy, layouts, strict=True)]
+    monkeypatch.setattr(bitmask, "numpy", None)
+    for mask, layout, bits, values in zip(masks, layouts, with_numpy, unpacked, strict=True):
+        torch.testing.assert_close(pack_bits(mask), bits, atol=0, rtol=0)
+        torch.testing.assert_close(unpack_as(bits, layout, torch.bfloat16), values, atol=0, rtol=0)
 
 
 def test_compiled_fullgraph_matches_eager() -> None:
