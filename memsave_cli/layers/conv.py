@@ -127,18 +127,8 @@ class _ConvFunction(torch.autograd.Function):
         return (*grads, None, None, None, None, None, None)
 
 
-_PAD_BACKWARD = {
-    "reflect": (
-        "reflection_pad1d_backward",
-        "reflection_pad2d_backward",
-        "reflection_pad3d_backward",
-    ),
-    "replicate": (
-        "replication_pad1d_backward",
-        "replication_pad2d_backward",
-        "replication_pad3d_backward",
-    ),
-}
+#: ``F.pad`` modes whose stock backward saves the input; ATen names their kernels like this.
+_PAD_KERNELS = {"reflect": "reflection", "replicate": "replication"}
 
 
 class _PadFunction(torch.autograd.Function):
@@ -159,7 +149,8 @@ class _PadFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx: torch.autograd.function.FunctionCtx, grad: Tensor) -> tuple:
         forbid_double_backward(f"MemSaveConv{len(ctx.x_shape) - 2}d (padding_mode={ctx.mode!r})")
-        kernel = getattr(torch.ops.aten, _PAD_BACKWARD[ctx.mode][len(ctx.pad) // 2 - 1])
+        name = f"{_PAD_KERNELS[ctx.mode]}_pad{len(ctx.pad) // 2}d_backward"
+        kernel = getattr(torch.ops.aten, name)
         # These kernels read only the stand-in's shape (no copy of it is made).
         grad_x = kernel(grad, shape_only(grad, ctx.x_shape), ctx.pad)
         # They lay the result out like the stand-in (contiguous); stock keeps the input's layout.
@@ -168,7 +159,7 @@ class _PadFunction(torch.autograd.Function):
 
 def _pad(x: Tensor, pad: Sequence[int], mode: str) -> Tensor:
     """``F.pad`` as stock convolutions use it, without saving the input for reflect/replicate."""
-    if mode in _PAD_BACKWARD and x.requires_grad and torch.is_grad_enabled():
+    if mode in _PAD_KERNELS and x.requires_grad and torch.is_grad_enabled():
         return _PadFunction.apply(x, list(pad), mode)
     return F.pad(x, pad, mode=mode)
 
@@ -248,15 +239,9 @@ def conv_transpose_forward(
     )
 
     def run(batch: Tensor) -> Tensor:
-        params = (
-            module.stride,
-            module.padding,
-            module.dilation,
-            True,
-            output_padding,
-            module.groups,
-        )
-        return _convolve(batch, module.weight, module.bias, *params)
+        m = module
+        params = (m.stride, m.padding, m.dilation, True, output_padding, m.groups)
+        return _convolve(batch, m.weight, m.bias, *params)
 
     return _batched(x, n, run)
 
@@ -273,7 +258,7 @@ def _use_memsave(module: Conv | ConvTranspose, x: Tensor) -> bool:
 
 @drop_in(nn.Conv1d)
 class MemSaveConv1d(nn.Conv1d):
-    """``nn.Conv1d`` that saves the input only if the weight is trained, the weight only if the input is."""
+    """``nn.Conv1d`` saving the input only if the weight is trained, and vice versa."""
 
     def forward(self, input: Tensor) -> Tensor:
         return conv_forward(self, input) if _use_memsave(self, input) else super().forward(input)
@@ -281,7 +266,7 @@ class MemSaveConv1d(nn.Conv1d):
 
 @drop_in(nn.Conv2d)
 class MemSaveConv2d(nn.Conv2d):
-    """``nn.Conv2d`` that saves the input only if the weight is trained, the weight only if the input is."""
+    """``nn.Conv2d`` saving the input only if the weight is trained, and vice versa."""
 
     def forward(self, input: Tensor) -> Tensor:
         return conv_forward(self, input) if _use_memsave(self, input) else super().forward(input)
@@ -289,7 +274,7 @@ class MemSaveConv2d(nn.Conv2d):
 
 @drop_in(nn.Conv3d)
 class MemSaveConv3d(nn.Conv3d):
-    """``nn.Conv3d`` that saves the input only if the weight is trained, the weight only if the input is."""
+    """``nn.Conv3d`` saving the input only if the weight is trained, and vice versa."""
 
     def forward(self, input: Tensor) -> Tensor:
         return conv_forward(self, input) if _use_memsave(self, input) else super().forward(input)

@@ -23,6 +23,9 @@ from memsave_cli.layers.conv import (
 from memsave_cli.layers.registry import DROP_INS
 from memsave_cli.saved import SavedTensorRecorder
 
+# Stock warns once that an asymmetric 'same' padding copies the input; so does the memsave layer's pad.
+pytestmark = pytest.mark.filterwarnings("ignore:Using padding='same' with even kernel")
+
 MEMSAVE = {
     nn.Conv1d: MemSaveConv1d,
     nn.Conv2d: MemSaveConv2d,
@@ -179,6 +182,16 @@ NEEDS = {
     for flags in itertools.product([True, False], repeat=3)
     if any(flags)
 }
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """One intra-op thread: the tensors are tiny, and on a busy shared machine OpenMP threads
+    spin. Stock and memsave run alike, so the comparisons are unaffected."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 def _pair(case: Case, dtype: torch.dtype = torch.float32) -> tuple[nn.Module, nn.Module]:
