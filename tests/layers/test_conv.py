@@ -466,6 +466,23 @@ def test_backward_writes_no_stand_in(name: str, dtype: torch.dtype, needs: tuple
     assert all(nbytes < limit for _, nbytes in log.written), log.written
 
 
+@pytest.mark.parametrize("name", ["c1-basic", "c2-basic", "c3-basic", "t2-all-options"])
+def test_cpu_kernels_do_not_copy_stand_ins(name: str) -> None:
+    """Every CPU backend calls ``input.contiguous(format)``: the CPU stand-ins pass through it."""
+    case = next(c for c in CASES if c.name == name)
+    _, ours = _pair(case)
+    patterns = [(True, False, False), (False, True, True), (False, False, True)]
+    for needs in patterns if ours.bias is not None else patterns[:2]:
+        x = _set_needs(ours, _input(case), needs)
+        out = ours(x)
+        grad_out = torch.ones_like(out)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            out.backward(grad_out)
+        copies = [e.name for e in prof.events() if e.name in ("aten::clone", "aten::copy_")]
+        assert copies == [], (needs, copies)
+        ours.zero_grad(set_to_none=True)
+
+
 @pytest.mark.parametrize("needs", [(True, False, False), (False, True, True)], ids=["x", "wb"])
 @pytest.mark.parametrize("name", ["c2-basic", "c2-reflect", "t2-all-options"])
 def test_one_element_stand_ins_allocate_nothing(
