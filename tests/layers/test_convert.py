@@ -273,3 +273,13 @@ def test_converted_model_pickles() -> None:
     loaded = torch.load(buffer, weights_only=False)
     assert stock_types(loaded) == stock_types(converted) == stock_types(copy.deepcopy(converted))
     assert loaded[1].activation is memsave_relu
+
+
+def test_convert_is_idempotent_and_revert_of_stock_is_a_no_op() -> None:
+    """Converting twice converts nothing more; reverting a stock model changes nothing."""
+    once = convert(small_cnn())
+    twice = convert(once)
+    assert stock_types(twice) == stock_types(once)
+    assert converted_counts(twice) == converted_counts(once)
+    stock = small_cnn()
+    assert stock_types(revert(stock)) == stock_types(stock)
