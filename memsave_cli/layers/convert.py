@@ -59,6 +59,7 @@ def convert(
     converts ``model`` itself. ``include`` restricts the swap to some stock layer types: classes
     (``nn.Conv2d``), class names (``"Conv2d"``) or families (``"conv"``, ``"batchnorm"``,
     ``"activation"``, ``"dropout"``, ...: the ``memsave_cli.layers`` module defining the drop-in).
+    Models built under ``FakeTensorMode`` cannot be deep-copied: convert them with ``inplace=True``.
     """
     selected = select_drop_ins(include)
     target = model if inplace else copy.deepcopy(model)
