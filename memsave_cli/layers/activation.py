@@ -26,7 +26,7 @@ from torch import Tensor, nn
 from torch.autograd import Function
 
 from memsave_cli.layers._backward import forbid_double_backward
-from memsave_cli.layers.bitmask import layout_of, pack_bits, unpack_as
+from memsave_cli.layers.bitmask import compare, layout_of, pack_bits, unpack_as
 from memsave_cli.layers.registry import drop_in
 
 
@@ -69,7 +69,8 @@ class _LeakyReLUFunction(Function):
         x: Tensor, slope: float, inplace: bool, saves_result: bool
     ) -> tuple[Tensor, Tensor]:
         y = _output(F.leaky_relu(x, slope, inplace), x, inplace)
-        return y, pack_bits(torch.gt(y if saves_result else x, 0), layout_of(x), scratch=True)
+        positive = compare(y if saves_result else x, "gt", 0.0)
+        return y, pack_bits(positive, layout_of(x), scratch=True)
 
     @staticmethod
     def setup_context(ctx, inputs: tuple, output: tuple[Tensor, Tensor]) -> None:
@@ -131,8 +132,8 @@ def _hardtanh_keep(x: Tensor, min_val: float, max_val: float) -> Tensor:
     low, high = kernel_bounds(x.dtype, min_val, max_val)
     # Allocation: two bool masks of input size, combined in place into the first.
     if x.device.type == "cpu":
-        return torch.gt(x, low).logical_and_(torch.lt(x, high))
-    return torch.le(x, low).logical_or_(torch.ge(x, high)).logical_not_()
+        return compare(x, "gt", low).logical_and_(compare(x, "lt", high))
+    return compare(x, "le", low).logical_or_(compare(x, "ge", high)).logical_not_()
 
 
 def _output(y: Tensor, x: Tensor, inplace: bool) -> Tensor:

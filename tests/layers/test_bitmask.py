@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import pytest
@@ -12,6 +13,7 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from memsave_cli.layers import bitmask
 from memsave_cli.layers.bitmask import (
     BitLayout,
+    compare,
     layout_of,
     pack_bits,
     packed_numel,
@@ -140,6 +142,21 @@ def test_unpack_as_values(dtype: torch.dtype, invert: bool, kernels: str) -> Non
     unpacked = unpack_as(pack_bits(mask), layout_of(mask), dtype, invert=invert)
     assert unpacked.dtype == dtype
     torch.testing.assert_close(unpacked, expected, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("op", ["gt", "ge", "lt", "le"])
+def test_compare_matches_torch(op: str, dtype: torch.dtype, kernels: str) -> None:
+    generator = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 5, 3, 3, generator=generator)
+    x.view(-1)[:8] = torch.tensor([0.0, -0.0, 0.5, -0.5, math.inf, -math.inf, math.nan, 1e-40])
+    x = x.to(dtype).to(memory_format=torch.channels_last)
+    for value in (0.0, 0.5, -0.5, math.inf):
+        mask = compare(x, op, value)
+        torch.testing.assert_close(mask, getattr(torch, op)(x, value), atol=0, rtol=0)
+        assert (
+            mask.stride() == x.stride()
+        )  # follows the input's memory layout: packs without a copy
 
 
 def test_rejects_wrong_inputs() -> None:
