@@ -1,0 +1,107 @@
+"""Time as memsave/stock ratios on the CPU, at reduced sizes this 2-core machine can afford.
+
+The paper timed forward+backward on a GPU at full size; here every case x implementation runs in
+its own worker on the CPU, one at a time (stock and memsave of a case back to back), and reports
+the median of ``REPEAT`` steps after a warm-up step. Sizes are reduced (``REDUCED`` says how), so
+the ratios, not the seconds, are what compare with the paper. With ``--device cuda`` (when a GPU
+is lent) the runs keep the paper's sizes and also measure memory on the device.
+
+    python -m benchmarks.reproduce.timing [--table cnn ...] [--model vgg16 ...] [--device cuda]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Sequence
+from dataclasses import replace
+from pathlib import Path
+
+from benchmarks.reproduce.experiments import TABLES, Experiment, memory_experiments, select
+from benchmarks.reproduce.memory import cli_equivalent, measure_experiment, record_of
+from benchmarks.reproduce.record import RESULTS, command_line, relative, save
+
+MODULE = "benchmarks.reproduce.timing"
+REPEAT = 3
+
+#: How each table is shrunk for CPU timing: batch size, per-sample input shape, model kwargs.
+REDUCED: dict[str, dict] = {
+    "resnet101": {"batch_size": 4},
+    "cnn": {"batch_size": 2},
+    "cnn_bn_eval": {"batch_size": 2},
+}
+#: Detection models resize their inputs; these bound the resized side (torchvision kwargs).
+DETECTION_KWARGS = {
+    "fasterrcnn_resnet50_fpn": (("min_size", 320), ("max_size", 320)),
+    "ssdlite320_mobilenet_v3_large": (),
+}
+#: Transformers: fewer layers, a smaller batch, float32 (CPU bf16 kernels are not what GPUs run).
+LLM_KWARGS = {
+    "transformer_h2048": ((("layers", 1),), 2),
+    "t5_h768": ((("num_layers", 2), ("num_decoder_layers", 2)), 2),
+    "phi3_4b": ((("num_hidden_layers", 1),), 1),
+    "mistral_7b": ((("num_hidden_layers", 1),), 1),
+    "llama3_8b": ((("num_hidden_layers", 1), ("vocab_size", 32000)), 1),
+}
+
+
+def sized(experiment: Experiment, device: str = "cpu") -> Experiment:
+    """``experiment`` for timing on ``device``: the paper's size on cuda, shrunk on the cpu."""
+    if device == "cuda":
+        return replace(experiment, device=device)
+    if experiment.table == "llm":
+        kwargs, batch = LLM_KWARGS[experiment.model]
+        return replace(experiment, device=device, dtype="float32", batch_size=batch, kwargs=kwargs)
+    settings = REDUCED[experiment.table]
+    kwargs = DETECTION_KWARGS.get(experiment.model, experiment.kwargs)
+    batch = settings["batch_size"]
+    return replace(experiment, device=device, batch_size=batch, kwargs=kwargs)
+
+
+def describe(experiment: Experiment) -> str:
+    """Human summary of a timed setting, e.g. ``batch 2, float32, num_hidden_layers=1``."""
+    parts = [f"batch {experiment.batch_size}", experiment.dtype]
+    parts += [f"{key}={value}" for key, value in experiment.kwargs]
+    return ", ".join(parts)
+
+
+def result_path(experiment: Experiment, root: Path = RESULTS) -> Path:
+    return root / "time" / experiment.device / experiment.table / f"{experiment.model}.json"
+
+
+def command_for(experiment: Experiment) -> str:
+    args = ["--table", experiment.table, "--model", experiment.model]
+    if experiment.device != "cpu":
+        args += ["--device", experiment.device]
+    return command_line(MODULE, args)
+
+
+def run(experiments: Sequence[Experiment], device: str = "cpu") -> list[Path]:
+    """Time each experiment (reduced) and write its result file."""
+    written = []
+    for full in experiments:
+        experiment = sized(full, device)
+        start = time.perf_counter()
+        report = measure_experiment(experiment, repeat=REPEAT)
+        seconds = time.perf_counter() - start
+        record = record_of(experiment, report, command_for(experiment), seconds)
+        record.update(kind="time", cli=cli_equivalent(experiment, repeat=REPEAT))
+        record["experiment"]["reduced"] = describe(experiment)
+        path = result_path(experiment)
+        save(path, record)
+        print(f"{experiment.key}: timed in {seconds:.0f} s -> {relative(path)}")
+        written.append(path)
+    return written
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--table", nargs="*", default=[], choices=TABLES)
+    parser.add_argument("--model", nargs="*", default=[])
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    args = parser.parse_args(argv)
+    run(select(memory_experiments(), args.table, args.model), args.device)
+
+
+if __name__ == "__main__":
+    main()
