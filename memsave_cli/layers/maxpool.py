@@ -42,7 +42,7 @@ aten = torch.ops.aten
 # unfinished (``all`` stops early), so the layer would not trace with ``fullgraph=True``.
 
 #: Output elements per block in the chunked CPU path (see NOTE [chunked max pooling on CPU]).
-CHUNK_ELEMENTS = 1 << 17
+CHUNK_ELEMENTS = 1 << 20
 
 _KERNELS = {
     2: (aten.max_pool2d_with_indices.out, aten.max_pool2d_with_indices_backward.grad_input),
@@ -145,12 +145,29 @@ class IndexMaps:
         """Write the window offsets of ATen's flat argmax ``indices`` (consumed) into ``out``."""
         if self.plane != self.in_shape:
             indices = _reravel(indices, self.in_shape, self.plane)
-        return torch.take(self.inverse, indices.sub_(self.plane_starts), out=out)
+        distances = indices.sub_(self.plane_starts)
+        inverse = self.inverse.expand(*distances.shape[:-1], self.inverse.numel())
+        return torch.gather(inverse, -1, distances, out=out)
 
     def to_indices(self, offsets: Tensor) -> Tensor:
-        """ATen's flat int64 argmax indices back from window ``offsets``."""
-        # Deliberate transient: the int64 indices ATen's backward kernel reads.
-        return torch.take(self.table, offsets.long()).add_(self.starts)
+        """ATen's flat int64 argmax indices back from window ``offsets``, in their layout."""
+        # Deliberate transients: offsets widened to int64 (the lookup's index type), then the
+        # int64 indices ATen's backward kernel reads. The lookup is elementwise, so it runs over
+        # the elements in memory order and the result takes the offsets' strides.
+        wide = offsets.long()
+        if not _is_dense(wide):
+            wide = wide.contiguous()
+        flat = wide.as_strided((wide.numel(),), (1,))
+        indices = torch.index_select(self.table, 0, flat).as_strided(wide.shape, wide.stride())
+        return indices.add_(self.starts)
+
+
+def _is_dense(tensor: Tensor) -> bool:
+    """Whether ``tensor`` is contiguous in the standard or a channels-last memory format."""
+    channels_last = {4: torch.channels_last, 5: torch.channels_last_3d}.get(tensor.dim())
+    return tensor.is_contiguous() or (
+        channels_last is not None and tensor.is_contiguous(memory_format=channels_last)
+    )
 
 
 def _is_chunked(tensor: Tensor) -> bool:
@@ -179,7 +196,7 @@ class MaxPoolWithOffsets(torch.autograd.Function):
         x = x.contiguous(memory_format=suggest_memory_format(x))
         pool, _ = _KERNELS[nd]
         args = (kernel, stride, padding, dilation, ceil_mode)
-        # One pooling call fixes the output shape; blocks then write into slices of the output.
+        # The whole output is allocated once; blocks write into slices of it.
         out_shape = _output_shape(x, nd, args)
         layout = suggest_memory_format(x)
         out = x.new_empty(out_shape).contiguous(memory_format=layout)
@@ -234,6 +251,10 @@ def _output_shape(x: Tensor, nd: int, args: tuple) -> list[int]:
         if ceil_mode and (out - 1) * s >= size + p:
             out -= 1
         spatial.append(out)
+    if min(spatial) < 1:
+        pool = aten.max_pool2d_with_indices if nd == 2 else aten.max_pool3d_with_indices
+        pool(x, *args)  # raises ATen's own error message
+        raise RuntimeError(f"max pooling: output size {spatial} is too small")
     return [*x.shape[: x.dim() - nd], *spatial]
 
 

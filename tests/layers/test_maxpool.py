@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
@@ -167,6 +168,19 @@ def test_blockwise_cpu_path_matches_stock(monkeypatch, case: tuple, channels_las
     monkeypatch.setattr(maxpool, "CHUNK_ELEMENTS", 7)  # many blocks, ragged last one
     torch.manual_seed(0)
     _compare(case, _input(case[3], torch.float32, channels_last and len(case[3]) >= 4, ties=True))
+
+
+@pytest.mark.parametrize(
+    "kwargs,shape",
+    [(dict(kernel_size=3, padding=2), (1, 2, 8, 8)), (dict(kernel_size=5), (1, 2, 3, 3))],
+    ids=["padding-too-large", "output-too-small"],
+)
+def test_invalid_options_raise_like_stock(kwargs: dict, shape: tuple[int, ...]) -> None:
+    x = torch.randn(shape, requires_grad=True)
+    with pytest.raises(RuntimeError) as stock_error:
+        nn.MaxPool2d(**kwargs)(x)
+    with pytest.raises(RuntimeError, match=re.escape(str(stock_error.value)[:25])):
+        MemSaveMaxPool2d(**kwargs)(x)
 
 
 def test_nan_inputs_match_stock() -> None:
