@@ -222,7 +222,10 @@ def test_torch_compile_same_gradients() -> None:
     stock, memsave, x = build("vgg_like")
     # aot_eager traces forward and backward as inductor does (dynamo, AOTAutograd) without the
     # minutes of C++ code generation; the layers' own tests cover inductor.
-    compiled = torch.compile(memsave, backend="aot_eager", fullgraph=True)
+    # Static shapes, and a fresh cache: earlier compiles in this process must not turn on
+    # automatic dynamic shapes here.
+    torch._dynamo.reset()
+    compiled = torch.compile(memsave, backend="aot_eager", fullgraph=True, dynamic=False)
     for case in ("input", "frozen-first-half"):
         ref = forward_backward(stock, x, case, "eval")
         mine = forward_backward(compiled, x, case, "eval")
