@@ -7,7 +7,8 @@ on through the loss, the backward and the optimizer step. With an optimizer, a f
 its states and the measured step is the second, so both peaks include the states as in every
 later step of a training loop. cuda reads the caching allocator's statistics; cpu and meta count
 live storages exactly (``memsave_cli.tracker``), so their numbers agree with each other to the byte.
-Times are medians of ``repeat`` untracked steps taken after the measured one (which warms up).
+Times are medians of ``repeat`` untracked steps taken after the measured one (which warms up);
+``repeat=0`` measures memory only.
 """
 
 from __future__ import annotations
@@ -95,8 +96,8 @@ def check_job(job: Job) -> None:
     ):
         if value not in known:
             raise MemsaveError(f"unknown {what} '{value}': expected one of {', '.join(known)}")
-    if job.repeat < 1:
-        raise MemsaveError(f"repeat must be at least 1, got {job.repeat}")
+    if job.repeat < 0:
+        raise MemsaveError(f"repeat must be 0 (memory only) or more, got {job.repeat}")
 
 
 def prepare(job: Job) -> Prepared:
@@ -211,7 +212,11 @@ def _measure_cuda(job: Job, prepared: Prepared) -> Run:
 
 def _median_time(
     job: Job, prepared: Prepared, timer: Callable[[Callable[[], None]], float]
-) -> float:
+) -> float | None:
+    """Median of ``job.repeat`` timed steps (None for ``repeat=0``: memory only)."""
+    if job.repeat == 0:
+        return None
+
     def step() -> None:
         clear_grads(prepared)
         train_step(prepared)

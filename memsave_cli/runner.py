@@ -31,7 +31,7 @@ from memsave_cli.measure import Job, measure, one_line
 from memsave_cli.report import Run, Status
 
 #: Modules the fork server imports once, so that every worker starts with them loaded.
-PRELOAD = ("torch", "torchvision", "memsave_cli.measure")
+PRELOAD = ("torch", "torchvision", "memsave_cli.measure", "memsave_cli.layers.convert")
 TAIL_CHARS = 300
 _EXIT_GRACE_S = 5.0
 

@@ -159,3 +159,9 @@ def test_cuda_run_agrees_with_meta() -> None:
     assert meta.forward_peak_bytes <= real.forward_peak_bytes <= meta.forward_peak_bytes + 2**26
     assert real.device_bytes is None or real.device_bytes >= real.peak_bytes
     assert real.time_s > 0
+
+
+def test_repeat_zero_measures_memory_only() -> None:
+    run = measure(job("mlp", device="cpu", repeat=0))
+    assert run.ok and run.time_s is None
+    assert memory(run) == memory(measure(job("mlp", device="cpu", repeat=2)))
