@@ -25,10 +25,7 @@ WIDTH = "100"
 #: Worked examples: include name -> the command a user types (run on meta, no GPU needed).
 EXAMPLES = {
     "example-profile": "memsave profile torchvision:resnet101 --case surgical --device meta",
-    "example-profile-hf": (
-        "memsave profile hf:configs/meta-llama-3-8b --dtype bfloat16 --batch-size 8 "
-        "--case norm --device meta"
-    ),
+    "example-profile-hf": "memsave profile hf:configs/t5-base --case input --device meta",
     "example-fit": "memsave fit torchvision:resnet50 --budget 8GiB --case input --case all",
 }
 

@@ -28,6 +28,7 @@ class Experiment:
     device: str = "meta"
     dtype: str = "float32"
     batch_size: int | None = None  # None: the family default (64 images, 4 detection images)
+    input_shape: tuple[int, ...] | None = None  # per sample; None: the family default
     bn_eval: bool = False
     kwargs: tuple[tuple[str, object], ...] = ()
 

@@ -39,6 +39,8 @@ def cli_equivalent(experiment: Experiment, *, repeat: int | None = None) -> str:
         args += ["--dtype", experiment.dtype]
     if experiment.batch_size is not None:
         args += ["--batch-size", str(experiment.batch_size)]
+    if experiment.input_shape is not None:
+        args += ["--input-shape", ",".join(str(n) for n in experiment.input_shape)]
     if experiment.bn_eval:
         args.append("--bn-eval")
     for key, value in experiment.kwargs:
@@ -55,6 +57,7 @@ def measure_experiment(experiment: Experiment, *, repeat: int = 0, **settings: A
         impls=experiment.impls,
         device=experiment.device,
         batch_size=experiment.batch_size,
+        input_shape=experiment.input_shape,
         dtype=experiment.dtype,
         bn_eval=experiment.bn_eval,
         model_kwargs=dict(experiment.kwargs),
@@ -124,6 +127,7 @@ def _settings(experiment: Experiment) -> dict[str, Any]:
         "device": experiment.device,
         "dtype": experiment.dtype,
         "batch_size": experiment.batch_size,
+        "input_shape": experiment.input_shape,
         "bn_eval": experiment.bn_eval,
         "kwargs": dict(experiment.kwargs),
     }
