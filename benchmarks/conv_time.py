@@ -120,6 +120,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--only", default="", help="run the layers whose name contains this")
     parser.add_argument("--stand-ins", action="store_true", help="also time backward stand-ins")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -128,7 +129,7 @@ def main() -> None:
         f"{args.repeats} alternating repeats"
     )
     print(f"{'layer':44s} {'pattern':14s} {'stock ms':>9s} {'memsave ms':>11s} {'ratio':>6s}")
-    for name in LAYERS:
+    for name in (name for name in LAYERS if args.only in name):
         for pattern_name, pattern in PATTERNS.items():
             stock_s, ours_s, ratio = measure(name, pattern, args.repeats)
             print(
