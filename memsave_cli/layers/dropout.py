@@ -13,9 +13,9 @@ The noise holds exactly stock's values: 0 for a dropped element and ``scale = 1 
 stock's ``div_`` rounds it in that dtype for a kept one, so ``input * noise`` and
 ``grad * noise`` are bitwise what stock computes for the same mask. An element is kept when its
 32 random bits, read as a signed integer, fall below ``-2**31 + round((1 - p) * 2**32)``: the keep
-probability matches ``1 - p`` to 2**-32 (stock's CPU bernoulli compares a 24-bit float uniform).
-Drawing 64 random bits per two elements is also several times cheaper on CPU than stock's
-per-element float ``bernoulli_``, which keeps regeneration in backward affordable.
+probability matches ``1 - p`` to within 2**-32. Drawing 64 random bits per two elements is also
+several times cheaper on CPU than stock's per-element float ``bernoulli_`` (measured), which keeps
+regenerating the noise in backward affordable.
 """
 
 from __future__ import annotations

@@ -196,6 +196,13 @@ def test_channels_last_matches_stock(case: tuple) -> None:
         assert grad.is_contiguous(memory_format=torch.channels_last)  # laid out like stock's
 
 
+def test_strided_input_matches_stock() -> None:
+    torch.manual_seed(0)
+    shape = CASES["avg2d-k3s2p1"][3]
+    x = torch.randn(shape[0], shape[1], shape[3], shape[2]).transpose(-1, -2)  # not dense-ordered
+    _compare(CASES["avg2d-k3s2p1"], x)
+
+
 @pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
 def test_gradcheck(case: tuple) -> None:
     memsave_cls, _, kwargs, shape = case

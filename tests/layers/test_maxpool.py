@@ -170,6 +170,13 @@ def test_blockwise_cpu_path_matches_stock(monkeypatch, case: tuple, channels_las
     _compare(case, _input(case[3], torch.float32, channels_last and len(case[3]) >= 4, ties=True))
 
 
+def test_strided_input_matches_stock() -> None:
+    torch.manual_seed(0)
+    shape = CASES["2d-k3s2p1"][3]
+    x = torch.randn(shape[0], shape[1], shape[3], shape[2]).transpose(-1, -2)  # not dense-ordered
+    _compare(CASES["2d-k3s2p1"], x)
+
+
 @pytest.mark.parametrize(
     "kwargs,shape",
     [(dict(kernel_size=3, padding=2), (1, 2, 8, 8)), (dict(kernel_size=5), (1, 2, 3, 3))],
