@@ -185,8 +185,9 @@ def kernel_bounds(dtype: torch.dtype, min_val: float, max_val: float) -> tuple[f
     value on the safe side of each bound; a plain ``x <= min_val`` would round ``min_val`` to the
     nearest bfloat16 instead and disagree with stock next to the bound.
     """
-    if dtype == torch.float64:
-        return float(min_val), float(max_val)
+    if dtype == torch.float64 or torch.compiler.is_compiling():
+        # Compiled code rounds its own way (bounds may be symbolic floats there), see test.
+        return min_val, max_val
     low, high = _float32(min_val), _float32(max_val)
     if dtype == torch.bfloat16:
         return _bfloat16_bracket(low)[0], _bfloat16_bracket(high)[1]

@@ -59,10 +59,21 @@ class BitLayout:
 
 
 def layout_of(tensor: Tensor) -> BitLayout:
-    """The layout whose bit order follows ``tensor``'s memory order (largest stride first)."""
+    """The layout whose bit order follows ``tensor``'s memory order (largest stride first).
+
+    Any order is correct (it only decides whether packing needs a copy), so while compiling, where
+    strides may be symbolic and cannot be sorted, the order is the logical one unless the tensor
+    is plainly channels-last.
+    """
+    dims = tuple(range(tensor.dim()))
     strides = tensor.stride()
-    order = sorted(range(tensor.dim()), key=lambda dim: strides[dim], reverse=True)
-    return BitLayout(tuple(tensor.shape), tuple(order))
+    if not torch.compiler.is_compiling() and all(isinstance(s, int) for s in strides):
+        order = sorted(dims, key=lambda dim: strides[dim], reverse=True)
+        return BitLayout(tuple(tensor.shape), tuple(order))
+    channels_last = {4: torch.channels_last, 5: torch.channels_last_3d}.get(tensor.dim())
+    if channels_last is not None and tensor.is_contiguous(memory_format=channels_last):
+        dims = (0, *dims[2:], 1)
+    return BitLayout(tuple(tensor.shape), dims)
 
 
 def packed_numel(numel: int) -> int:
