@@ -15,7 +15,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch._prims_common import is_non_overlapping_and_dense_or_false, suggest_memory_format
+from torch._prims_common import suggest_memory_format
 from torch.amp.autocast_mode import is_autocast_available
 
 from memsave_cli.layers._backward import forbid_double_backward, shape_only
@@ -36,33 +36,37 @@ _DENSE_STAND_IN_DEVICES = frozenset({"cpu"})
 
 
 class _Geometry(NamedTuple):
-    """Shape and layout of a tensor that backward replaces by a stand-in."""
+    """Shape and strides of a tensor that backward replaces by a stand-in."""
 
     shape: torch.Size
-    stride: tuple[int, ...] | None  # None unless non-overlapping and dense
-    memory_format: torch.memory_format
-
-
-def _is_channels_last(t: Tensor) -> bool:
-    """Whether ATen would suggest a channels-last memory format for ``t``."""
-    return suggest_memory_format(t) != torch.contiguous_format
+    stride: tuple[int, ...]
 
 
 def _geometry(t: Tensor) -> _Geometry:
-    """Record what a stand-in for ``t`` must reproduce."""
-    dense = is_non_overlapping_and_dense_or_false(t)
-    return _Geometry(t.shape, tuple(t.stride()) if dense else None, suggest_memory_format(t))
+    """What a stand-in for ``t`` reproduces: ATen's ``empty_like`` rule, computed without memory.
+
+    That is ``t``'s own strides when it is dense, else those of its suggested memory format.
+    """
+    like = torch.empty_like(t, device="meta")
+    return _Geometry(like.shape, like.stride())
 
 
 def _stand_in(grad: Tensor, geometry: _Geometry) -> Tensor:
     """A tensor the backward kernel reads only the shape and layout of (see NOTE above)."""
     if grad.device.type not in _DENSE_STAND_IN_DEVICES:
         return shape_only(grad, geometry.shape)
-    options = dict(dtype=grad.dtype, device=grad.device)
     # Deliberate allocation, never written: see NOTE [stand-ins for dropped tensors].
-    if geometry.stride is not None:
-        return torch.empty_strided(geometry.shape, geometry.stride, **options)
-    return torch.empty(geometry.shape, memory_format=geometry.memory_format, **options)
+    return torch.empty_strided(
+        geometry.shape, geometry.stride, dtype=grad.dtype, device=grad.device
+    )
+
+
+def _channels_last_format(t: Tensor | _Geometry) -> torch.memory_format | None:
+    """The channels-last format ATen would suggest for ``t``, or None."""
+    if isinstance(t, _Geometry):
+        t = torch.empty_strided(t.shape, t.stride, device="meta")
+    suggested = suggest_memory_format(t)
+    return None if suggested == torch.contiguous_format else suggested
 
 
 def _channels_last_weight(x: Tensor, weight: Tensor, dropped: list[_Geometry]) -> Tensor:
@@ -71,8 +75,8 @@ def _channels_last_weight(x: Tensor, weight: Tensor, dropped: list[_Geometry]) -
     Kernels go channels-last when the input *or* the weight suggests it. The copy uses the
     canonical strides, which also mark weights whose layout is ambiguous (1x1 kernels).
     """
-    formats = {g.memory_format for g in dropped} - {torch.contiguous_format}
-    if not formats or any(_is_channels_last(t) for t in (x, weight)):
+    formats = {_channels_last_format(g) for g in dropped} - {None}
+    if not formats or any(_channels_last_format(t) for t in (x, weight)):
         return weight
     # Deliberate weight-size allocation: the kernel would make this copy of the weight itself.
     return torch.empty_like(weight, memory_format=formats.pop()).copy_(weight)
@@ -143,18 +147,15 @@ class _PadFunction(torch.autograd.Function):
         ctx: torch.autograd.function.FunctionCtx, inputs: tuple, output: Tensor
     ) -> None:
         x, pad, mode = inputs
-        ctx.x_shape, ctx.pad, ctx.mode = x.shape, pad, mode
-        ctx.layout = suggest_memory_format(x)
+        ctx.x_geometry, ctx.pad, ctx.mode = _geometry(x), pad, mode
 
     @staticmethod
     def backward(ctx: torch.autograd.function.FunctionCtx, grad: Tensor) -> tuple:
-        forbid_double_backward(f"MemSaveConv{len(ctx.x_shape) - 2}d (padding_mode={ctx.mode!r})")
-        name = f"{_PAD_KERNELS[ctx.mode]}_pad{len(ctx.pad) // 2}d_backward"
-        kernel = getattr(torch.ops.aten, name)
-        # These kernels read only the stand-in's shape (no copy of it is made).
-        grad_x = kernel(grad, shape_only(grad, ctx.x_shape), ctx.pad)
-        # They lay the result out like the stand-in (contiguous); stock keeps the input's layout.
-        return grad_x.contiguous(memory_format=ctx.layout), None, None
+        n = len(ctx.pad) // 2
+        forbid_double_backward(f"MemSaveConv{n}d (padding_mode={ctx.mode!r})")
+        kernel = getattr(torch.ops.aten, f"{_PAD_KERNELS[ctx.mode]}_pad{n}d_backward")
+        # These kernels read the input's shape, and lay the gradient out like it.
+        return kernel(grad, _stand_in(grad, ctx.x_geometry), ctx.pad), None, None
 
 
 def _pad(x: Tensor, pad: Sequence[int], mode: str) -> Tensor:

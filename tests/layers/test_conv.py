@@ -419,7 +419,8 @@ def test_no_grad_and_inference_save_nothing() -> None:
 
 
 class _AllocationLog(TorchDispatchMode):
-    """Each op run under it, with the bytes of new storages it returns and of tensors it writes."""
+    """Each op run under it, with the bytes of new storages it returns (meta tensors own none)
+    and of tensors it writes."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -430,7 +431,11 @@ class _AllocationLog(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         inputs = {t.untyped_storage().data_ptr() for t in args if isinstance(t, Tensor)}
         for t in out if isinstance(out, (tuple, list)) else [out]:
-            if isinstance(t, Tensor) and t.untyped_storage().data_ptr() not in inputs:
+            if (
+                isinstance(t, Tensor)
+                and not t.is_meta
+                and t.untyped_storage().data_ptr() not in inputs
+            ):
                 self.new.append((str(func), t.untyped_storage().nbytes()))
         if func._schema.is_mutable and isinstance(args[0], Tensor):
             self.written.append((str(func), args[0].untyped_storage().nbytes()))
