@@ -553,7 +553,7 @@ def test_torch_compile_same_gradients() -> None:
     case = next(c for c in CASES if c.name == "c2-same-even")
     stock, ours = _pair(case)
     x = _input(case)
-    compiled = torch.compile(ours, fullgraph=True)
+    compiled = torch.compile(ours, fullgraph=True, dynamic=True)
     for needs in [(True, True, True), (True, False, False)]:
         expected = _run(stock, case, x, needs)
         torch._dynamo.reset()
