@@ -9,6 +9,7 @@ input needs one. Stock autograd saves both whenever any gradient is required.
 
 from __future__ import annotations
 
+import mmap
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
@@ -28,11 +29,25 @@ ConvTranspose = nn.ConvTranspose1d | nn.ConvTranspose2d | nn.ConvTranspose3d
 # weight even when it only reads their shape and layout (the layout picks the kernel, so it
 # matters for bitwise equality). Every CPU backend starts with ``input.contiguous(format)``,
 # which turns a one-element ``shape_only`` stand-in into a full, written copy (measured: +16%
-# backward time on a 3x3 Conv2d). On CPU the stand-in is therefore an uninitialised tensor with
-# the dropped tensor's strides: the kernel passes it through and never writes it, so its pages
-# are never touched. cuDNN skips that copy when no weight gradient is asked for, so elsewhere the
-# one-element stand-in is used, and a channels-last choice it cannot convey rides on the weight.
+# backward time on a 3x3 Conv2d). On CPU the stand-in is therefore a view, with the dropped
+# tensor's strides, of one anonymous memory mapping that nothing ever writes: the kernel passes
+# it through, and untouched pages occupy no RAM and cost no page faults (a fresh allocation of
+# input size per backward would still shift where the gradient lands and fault new pages).
+# While tracing (fake or functional tensors) an ``empty_strided`` stands in instead. cuDNN
+# skips that copy when no weight gradient is asked for, so elsewhere the one-element stand-in
+# is used, and a channels-last choice it cannot convey rides on the weight.
 _DENSE_STAND_IN_DEVICES = frozenset({"cpu"})
+
+#: The never-written CPU mapping that stand-ins view; replaced by a larger one on demand.
+_UNTOUCHED: list[Tensor] = []
+
+
+def _untouched_bytes(nbytes: int) -> Tensor:
+    """A uint8 CPU tensor of at least ``nbytes`` over anonymous memory nobody writes."""
+    if not _UNTOUCHED or _UNTOUCHED[0].numel() < nbytes:
+        grown = max(nbytes, 2 * _UNTOUCHED[0].numel() if _UNTOUCHED else 0, mmap.PAGESIZE)
+        _UNTOUCHED[:] = [torch.frombuffer(mmap.mmap(-1, grown), dtype=torch.uint8)]
+    return _UNTOUCHED[0][:nbytes]
 
 
 class _Geometry(NamedTuple):
@@ -55,10 +70,12 @@ def _stand_in(grad: Tensor, geometry: _Geometry) -> Tensor:
     """A tensor the backward kernel reads only the shape and layout of (see NOTE above)."""
     if grad.device.type not in _DENSE_STAND_IN_DEVICES:
         return shape_only(grad, geometry.shape)
-    # Deliberate allocation, never written: see NOTE [stand-ins for dropped tensors].
-    return torch.empty_strided(
-        geometry.shape, geometry.stride, dtype=grad.dtype, device=grad.device
-    )
+    if type(grad) is not Tensor:  # traced: fake or functional tensors
+        return torch.empty_strided(geometry.shape, geometry.stride, dtype=grad.dtype)
+    extent = sum((size - 1) * stride for size, stride in zip(*geometry, strict=True)) + 1
+    extent = extent if all(geometry.shape) else 0
+    untouched = _untouched_bytes(extent * grad.element_size()).view(grad.dtype)
+    return untouched.as_strided(geometry.shape, geometry.stride)
 
 
 def _channels_last_format(t: Tensor | _Geometry) -> torch.memory_format | None:
