@@ -15,7 +15,8 @@ import time
 import torch
 from torch import Tensor, nn
 
-from memsave_cli.layers.conv import MemSaveConv2d, MemSaveConvTranspose2d
+from memsave_cli.layers._backward import shape_only
+from memsave_cli.layers.conv import MemSaveConv2d, MemSaveConvTranspose2d, _geometry, _stand_in
 
 #: name -> (stock class, constructor args, constructor kwargs, input shape)
 LAYERS: dict[str, tuple[type[nn.Module], tuple, dict, tuple[int, ...]]] = {
@@ -87,10 +88,11 @@ def measure(name: str, pattern: tuple[bool, bool], repeats: int) -> tuple[float,
 
 
 def stand_in_backward(repeats: int) -> dict[str, float]:
-    """Input-gradient backward of the first layer with three kinds of ``input`` argument.
+    """Input-gradient backward of the first layer with several kinds of ``input`` argument.
 
-    Median per-pair time ratio against the real input, for a one-element expanded stand-in
-    (which CPU kernels copy into a dense tensor) and an uninitialised dense one (passed through).
+    Median per-pair time ratio against the real input: a one-element expanded stand-in (CPU
+    kernels copy it into a dense tensor), a fresh uninitialised tensor, and memsave's view of
+    never-written memory (see NOTE [stand-ins for dropped tensors] in ``conv.py``).
     """
     _, args, kwargs, shape = LAYERS[next(iter(LAYERS))]
     layer = nn.Conv2d(*args, **kwargs)
@@ -99,8 +101,9 @@ def stand_in_backward(repeats: int) -> dict[str, float]:
     params = (layer.stride, layer.padding, layer.dilation, False, [0, 0], 1, [True, False, False])
     inputs = {
         "real input": lambda: x,
-        "one-element stand-in": lambda: grad.new_empty(1).expand(shape),
-        "uninitialised stand-in": lambda: torch.empty(shape),
+        "one-element stand-in": lambda: shape_only(grad, shape),
+        "fresh empty tensor": lambda: torch.empty(shape),
+        "memsave CPU stand-in": lambda: _stand_in(grad, _geometry(x)),
     }
     times: dict[str, list[float]] = {name: [] for name in inputs}
     for i in range(repeats + 2):
