@@ -13,9 +13,11 @@ shapes and dtypes, so a meta run and a cpu run give identical counts.
 
 from __future__ import annotations
 
+import itertools
 import weakref
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 from torch import Tensor, nn
@@ -31,12 +33,27 @@ def round_bytes(nbytes: int, granularity: int = ALLOCATOR_ROUND) -> int:
     return -(-nbytes // granularity) * granularity
 
 
+class AllocationObserver(Protocol):
+    """Sees every storage the tracker counts, e.g. to replay them through an allocator model."""
+
+    def allocated(self, token: int, nbytes: int) -> None:
+        """A storage of ``nbytes`` (unrounded) appeared; ``token`` names it until it is freed."""
+
+    def freed(self, token: int) -> None:
+        """The storage ``token`` died."""
+
+
+_tokens = itertools.count()
+
+
 @dataclass
 class _Entry:
     """One live storage: its counted (rounded) size, updated when an op resizes it."""
 
     nbytes: int
+    raw: int
     finalizer: weakref.finalize | None = None
+    token: int = field(default_factory=lambda: next(_tokens))
 
 
 class MemoryTracker(TorchDispatchMode):
@@ -44,11 +61,17 @@ class MemoryTracker(TorchDispatchMode):
 
     ``device`` restricts counting to storages on that device type (e.g. the CPU step counters of
     an optimizer whose parameters live on meta are not device memory); None counts every device.
+    ``observer`` is told of every allocation and free, in order.
     """
 
-    def __init__(self, device: str | torch.device | None = None) -> None:
+    def __init__(
+        self,
+        device: str | torch.device | None = None,
+        observer: AllocationObserver | None = None,
+    ) -> None:
         super().__init__()
         self.device_type = None if device is None else torch.device(device).type
+        self.observer = observer
         self.current_bytes = 0
         self.peak_bytes = 0
         self._live: dict[int, _Entry] = {}
@@ -114,18 +137,24 @@ class MemoryTracker(TorchDispatchMode):
     def _add(self, storage: torch.UntypedStorage) -> None:
         # NOTE [storage identity]: PyTorch keeps one Python object per live storage, so its id
         # is a stable key and a finalizer on it runs exactly when the storage is freed.
-        entry = _Entry(round_bytes(storage.nbytes()))
+        raw = storage.nbytes()
+        entry = _Entry(round_bytes(raw), raw)
         key = id(storage)
         self._live[key] = entry
         entry.finalizer = weakref.finalize(storage, self._release, key, entry)
         entry.finalizer.atexit = False
         self._grow(entry.nbytes)
+        if self.observer is not None:
+            self.observer.allocated(entry.token, raw)
 
     def _resize(self, entry: _Entry, storage: torch.UntypedStorage) -> None:
-        nbytes = round_bytes(storage.nbytes())
-        if nbytes != entry.nbytes:
-            self._grow(nbytes - entry.nbytes)
-            entry.nbytes = nbytes
+        raw = storage.nbytes()
+        if raw != entry.raw:
+            self._grow(round_bytes(raw) - entry.nbytes)
+            entry.nbytes, entry.raw = round_bytes(raw), raw
+            if self.observer is not None:  # a resize reallocates the storage
+                self.observer.freed(entry.token)
+                self.observer.allocated(entry.token, raw)
 
     def _grow(self, nbytes: int) -> None:
         self.current_bytes += nbytes
@@ -136,6 +165,8 @@ class MemoryTracker(TorchDispatchMode):
         if self._live.get(key) is entry:
             del self._live[key]
             self.current_bytes -= entry.nbytes
+            if self.observer is not None:
+                self.observer.freed(entry.token)
 
 
 def _input_storages(func, args: tuple, kwargs: dict) -> set[int]:

@@ -235,3 +235,39 @@ def test_meta_equals_cpu(trainable: str) -> None:
     meta = _step_counts("meta", trainable)
     assert meta == _step_counts("cpu", trainable)
     assert meta[0] > param_bytes(SmallNet()) + rounded((4, 3, 32, 32))
+
+
+class Log:
+    """An observer that records what it is told."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple[str, int, int]] = []
+
+    def allocated(self, token: int, nbytes: int) -> None:
+        self.events.append(("alloc", token, nbytes))
+
+    def freed(self, token: int) -> None:
+        self.events.append(("free", token, 0))
+
+
+def test_observer_sees_allocations_and_frees_in_order() -> None:
+    log = Log()
+    tracker = MemoryTracker(observer=log)
+    with tracker:
+        a = torch.ones(100)
+        b = torch.ones(300)
+        del a
+        b.resize_(1000)
+    del b
+    kinds = [(kind, nbytes) for kind, _, nbytes in log.events]
+    assert kinds == [
+        ("alloc", 400),
+        ("alloc", 1200),
+        ("free", 0),
+        ("free", 0),
+        ("alloc", 4000),
+        ("free", 0),
+    ]
+    tokens = [token for _, token, _ in log.events]
+    assert tokens[0] == tokens[2] and tokens[1] == tokens[3] == tokens[4] == tokens[5]
+    assert tokens[0] != tokens[1]
