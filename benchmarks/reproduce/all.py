@@ -3,6 +3,8 @@
     python -m benchmarks.reproduce.all                  # everything (about an hour on 2 cores)
     python -m benchmarks.reproduce.all --skip timing     # everything but the CPU timings
     python -m benchmarks.reproduce.all --only tables     # re-render the includes from the files
+    python -m benchmarks.reproduce.all --quick           # meta runs only: no cpu detection runs,
+                                                         # no timings, no figures (~20 min)
 
 Steps run one after another; within a step, meta runs use every core. A failing step is reported
 and the others still run; the exit code is 1 if any step failed.
@@ -40,14 +42,19 @@ STEPS: dict[str, Callable[[Sequence[str]], None]] = {
 }
 
 
-def run_steps(names: Sequence[str]) -> list[str]:
+#: What ``--quick`` leaves out, and the arguments it gives the steps it keeps.
+QUICK_SKIPS = ("figures", "timing")
+QUICK_ARGS = {"memory": ["--device", "meta"]}
+
+
+def run_steps(names: Sequence[str], step_args: dict[str, list[str]] | None = None) -> list[str]:
     """Run the named steps in ``STEPS`` order; return the names of those that failed."""
     failed = []
     for name in [n for n in STEPS if n in names]:
         start = time.perf_counter()
         print(f"== {name}", flush=True)
         try:
-            STEPS[name]([])
+            STEPS[name]((step_args or {}).get(name, []))
         except Exception:
             traceback.print_exc()
             failed.append(name)
@@ -59,9 +66,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", nargs="*", default=[], choices=list(STEPS))
     parser.add_argument("--skip", nargs="*", default=[], choices=list(STEPS))
+    parser.add_argument("--quick", action="store_true", help="meta runs only (see above)")
     args = parser.parse_args(argv)
-    names = [n for n in (args.only or STEPS) if n not in args.skip]
-    failed = run_steps(names)
+    skips = [*args.skip, *(QUICK_SKIPS if args.quick else ())]
+    names = [n for n in (args.only or STEPS) if n not in skips]
+    failed = run_steps(names, QUICK_ARGS if args.quick else None)
     if failed:
         print(f"failed steps: {', '.join(failed)}", file=sys.stderr)
         sys.exit(1)

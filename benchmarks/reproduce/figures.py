@@ -131,17 +131,15 @@ def run(figures: Sequence[Figure], jobs: int = 2) -> dict[str, Any]:
 
 
 def figure_markdown(entry: dict[str, Any]) -> str:
-    """An image with a caption holding its command, for a page at the top of ``docs/``."""
+    """An image at half the page width, for a page at the top of ``docs/``."""
     src = Path(entry["png"]).relative_to("docs").as_posix()
-    kind = "compiled" if entry["compiled"] else "eager"
-    caption = f"{entry['layer']}, {entry['mode']} mode, {kind}"
     if not entry.get("ok"):
-        return f"*{caption}: failed ({' '.join(entry.get('error', []))})*\n"
-    return f"![{caption}]({src})\n\n{caption}: {code(entry['command'])}\n"
+        return f"*{_caption(entry)}: failed ({' '.join(entry.get('error', []))})*"
+    return f'![{_caption(entry)}]({src}){{ width="49%" }}'
 
 
 def gallery_include() -> str:
-    """Every probe figure, grouped by layer, as the figures page includes it."""
+    """Every probe figure, grouped by layer (eager row, compiled row), with the commands."""
     if not INDEX.is_file():
         return "Not produced yet: run `python -m benchmarks.reproduce.figures`.\n"
     entries = load(INDEX)["figures"]
@@ -150,9 +148,18 @@ def gallery_include() -> str:
         stems = [s for s, e in entries.items() if e["layer"] == layer and s != VISUAL_ABSTRACT]
         if not stems:
             continue
+        ordered = [entries[s] for s in sorted(stems, key=_order)]
+        rows = [[e for e in ordered if e["compiled"] is compiled] for compiled in (False, True)]
         parts.append(f"### {layer}\n")
-        parts += [figure_markdown(entries[s]) for s in sorted(stems, key=_order)]
+        parts += [" ".join(figure_markdown(e) for e in row) + "\n" for row in rows if row]
+        commands = "".join(f"    - {_caption(e)}: {code(e['command'])}\n" for e in ordered)
+        parts.append(f'??? note "Commands"\n\n{commands}')
     return "\n".join(parts)
+
+
+def _caption(entry: dict[str, Any]) -> str:
+    kind = "compiled" if entry["compiled"] else "eager"
+    return f"{entry['layer']}, {entry['mode']} mode, {kind}"
 
 
 def includes() -> dict[str, Callable[[], str]]:

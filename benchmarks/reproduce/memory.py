@@ -63,6 +63,7 @@ def measure_experiment(experiment: Experiment, *, repeat: int = 0, **settings: A
         model_kwargs=dict(experiment.kwargs),
         repeat=repeat,
         timeout=TIMEOUT_S,
+        on_run=lambda run: print(f"  {experiment.key} {run.case}/{run.impl}: {run.status.value}"),
         **settings,
     )
 
@@ -143,12 +144,16 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--table", nargs="*", default=[], choices=TABLES)
     parser.add_argument("--model", nargs="*", default=[], help="paper model keys, e.g. vgg16")
+    parser.add_argument(
+        "--device", choices=("meta", "cpu"), help="only the experiments measured on this device"
+    )
     return parser.parse_args(argv)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
-    run(select(memory_experiments(), args.table, args.model))
+    chosen = select(memory_experiments(), args.table, args.model)
+    run([e for e in chosen if args.device in (None, e.device)])
 
 
 if __name__ == "__main__":
