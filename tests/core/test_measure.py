@@ -165,3 +165,25 @@ def test_repeat_zero_measures_memory_only() -> None:
     run = measure(job("mlp", device="cpu", repeat=0))
     assert run.ok and run.time_s is None
     assert memory(run) == memory(measure(job("mlp", device="cpu", repeat=2)))
+
+
+def test_hugging_face_causal_lm_meta_equals_cpu(tmp_path) -> None:
+    """A tiny Llama (grouped-query attention through SDPA, RMSNorm, its own loss)."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        vocab_size=500,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        architectures=["LlamaForCausalLM"],
+    )
+    config.save_pretrained(tmp_path)
+    spec = parse_spec(f"hf:{tmp_path}")
+    for case in ("all", "input", "norm"):
+        meta = measure(Job(spec, resolve_case(case), "stock", "meta", batch_size=2))
+        cpu = measure(Job(spec, resolve_case(case), "stock", "cpu", batch_size=2, repeat=1))
+        assert meta.ok and cpu.ok, (meta.error, cpu.error)
+        assert memory(meta) == memory(cpu)
