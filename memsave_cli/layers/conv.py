@@ -16,7 +16,12 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch._prims_common import suggest_memory_format
+from torch._prims_common import (
+    is_non_overlapping_and_dense_or_false,
+    make_channels_last_strides_for,
+    make_contiguous_strides_for,
+    suggest_memory_format,
+)
 from torch.amp.autocast_mode import is_autocast_available
 
 from memsave_cli.layers._backward import forbid_double_backward, shape_only
@@ -51,19 +56,25 @@ def _untouched_bytes(nbytes: int) -> Tensor:
 
 
 class _Geometry(NamedTuple):
-    """Shape and strides of a tensor that backward replaces by a stand-in."""
+    """Shape, strides and suggested layout of a tensor that backward replaces by a stand-in."""
 
     shape: torch.Size
     stride: tuple[int, ...]
+    memory_format: torch.memory_format
 
 
 def _geometry(t: Tensor) -> _Geometry:
-    """What a stand-in for ``t`` reproduces: ATen's ``empty_like`` rule, computed without memory.
+    """What a stand-in for ``t`` reproduces: ATen's ``empty_like`` rule, computed from strides.
 
-    That is ``t``'s own strides when it is dense, else those of its suggested memory format.
+    That is ``t``'s own strides when it is dense, else those of its suggested memory format. No
+    tensor is created, so memory accounting sees nothing of input size here.
     """
-    like = torch.empty_like(t, device="meta")
-    return _Geometry(like.shape, like.stride())
+    layout = suggest_memory_format(t)
+    if is_non_overlapping_and_dense_or_false(t):
+        return _Geometry(t.shape, tuple(t.stride()), layout)
+    if layout == torch.contiguous_format:
+        return _Geometry(t.shape, tuple(make_contiguous_strides_for(t.shape)), layout)
+    return _Geometry(t.shape, tuple(make_channels_last_strides_for(t.shape)), layout)
 
 
 def _stand_in(grad: Tensor, geometry: _Geometry) -> Tensor:
@@ -72,7 +83,7 @@ def _stand_in(grad: Tensor, geometry: _Geometry) -> Tensor:
         return shape_only(grad, geometry.shape)
     if type(grad) is not Tensor:  # traced: fake or functional tensors
         return torch.empty_strided(geometry.shape, geometry.stride, dtype=grad.dtype)
-    extent = sum((size - 1) * stride for size, stride in zip(*geometry, strict=True)) + 1
+    extent = sum((size - 1) * stride for size, stride in zip(geometry.shape, geometry.stride, strict=True)) + 1
     extent = extent if all(geometry.shape) else 0
     untouched = _untouched_bytes(extent * grad.element_size()).view(grad.dtype)
     return untouched.as_strided(geometry.shape, geometry.stride)
@@ -80,9 +91,7 @@ def _stand_in(grad: Tensor, geometry: _Geometry) -> Tensor:
 
 def _channels_last_format(t: Tensor | _Geometry) -> torch.memory_format | None:
     """The channels-last format ATen would suggest for ``t``, or None."""
-    if isinstance(t, _Geometry):
-        t = torch.empty_strided(t.shape, t.stride, device="meta")
-    suggested = suggest_memory_format(t)
+    suggested = t.memory_format if isinstance(t, _Geometry) else suggest_memory_format(t)
     return None if suggested == torch.contiguous_format else suggested
 
 
