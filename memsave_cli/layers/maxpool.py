@@ -25,6 +25,7 @@ independently, so the blocks compute exactly what the whole call computes.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -42,7 +43,7 @@ aten = torch.ops.aten
 # unfinished (``all`` stops early), so the layer would not trace with ``fullgraph=True``.
 
 #: Output elements per block in the chunked CPU path (see NOTE [chunked max pooling on CPU]).
-CHUNK_ELEMENTS = 1 << 20
+CHUNK_ELEMENTS = 1 << 21
 
 _KERNELS = {
     2: (aten.max_pool2d_with_indices.out, aten.max_pool2d_with_indices_backward.grad_input),
@@ -162,6 +163,17 @@ class IndexMaps:
         return indices.add_(self.starts)
 
 
+@functools.lru_cache(maxsize=32)
+def _cached_maps(in_shape, out_shape, options, device: torch.device) -> IndexMaps:
+    return IndexMaps(in_shape, out_shape, options, device)
+
+
+def index_maps(in_shape, out_shape, options, device: torch.device, cache: bool) -> IndexMaps:
+    """:class:`IndexMaps` for one pooling, memoised where ``cache`` (real CPU tensors, eager)."""
+    key = (tuple(in_shape), tuple(out_shape), tuple(options), device)
+    return _cached_maps(*key) if cache else IndexMaps(*key)
+
+
 def _is_dense(tensor: Tensor) -> bool:
     """Whether ``tensor`` is contiguous in the standard or a channels-last memory format."""
     channels_last = {4: torch.channels_last, 5: torch.channels_last_3d}.get(tensor.dim())
@@ -201,9 +213,13 @@ class MaxPoolWithOffsets(torch.autograd.Function):
         layout = suggest_memory_format(x)
         out = x.new_empty(out_shape).contiguous(memory_format=layout)
         offsets = torch.empty_like(out, dtype=offset_dtype(math.prod(kernel)))
-        maps = IndexMaps(x.shape[-nd:], out_shape[-nd:], args[:4], x.device)
-        for x_block, out_block, off_block in _blocks([x, out, offsets], nd, _is_chunked(x)):
-            indices = torch.empty_like(out_block, dtype=torch.int64)
+        chunked = _is_chunked(x)
+        maps = index_maps(x.shape[-nd:], out_shape[-nd:], args[:4], x.device, cache=chunked)
+        blocks = _blocks([x, out, offsets], nd, chunked)
+        # Deliberate transient: one block's int64 indices, reused by every block.
+        buffer = torch.empty_like(blocks[0][1], dtype=torch.int64)
+        for x_block, out_block, off_block in blocks:
+            indices = buffer[: out_block.shape[0]]
             pool(x_block, *args, out=out_block, indices=indices)
             maps.to_offsets(indices, out=off_block)
         return out, offsets
@@ -232,8 +248,10 @@ class MaxPoolWithOffsets(torch.autograd.Function):
         offsets = offsets.contiguous(memory_format=layout)
         # Deliberate: the gradient itself.
         grad_input = grad_output.new_empty(ctx.input_shape).contiguous(memory_format=layout)
-        maps = IndexMaps(ctx.input_shape[-nd:], offsets.shape[-nd:], ctx.args[:4], offsets.device)
-        blocks = _blocks([grad_input, grad_output, offsets], nd, _is_chunked(grad_output))
+        chunked = _is_chunked(grad_output)
+        spatial = (ctx.input_shape[-nd:], offsets.shape[-nd:], ctx.args[:4])
+        maps = index_maps(*spatial, offsets.device, cache=chunked)
+        blocks = _blocks([grad_input, grad_output, offsets], nd, chunked)
         for gi_block, go_block, off_block in blocks:
             indices = maps.to_indices(off_block)
             like = shape_only(go_block, gi_block.shape)
