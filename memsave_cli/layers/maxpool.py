@@ -19,8 +19,10 @@ NOTE [chunked max pooling on CPU]: converting a whole output's int64 indices cos
 passes over a buffer 8x the output's element count, which on CPU costs as much as the pooling.
 On CPU, forward and backward therefore run the ATen kernels block by block (planes for
 contiguous tensors, batch samples for channels-last ones), writing into slices of the full
-output/gradient, so each block's int64 indices stay in cache. Each plane is pooled
-independently, so the blocks compute exactly what the whole call computes.
+output/gradient, so each block's int64 indices stay in cache and no output-sized int64 tensor
+ever exists. Each plane is pooled independently, so the blocks compute exactly what the whole
+call computes. Blocks are large (2M outputs) because each one costs a few parallel regions,
+and on an oversubscribed machine every region waits for a descheduled worker thread.
 """
 
 from __future__ import annotations
