@@ -96,10 +96,17 @@ def variant_include(variant: Variant) -> str:
         rows += _our_rows("ours", load(main))
     rows += _our_rows(f"ours, {variant.describe()}", record)
     headers = ["", "Impl", *PAPER_CASES]
+    failed = [
+        f"- {r['case']}/{r['impl']}: {code(r['error'] or r['status'])}"
+        for r in record["report"]["runs"]
+        if r["status"] != "ok"
+    ]
+    notes = ("Runs of the variant that failed:\n\n" + "\n".join(failed) + "\n\n") if failed else ""
     return (
         f"{variant.question}\n\n"
         + table(headers, rows, "ll" + "r" * len(PAPER_CASES))
         + "\n"
+        + notes
         + provenance([record])
     )
 

@@ -30,9 +30,13 @@ def result_path(experiment: Experiment, root: Path = RESULTS) -> Path:
     return root / "memory" / experiment.table / f"{experiment.model}.json"
 
 
-def cli_equivalent(experiment: Experiment, *, repeat: int | None = None) -> str:
+def cli_equivalent(
+    experiment: Experiment, *, repeat: int | None = None, cases: Sequence[str] = ()
+) -> str:
     """The ``memsave profile`` call that measures the same runs from a shell."""
     args = ["memsave", "profile", experiment.spec, "--device", experiment.device]
+    for case in cases:
+        args += ["--case", case]
     for impl in experiment.impls:
         args += ["--impl", impl]
     if experiment.dtype != "float32":
@@ -78,7 +82,7 @@ def record_of(experiment: Experiment, report: Report, command: str, seconds: flo
     slim = report.with_runs(tuple(_without_layers(run) for run in report.runs))
     return {
         "kind": "memory",
-        "experiment": _settings(experiment),
+        "experiment": settings_of(experiment),
         "command": command,
         "cli": cli_equivalent(experiment),
         "environment": environment(),
@@ -118,7 +122,7 @@ def run(experiments: Sequence[Experiment], root: Path = RESULTS) -> list[Path]:
     return written
 
 
-def _settings(experiment: Experiment) -> dict[str, Any]:
+def settings_of(experiment: Experiment) -> dict[str, Any]:
     return {
         "table": experiment.table,
         "model": experiment.model,

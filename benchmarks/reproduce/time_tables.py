@@ -33,13 +33,24 @@ def paper_time_ratio(paper: PaperTable, key: tuple[str, str], impl: str, case: s
 
 
 def our_time_ratio(record: dict[str, Any], impl: str, case: str) -> float | None:
+    """The paired ratio where the record has one, else the ratio of the runs' medians."""
+    paired = record.get("ratios", {}).get(f"{case}/{impl}")
+    if paired is not None:
+        return paired
     times = {(r["case"], r["impl"]): r.get("time_s") for r in record["report"]["runs"]}
     mine, stock = times.get((case, impl)), times.get((case, "stock"))
     return None if not mine or not stock else mine / stock
 
 
+def timed_cases(records: list[dict[str, Any]]) -> list[str]:
+    """The paper's cases that any of ``records`` timed, in the paper's order."""
+    seen = {r["case"] for record in records for r in record["report"]["runs"]}
+    return [case for case in PAPER_CASES if case in seen]
+
+
 def time_table(table_name: str, records: list[dict[str, Any]], paper: PaperTable) -> str:
     """One row per model and implementation; per case ``paper · ours`` memsave/stock."""
+    cases = timed_cases(records)
     body = []
     for record in records:
         settings = record["experiment"]
@@ -48,22 +59,23 @@ def time_table(table_name: str, records: list[dict[str, Any]], paper: PaperTable
             cells = [
                 f"{ratio(paper_time_ratio(paper, key, impl, case))} · "
                 f"{ratio(our_time_ratio(record, impl, case))}"
-                for case in PAPER_CASES
+                for case in cases
             ]
             body.append([settings["title"], impl, settings.get("reduced", "paper size"), *cells])
-    headers = ["Model", "Impl", "Timed at", *(f"{c}: paper · ours" for c in PAPER_CASES)]
-    return table(headers, body, "lll" + "r" * len(PAPER_CASES))
+    headers = ["Model", "Impl", "Timed at", *(f"{c}: paper · ours" for c in cases)]
+    return table(headers, body, "lll" + "r" * len(cases))
 
 
 def seconds_table(records: list[dict[str, Any]]) -> str:
     """Our raw medians in seconds, for anyone checking the ratios."""
+    cases = timed_cases(records)
     body = []
     for record in records:
         runs = {(r["case"], r["impl"]): r.get("time_s") for r in record["report"]["runs"]}
         for impl in record["experiment"]["impls"]:
-            cells = [_seconds(runs.get((case, impl))) for case in PAPER_CASES]
+            cells = [_seconds(runs.get((case, impl))) for case in cases]
             body.append([record["experiment"]["title"], impl, *cells])
-    return table(["Model", "Impl", *PAPER_CASES], body, "ll" + "r" * len(PAPER_CASES))
+    return table(["Model", "Impl", *cases], body, "ll" + "r" * len(cases))
 
 
 def time_include(table_name: str, device: str) -> str:
