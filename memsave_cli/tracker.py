@@ -1,7 +1,7 @@
 """Exact accounting of live tensor memory: which storages exist, how large they are, and the peak.
 
 NOTE [what the tracker counts]: every storage an ATen op returns that is not already known (and
-is not a view of one of the op's inputs) is counted once, with a weak-reference finalizer that
+is not a view of one of the op's inputs) is counted once, with a weak-reference callback that
 subtracts it when the storage dies. The dispatch mode sees ops below autograd, so the backward
 ops the autograd engine runs, gradients it accumulates into ``.grad`` and optimizer states are
 all counted, while views and in-place ops (which allocate nothing) are not. Tensors that exist
@@ -13,6 +13,7 @@ shapes and dtypes, so a meta run and a cpu run give identical counts.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import weakref
 from collections.abc import Iterator
@@ -52,7 +53,7 @@ class _Entry:
 
     nbytes: int
     raw: int
-    finalizer: weakref.finalize | None = None
+    ref: weakref.ref | None = None  # calls back when the storage dies; must outlive it
     token: int = field(default_factory=lambda: next(_tokens))
 
 
@@ -99,16 +100,13 @@ class MemoryTracker(TorchDispatchMode):
 
     def detach(self) -> None:
         """Stop following deaths of the storages counted so far (the counts freeze)."""
-        for entry in self._live.values():
-            if entry.finalizer is not None:
-                entry.finalizer.detach()
-        self._live.clear()
+        self._live.clear()  # a callback finds its entry gone and does nothing
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         inputs: set[int] | None = None
-        for tensor in _tensors(out):
+        for tensor in _outputs(out):
             storage = _storage(tensor)
             if storage is None or self._wrong_device(storage):
                 continue
@@ -116,10 +114,14 @@ class MemoryTracker(TorchDispatchMode):
             if entry is not None:
                 self._resize(entry, storage)  # in-place ops allocate nothing, unless they resize
                 continue
-            if inputs is None:
-                inputs = _input_storages(func, args, kwargs)
-            if id(storage) not in inputs:  # a view of an input nobody registered: not new memory
-                self._add(storage)
+            if _may_alias(func):
+                if inputs is None:
+                    inputs = {
+                        id(s) for s in map(_storage, _tensors((args, kwargs))) if s is not None
+                    }
+                if id(storage) in inputs:  # a view of an input nobody registered: not new memory
+                    continue
+            self._add(storage)
         return out
 
     def _count(self, tensor: Tensor) -> None:
@@ -136,13 +138,12 @@ class MemoryTracker(TorchDispatchMode):
 
     def _add(self, storage: torch.UntypedStorage) -> None:
         # NOTE [storage identity]: PyTorch keeps one Python object per live storage, so its id
-        # is a stable key and a finalizer on it runs exactly when the storage is freed.
+        # is a stable key and a weak reference to it calls back exactly when the storage is freed.
         raw = storage.nbytes()
         entry = _Entry(round_bytes(raw), raw)
         key = id(storage)
         self._live[key] = entry
-        entry.finalizer = weakref.finalize(storage, self._release, key, entry)
-        entry.finalizer.atexit = False
+        entry.ref = weakref.ref(storage, functools.partial(self._release, key, entry))
         self._grow(entry.nbytes)
         if self.observer is not None:
             self.observer.allocated(entry.token, raw)
@@ -161,7 +162,7 @@ class MemoryTracker(TorchDispatchMode):
         if self.current_bytes > self.peak_bytes:
             self.peak_bytes = self.current_bytes
 
-    def _release(self, key: int, entry: _Entry) -> None:
+    def _release(self, key: int, entry: _Entry, ref: object = None) -> None:
         if self._live.get(key) is entry:
             del self._live[key]
             self.current_bytes -= entry.nbytes
@@ -169,15 +170,33 @@ class MemoryTracker(TorchDispatchMode):
                 self.observer.freed(entry.token)
 
 
-def _input_storages(func, args: tuple, kwargs: dict) -> set[int]:
-    """Ids of the storages an op received; an output aliasing one of them is not new memory.
+_ALIASING: dict[object, bool] = {}
 
-    ``lift_fresh`` is the exception: its input is the tensor ``torch.tensor(data)`` just created
-    outside the dispatcher, so its storage is new memory that no earlier op reported.
+
+def _may_alias(func) -> bool:
+    """Whether an output of ``func`` may share an input's storage (a view, in-place or out= op).
+
+    Decided once per op from its schema. ``lift_fresh`` is the exception: its input is the
+    tensor ``torch.tensor(data)`` just created outside the dispatcher, so its output is new memory
+    that no earlier op reported.
     """
-    if func is torch.ops.aten.lift_fresh.default:
-        return set()
-    return {id(s) for s in map(_storage, _tensors((args, kwargs))) if s is not None}
+    aliasing = _ALIASING.get(func)
+    if aliasing is None:
+        returns = func._schema.returns
+        aliasing = func is not torch.ops.aten.lift_fresh.default and any(
+            r.alias_info is not None for r in returns
+        )
+        _ALIASING[func] = aliasing
+    return aliasing
+
+
+def _outputs(out: object) -> list[Tensor] | tuple[Tensor, ...]:
+    """The tensors an op returned (a tensor, a tuple or list of them, or a nested structure)."""
+    if isinstance(out, Tensor):
+        return (out,)
+    if isinstance(out, tuple | list) and all(isinstance(o, Tensor) or o is None for o in out):
+        return [o for o in out if o is not None]
+    return list(_tensors(out))
 
 
 def _tensors(tree: object) -> Iterator[Tensor]:
