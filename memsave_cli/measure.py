@@ -388,6 +388,8 @@ def _fusable_on_meta(call: dict) -> bool:
         and q.dim() == k.dim() == v.dim() == 4
         and q.size(-1) == k.size(-1) == v.size(-1)
         and call["dropout_p"] == 0.0
+        # The fused kernels give no gradient for a mask, so a differentiable one takes the math path.
+        and (call["attn_mask"] is None or not call["attn_mask"].requires_grad)
     )
 
 

@@ -187,3 +187,12 @@ def test_hugging_face_causal_lm_meta_equals_cpu(tmp_path) -> None:
         cpu = measure(Job(spec, resolve_case(case), "stock", "cpu", batch_size=2, repeat=1))
         assert meta.ok and cpu.ok, (meta.error, cpu.error)
         assert memory(meta) == memory(cpu)
+
+
+def test_fused_attention_on_meta_differentiates_a_mask_that_needs_grad() -> None:
+    """The fused kernels give no mask gradient, so a differentiable mask keeps the math path."""
+    q = torch.empty(1, 2, 4, 8, device="meta", requires_grad=True)
+    mask = torch.empty(1, 2, 4, 4, device="meta", requires_grad=True)
+    with fused_attention_on_meta():
+        nn.functional.scaled_dot_product_attention(q, q, q, attn_mask=mask).sum().backward()
+    assert mask.grad is not None and mask.grad.shape == mask.shape
