@@ -81,9 +81,15 @@ def _stand_in(grad: Tensor, geometry: _Geometry) -> Tensor:
     """A tensor the backward kernel reads only the shape and layout of (see NOTE above)."""
     if grad.device.type not in _DENSE_STAND_IN_DEVICES:
         return shape_only(grad, geometry.shape)
-    if type(grad) is not Tensor:  # traced: fake or functional tensors
+    if type(grad) is not Tensor or torch.compiler.is_compiling():  # traced: no real memory
         return torch.empty_strided(geometry.shape, geometry.stride, dtype=grad.dtype)
-    extent = sum((size - 1) * stride for size, stride in zip(geometry.shape, geometry.stride, strict=True)) + 1
+    extent = (
+        sum(
+            (size - 1) * stride
+            for size, stride in zip(geometry.shape, geometry.stride, strict=True)
+        )
+        + 1
+    )
     extent = extent if all(geometry.shape) else 0
     untouched = _untouched_bytes(extent * grad.element_size()).view(grad.dtype)
     return untouched.as_strided(geometry.shape, geometry.stride)
