@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import io
-import os
-import tempfile
 from pathlib import Path
 
 from rich.console import Group
@@ -14,6 +12,7 @@ from rich.text import Text
 from memsave_cli.errors import MemsaveError
 from memsave_cli.probe import SCENARIOS, ProbeResult
 from memsave_cli.render.units import format_bytes
+from memsave_cli.report import write_atomic
 
 _METRIC_TITLE = {
     "forward_peak": "Forward peak",
@@ -101,17 +100,4 @@ def plot_probe(result: ProbeResult, path: Path) -> None:
     buffer = io.BytesIO()
     figure.savefig(buffer, format="png")
     plt.close(figure)
-    _write_bytes_atomic(path, buffer.getvalue())
-
-
-def _write_bytes_atomic(path: Path, data: bytes) -> None:
-    """Write ``data`` through a temporary file in the same folder and a rename."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    write_atomic(path, buffer.getvalue())
