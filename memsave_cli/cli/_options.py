@@ -1,9 +1,11 @@
-"""Choices shared by several commands, as enums Typer can complete and validate."""
+"""Choices and options shared by several commands (enums Typer can complete and validate)."""
 
 from __future__ import annotations
 
 from enum import Enum
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Annotated
+
+import typer
 
 if TYPE_CHECKING:
     import torch
@@ -48,3 +50,29 @@ def impl_names(impls: list[Impl] | None) -> tuple[str, ...]:
     for impl in impls or [Impl.both]:
         names.extend(("stock", "memsave") if impl is Impl.both else (impl.value,))
     return tuple(dict.fromkeys(names))
+
+
+ModelArg = Annotated[
+    str,
+    typer.Argument(
+        help="torchvision:NAME, module.path:CALLABLE, path/to/file.py:CALLABLE or hf:CONFIG."
+    ),
+]
+CasesOpt = Annotated[
+    list[str] | None,
+    typer.Option(
+        metavar="CASE",
+        help="Case: all, input, norm, surgical, none (repeatable; default: the paper's four).",
+        show_default=False,
+    ),
+]
+TrainableOpt = Annotated[
+    list[str] | None,
+    typer.Option(
+        metavar="GLOB", help="Glob over parameter names to train, a custom case (repeatable)."
+    ),
+]
+InputGradOpt = Annotated[
+    bool | None,
+    typer.Option("--input-grad/--no-input-grad", help="Make the input differentiable."),
+]

@@ -9,7 +9,17 @@ import typer
 from memsave_cli.cli._console import human_console, write_output
 from memsave_cli.cli._errors import reported_errors
 from memsave_cli.cli._help import DEBUG_HELP, examples
-from memsave_cli.cli._options import Device, Dtype, Impl, Optimizer, impl_names
+from memsave_cli.cli._options import (
+    CasesOpt,
+    Device,
+    Dtype,
+    Impl,
+    InputGradOpt,
+    ModelArg,
+    Optimizer,
+    TrainableOpt,
+    impl_names,
+)
 from memsave_cli.cli._parse import parse_shape, select_cases
 from memsave_cli.cli._progress import progress_bar
 
@@ -22,26 +32,13 @@ EPILOG = examples(
 
 def fit(
     ctx: typer.Context,
-    model: Annotated[str, typer.Argument(help="Model spec, e.g. torchvision:resnet101.")],
+    model: ModelArg,
     budget: Annotated[
         str, typer.Option(metavar="SIZE", help="Memory budget: 24GiB, 500MB, 1.5e9 (bytes).")
     ],
-    case: Annotated[
-        list[str] | None,
-        typer.Option(
-            metavar="CASE",
-            help="Case: all, input, norm, surgical, none (repeatable; default: the paper's four).",
-            show_default=False,
-        ),
-    ] = None,
-    trainable: Annotated[
-        list[str] | None,
-        typer.Option(metavar="GLOB", help="Glob over parameter names to train (repeatable)."),
-    ] = None,
-    input_grad: Annotated[
-        bool | None,
-        typer.Option("--input-grad/--no-input-grad", help="Make the input differentiable."),
-    ] = None,
+    case: CasesOpt = None,
+    trainable: TrainableOpt = None,
+    input_grad: InputGradOpt = None,
     impl: Annotated[
         list[Impl] | None,
         typer.Option(

@@ -9,7 +9,17 @@ import typer
 from memsave_cli.cli._console import STDOUT, human_console, write_output
 from memsave_cli.cli._errors import USAGE_EXIT, reported_errors
 from memsave_cli.cli._help import DEBUG_HELP, examples
-from memsave_cli.cli._options import Device, Dtype, Impl, Optimizer, impl_names
+from memsave_cli.cli._options import (
+    CasesOpt,
+    Device,
+    Dtype,
+    Impl,
+    InputGradOpt,
+    ModelArg,
+    Optimizer,
+    TrainableOpt,
+    impl_names,
+)
 from memsave_cli.cli._parse import parse_shape, select_cases
 from memsave_cli.cli._progress import progress_bar
 
@@ -24,30 +34,10 @@ EPILOG = examples(
 
 def profile(
     ctx: typer.Context,
-    model: Annotated[
-        str,
-        typer.Argument(
-            help="torchvision:NAME, module.path:CALLABLE, path/to/file.py:CALLABLE or hf:CONFIG."
-        ),
-    ],
-    case: Annotated[
-        list[str] | None,
-        typer.Option(
-            metavar="CASE",
-            help="Case: all, input, norm, surgical, none (repeatable; default: the paper's four).",
-            show_default=False,
-        ),
-    ] = None,
-    trainable: Annotated[
-        list[str] | None,
-        typer.Option(
-            metavar="GLOB", help="Glob over parameter names to train, a custom case (repeatable)."
-        ),
-    ] = None,
-    input_grad: Annotated[
-        bool | None,
-        typer.Option("--input-grad/--no-input-grad", help="Make the input differentiable."),
-    ] = None,
+    model: ModelArg,
+    case: CasesOpt = None,
+    trainable: TrainableOpt = None,
+    input_grad: InputGradOpt = None,
     device: Annotated[
         Device, typer.Option(help="auto: cuda if available, else meta (an estimate).")
     ] = Device.auto,
