@@ -15,6 +15,8 @@ channels-last buffer, as stock lays it out (same values either way).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import Tensor, nn
 from torch._prims_common import suggest_memory_format
@@ -121,6 +123,15 @@ class MemSaveAvgPool1d(nn.AvgPool1d):
         return output.squeeze(-2)
 
 
+def _avg_pool_nd(module: nn.AvgPool2d | nn.AvgPool3d, input: Tensor, expand: Callable) -> Tensor:
+    """The 2d/3d average pool of ``module`` through the shape-only Function."""
+    kernel, stride, padding = (
+        expand(v) for v in (module.kernel_size, _stride(module), module.padding)
+    )
+    options = (module.ceil_mode, module.count_include_pad, module.divisor_override)
+    return AvgPoolShapeOnly.apply(input, kernel, stride, padding, *options)
+
+
 @drop_in(nn.AvgPool2d)
 class MemSaveAvgPool2d(nn.AvgPool2d):
     """``nn.AvgPool2d`` saving nothing but shapes."""
@@ -128,18 +139,7 @@ class MemSaveAvgPool2d(nn.AvgPool2d):
     def forward(self, input: Tensor) -> Tensor:
         if not _needs_memsave(input, 2):
             return super().forward(input)
-        kernel, stride, padding = (
-            _pair(v) for v in (self.kernel_size, _stride(self), self.padding)
-        )
-        return AvgPoolShapeOnly.apply(
-            input,
-            kernel,
-            stride,
-            padding,
-            self.ceil_mode,
-            self.count_include_pad,
-            self.divisor_override,
-        )
+        return _avg_pool_nd(self, input, _pair)
 
 
 @drop_in(nn.AvgPool3d)
@@ -149,18 +149,7 @@ class MemSaveAvgPool3d(nn.AvgPool3d):
     def forward(self, input: Tensor) -> Tensor:
         if not _needs_memsave(input, 3):
             return super().forward(input)
-        kernel, stride, padding = (
-            _triple(v) for v in (self.kernel_size, _stride(self), self.padding)
-        )
-        return AvgPoolShapeOnly.apply(
-            input,
-            kernel,
-            stride,
-            padding,
-            self.ceil_mode,
-            self.count_include_pad,
-            self.divisor_override,
-        )
+        return _avg_pool_nd(self, input, _triple)
 
 
 def _adaptive(module: nn.Module, input: Tensor, nd: int, expand) -> Tensor | None:
