@@ -17,3 +17,7 @@ class CaseError(MemsaveError):
 
 class ReportError(MemsaveError):
     """A report file is missing, unreadable, or not a memsave report."""
+
+
+class NeedsRealDataError(MemsaveError):
+    """The model computes with tensor values (e.g. detection models), which meta tensors lack."""

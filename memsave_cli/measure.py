@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from memsave_cli.cases import Case, apply_case
-from memsave_cli.errors import MemsaveError
+from memsave_cli.errors import MemsaveError, NeedsRealDataError
 from memsave_cli.inputs import Example, loss_of, make_example
 from memsave_cli.report import LayerSaved, Run, Status
 from memsave_cli.saved import SavedTensorRecorder
@@ -39,10 +39,6 @@ OPTIMIZERS = ("sgd", "adam", "adamw")
 DEVICES = ("cuda", "cpu", "meta")
 #: Every error of a model that cannot run on meta starts with this, so callers can fall back.
 NEEDS_REAL_DATA = "needs real data"
-
-
-class NeedsRealDataError(MemsaveError):
-    """The model computes with tensor values (e.g. detection models), which meta tensors lack."""
 
 
 @dataclass(frozen=True)
