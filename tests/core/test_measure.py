@@ -7,14 +7,9 @@ import torch
 from torch import nn
 
 from memsave_cli.cases import resolve_case
-from memsave_cli.measure import (
-    NEEDS_REAL_DATA,
-    Job,
-    NeedsRealDataError,
-    fused_attention_on_meta,
-    measure,
-    prepare,
-)
+from memsave_cli.errors import NeedsRealDataError
+from memsave_cli.measure import NEEDS_REAL_DATA, Job, measure, prepare
+from memsave_cli.meta_attention import fused_attention_on_meta
 from memsave_cli.report import LayerSaved, Status
 from memsave_cli.specs import parse_spec
 from memsave_cli.tracker import round_bytes
