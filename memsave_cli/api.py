@@ -31,10 +31,12 @@ def profile(
     model_kwargs: Sequence[str] | Mapping[str, object] = (),
     on_run: Callable[[Run], None] | None = None,
     workers: int | None = None,
+    on_plan: Callable[[int], None] | None = None,
 ) -> Report:
     """Measure ``model`` (a spec such as ``"torchvision:resnet101"``) for every case x impl.
 
     Every run happens in its own worker process (``timeout`` seconds each, ``workers`` at once);
+    ``on_plan`` learns how many runs there will be (after skipped cases are dropped) and
     ``on_run`` sees each run as it finishes. ``device="auto"`` is cuda when available, else meta;
     there a model that needs real data (detection) is measured on cpu instead. Settings that
     cannot work raise MemsaveError before any worker starts; a failing run is a Run with a status.
@@ -55,6 +57,8 @@ def profile(
     jobs = [Job(spec, case, impl, chosen, **settings) for case in selected for impl in impls]
     if not jobs:
         raise MemsaveError("nothing to measure: every case was skipped")
+    if on_plan is not None:
+        on_plan(len(jobs))
     runs, chosen = _run_with_fallback(jobs, device, timeout, workers, on_run, notes)
     return Report(
         model=spec.text,

@@ -79,7 +79,7 @@ def fit(
         from memsave_cli.fit import fit as fit_core
         from memsave_cli.render.fit import fit_view
 
-        with progress_bar("fitting", None) as advance:
+        with progress_bar("fitting", None) as bar:
             result = fit_core(
                 model,
                 budget=budget,
@@ -93,7 +93,7 @@ def fit(
                 model_kwargs=kwarg or (),
                 max_batch_size=max_batch_size,
                 timeout=timeout,
-                on_measure=lambda job, run: advance(
+                on_measure=lambda job, run: bar.advance(
                     f"{job.case.label}/{job.impl} batch {job.batch_size}"
                 ),
             )

@@ -78,7 +78,7 @@ def probe(
         from memsave_cli.render.probe import plot_probe, probe_table
 
         depths = tuple(range(1, depth + 1))
-        with progress_bar(f"probing {layer.value}", depth * len(core.SCENARIOS)) as advance:
+        with progress_bar(f"probing {layer.value}", depth * len(core.SCENARIOS)) as bar:
             result = core.probe(
                 layer.value,
                 depths=depths,
@@ -86,7 +86,7 @@ def probe(
                 compiled=compiled,
                 device=device.value,
                 batch_size=batch_size,
-                on_step=lambda scenario, d: advance(f"{scenario}, depth {d}"),
+                on_step=lambda scenario, d: bar.advance(f"{scenario}, depth {d}"),
             )
         console = human_console(json_path)
         console.print(probe_table(result))

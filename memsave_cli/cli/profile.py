@@ -96,7 +96,7 @@ def profile(
 
         cases = select_cases(case, trainable, input_grad)
         impls = impl_names(impl)
-        with progress_bar(f"profiling {model}", len(cases) * len(impls)) as advance:
+        with progress_bar(f"profiling {model}", len(cases) * len(impls)) as bar:
             report = profile_core(
                 model,
                 cases=cases,
@@ -111,7 +111,8 @@ def profile(
                 timeout=timeout,
                 model_kwargs=kwarg or (),
                 workers=workers,
-                on_run=lambda run: advance(f"{run.case}/{run.impl}: {run.status.value}"),
+                on_run=lambda run: bar.advance(f"{run.case}/{run.impl}: {run.status.value}"),
+                on_plan=bar.set_total,
             )
         print_profile(human_console(json_path, csv_path), report, top=top)
         if json_path is not None:

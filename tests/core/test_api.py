@@ -42,9 +42,17 @@ def test_profile_runs_every_case_and_impl_like_measure() -> None:
 
 
 def test_norm_case_is_skipped_without_norm_layers() -> None:
-    report = profile("fixtures_tracker:flat_mlp", impls=("stock",), device="meta", batch_size=2)
+    planned: list[int] = []
+    report = profile(
+        "fixtures_tracker:flat_mlp",
+        impls=("stock",),
+        device="meta",
+        batch_size=2,
+        on_plan=planned.append,
+    )
     assert [r.case for r in report.runs] == ["all", "input", "surgical"]
     assert any("case norm skipped" in note for note in report.notes)
+    assert planned == [3]  # the skipped case is not announced as a run to wait for
 
 
 @no_cuda
