@@ -55,7 +55,8 @@ def impl_names(impls: list[Impl] | None) -> tuple[str, ...]:
 ModelArg = Annotated[
     str,
     typer.Argument(
-        help="torchvision:NAME, module.path:CALLABLE, path/to/file.py:CALLABLE or hf:CONFIG."
+        metavar="MODEL",
+        help="torchvision:NAME, module.path:CALLABLE, path/to/file.py:CALLABLE or hf:CONFIG.",
     ),
 ]
 CasesOpt = Annotated[

@@ -26,7 +26,9 @@ EPILOG = examples(
 
 def check(
     ctx: typer.Context,
-    report: Annotated[Path, typer.Argument(help="Report written by `memsave profile --json`.")],
+    report: Annotated[
+        Path, typer.Argument(metavar="REPORT", help="Report written by `memsave profile --json`.")
+    ],
     baseline: Annotated[
         Path,
         typer.Option(

@@ -45,7 +45,9 @@ class ProbeDevice(str, Enum):
 
 def probe(
     ctx: typer.Context,
-    layer: Annotated[ProbeLayerName, typer.Argument(help="Layer type the stack is made of.")],
+    layer: Annotated[
+        ProbeLayerName, typer.Argument(metavar="LAYER", help="Layer type the stack is made of.")
+    ],
     depth: Annotated[int, typer.Option(min=1, help="Largest number of layers.")] = 10,
     mode: Annotated[Mode, typer.Option(help="Train or eval mode (matters for bn2d).")] = Mode.train,
     compiled: Annotated[
