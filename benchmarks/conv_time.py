@@ -11,10 +11,12 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from collections.abc import Callable
 
 import torch
 from torch import Tensor, nn
 
+from benchmarks.alternating import paired_times
 from memsave_cli.layers._backward import shape_only
 from memsave_cli.layers.conv import MemSaveConv2d, MemSaveConvTranspose2d, _geometry, _stand_in
 
@@ -70,21 +72,17 @@ def measure(name: str, pattern: tuple[bool, bool], repeats: int) -> tuple[float,
     stock, ours = _layers(name, pattern[1])
     x = torch.randn(LAYERS[name][3], requires_grad=pattern[0])
     grad = torch.randn_like(stock(x))
-    times: dict[str, list[float]] = {"stock": [], "memsave": []}
-    for i in range(repeats + 2):
-        order = [("stock", stock), ("memsave", ours)]
-        for label, module in order if i % 2 else order[::-1]:
+
+    def step(module: nn.Module) -> Callable[[], float]:
+        def run() -> float:
             elapsed = _step(module, x, grad)
             module.zero_grad(set_to_none=True)
             x.grad = None
-            if i >= 2:  # the first two rounds warm up
-                times[label].append(elapsed)
-    ratios = [m / s for m, s in zip(times["memsave"], times["stock"], strict=True)]
-    return (
-        statistics.median(times["stock"]),
-        statistics.median(times["memsave"]),
-        statistics.median(ratios),
-    )
+            return elapsed
+
+        return run
+
+    return paired_times(step(stock), step(ours), repeats)
 
 
 def stand_in_backward(repeats: int) -> dict[str, float]:

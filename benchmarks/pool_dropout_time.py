@@ -9,12 +9,12 @@ machine). The input requires grad, as these layers have no parameters.
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
 
 import torch
 from torch import Tensor, nn
 
+from benchmarks.alternating import paired_times
 from memsave_cli.layers import avgpool, dropout, maxpool
 
 #: name -> (stock module, memsave module, input shape)
@@ -95,19 +95,7 @@ def measure(name: str, repeats: int) -> tuple[float, float, float]:
     x = torch.randn(shape)
     with torch.no_grad():
         grad = torch.randn_like(stock(x))
-    times: dict[str, list[float]] = {"stock": [], "memsave": []}
-    for i in range(repeats + 2):
-        order = [("stock", stock), ("memsave", ours)]
-        for label, module in order if i % 2 else order[::-1]:
-            elapsed = _step(module, x, grad)
-            if i >= 2:  # the first two rounds warm up
-                times[label].append(elapsed)
-    ratios = [m / s for m, s in zip(times["memsave"], times["stock"], strict=True)]
-    return (
-        statistics.median(times["stock"]),
-        statistics.median(times["memsave"]),
-        statistics.median(ratios),
-    )
+    return paired_times(lambda: _step(stock, x, grad), lambda: _step(ours, x, grad), repeats)
 
 
 def main() -> None:
