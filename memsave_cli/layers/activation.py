@@ -38,14 +38,9 @@ class _ReLUFunction(Function):
     """
 
     @staticmethod
-    def forward(x: Tensor, inplace: bool, saves_result: bool) -> tuple[Tensor, Tensor]:
+    def forward(ctx, x: Tensor, inplace: bool, saves_result: bool) -> tuple[Tensor, Tensor]:
         y = _output(torch.relu_(x) if inplace else torch.relu(x), x, inplace)
-        return y, pack_bits(y.bool(), layout_of(x), scratch=True)
-
-    @staticmethod
-    def setup_context(ctx, inputs: tuple, output: tuple[Tensor, Tensor]) -> None:
-        x, inplace, _ = inputs
-        _save_bits(ctx, x, output[1], inplace)
+        return _save_bits(ctx, x, y, pack_bits(y.bool(), layout_of(x), scratch=True), inplace)
 
     @staticmethod
     def backward(ctx, grad: Tensor, _bits_grad: None) -> tuple[Tensor | None, None, None]:
@@ -66,16 +61,12 @@ class _LeakyReLUFunction(Function):
 
     @staticmethod
     def forward(
-        x: Tensor, slope: float, inplace: bool, saves_result: bool
+        ctx, x: Tensor, slope: float, inplace: bool, saves_result: bool
     ) -> tuple[Tensor, Tensor]:
+        ctx.slope, ctx.saves_result = slope, saves_result
         y = _output(F.leaky_relu(x, slope, inplace), x, inplace)
         positive = compare(y if saves_result else x, "gt", 0.0)
-        return y, pack_bits(positive, layout_of(x), scratch=True)
-
-    @staticmethod
-    def setup_context(ctx, inputs: tuple, output: tuple[Tensor, Tensor]) -> None:
-        x, ctx.slope, inplace, ctx.saves_result = inputs
-        _save_bits(ctx, x, output[1], inplace)
+        return _save_bits(ctx, x, y, pack_bits(positive, layout_of(x), scratch=True), inplace)
 
     @staticmethod
     def backward(ctx, grad: Tensor, _bits_grad: None) -> tuple[Tensor | None, None, None, None]:
@@ -99,15 +90,11 @@ class _HardtanhFunction(Function):
 
     @staticmethod
     def forward(
-        x: Tensor, min_val: float, max_val: float, inplace: bool, saves_result: bool
+        ctx, x: Tensor, min_val: float, max_val: float, inplace: bool, saves_result: bool
     ) -> tuple[Tensor, Tensor]:
         bits = pack_bits(_hardtanh_keep(x, min_val, max_val), layout_of(x), scratch=True)
-        return _output(F.hardtanh(x, min_val, max_val, inplace), x, inplace), bits
-
-    @staticmethod
-    def setup_context(ctx, inputs: tuple, output: tuple[Tensor, Tensor]) -> None:
-        x, _min_val, _max_val, inplace, _ = inputs
-        _save_bits(ctx, x, output[1], inplace)
+        y = _output(F.hardtanh(x, min_val, max_val, inplace), x, inplace)
+        return _save_bits(ctx, x, y, bits, inplace)
 
     @staticmethod
     def backward(ctx, grad: Tensor, _bits_grad: None) -> tuple[Tensor | None, ...]:
@@ -142,13 +129,15 @@ def _output(y: Tensor, x: Tensor, inplace: bool) -> Tensor:
     return x if inplace else y
 
 
-def _save_bits(ctx, x: Tensor, bits: Tensor, inplace: bool) -> None:
-    """Save only the packed bits; in place, mark the input dirty as stock in-place ops do."""
+def _save_bits(ctx, x: Tensor, y: Tensor, bits: Tensor, inplace: bool) -> tuple[Tensor, Tensor]:
+    """Save only the packed bits (in place, marking the input dirty as stock in-place ops do) and
+    return the Function's outputs, the result and its bits."""
     ctx.layout = layout_of(x)
     if inplace:
         ctx.mark_dirty(x)
     ctx.mark_non_differentiable(bits)
     ctx.save_for_backward(bits)
+    return y, bits
 
 
 def _unpack(ctx, grad: Tensor, *, invert: bool) -> Tensor:

@@ -42,17 +42,13 @@ class AvgPoolShapeOnly(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        x: Tensor, kernel, stride, padding, ceil_mode, count_include_pad, divisor
+        ctx, x: Tensor, kernel, stride, padding, ceil_mode, count_include_pad, divisor
     ) -> Tensor:
-        pool, _ = _AVG_KERNELS[len(kernel)]
-        return pool(x, kernel, stride, padding, ceil_mode, count_include_pad, divisor)
-
-    @staticmethod
-    def setup_context(ctx, inputs: tuple, output: Tensor) -> None:
-        x, *options = inputs
-        ctx.options = tuple(options)
+        ctx.options = (kernel, stride, padding, ceil_mode, count_include_pad, divisor)
         ctx.input_shape = tuple(x.shape)
         ctx.layout = suggest_memory_format(x)  # nothing saved: shape and layout only
+        pool, _ = _AVG_KERNELS[len(kernel)]
+        return pool(x, *ctx.options)
 
     @staticmethod
     def backward(ctx, grad_output: Tensor) -> tuple:
@@ -75,15 +71,11 @@ class AdaptiveAvgPoolShapeOnly(torch.autograd.Function):
     """``_adaptive_avg_pool{2,3}d`` whose backward needs only the input shape."""
 
     @staticmethod
-    def forward(x: Tensor, output_size: tuple[int, ...]) -> Tensor:
-        pool, _ = _ADAPTIVE_KERNELS[len(output_size)]
-        return pool(x, output_size)
-
-    @staticmethod
-    def setup_context(ctx, inputs: tuple, output: Tensor) -> None:
-        x, output_size = inputs
+    def forward(ctx, x: Tensor, output_size: tuple[int, ...]) -> Tensor:
         ctx.nd = len(output_size)
         ctx.input_shape = tuple(x.shape)  # nothing saved: the shape only
+        pool, _ = _ADAPTIVE_KERNELS[ctx.nd]
+        return pool(x, output_size)
 
     @staticmethod
     def backward(ctx, grad_output: Tensor) -> tuple[Tensor, None]:

@@ -26,6 +26,7 @@ class BatchNormEvalFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(
+        ctx: Any,
         x: Tensor,
         weight: Tensor | None,
         bias: Tensor | None,
@@ -33,6 +34,11 @@ class BatchNormEvalFunction(torch.autograd.Function):
         running_var: Tensor,
         eps: float,
     ) -> Tensor:
+        ctx.mask = list(ctx.needs_input_grad[:3])
+        ctx.eps = eps
+        ctx.size, ctx.stride = tuple(x.shape), tuple(x.stride())
+        # Only the weight's gradient reads the input. Weight and statistics are per-channel.
+        ctx.save_for_backward(x if ctx.mask[1] else None, weight, running_mean, running_var)
         # The same ATen entry point as ``F.batch_norm``, so backend choice and autocast match stock.
         return torch.batch_norm(
             x,
@@ -45,15 +51,6 @@ class BatchNormEvalFunction(torch.autograd.Function):
             eps,
             torch.backends.cudnn.enabled,
         )
-
-    @staticmethod
-    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
-        x, weight, _, running_mean, running_var, eps = inputs
-        ctx.mask = list(ctx.needs_input_grad[:3])
-        ctx.eps = eps
-        ctx.size, ctx.stride = tuple(x.shape), tuple(x.stride())
-        # Only the weight's gradient reads the input. Weight and statistics are per-channel.
-        ctx.save_for_backward(x if ctx.mask[1] else None, weight, running_mean, running_var)
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:

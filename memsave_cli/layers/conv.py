@@ -119,6 +119,7 @@ class _ConvFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(
+        ctx: torch.autograd.function.FunctionCtx,
         x: Tensor,
         weight: Tensor,
         bias: Tensor | None,
@@ -129,15 +130,7 @@ class _ConvFunction(torch.autograd.Function):
         output_padding: Sequence[int],
         groups: int,
     ) -> Tensor:
-        return torch.ops.aten.convolution(
-            x, weight, bias, stride, padding, dilation, transposed, output_padding, groups
-        )
-
-    @staticmethod
-    def setup_context(
-        ctx: torch.autograd.function.FunctionCtx, inputs: tuple, output: Tensor
-    ) -> None:
-        x, weight, bias, *params = inputs
+        params = [stride, padding, dilation, transposed, output_padding, groups]
         need_x, need_weight = ctx.needs_input_grad[:2]
         # See NOTE [what a convolution's backward needs].
         ctx.save_for_backward(x if need_weight else None, weight if need_x else None)
@@ -145,7 +138,8 @@ class _ConvFunction(torch.autograd.Function):
         ctx.weight_geometry = None if need_x else _geometry(weight)
         ctx.bias_shape = None if bias is None else bias.shape
         ctx.params = params
-        ctx.layer = f"MemSaveConv{'Transpose' if params[3] else ''}{x.dim() - 2}d"
+        ctx.layer = f"MemSaveConv{'Transpose' if transposed else ''}{x.dim() - 2}d"
+        return torch.ops.aten.convolution(x, weight, bias, *params)
 
     @staticmethod
     def backward(ctx: torch.autograd.function.FunctionCtx, grad: Tensor) -> tuple:
@@ -171,15 +165,11 @@ class _PadFunction(torch.autograd.Function):
     """``F.pad`` in reflect or replicate mode; stock saves the whole input, this only its shape."""
 
     @staticmethod
-    def forward(x: Tensor, pad: Sequence[int], mode: str) -> Tensor:
-        return F.pad(x, pad, mode=mode)
-
-    @staticmethod
-    def setup_context(
-        ctx: torch.autograd.function.FunctionCtx, inputs: tuple, output: Tensor
-    ) -> None:
-        x, pad, mode = inputs
+    def forward(
+        ctx: torch.autograd.function.FunctionCtx, x: Tensor, pad: Sequence[int], mode: str
+    ) -> Tensor:
         ctx.x_geometry, ctx.pad, ctx.mode = _geometry(x), pad, mode
+        return F.pad(x, pad, mode=mode)
 
     @staticmethod
     def backward(ctx: torch.autograd.function.FunctionCtx, grad: Tensor) -> tuple:

@@ -101,21 +101,18 @@ class SeededDropout(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        input: Tensor, seed: Tensor, p: float, noise_shape: list[int], inplace: bool
+        ctx, input: Tensor, seed: Tensor, p: float, noise_shape: list[int], inplace: bool
     ) -> Tensor:
-        noise = dropout_noise(input, seed, p, noise_shape)
-        return input.mul_(noise) if inplace else torch.mul(input, noise)
-
-    @staticmethod
-    def setup_context(ctx, inputs: tuple, output: Tensor) -> None:
-        input, seed, p, noise_shape, inplace = inputs
-        if inplace:
-            ctx.mark_dirty(input)
         ctx.p = p
         ctx.noise_shape = noise_shape
         if ctx.needs_input_grad[0]:
             # The seed (8 bytes) is all backward needs: the noise is regenerated from it.
             ctx.save_for_backward(seed)
+        noise = dropout_noise(input, seed, p, noise_shape)
+        if not inplace:
+            return torch.mul(input, noise)
+        ctx.mark_dirty(input)
+        return input.mul_(noise)
 
     @staticmethod
     def backward(ctx, grad_output: Tensor) -> tuple[Tensor | None, None, None, None, None]:

@@ -205,7 +205,12 @@ class MaxPoolWithOffsets(torch.autograd.Function):
     """Max pooling (``nd`` = 2 or 3 spatial dims) saving window offsets instead of the input."""
 
     @staticmethod
-    def forward(x: Tensor, kernel, stride, padding, dilation, ceil_mode) -> tuple[Tensor, Tensor]:
+    def forward(
+        ctx, x: Tensor, kernel, stride, padding, dilation, ceil_mode
+    ) -> tuple[Tensor, Tensor]:
+        ctx.args = (kernel, stride, padding, dilation, ceil_mode)
+        ctx.input_shape = tuple(x.shape)
+        ctx.layout = suggest_memory_format(x)
         nd = len(kernel)
         x = x.contiguous(memory_format=suggest_memory_format(x))
         pool, _ = _KERNELS[nd]
@@ -224,18 +229,10 @@ class MaxPoolWithOffsets(torch.autograd.Function):
             indices = buffer[: out_block.shape[0]]
             pool(x_block, *args, out=out_block, indices=indices)
             maps.to_offsets(indices, out=off_block)
-        return out, offsets
-
-    @staticmethod
-    def setup_context(ctx, inputs: tuple, outputs: tuple[Tensor, Tensor]) -> None:
-        x, *args = inputs
-        offsets = outputs[1]
         ctx.mark_non_differentiable(offsets)
-        ctx.args = tuple(args)
-        ctx.input_shape = tuple(x.shape)
-        ctx.layout = suggest_memory_format(x)
         # Only the offsets (1 byte per output for windows up to 128 elements); no input.
         ctx.save_for_backward(offsets)
+        return out, offsets
 
     @staticmethod
     def backward(ctx, grad_output: Tensor, _grad_offsets: None) -> tuple:
