@@ -19,10 +19,10 @@ from collections.abc import Callable
 
 import torch
 from torch import Tensor, nn
-from torch._prims_common import suggest_memory_format
 from torch.nn.modules.utils import _list_with_default, _pair, _single, _triple
 
 from memsave_cli.layers._backward import forbid_double_backward, shape_only
+from memsave_cli.layers._layout import memory_format
 from memsave_cli.layers.registry import drop_in
 
 aten = torch.ops.aten
@@ -46,7 +46,7 @@ class AvgPoolShapeOnly(torch.autograd.Function):
     ) -> Tensor:
         ctx.options = (kernel, stride, padding, ceil_mode, count_include_pad, divisor)
         ctx.input_shape = tuple(x.shape)
-        ctx.layout = suggest_memory_format(x)  # nothing saved: shape and layout only
+        ctx.layout = memory_format(x)  # nothing saved: shape and layout only
         pool, _ = _AVG_KERNELS[len(kernel)]
         return pool(x, *ctx.options)
 

@@ -17,14 +17,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch._prims_common import (
-    is_non_overlapping_and_dense_or_false,
     make_channels_last_strides_for,
     make_contiguous_strides_for,
-    suggest_memory_format,
 )
 from torch.amp.autocast_mode import is_autocast_available
 
 from memsave_cli.layers._backward import forbid_double_backward, shape_only
+from memsave_cli.layers._layout import is_dense, memory_format
 from memsave_cli.layers.registry import drop_in
 
 Conv = nn.Conv1d | nn.Conv2d | nn.Conv3d
@@ -69,8 +68,8 @@ def _geometry(t: Tensor) -> _Geometry:
     That is ``t``'s own strides when it is dense, else those of its suggested memory format. No
     tensor is created, so memory accounting sees nothing of input size here.
     """
-    layout = suggest_memory_format(t)
-    if is_non_overlapping_and_dense_or_false(t):
+    layout = memory_format(t)
+    if is_dense(t):
         return _Geometry(t.shape, tuple(t.stride()), layout)
     if layout == torch.contiguous_format:
         return _Geometry(t.shape, tuple(make_contiguous_strides_for(t.shape)), layout)
@@ -97,7 +96,7 @@ def _stand_in(grad: Tensor, geometry: _Geometry) -> Tensor:
 
 def _channels_last_format(t: Tensor | _Geometry) -> torch.memory_format | None:
     """The channels-last format ATen would suggest for ``t``, or None."""
-    suggested = t.memory_format if isinstance(t, _Geometry) else suggest_memory_format(t)
+    suggested = t.memory_format if isinstance(t, _Geometry) else memory_format(t)
     return None if suggested == torch.contiguous_format else suggested
 
 

@@ -32,11 +32,10 @@ import math
 
 import torch
 from torch import Tensor, nn
-from torch._prims_common import suggest_memory_format
-from torch._subclasses.fake_tensor import is_fake
 from torch.nn.modules.utils import _pair, _single, _triple
 
 from memsave_cli.layers._backward import forbid_double_backward, shape_only
+from memsave_cli.layers._layout import memory_format
 from memsave_cli.layers.registry import drop_in
 
 aten = torch.ops.aten
@@ -186,7 +185,11 @@ def _is_dense(tensor: Tensor) -> bool:
 
 def _is_chunked(tensor: Tensor) -> bool:
     """Whether to pool block by block (NOTE [chunked max pooling on CPU])."""
-    return tensor.device.type == "cpu" and not torch.compiler.is_compiling() and not is_fake(tensor)
+    return (
+        type(tensor) is Tensor  # not fake
+        and tensor.device.type == "cpu"
+        and not torch.compiler.is_compiling()
+    )
 
 
 def _blocks(tensors: list[Tensor], nd: int, chunked: bool) -> list[list[Tensor]]:
@@ -210,14 +213,14 @@ class MaxPoolWithOffsets(torch.autograd.Function):
     ) -> tuple[Tensor, Tensor]:
         ctx.args = (kernel, stride, padding, dilation, ceil_mode)
         ctx.input_shape = tuple(x.shape)
-        ctx.layout = suggest_memory_format(x)
+        ctx.layout = memory_format(x)
         nd = len(kernel)
-        x = x.contiguous(memory_format=suggest_memory_format(x))
+        x = x.contiguous(memory_format=memory_format(x))
         pool, _ = _KERNELS[nd]
         args = (kernel, stride, padding, dilation, ceil_mode)
         # The whole output is allocated once; blocks write into slices of it.
         out_shape = _output_shape(x, nd, args)
-        layout = suggest_memory_format(x)
+        layout = memory_format(x)
         out = x.new_empty(out_shape).contiguous(memory_format=layout)
         offsets = torch.empty_like(out, dtype=offset_dtype(math.prod(kernel)))
         chunked = _is_chunked(x)

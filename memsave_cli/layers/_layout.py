@@ -1,0 +1,42 @@
+"""Memory-layout queries on eager tensors, memoised by shape and strides.
+
+``torch._prims_common``'s layout predicates are written for symbolic shapes and cost several
+microseconds per call, a visible share of a small layer's forward+backward. Their answers depend
+on nothing but shape and strides, so for plain eager tensors (concrete sizes) they are computed
+once per geometry on a ``meta`` tensor; traced and fake tensors go straight to the originals.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import Tensor, nn
+from torch._prims_common import is_non_overlapping_and_dense_or_false, suggest_memory_format
+
+#: Tensor types whose sizes and strides are concrete integers outside ``torch.compile``.
+_EAGER_TYPES = (Tensor, nn.Parameter)
+
+
+def memory_format(t: Tensor) -> torch.memory_format:
+    """``suggest_memory_format(t)``: the layout ATen kernels choose for ``t``."""
+    if _is_eager(t):
+        return _cached(tuple(t.shape), t.stride())[0]
+    return suggest_memory_format(t)
+
+
+def is_dense(t: Tensor) -> bool:
+    """``is_non_overlapping_and_dense_or_false(t)``: whether ``t`` is a permuted contiguous block."""
+    if _is_eager(t):
+        return _cached(tuple(t.shape), t.stride())[1]
+    return is_non_overlapping_and_dense_or_false(t)
+
+
+def _is_eager(t: Tensor) -> bool:
+    return type(t) in _EAGER_TYPES and not torch.compiler.is_compiling()
+
+
+@functools.lru_cache(maxsize=512)
+def _cached(shape: tuple[int, ...], stride: tuple[int, ...]) -> tuple[torch.memory_format, bool]:
+    probe = torch.empty_strided(shape, stride, device="meta")
+    return suggest_memory_format(probe), is_non_overlapping_and_dense_or_false(probe)
