@@ -60,12 +60,21 @@ def _random_int32(n: int, generator: torch.Generator, device: torch.device) -> T
     return words.view(torch.int32)[:n]
 
 
-@torch.library.custom_op("memsave::dropout_noise", mutates_args=())
 def dropout_noise(like: Tensor, seed: Tensor, p: float, shape: Sequence[int]) -> Tensor:
     """Stock-valued dropout noise of ``shape``: 0 with probability ``p``, else ``1 / (1 - p)``.
 
     Deterministic given ``seed`` (a 0-dim int64 tensor); ``like`` supplies dtype and device.
+    Plain eager tensors take the Python function directly: the custom op's dispatch costs about
+    100 us a call; it serves tracing (``torch.compile``), fake and meta tensors.
     """
+    eager = type(like) is Tensor and type(seed) is Tensor and not torch.compiler.is_compiling()
+    if eager and like.device.type != "meta":
+        return _noise(like, seed, p, shape)
+    return _noise_op(like, seed, p, shape)
+
+
+def _noise(like: Tensor, seed: Tensor, p: float, shape: Sequence[int]) -> Tensor:
+    """The body of :func:`dropout_noise`."""
     generator = torch.Generator(device=like.device)
     generator.manual_seed(int(seed.item()))
     # The random bits are the only input-sized allocation; the noise is built in place in them.
@@ -79,7 +88,10 @@ def dropout_noise(like: Tensor, seed: Tensor, p: float, shape: Sequence[int]) ->
     return keep.to(int_type).mul_(scale.view(int_type)).view(like.dtype)
 
 
-@dropout_noise.register_fake
+_noise_op = torch.library.custom_op("memsave::dropout_noise", _noise, mutates_args=())
+
+
+@_noise_op.register_fake
 def _dropout_noise_fake(like: Tensor, seed: Tensor, p: float, shape: Sequence[int]) -> Tensor:
     return like.new_empty(tuple(shape))
 
