@@ -20,6 +20,7 @@ regenerating the noise in backward affordable.
 
 from __future__ import annotations
 
+import functools
 import math
 import warnings
 from collections.abc import Sequence
@@ -45,6 +46,13 @@ _SAME_SIZE_INT = {
 def _scale(dtype: torch.dtype, device: torch.device, p: float) -> Tensor:
     """``1 / (1 - p)`` as a 0-dim tensor, rounded exactly as stock's ``noise.div_(1 - p)``."""
     return torch.ones((), dtype=dtype, device=device).div_(1.0 - p)
+
+
+@functools.lru_cache(maxsize=64)
+def _scale_bits(dtype: torch.dtype, device: torch.device, p: float) -> int:
+    """The bit pattern of :func:`_scale`, as an integer of ``dtype``'s size (cached: a small
+    tensor's noise would otherwise spend as long on the scale as on its random bits)."""
+    return int(_scale(dtype, device, p).view(_SAME_SIZE_INT[dtype]).item())
 
 
 def _keep_threshold(p: float) -> int:
@@ -80,12 +88,11 @@ def _noise(like: Tensor, seed: Tensor, p: float, shape: Sequence[int]) -> Tensor
     # The random bits are the only input-sized allocation; the noise is built in place in them.
     keep = _random_int32(math.prod(shape), generator, like.device).view(tuple(shape))
     keep.lt_(_keep_threshold(p))
-    scale = _scale(like.dtype, like.device, p)
     int_type = _SAME_SIZE_INT.get(like.dtype)
     if int_type is None:
-        return keep.to(like.dtype).mul_(scale)
+        return keep.to(like.dtype).mul_(_scale(like.dtype, like.device, p))
     # 0 or 1 times the bit pattern of ``scale`` is the bit pattern of 0.0 or of ``scale``.
-    return keep.to(int_type).mul_(scale.view(int_type)).view(like.dtype)
+    return keep.to(int_type).mul_(_scale_bits(like.dtype, like.device, p)).view(like.dtype)
 
 
 _noise_op = torch.library.custom_op("memsave::dropout_noise", _noise, mutates_args=())
