@@ -21,3 +21,9 @@ class ReportError(MemsaveError):
 
 class NeedsRealDataError(MemsaveError):
     """The model computes with tensor values (e.g. detection models), which meta tensors lack."""
+
+
+def describe(error: BaseException) -> str:
+    """``error`` in one line: its type and the first line of its message."""
+    lines = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__

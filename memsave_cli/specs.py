@@ -24,10 +24,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from memsave_cli.errors import MemsaveError, SpecError
+from memsave_cli import hf
+from memsave_cli.errors import MemsaveError, SpecError, describe
 from memsave_cli.meta_build import build_on_default_device
 
-HF_INSTALL = 'pip install "memsave-cli[hf]"'
 FORMS = (
     "torchvision:<name>, <module.path>:<callable>, <path/to/file.py>:<callable> "
     "or hf:<config dir or hub id>"
@@ -60,7 +60,7 @@ def parse_spec(text: str, kwargs: Sequence[str] | Mapping[str, object] = ()) -> 
         _check_torchvision_name(rest)
         return ModelSpec(text, "torchvision", rest, None, pairs)
     if prefix == "hf" and rest:
-        _check_hf_target(text, rest)
+        hf.check_target(text, rest)
         return ModelSpec(text, "hf", rest, None, pairs)
     target, sep, attr = text.rpartition(":")
     if not sep or not target or not attr:
@@ -89,7 +89,7 @@ def build_model(spec: ModelSpec) -> nn.Module:
         raise
     except Exception as error:
         who = spec.text if spec.kind in ("module", "file") else f"building {spec.text}"
-        raise SpecError(f"{who} raised {_describe(error)}") from error
+        raise SpecError(f"{who} raised {describe(error)}") from error
     if not isinstance(model, nn.Module):
         raise SpecError(f"{spec.text} returned {type(model).__name__}, not a torch.nn.Module")
     return model
@@ -170,11 +170,6 @@ def _looks_like_file(target: str) -> bool:
     return target.endswith(".py") or "/" in target or os.sep in target
 
 
-def _describe(error: BaseException) -> str:
-    lines = str(error).strip().splitlines()
-    return f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__
-
-
 # -- torchvision ---------------------------------------------------------------------------------
 
 
@@ -227,7 +222,7 @@ def _load_module(spec: ModelSpec) -> ModuleType:
         missing = isinstance(error, ModuleNotFoundError) and error.name
         if missing and spec.target.startswith(missing):
             raise SpecError(f"{spec.text}: no module named '{missing}'") from error
-        message = f"{spec.text}: importing '{spec.target}' raised {_describe(error)}"
+        message = f"{spec.text}: importing '{spec.target}' raised {describe(error)}"
         raise SpecError(message) from error
 
 
@@ -250,9 +245,7 @@ def _load_file(spec: ModelSpec) -> ModuleType:
             module_spec.loader.exec_module(module)
     except Exception as error:
         del sys.modules[name]
-        raise SpecError(
-            f"{spec.text}: loading '{spec.target}' raised {_describe(error)}"
-        ) from error
+        raise SpecError(f"{spec.text}: loading '{spec.target}' raised {describe(error)}") from error
     return module
 
 
@@ -284,68 +277,9 @@ def _on_sys_path(directory: str) -> Iterator[None]:
             sys.path.remove(directory)
 
 
-# -- Hugging Face --------------------------------------------------------------------------------
-
-
-def _import_transformers(text: str) -> ModuleType:
-    try:
-        import transformers
-    except ImportError as error:
-        raise SpecError(f"{text}: hf: specs need transformers: {HF_INSTALL}") from error
-    return transformers
-
-
-def _check_hf_target(text: str, target: str) -> None:
-    if importlib.util.find_spec("transformers") is None:
-        raise SpecError(f"{text}: hf: specs need transformers: {HF_INSTALL}")
-    path = Path(target).expanduser()
-    if path.exists() and not (path / "config.json").is_file():
-        raise SpecError(f"{text}: no config.json in '{target}'")
-    if not path.exists() and target.startswith((".", "/", "~")):
-        raise SpecError(f"{text}: no such directory '{target}'")
-
-
-def _build_hf(spec: ModelSpec) -> nn.Module:
-    transformers = _import_transformers(spec.text)
-    try:
-        config, unused = transformers.AutoConfig.from_pretrained(
-            spec.target, return_unused_kwargs=True, **dict(spec.kwargs)
-        )
-    except (OSError, ValueError) as error:
-        raise SpecError(
-            f"{spec.text}: cannot read a config for '{spec.target}' ({_describe(error)}); "
-            "offline, give a local directory with a config.json"
-        ) from error
-    if unused:
-        names = ", ".join(sorted(unused))
-        raise SpecError(f"{spec.text}: {type(config).__name__} has no setting {names}")
-    model_class = _hf_model_class(transformers, config)
-    from_config = getattr(model_class, "from_config", None) or model_class._from_config
-    return from_config(config)
-
-
-def _hf_model_class(transformers: ModuleType, config: Any) -> Any:
-    """The class the config names in ``architectures``; else seq2seq LM for encoder-decoders, causal
-    LM for decoder families, and the bare ``AutoModel`` for encoders (those with a masked-LM head)."""
-    for name in getattr(config, "architectures", None) or ():
-        found = getattr(transformers, name, None)
-        if isinstance(found, type) and hasattr(found, "_from_config"):
-            return found
-    kind = type(config)
-    if getattr(config, "is_encoder_decoder", False):
-        if kind in transformers.AutoModelForSeq2SeqLM._model_mapping:
-            return transformers.AutoModelForSeq2SeqLM
-    elif (
-        kind in transformers.AutoModelForCausalLM._model_mapping
-        and kind not in transformers.AutoModelForMaskedLM._model_mapping
-    ):
-        return transformers.AutoModelForCausalLM
-    return transformers.AutoModel
-
-
 _BUILDERS: dict[str, Callable[[ModelSpec], Any]] = {
     "torchvision": _build_torchvision,
     "module": _build_callable,
     "file": _build_callable,
-    "hf": _build_hf,
+    "hf": lambda spec: hf.build(spec.text, spec.target, spec.kwargs),
 }

@@ -12,8 +12,8 @@ import torchvision
 from torch import nn
 
 from memsave_cli.errors import SpecError
+from memsave_cli.hf import HF_INSTALL
 from memsave_cli.specs import (
-    HF_INSTALL,
     ModelSpec,
     build_model,
     companion_inputs,
