@@ -8,7 +8,9 @@ exactly one ``Run`` back over a dedicated pipe; nothing is ever parsed from its 
 parent turns every other ending into a Run of its own: no message and a dead process is
 ``crashed`` (exit code or signal, and the tail of the worker's stderr), a message that is not a
 Run is ``error``, and a worker past its deadline is killed and ``timeout``. Workers still
-running when the parent stops (an exception, Ctrl-C) are killed in ``finally``.
+running when the parent stops (an exception, Ctrl-C) are killed in ``finally``. A parent killed
+outright runs no ``finally``: each worker watches its result pipe and exits once nobody can read
+it.
 """
 
 from __future__ import annotations
@@ -16,9 +18,11 @@ from __future__ import annotations
 import faulthandler
 import multiprocessing
 import os
+import select
 import signal
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from collections import deque
@@ -202,8 +206,30 @@ def _tail(log: Path) -> str:
     return joined if len(joined) <= TAIL_CHARS else "..." + joined[-TAIL_CHARS:]
 
 
+def _exit_with_parent(conn: Connection) -> None:
+    """Exit this worker as soon as the read end of its result pipe closes: the parent is gone.
+
+    A watcher thread waits on the write end (``poll`` reports an error or hang-up there once no
+    reader is left). Waiting for the fork server's death instead would never end: every worker
+    holds the descriptor whose closing tells the server that its clients are gone.
+    """
+    poller = select.poll()
+    poller.register(conn.fileno(), select.POLLERR | select.POLLHUP)
+
+    def watch() -> None:
+        poller.poll()
+        os._exit(_ORPHANED_EXIT)
+
+    threading.Thread(target=watch, name="memsave-parent-watch", daemon=True).start()
+
+
+#: Exit code of a worker whose parent died (nobody reads it; it only ends the process).
+_ORPHANED_EXIT = 70
+
+
 def _work(job: Job, conn: Connection, log: str, target: Callable[[Job], Run]) -> None:
     """Worker body: output to the log file, one Run (or one failure) over the pipe."""
+    _exit_with_parent(conn)
     with open(log, "w") as handle:
         os.dup2(handle.fileno(), 1)
         os.dup2(handle.fileno(), 2)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import itertools
 import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -76,6 +78,36 @@ def test_timeout_kills_the_worker(tmp_path: Path) -> None:
     assert "3 s" in runs[0].error
     pid = int(pid_file.read_text())
     assert _gone(pid), f"worker {pid} still runs after its timeout"
+
+
+@pytest.mark.skipif(
+    not sys.platform.startswith("linux"), reason="relies on Linux pipe poll semantics"
+)
+def test_workers_die_with_a_parent_killed_outright(tmp_path: Path) -> None:
+    pid_file = tmp_path / "pid"
+    script = (
+        "import fixtures_tracker, test_runner\n"
+        "from memsave_cli.runner import run_jobs\n"
+        f"job = test_runner.behaviour('hang', target={str(pid_file)!r})\n"
+        "run_jobs([job], timeout=600, target=fixtures_tracker.behave)\n"
+    )
+    here = Path(__file__).parent
+    path = os.pathsep.join([str(here), str(here.parents[1]), os.environ.get("PYTHONPATH", "")])
+    parent = subprocess.Popen(
+        [sys.executable, "-c", script], env={**os.environ, "PYTHONPATH": path}
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while not pid_file.exists() or not pid_file.read_text():
+            assert parent.poll() is None, "the parent stopped before its worker started"
+            assert time.monotonic() < deadline, "the worker never started"
+            time.sleep(0.1)
+        worker = int(pid_file.read_text())
+        parent.kill()  # SIGKILL: no finally, no atexit
+        parent.wait()
+        assert _gone(worker, within=10.0), f"worker {worker} outlived its killed parent"
+    finally:
+        parent.kill()
 
 
 def _gone(pid: int, within: float = 5.0) -> bool:
