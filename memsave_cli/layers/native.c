@@ -1,0 +1,610 @@
+/* Fused CPU kernels for memsave's 1-bit masks and max-pool window offsets.
+ *
+ * Plain C with no Python or torch headers: native.py compiles this file with the system C compiler
+ * on first use and calls it through ctypes with raw pointers and sizes. Every tensor is a flat
+ * array of n elements in memory order; the Python side checks dtypes, sizes and layouts.
+ *
+ * NOTE [float classes as integer tests]: every kernel that looks at a float looks at its bits as an
+ * unsigned integer u of the element's width. With S the sign bit, m = u & ~S its magnitude and INF
+ * the bits of +infinity, x is NaN iff m > INF, zero iff m == 0 and negative iff u & S. Magnitudes
+ * order like the values they encode, so the signed key (u & S ? -m : m) orders non-NaN values
+ * exactly as float comparison does (both zeros have key 0). The same code then serves float64,
+ * float32, bfloat16 and float16 (which differ only in width and INF), it never converts, and it does
+ * not depend on the calling thread's denormal (DAZ/FTZ) mode.
+ *
+ * NOTE [thread ranges]: work is split into contiguous chunks of elements that start on multiples
+ * of 64 elements, so each chunk writes whole 8-byte words of a bit array and no two threads ever
+ * share a byte. Inputs below PARALLEL_MIN elements run on the calling thread only.
+ */
+
+#include <pthread.h>
+#include <sched.h>
+#include <stdatomic.h>
+#include <stdint.h>
+#include <string.h>
+
+/* -DMEMSAVE_GENERIC builds the portable loops only, as on a CPU without AVX2. */
+#if (defined(__x86_64__) || defined(__i386__)) && !defined(MEMSAVE_GENERIC)
+#define MEMSAVE_X86 1
+#include <immintrin.h>
+#endif
+
+#define PARALLEL_MIN 65536
+#define THREAD_MIN 32768
+#define RANGE_ALIGN 64
+#define MAX_THREADS 64
+#define SPIN_ROUNDS 1024
+#define CHUNK 65536
+#define WAKE_MIN (1 << 20)
+
+#define SIGN_OF(T) ((T)((T)1 << (8 * sizeof(T) - 1)))
+
+/* ------------------------------------------------------------------------------------------ */
+/* Threads
+ *
+ * NOTE [sharing torch's OpenMP threads]: torch runs its CPU kernels on an OpenMP team whose
+ * threads keep spinning for a while after each parallel region. On a machine with few cores, a
+ * second set of threads competes with those spinners for the same cores and gains nothing (on 2
+ * cores, 2 own threads right after a torch op ran no faster than 1). So when native.py finds the
+ * OpenMP runtime torch has loaded, it hands over that runtime's GOMP_parallel (the entry point
+ * that `#pragma omp parallel` compiles to in GCC, also exported by LLVM's and Intel's runtimes)
+ * and the chunks run on torch's own team. Without one, the worker pool below runs them.
+ *
+ * NOTE [worker pool]: starting a thread costs tens of microseconds, as much as a kernel takes on
+ * a million elements, so workers are started once and kept. A call splits its range into chunks
+ * (NOTE [thread ranges]) that the calling thread and the workers claim one at a time from a shared
+ * counter, so a worker that wakes late, or not at all, costs at most one chunk of waiting. The job
+ * lives on the caller's stack: a worker reaches it only through its own slot, which the caller
+ * posts, and the caller returns only after taking back every unclaimed slot and seeing every
+ * claimed one done. Workers spin briefly for the next job, then sleep on a condition variable;
+ * as waking one costs tens of microseconds, calls below WAKE_MIN elements only use workers that
+ * are still awake. One call uses the pool at a time (a concurrent call runs on its own thread); a
+ * forked child starts with an empty pool. */
+
+typedef void (*range_fn)(const void *args, int64_t begin, int64_t end);
+
+struct job {
+    range_fn fn;
+    const void *args;
+    int64_t n;
+    int64_t chunk;
+    _Atomic int64_t next; /* first element of the next unclaimed chunk */
+};
+
+enum { SLOT_IDLE, SLOT_POSTED, SLOT_TAKEN, SLOT_DONE };
+
+struct slot {
+    _Alignas(64) _Atomic int state; /* one cache line per slot */
+    struct job *job;
+};
+
+static struct {
+    pthread_mutex_t busy; /* held by the call using the pool */
+    pthread_mutex_t lock; /* guards the sleeping workers' condition */
+    pthread_cond_t wake;
+    _Atomic int sleeping;
+    int workers; /* threads started, worker i owning slots[i] */
+    struct slot slots[MAX_THREADS];
+} pool = {.busy = PTHREAD_MUTEX_INITIALIZER,
+          .lock = PTHREAD_MUTEX_INITIALIZER,
+          .wake = PTHREAD_COND_INITIALIZER};
+
+static pthread_once_t pool_once = PTHREAD_ONCE_INIT;
+
+static void cpu_relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    __asm__ __volatile__("yield");
+#endif
+}
+
+/* Run chunks of the job until none is left. */
+static void work(struct job *job) {
+    for (;;) {
+        int64_t begin = atomic_fetch_add(&job->next, job->chunk);
+        if (begin >= job->n) return;
+        job->fn(job->args, begin, begin + job->chunk < job->n ? begin + job->chunk : job->n);
+    }
+}
+
+/* Claim a posted slot (its worker or the caller); exactly one of them succeeds. */
+static int claim(struct slot *slot) {
+    int expected = SLOT_POSTED;
+    return atomic_compare_exchange_strong(&slot->state, &expected, SLOT_TAKEN);
+}
+
+static void *worker_main(void *arg) {
+    struct slot *slot = (struct slot *)arg;
+    for (;;) {
+        for (int spin = 0; spin < SPIN_ROUNDS && atomic_load(&slot->state) != SLOT_POSTED; spin++)
+            cpu_relax();
+        if (atomic_load(&slot->state) != SLOT_POSTED) {
+            pthread_mutex_lock(&pool.lock);
+            atomic_fetch_add(&pool.sleeping, 1);
+            while (atomic_load(&slot->state) != SLOT_POSTED) pthread_cond_wait(&pool.wake, &pool.lock);
+            atomic_fetch_sub(&pool.sleeping, 1);
+            pthread_mutex_unlock(&pool.lock);
+        }
+        if (claim(slot)) {
+            work(slot->job);
+            atomic_store(&slot->state, SLOT_DONE);
+        }
+    }
+    return NULL;
+}
+
+/* A forked child has none of the parent's workers: start over with an empty pool. */
+static void pool_after_fork(void) {
+    pthread_mutex_init(&pool.busy, NULL);
+    pthread_mutex_init(&pool.lock, NULL);
+    pthread_cond_init(&pool.wake, NULL);
+    atomic_store(&pool.sleeping, 0);
+    pool.workers = 0;
+}
+
+static void pool_init(void) { pthread_atfork(NULL, NULL, pool_after_fork); }
+
+/* Start workers until `wanted` run (the caller holds pool.busy); return how many run. */
+static int start_workers(int wanted) {
+    pthread_attr_t attr;
+    pthread_attr_init(&attr);
+    pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+    pthread_attr_setstacksize(&attr, 1 << 20);
+    while (pool.workers < wanted) {
+        pthread_t id;
+        struct slot *slot = &pool.slots[pool.workers];
+        atomic_store(&slot->state, SLOT_IDLE);
+        if (pthread_create(&id, &attr, worker_main, slot) != 0) break;
+        pool.workers++;
+    }
+    pthread_attr_destroy(&attr);
+    return pool.workers < wanted ? pool.workers : wanted;
+}
+
+/* Take back a slot no worker claimed, or wait until its worker is done. */
+static void retire(struct slot *slot) {
+    if (!claim(slot)) {
+        for (int spin = 1; atomic_load(&slot->state) != SLOT_DONE; spin++) {
+            if (spin % 1024 == 0)
+                sched_yield();
+            else
+                cpu_relax();
+        }
+    }
+    atomic_store(&slot->state, SLOT_IDLE);
+}
+
+/* GOMP_parallel of the OpenMP runtime torch uses (NOTE [sharing torch's OpenMP threads]). */
+typedef void (*gomp_parallel_fn)(void (*body)(void *), void *data, unsigned threads,
+                                 unsigned flags);
+static _Atomic(gomp_parallel_fn) openmp_parallel = NULL;
+
+int memsave_use_openmp(void *gomp_parallel) {
+    atomic_store(&openmp_parallel, (gomp_parallel_fn)gomp_parallel);
+    return 0;
+}
+
+static void openmp_body(void *job) { work((struct job *)job); }
+
+/* Run fn over [0, n) on up to nthreads threads (NOTE [thread ranges], NOTE [worker pool]). */
+static void parallel(range_fn fn, const void *args, int64_t n, int nthreads) {
+    int64_t threads = n < PARALLEL_MIN ? 1 : n / THREAD_MIN;
+    if (threads > nthreads) threads = nthreads;
+    if (threads > MAX_THREADS + 1) threads = MAX_THREADS + 1;
+    int64_t chunk = (n + threads - 1) / threads;
+    chunk = chunk < CHUNK ? chunk : CHUNK;
+    chunk = (chunk + RANGE_ALIGN - 1) / RANGE_ALIGN * RANGE_ALIGN;
+    struct job job = {fn, args, n, chunk, 0};
+    gomp_parallel_fn openmp = atomic_load(&openmp_parallel);
+    if (threads > 1 && openmp) {
+        openmp(openmp_body, &job, (unsigned)threads, 0);
+        return;
+    }
+    pthread_once(&pool_once, pool_init);
+    /* Waking a sleeping worker takes tens of microseconds: only worth it for large inputs. */
+    int drowsy = n < WAKE_MIN && atomic_load(&pool.sleeping) > 0;
+    if (threads <= 1 || drowsy || pthread_mutex_trylock(&pool.busy) != 0) {
+        fn(args, 0, n);
+        return;
+    }
+    int helpers = start_workers((int)threads - 1);
+    for (int i = 0; i < helpers; i++) {
+        pool.slots[i].job = &job;
+        atomic_store(&pool.slots[i].state, SLOT_POSTED);
+    }
+    if (atomic_load(&pool.sleeping) > 0) {
+        pthread_mutex_lock(&pool.lock);
+        pthread_cond_broadcast(&pool.wake);
+        pthread_mutex_unlock(&pool.lock);
+    }
+    work(&job);
+    for (int i = 0; i < helpers; i++) retire(&pool.slots[i]);
+    pthread_mutex_unlock(&pool.busy);
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* Bit kernels, portable loops.
+ *
+ * relu_pack: out = torch.relu(x): negative non-NaN values become +0, while -0 and NaN stay as
+ * they are; the bit is set where not (x <= 0), i.e. x positive or NaN. compare_pack: the bit is
+ * set where key(low) < key(x) (and key(x) < key(high) for "between"), never for NaN (NOTE [float
+ * classes as integer tests]). select_bits: out = grad where the bit is set (clear with invert),
+ * else +0, copying the bits. Each portable loop handles one output byte (8 elements) at a time
+ * through a local copy, so an in-place call (out == x) does not stop the compiler from reordering
+ * loads and stores. */
+
+struct relu_args {
+    const void *x;
+    void *out;
+    uint8_t *bits;
+    uint64_t inf;
+};
+
+struct compare_args {
+    const void *x;
+    uint8_t *bits;
+    uint64_t inf;
+    int64_t low;
+    int64_t high;
+};
+
+struct select_args {
+    const void *grad;
+    const uint8_t *bits;
+    void *out;
+    int invert;
+};
+
+#define BIT_KERNELS_GENERIC(T, W)                                                                 \
+    static unsigned relu_byte##W(const T *x, T *out, int lanes, T inf) {                          \
+        const T sign = SIGN_OF(T);                                                                \
+        T v[8] = {0};                                                                             \
+        unsigned byte = 0;                                                                        \
+        memcpy(v, x, lanes * sizeof(T));                                                          \
+        for (int j = 0; j < 8; j++) {                                                             \
+            T mag = v[j] & (T)~sign;                                                              \
+            unsigned set = (mag > inf) | ((v[j] < sign) & (mag != 0));                            \
+            v[j] &= (T)(0 - (T)(set | (mag == 0)));                                               \
+            byte |= set << j;                                                                     \
+        }                                                                                         \
+        memcpy(out, v, lanes * sizeof(T));                                                        \
+        return byte & ((1u << lanes) - 1);                                                        \
+    }                                                                                             \
+                                                                                                  \
+    static void relu_pack##W(const void *raw, int64_t begin, int64_t end) {                      \
+        const struct relu_args *a = (const struct relu_args *)raw;                                \
+        const T *x = (const T *)a->x;                                                             \
+        T *out = (T *)a->out;                                                                     \
+        for (int64_t i = begin; i < end; i += 8) {                                                \
+            int lanes = end - i < 8 ? (int)(end - i) : 8;                                         \
+            a->bits[i / 8] = (uint8_t)relu_byte##W(x + i, out + i, lanes, (T)a->inf);             \
+        }                                                                                         \
+    }                                                                                             \
+                                                                                                  \
+    static unsigned compare_byte##W(const T *x, int lanes, T inf, int64_t low, int64_t high) {    \
+        const T sign = SIGN_OF(T);                                                                \
+        T v[8] = {0};                                                                             \
+        unsigned byte = 0;                                                                        \
+        memcpy(v, x, lanes * sizeof(T));                                                          \
+        for (int j = 0; j < 8; j++) {                                                             \
+            T mag = v[j] & (T)~sign;                                                              \
+            int64_t key = v[j] < sign ? (int64_t)mag : -(int64_t)mag;                             \
+            byte |= (unsigned)((mag <= inf) & (key > low) & (key < high)) << j;                   \
+        }                                                                                         \
+        return byte & ((1u << lanes) - 1);                                                        \
+    }                                                                                             \
+                                                                                                  \
+    static void compare_pack##W(const void *raw, int64_t begin, int64_t end) {                   \
+        const struct compare_args *a = (const struct compare_args *)raw;                          \
+        const T *x = (const T *)a->x;                                                             \
+        for (int64_t i = begin; i < end; i += 8) {                                                \
+            int lanes = end - i < 8 ? (int)(end - i) : 8;                                         \
+            a->bits[i / 8] = (uint8_t)compare_byte##W(x + i, lanes, (T)a->inf, a->low, a->high);  \
+        }                                                                                         \
+    }                                                                                             \
+                                                                                                  \
+    static void select_bits##W(const void *raw, int64_t begin, int64_t end) {                    \
+        const struct select_args *a = (const struct select_args *)raw;                            \
+        const T *grad = (const T *)a->grad;                                                       \
+        T *out = (T *)a->out;                                                                     \
+        const unsigned flip = a->invert ? 0xffu : 0u;                                             \
+        for (int64_t i = begin; i < end; i += 8) {                                                \
+            int lanes = end - i < 8 ? (int)(end - i) : 8;                                         \
+            unsigned byte = a->bits[i / 8] ^ flip;                                                \
+            T v[8] = {0};                                                                         \
+            memcpy(v, grad + i, lanes * sizeof(T));                                               \
+            for (int j = 0; j < 8; j++) v[j] &= (T)(0 - (T)((byte >> j) & 1u));                   \
+            memcpy(out + i, v, lanes * sizeof(T));                                                \
+        }                                                                                         \
+    }
+
+BIT_KERNELS_GENERIC(uint16_t, 16)
+BIT_KERNELS_GENERIC(uint32_t, 32)
+BIT_KERNELS_GENERIC(uint64_t, 64)
+
+/* ------------------------------------------------------------------------------------------ */
+/* Bit kernels, AVX2: whole 64-element blocks (one 8-byte word of bits) with 256-bit vectors of
+ * 16, 8 or 4 lanes, two vectors per step; the portable loops take the tail. Signed lane
+ * comparisons do the integer tests: u > 0 is "positive, nonzero" and 0 > u "sign bit set". */
+
+#ifdef MEMSAVE_X86
+#define AVX2 __attribute__((target("avx2")))
+#define SET1_16(v) _mm256_set1_epi16((short)(v))
+#define SET1_32(v) _mm256_set1_epi32((int)(v))
+#define SET1_64(v) _mm256_set1_epi64x((long long)(v))
+
+/* One bit per lane of two lane masks (all ones or zero), first vector in the low bits. */
+AVX2 static inline uint64_t lane_bits16(__m256i m0, __m256i m1) {
+    __m256i bytes = _mm256_permute4x64_epi64(_mm256_packs_epi16(m0, m1), 0xD8);
+    return (uint32_t)_mm256_movemask_epi8(bytes);
+}
+AVX2 static inline uint64_t lane_bits32(__m256i m0, __m256i m1) {
+    return (uint64_t)(_mm256_movemask_ps(_mm256_castsi256_ps(m0)) |
+                      (_mm256_movemask_ps(_mm256_castsi256_ps(m1)) << 8));
+}
+AVX2 static inline uint64_t lane_bits64(__m256i m0, __m256i m1) {
+    return (uint64_t)(_mm256_movemask_pd(_mm256_castsi256_pd(m0)) |
+                      (_mm256_movemask_pd(_mm256_castsi256_pd(m1)) << 4));
+}
+
+#define BIT_KERNELS_AVX2(T, W)                                                                    \
+    /* relu of one vector at p (stored to q); returns the lanes whose bit is set */               \
+    AVX2 static inline __m256i relu_vector##W(const T *p, T *q, __m256i inf) {                   \
+        const __m256i zero = _mm256_setzero_si256(), magnitude = SET1_##W(~SIGN_OF(T));          \
+        __m256i u = _mm256_loadu_si256((const __m256i *)p);                                       \
+        __m256i mag = _mm256_and_si256(u, magnitude);                                             \
+        __m256i set = _mm256_or_si256(_mm256_cmpgt_epi##W(u, zero), _mm256_cmpgt_epi##W(mag, inf)); \
+        __m256i keep = _mm256_or_si256(set, _mm256_cmpeq_epi##W(mag, zero));                      \
+        _mm256_storeu_si256((__m256i *)q, _mm256_and_si256(u, keep));                             \
+        return set;                                                                               \
+    }                                                                                             \
+                                                                                                  \
+    AVX2 static void relu_pack##W##_avx2(const void *raw, int64_t begin, int64_t end) {          \
+        const struct relu_args *a = (const struct relu_args *)raw;                                \
+        const T *x = (const T *)a->x;                                                             \
+        T *out = (T *)a->out;                                                                     \
+        const __m256i inf = SET1_##W(a->inf);                                                     \
+        const int step = 64 / (int)sizeof(T); /* two vectors */                                   \
+        int64_t i = begin;                                                                        \
+        for (; i + 64 <= end; i += 64) {                                                          \
+            uint64_t word = 0;                                                                    \
+            for (int k = 0; k < 64; k += step) {                                                  \
+                __m256i m0 = relu_vector##W(x + i + k, out + i + k, inf);                         \
+                __m256i m1 = relu_vector##W(x + i + k + step / 2, out + i + k + step / 2, inf);   \
+                word |= lane_bits##W(m0, m1) << k;                                                \
+            }                                                                                     \
+            memcpy(a->bits + i / 8, &word, 8); /* x86 is little-endian: byte k = bits 8k.. */     \
+        }                                                                                         \
+        if (i < end) relu_pack##W(raw, i, end);                                                   \
+    }                                                                                             \
+                                                                                                  \
+    /* lanes of one vector at p with low < x (< high), never NaN */                               \
+    AVX2 static inline __m256i compare_vector##W(const T *p, __m256i inf, __m256i low,            \
+                                                 __m256i high) {                                  \
+        const __m256i zero = _mm256_setzero_si256(), magnitude = SET1_##W(~SIGN_OF(T));          \
+        __m256i u = _mm256_loadu_si256((const __m256i *)p);                                       \
+        __m256i mag = _mm256_and_si256(u, magnitude);                                             \
+        __m256i negative = _mm256_cmpgt_epi##W(zero, u);                                          \
+        __m256i key = _mm256_sub_epi##W(_mm256_xor_si256(mag, negative), negative);              \
+        __m256i set = _mm256_and_si256(_mm256_cmpgt_epi##W(key, low), _mm256_cmpgt_epi##W(high, key)); \
+        return _mm256_andnot_si256(_mm256_cmpgt_epi##W(mag, inf), set);                           \
+    }                                                                                             \
+                                                                                                  \
+    AVX2 static void compare_pack##W##_avx2(const void *raw, int64_t begin, int64_t end) {       \
+        const struct compare_args *a = (const struct compare_args *)raw;                          \
+        const T *x = (const T *)a->x;                                                             \
+        const __m256i inf = SET1_##W(a->inf), low = SET1_##W(a->low), high = SET1_##W(a->high);  \
+        const int step = 64 / (int)sizeof(T);                                                     \
+        int64_t i = begin;                                                                        \
+        for (; i + 64 <= end; i += 64) {                                                          \
+            uint64_t word = 0;                                                                    \
+            for (int k = 0; k < 64; k += step) {                                                  \
+                __m256i m0 = compare_vector##W(x + i + k, inf, low, high);                        \
+                __m256i m1 = compare_vector##W(x + i + k + step / 2, inf, low, high);             \
+                word |= lane_bits##W(m0, m1) << k;                                                \
+            }                                                                                     \
+            memcpy(a->bits + i / 8, &word, 8);                                                    \
+        }                                                                                         \
+        if (i < end) compare_pack##W(raw, i, end);                                                \
+    }                                                                                             \
+                                                                                                  \
+    /* Whole words of clear bits write zeros without reading the gradient. */                     \
+    AVX2 static void select_bits##W##_avx2(const void *raw, int64_t begin, int64_t end) {        \
+        const struct select_args *a = (const struct select_args *)raw;                            \
+        const T *grad = (const T *)a->grad;                                                       \
+        T *out = (T *)a->out;                                                                     \
+        const uint64_t flip = a->invert ? ~(uint64_t)0 : 0;                                       \
+        const int lanes = 32 / (int)sizeof(T);                                                    \
+        const __m256i lane_bit = LANE_BIT_##W;                                                    \
+        int64_t i = begin;                                                                        \
+        for (; i + 64 <= end; i += 64) {                                                          \
+            uint64_t word;                                                                        \
+            memcpy(&word, a->bits + i / 8, 8);                                                    \
+            word ^= flip;                                                                         \
+            if (word == 0) {                                                                      \
+                memset(out + i, 0, 64 * sizeof(T));                                               \
+                continue;                                                                         \
+            }                                                                                     \
+            for (int k = 0; k < 64; k += lanes) {                                                 \
+                __m256i chunk = SET1_##W((word >> k) & (~(uint64_t)0 >> (64 - lanes)));           \
+                __m256i keep = _mm256_cmpeq_epi##W(_mm256_and_si256(chunk, lane_bit), lane_bit);  \
+                __m256i g = _mm256_loadu_si256((const __m256i *)(grad + i + k));                  \
+                _mm256_storeu_si256((__m256i *)(out + i + k), _mm256_and_si256(g, keep));         \
+            }                                                                                     \
+        }                                                                                         \
+        if (i < end) select_bits##W(raw, i, end);                                                 \
+    }
+
+/* Lane j holds bit j. */
+#define LANE_BIT_16                                                                               \
+    _mm256_setr_epi16(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384,      \
+                      (short)-32768)
+#define LANE_BIT_32 _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128)
+#define LANE_BIT_64 _mm256_setr_epi64x(1, 2, 4, 8)
+
+BIT_KERNELS_AVX2(uint16_t, 16)
+BIT_KERNELS_AVX2(uint32_t, 32)
+BIT_KERNELS_AVX2(uint64_t, 64)
+#endif
+
+/* ------------------------------------------------------------------------------------------ */
+/* Max-pool window offsets. Element i belongs to window position p = (i / inner) % planes.
+ * to_offsets: out[i] = inverse[indices[i] - starts[p]]; to_indices: out[i] = table[offsets[i]] +
+ * starts[p]. Precondition (unchecked): every lookup lies inside its table. */
+
+struct offsets_args {
+    const void *src;    /* int64 indices (to_offsets) or signed offsets (to_indices) */
+    const void *lookup; /* inverse table (to_offsets) or int64 table (to_indices) */
+    const int64_t *starts;
+    void *out;
+    int64_t planes;
+    int64_t inner;
+};
+
+/* Walk [begin, end) as runs sharing one window position: BODY sees i, count and the run's start s
+ * (inner > 1), or walks positions p with starts[p] in step (inner == 1). */
+#define FOR_EACH_RUN(a, begin, end, RUN_BODY, PLANE_BODY)                                         \
+    do {                                                                                          \
+        int64_t i = (begin), q = (begin) / (a)->inner, r = (begin) % (a)->inner;                  \
+        int64_t p = q % (a)->planes;                                                              \
+        if ((a)->inner == 1) {                                                                    \
+            while (i < (end)) {                                                                   \
+                int64_t count = (a)->planes - p < (end) - i ? (a)->planes - p : (end) - i;        \
+                const int64_t *st = (a)->starts + p;                                              \
+                PLANE_BODY;                                                                       \
+                i += count;                                                                       \
+                p = 0;                                                                            \
+            }                                                                                     \
+        } else {                                                                                  \
+            while (i < (end)) {                                                                   \
+                int64_t count = (a)->inner - r < (end) - i ? (a)->inner - r : (end) - i;          \
+                const int64_t s = (a)->starts[p];                                                 \
+                RUN_BODY;                                                                         \
+                i += count;                                                                       \
+                r = 0;                                                                            \
+                if (++p == (a)->planes) p = 0;                                                    \
+            }                                                                                     \
+        }                                                                                         \
+    } while (0)
+
+#define TO_OFFSETS(T, NAME)                                                                       \
+    static void NAME(const void *raw, int64_t begin, int64_t end) {                              \
+        const struct offsets_args *a = (const struct offsets_args *)raw;                          \
+        const int64_t *idx = (const int64_t *)a->src;                                             \
+        const T *inverse = (const T *)a->lookup;                                                  \
+        T *out = (T *)a->out;                                                                     \
+        FOR_EACH_RUN(                                                                             \
+            a, begin, end,                                                                        \
+            for (int64_t j = 0; j < count; j++) out[i + j] = inverse[idx[i + j] - s],             \
+            for (int64_t j = 0; j < count; j++) out[i + j] = inverse[idx[i + j] - st[j]]);        \
+    }
+
+#define TO_INDICES(T, NAME)                                                                       \
+    static void NAME(const void *raw, int64_t begin, int64_t end) {                              \
+        const struct offsets_args *a = (const struct offsets_args *)raw;                          \
+        const T *offsets = (const T *)a->src;                                                     \
+        const int64_t *table = (const int64_t *)a->lookup;                                        \
+        int64_t *out = (int64_t *)a->out;                                                         \
+        FOR_EACH_RUN(                                                                             \
+            a, begin, end,                                                                        \
+            for (int64_t j = 0; j < count; j++) out[i + j] = table[offsets[i + j]] + s,           \
+            for (int64_t j = 0; j < count; j++) out[i + j] = table[offsets[i + j]] + st[j]);      \
+    }
+
+TO_OFFSETS(int8_t, to_offsets8)
+TO_OFFSETS(int16_t, to_offsets16)
+TO_OFFSETS(int32_t, to_offsets32)
+TO_OFFSETS(int64_t, to_offsets64)
+TO_INDICES(int8_t, to_indices8)
+TO_INDICES(int16_t, to_indices16)
+TO_INDICES(int32_t, to_indices32)
+TO_INDICES(int64_t, to_indices64)
+
+/* ------------------------------------------------------------------------------------------ */
+/* Dispatch and exported entry points (return 0, or -1 for an unsupported element size). */
+
+static int has_avx2(void) {
+#ifdef MEMSAVE_X86
+    static _Atomic int cached = -1;
+    if (atomic_load(&cached) < 0) {
+        __builtin_cpu_init();
+        atomic_store(&cached, __builtin_cpu_supports("avx2") ? 1 : 0);
+    }
+    return atomic_load(&cached);
+#else
+    return 0;
+#endif
+}
+
+#ifdef MEMSAVE_X86
+#define PICK(name, size)                                                                          \
+    ((size) == 2   ? (has_avx2() ? name##16_avx2 : name##16)                                      \
+     : (size) == 4 ? (has_avx2() ? name##32_avx2 : name##32)                                      \
+     : (size) == 8 ? (has_avx2() ? name##64_avx2 : name##64)                                      \
+                   : (range_fn)NULL)
+#else
+#define PICK(name, size)                                                                          \
+    ((size) == 2 ? name##16 : (size) == 4 ? name##32 : (size) == 8 ? name##64 : (range_fn)NULL)
+#endif
+
+const char *memsave_isa(void) { return has_avx2() ? "avx2" : "generic"; }
+
+int memsave_relu_pack(const void *x, void *out, uint8_t *bits, int64_t n, int size, uint64_t inf,
+                      int nthreads) {
+    range_fn fn = PICK(relu_pack, size);
+    if (!fn) return -1;
+    struct relu_args args = {x, out, bits, inf};
+    parallel(fn, &args, n, nthreads);
+    return 0;
+}
+
+/* Keys of the bounds (NOTE [float classes as integer tests]); without "between" the upper bound
+ * is the largest key of the width, above every non-NaN value. */
+int memsave_compare_pack(const void *x, uint8_t *bits, int64_t n, int size, uint64_t inf,
+                         int between, int64_t low, int64_t high, int nthreads) {
+    range_fn fn = PICK(compare_pack, size);
+    if (!fn) return -1;
+    int64_t top = size == 8 ? INT64_MAX : (int64_t)((UINT64_C(1) << (8 * size - 1)) - 1);
+    struct compare_args args = {x, bits, inf, low, between ? high : top};
+    parallel(fn, &args, n, nthreads);
+    return 0;
+}
+
+int memsave_select_bits(const void *grad, const uint8_t *bits, void *out, int64_t n, int size,
+                        int invert, int nthreads) {
+    range_fn fn = PICK(select_bits, size);
+    if (!fn) return -1;
+    struct select_args args = {grad, bits, out, invert};
+    parallel(fn, &args, n, nthreads);
+    return 0;
+}
+
+static range_fn by_width(int size, range_fn k8, range_fn k16, range_fn k32, range_fn k64) {
+    switch (size) {
+    case 1: return k8;
+    case 2: return k16;
+    case 4: return k32;
+    case 8: return k64;
+    default: return NULL;
+    }
+}
+
+int memsave_to_offsets(const int64_t *indices, const int64_t *starts, int64_t planes,
+                       int64_t inner, const void *inverse, void *out, int64_t n, int size,
+                       int nthreads) {
+    range_fn fn = by_width(size, to_offsets8, to_offsets16, to_offsets32, to_offsets64);
+    if (!fn || planes < 1 || inner < 1) return -1;
+    struct offsets_args args = {indices, inverse, starts, out, planes, inner};
+    parallel(fn, &args, n, nthreads);
+    return 0;
+}
+
+int memsave_to_indices(const void *offsets, int size, const int64_t *table, const int64_t *starts,
+                       int64_t planes, int64_t inner, int64_t *out, int64_t n, int nthreads) {
+    range_fn fn = by_width(size, to_indices8, to_indices16, to_indices32, to_indices64);
+    if (!fn || planes < 1 || inner < 1) return -1;
+    struct offsets_args args = {offsets, table, starts, out, planes, inner};
+    parallel(fn, &args, n, nthreads);
+    return 0;
+}
