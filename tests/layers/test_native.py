@@ -1,0 +1,463 @@
+"""Native CPU kernels: bitwise equal to torch references for every dtype, size, layout and thread
+count; both builds (AVX2 and portable) and both thread backends; clean fallback without them."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import numpy
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from memsave_cli.layers import native
+from memsave_cli.layers.maxpool import IndexMaps, _reravel
+
+DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
+#: Sizes around byte, 64-bit word and vector boundaries, and one large enough for threads.
+SIZES = [0, 1, 7, 8, 9, 63, 64, 65, 129]
+LARGE = 1_000_003
+#: (size, threads): every small size once, the large one on several thread counts.
+SIZE_THREADS = [(n, 2) for n in SIZES] + [(LARGE, t) for t in (1, 2, 3, None)]
+_RAW = {2: torch.int16, 4: torch.int32, 8: torch.int64}
+_INF_BITS = {torch.float64: 0x7FF0 << 48, torch.float32: 0x7F800000, torch.bfloat16: 0x7F80}
+_INF_BITS[torch.float16] = 0x7C00
+
+requires_native = pytest.mark.skipif(not native.available(), reason=native.status())
+
+
+def _id(value: object) -> str:
+    return str(value).replace("torch.", "")
+
+
+def _raw(x: Tensor) -> Tensor:
+    """``x``'s bits as integers of the same width."""
+    return x.view(_RAW[x.element_size()])
+
+
+def _samples(dtype: torch.dtype, n: int, seed: int) -> Tensor:
+    """Random values with a third replaced by special ones: signed zeros, infinities, denormals,
+    the smallest normals, values just around 0 and ±1, and NaNs of random sign and payload."""
+    generator = torch.Generator().manual_seed(seed)
+    x = (3 * torch.randn(n, generator=generator)).to(dtype)
+    if n == 0:
+        return x
+    info = torch.finfo(dtype)
+    tiny, smallest = info.tiny, info.tiny * info.eps
+    specials = [0.0, -0.0, 1.0, -1.0, 0.5, -0.5, info.max, -info.max, tiny, -tiny, smallest]
+    specials += [-smallest, tiny / 2, -tiny / 2, float("inf"), -float("inf"), float("nan")]
+    values = torch.tensor(specials, dtype=torch.float64).to(dtype)
+    where = torch.randint(0, n, (max(1, n // 3),), generator=generator)
+    x[where] = values[torch.randint(0, len(values), where.shape, generator=generator)]
+    width = 8 * x.element_size()
+    sign, inf = -(1 << (width - 1)), _INF_BITS[dtype]
+    nans = torch.randint(0, n, (max(1, n // 16),), generator=generator)
+    payload = torch.randint(
+        1, inf & -inf, nans.shape, generator=generator
+    )  # below the lowest exponent bit
+    negative = torch.rand(nans.shape, generator=generator) < 0.5
+    bits = (payload | inf) | torch.where(negative, sign, 0)
+    _raw(x)[nans] = bits.to(_RAW[x.element_size()])
+    return x
+
+
+def _packed(mask: Tensor) -> Tensor:
+    """numpy's little-endian packing of a bool tensor, in memory order of ``mask``."""
+    return torch.from_numpy(numpy.packbits(mask.reshape(-1).numpy(), bitorder="little"))
+
+
+def _unpacked(bits: Tensor, n: int) -> Tensor:
+    """The first ``n`` bits of ``bits`` as bools."""
+    return torch.from_numpy(numpy.unpackbits(bits.numpy(), count=n, bitorder="little")).bool()
+
+
+def _empty_bits(n: int) -> Tensor:
+    """Bit storage filled with garbage, so that unwritten bytes show."""
+    return torch.full((-(-n // 8),), 0xA5, dtype=torch.uint8)
+
+
+def assert_same_bits(actual: Tensor, expected: Tensor, *, nan_payloads: bool = True) -> None:
+    """Bitwise equality, reporting the first differing element; without ``nan_payloads`` NaNs
+    need only be NaN in both (NOTE [NaN payloads in 16-bit types])."""
+    a, e = _raw(actual).reshape(-1), _raw(expected).reshape(-1)
+    differ = a != e
+    if not nan_payloads:
+        nan = expected.reshape(-1).isnan()
+        differ = torch.where(nan, ~actual.reshape(-1).isnan(), differ)
+    if differ.any():
+        i = int(differ.nonzero()[0])
+        raise AssertionError(
+            f"{int(differ.sum())} of {a.numel()} elements differ; first at {i}: "
+            f"got {actual.reshape(-1)[i].item()!r} (bits {int(a[i]):#x}), "
+            f"expected {expected.reshape(-1)[i].item()!r} (bits {int(e[i]):#x})"
+        )
+
+
+def assert_same_bytes(actual: Tensor, expected: Tensor) -> None:
+    """Equal packed bits, reporting the first differing byte."""
+    differ = (actual != expected).nonzero()
+    assert differ.numel() == 0, (
+        f"bits differ at byte {int(differ[0])}: got {int(actual[differ[0]]):#010b}, "
+        f"expected {int(expected[differ[0]]):#010b}"
+    )
+
+
+# -------------------------------------------------------------------------------------------
+# Loading
+
+
+def _has_compiler() -> bool:
+    try:
+        native._compiler()
+    except native._Unavailable:
+        return False
+    return True
+
+
+def test_available_where_a_compiler_is() -> None:
+    """With a C compiler (as on CI) the kernels load, and status names the library."""
+    if os.environ.get("MEMSAVE_NATIVE") == "0" or not _has_compiler():
+        pytest.skip("no C compiler here, or disabled")
+    assert native.available(), native.status()
+    path = Path(native.status().split("loaded from ", 1)[1].split(" (")[0])
+    assert path.is_file() and path.name.startswith("memsave_native_"), native.status()
+
+
+def test_disabled_by_environment() -> None:
+    """MEMSAVE_NATIVE=0 (in a fresh process) leaves the kernels unavailable and says so."""
+    code = (
+        "from memsave_cli.layers import native; print(native.available()); print(native.status())"
+    )
+    env = {**os.environ, "MEMSAVE_NATIVE": "0"}
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines() == [
+        "False",
+        "native kernels: disabled by MEMSAVE_NATIVE=0",
+    ]
+
+
+@pytest.fixture
+def fresh_load(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
+    """Load the kernels again under the test's environment and an empty cache directory."""
+    monkeypatch.setattr(native, "_LOADED", None)
+    monkeypatch.setenv("MEMSAVE_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.delenv("MEMSAVE_NATIVE", raising=False)
+    return tmp_path
+
+
+@pytest.mark.parametrize(
+    ("compiler", "reason"),
+    [("/bin/false", "compile failed"), ("/nonexistent/cc", "compiler not found")],
+    ids=["failing", "missing"],
+)
+def test_broken_compiler_falls_back_silently(
+    fresh_load: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capfd: pytest.CaptureFixture,
+    compiler: str,
+    reason: str,
+) -> None:
+    monkeypatch.setenv("CC", compiler)
+    assert not native.available()
+    assert native.status().startswith(f"native kernels: {reason}"), native.status()
+    assert "\n" not in native.status()
+    assert capfd.readouterr() == ("", "")
+    with pytest.raises(RuntimeError, match=reason):
+        native.relu_pack(torch.ones(3), torch.empty(3), torch.empty(1, dtype=torch.uint8))
+
+
+@requires_native
+def test_concurrent_builds_share_one_library(fresh_load: Path) -> None:
+    """Builds racing into one cache directory all end with the same complete library."""
+    paths: list[Path] = []
+    builders = [threading.Thread(target=lambda: paths.append(native._build())) for _ in range(3)]
+    for builder in builders:
+        builder.start()
+    for builder in builders:
+        builder.join()
+    assert len(set(paths)) == 1 and len(paths) == 3
+    (path,) = set(paths)
+    assert [p.name for p in path.parent.iterdir()] == [path.name]  # no temporary left
+    modified = path.stat().st_mtime_ns
+    assert native._build() == path and path.stat().st_mtime_ns == modified  # cached
+    assert native._bind(path).memsave_isa() in (b"avx2", b"generic")
+
+
+@requires_native
+def test_unwritable_cache_falls_back_to_a_temporary_directory(
+    fresh_load: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    blocker = fresh_load / "not-a-directory"
+    blocker.write_text("")
+    monkeypatch.setenv("MEMSAVE_CACHE_DIR", str(blocker / "cache"))
+    assert native.available(), native.status()
+    path = Path(native.status().split("loaded from ", 1)[1].split(" (")[0])
+    assert path.parent.name.startswith("memsave-native-")
+    shutil.rmtree(path.parent)
+
+
+# -------------------------------------------------------------------------------------------
+# Bit kernels
+
+
+def _check_relu_pack(x: Tensor, threads: int | None, *, in_place: bool = False) -> None:
+    """relu_pack of ``x`` against torch.relu and numpy's packing of ``relu(x) != 0``."""
+    expected = torch.relu(x)
+    bits = _empty_bits(x.numel())
+    out = x if in_place else torch.empty_like(x)
+    original = x.clone()
+    native.relu_pack(x, out, bits, threads=threads)
+    exact = x.dtype in (torch.float32, torch.float64)
+    assert_same_bits(out, expected, nan_payloads=exact)
+    nan = original.isnan()
+    assert torch.equal(_raw(out)[nan], _raw(original)[nan]), "NaNs are copied unchanged"
+    memory_order = expected.permute(*_memory_order(x))
+    assert_same_bytes(bits, _packed(memory_order != 0))
+
+
+def _memory_order(x: Tensor) -> list[int]:
+    """Dimensions of ``x`` from outermost to innermost in memory."""
+    return sorted(range(x.dim()), key=lambda d: -x.stride(d))
+
+
+@requires_native
+@pytest.mark.parametrize("dtype", DTYPES, ids=_id)
+@pytest.mark.parametrize(("n", "threads"), SIZE_THREADS, ids=lambda v: str(v))
+def test_relu_pack(dtype: torch.dtype, n: int, threads: int | None) -> None:
+    _check_relu_pack(_samples(dtype, n, seed=n + (threads or 0)), threads)
+
+
+@requires_native
+@pytest.mark.parametrize("dtype", DTYPES, ids=_id)
+@pytest.mark.parametrize("n", [65, LARGE])
+def test_relu_pack_in_place(dtype: torch.dtype, n: int) -> None:
+    _check_relu_pack(_samples(dtype, n, seed=1), threads=2, in_place=True)
+
+
+@requires_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=_id)
+def test_relu_pack_channels_last(dtype: torch.dtype) -> None:
+    """Dense tensors in any memory format are flat arrays in memory order."""
+    x = _samples(dtype, 2 * 5 * 7 * 9, seed=3).view(2, 5, 7, 9)
+    _check_relu_pack(x.contiguous(memory_format=torch.channels_last), threads=2)
+
+
+#: (op, low, high) of compare_pack: ReLU-like, hardtanh-like, half-open and empty intervals.
+BOUNDS = [
+    ("gt", 0.0, None),
+    ("gt", -0.0, None),
+    ("gt", -1.0, None),
+    ("gt", -float("inf"), None),
+    ("between", -1.0, 1.0),
+    ("between", 0.0, 6.0),
+    ("between", -0.5, float("inf")),
+    ("between", 1.0, -1.0),
+]
+
+
+@requires_native
+@pytest.mark.parametrize("dtype", DTYPES, ids=_id)
+@pytest.mark.parametrize(("op", "low", "high"), BOUNDS, ids=lambda v: str(v))
+@pytest.mark.parametrize(("n", "threads"), [(65, 2), (LARGE, 2)], ids=lambda v: str(v))
+def test_compare_pack(
+    dtype: torch.dtype, op: str, low: float, high: float | None, n: int, threads: int
+) -> None:
+    x = _samples(dtype, n, seed=n)
+    expected = x > low if high is None else (x > low) & (x < high)
+    bits = _empty_bits(n)
+    native.compare_pack(x, bits, op, low, high, threads=threads)
+    assert_same_bytes(bits, _packed(expected))
+
+
+@requires_native
+def test_compare_pack_nan_bound_and_unrepresentable_bound() -> None:
+    x = _samples(torch.bfloat16, 100, seed=0)
+    bits = _empty_bits(100)
+    native.compare_pack(x, bits, "gt", float("nan"))
+    assert_same_bytes(bits, _packed(x > float("nan")))
+    with pytest.raises(ValueError, match="representable"):
+        native.compare_pack(x, bits, "gt", 0.1)
+    with pytest.raises(ValueError, match="representable"):
+        native.compare_pack(x.half(), bits, "between", -1.0, 1e6)
+
+
+def _random_bits(n: int, seed: int) -> Tensor:
+    """Random packed bits with runs of all-clear and all-set 64-bit words."""
+    generator = torch.Generator().manual_seed(seed)
+    bits = torch.randint(0, 256, (-(-n // 8),), dtype=torch.uint8, generator=generator)
+    bits[8:64] = 0
+    bits[64:128] = 255
+    return bits
+
+
+@requires_native
+@pytest.mark.parametrize("dtype", DTYPES, ids=_id)
+@pytest.mark.parametrize(("n", "threads"), SIZE_THREADS, ids=lambda v: str(v))
+@pytest.mark.parametrize("invert", [False, True], ids=["keep-set", "keep-clear"])
+def test_select_bits(dtype: torch.dtype, n: int, threads: int | None, invert: bool) -> None:
+    grad, bits = _samples(dtype, n, seed=n), _random_bits(n, seed=n)
+    keep = _unpacked(bits, n) ^ invert
+    expected = torch.ops.aten.threshold_backward(grad, keep.to(dtype), 0)
+    out = torch.full_like(grad, 7.0)
+    native.select_bits(grad, bits, out, invert=invert, threads=threads)
+    assert_same_bits(out, expected, nan_payloads=dtype in (torch.float32, torch.float64))
+    assert_same_bits(out, torch.where(keep, grad, torch.zeros((), dtype=dtype)))
+
+
+@requires_native
+def test_select_bits_in_place() -> None:
+    grad, bits = _samples(torch.float32, LARGE, seed=5), _random_bits(LARGE, seed=5)
+    expected = torch.where(_unpacked(bits, LARGE), grad, 0.0)
+    native.select_bits(grad, bits, grad)
+    assert_same_bits(grad, expected)
+
+
+# -------------------------------------------------------------------------------------------
+# Max-pool offsets
+
+
+def _pool_case(options: tuple, shape: tuple, memory_format: torch.memory_format) -> tuple:
+    """ATen's argmax indices of one pooling, its IndexMaps and the native ``inner``."""
+    kernel, stride, padding, dilation, ceil_mode = options
+    x = torch.randn(shape).contiguous(memory_format=memory_format)
+    out, indices = F.max_pool2d_with_indices(x, kernel, stride, padding, dilation, ceil_mode)
+    indices = indices.contiguous(memory_format=memory_format)
+    maps = IndexMaps(shape[-2:], out.shape[-2:], options[:4], torch.device("cpu"))
+    inner = 1 if memory_format == torch.contiguous_format else shape[1]
+    return indices, maps, inner
+
+
+#: id -> ((kernel, stride, padding, dilation, ceil_mode), input shape).
+POOLS = {
+    "k3s2p1": (((3, 3), (2, 2), (1, 1), (1, 1), False), (2, 3, 9, 11)),
+    "k3s2p1-threaded": (((3, 3), (2, 2), (1, 1), (1, 1), False), (16, 32, 40, 41)),
+    "k2-ceil": (((2, 2), (2, 2), (0, 0), (1, 1), True), (2, 3, 9, 11)),
+    "dilated": (((3, 2), (1, 2), (1, 0), (2, 3), False), (2, 3, 12, 11)),
+    "stretched-plane": (((2, 2), (1, 1), (0, 1), (1, 3), False), (2, 3, 9, 3)),
+}
+
+
+@requires_native
+@pytest.mark.parametrize("pool", POOLS, ids=str)
+@pytest.mark.parametrize("memory_format", [torch.contiguous_format, torch.channels_last], ids=_id)
+def test_offsets_round_trip_as_index_maps(pool: str, memory_format: torch.memory_format) -> None:
+    """to_offsets equals IndexMaps.to_offsets and to_indices restores ATen's indices.
+
+    IndexMaps re-ravels indices into a stretched plane itself; the native lookup takes them
+    re-ravelled (with the plane's window starts), as its caller passes them.
+    """
+    indices, maps, inner = _pool_case(*POOLS[pool], memory_format)
+    offset_dtype = maps.inverse.dtype
+    expected = maps.to_offsets(indices.clone(), out=torch.empty_like(indices, dtype=offset_dtype))
+    in_plane = indices
+    if maps.plane != maps.in_shape:
+        in_plane = _reravel(indices.clone(), maps.in_shape, maps.plane)
+    offsets = torch.empty_like(indices, dtype=offset_dtype)
+    native.to_offsets(in_plane, maps.plane_starts.reshape(-1), inner, maps.inverse, offsets)
+    assert torch.equal(offsets, expected)
+    restored = torch.empty_like(indices)
+    native.to_indices(offsets, maps.table, maps.starts.reshape(-1), inner, restored)
+    assert torch.equal(restored, indices)
+    assert torch.equal(restored, maps.to_indices(offsets))
+
+
+@requires_native
+@pytest.mark.parametrize("dtype", [torch.int8, torch.int16, torch.int32, torch.int64], ids=_id)
+@pytest.mark.parametrize(
+    ("n", "planes", "inner"),
+    [(1, 1, 1), (129, 7, 1), (1000, 5, 3), (LARGE, 31, 1), (LARGE, 13, 17)],
+    ids=lambda v: str(v),
+)
+def test_offset_formulas(dtype: torch.dtype, n: int, planes: int, inner: int) -> None:
+    """Both lookups against their definitions, for sizes and periods that do not divide."""
+    generator = torch.Generator().manual_seed(n + planes)
+    size = 100 if dtype == torch.int8 else 3000
+    table = torch.randint(-(10**6), 10**6, (size,), generator=generator)
+    starts = torch.randint(-(10**6), 10**6, (planes,), generator=generator)
+    position = (torch.arange(n) // inner) % planes
+    offsets = torch.randint(0, size, (n,), generator=generator).to(dtype)
+    out = torch.empty(n, dtype=torch.int64)
+    native.to_indices(offsets, table, starts, inner, out)
+    assert torch.equal(out, table[offsets.long()] + starts[position])
+    inverse = torch.randint(-100, 100, (size,), generator=generator).to(dtype)
+    back = torch.empty(n, dtype=dtype)
+    native.to_offsets(out - table[offsets.long()] + offsets.long(), starts, inner, inverse, back)
+    assert torch.equal(back, inverse[offsets.long()])
+
+
+# -------------------------------------------------------------------------------------------
+# Portable build, own threads, misuse
+
+
+@pytest.fixture
+def other_library(monkeypatch: pytest.MonkeyPatch):
+    """Swap in another build or thread backend for one test."""
+
+    def use(library) -> None:
+        monkeypatch.setattr(native, "_LOADED", native._Loaded(library, "test"))
+
+    return use
+
+
+def _check_all_bit_kernels(threads: int, sizes: tuple[int, ...] = (65, LARGE)) -> None:
+    for dtype in DTYPES:
+        for n in sizes:
+            _check_relu_pack(_samples(dtype, n, seed=11), threads)
+            x, bits = _samples(dtype, n, seed=12), _empty_bits(n)
+            native.compare_pack(x, bits, "between", -1.0, 1.0, threads=threads)
+            assert_same_bytes(bits, _packed((x > -1) & (x < 1)))
+            out = torch.empty_like(x)
+            native.select_bits(x, bits, out, threads=threads)
+            assert_same_bits(out, torch.where((x > -1) & (x < 1), x, torch.zeros((), dtype=dtype)))
+
+
+@requires_native
+def test_portable_build(tmp_path: Path, other_library) -> None:
+    """The loops compiled without AVX2 (all a non-x86 CPU gets) agree with torch too."""
+    library = native._bind(native._build(("-DMEMSAVE_GENERIC",), tmp_path))
+    assert library.memsave_isa() == b"generic"
+    other_library(library)
+    _check_all_bit_kernels(threads=2)
+
+
+@requires_native
+def test_own_thread_pool(other_library) -> None:
+    """Without torch's OpenMP runtime the kernels run on their own worker threads."""
+    library = native._bind(native._build())
+    library.memsave_use_openmp(None)
+    other_library(library)
+    for threads in (2, 3):  # above 2**20 elements, so that sleeping workers are woken
+        _check_all_bit_kernels(threads, sizes=((1 << 20) + 65,))
+
+
+@requires_native
+def test_misuse_raises_value_error() -> None:
+    x = torch.randn(16)
+    bits = torch.empty(2, dtype=torch.uint8)
+    cases = {
+        "dtype": lambda: native.relu_pack(x.int(), x.int(), bits),
+        "bits": lambda: native.relu_pack(x, x, bits[:1]),
+        "bits dtype": lambda: native.select_bits(x, bits.char(), x),
+        "out dtype": lambda: native.relu_pack(x, x.double(), bits),
+        "layout": lambda: native.relu_pack(x.view(4, 4), x.view(4, 4).t(), bits),
+        "dense": lambda: native.compare_pack(torch.randn(32)[::2], bits, "gt", 0.0),
+        "device": lambda: native.relu_pack(x.to("meta"), x, bits),
+        "op": lambda: native.compare_pack(x, bits, "lt", 0.0),
+        "high": lambda: native.compare_pack(x, bits, "gt", 0.0, 1.0),
+        "element size": lambda: native.select_bits(x.to(torch.uint8), bits, x.to(torch.uint8)),
+        "indices": lambda: native.to_offsets(x.int(), x.long(), 1, x.char(), x.char()),
+        "starts": lambda: native.to_indices(x.char(), x.long(), x.long()[:0], 1, x.long()),
+        "inner": lambda: native.to_indices(x.char(), x.long(), x.long(), 0, x.long()),
+        "table": lambda: native.to_indices(x.char(), x.int(), x.long(), 1, x.long()),
+    }
+    for name, call in cases.items():
+        with pytest.raises(ValueError):
+            call()
+            pytest.fail(f"no ValueError for bad {name}")
