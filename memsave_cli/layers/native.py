@@ -177,7 +177,8 @@ def _cache_dirs() -> list[Path]:
         return [Path(os.environ["MEMSAVE_CACHE_DIR"])]
     if os.environ.get("XDG_CACHE_HOME"):
         return [Path(os.environ["XDG_CACHE_HOME"]) / "memsave"]
-    return [Path(os.path.expanduser("~")) / ".cache" / "memsave"]
+    home = os.path.expanduser("~")
+    return [] if home.startswith("~") else [Path(home) / ".cache" / "memsave"]  # no home: none
 
 
 def _writable_cache_dir() -> Path:
@@ -258,8 +259,8 @@ def _share_openmp(library: ctypes.CDLL) -> str | None:
 
 
 def _openmp_candidates() -> list[str]:
-    """OpenMP runtimes mapped into this process (Linux), then those shipped in ``torch/lib``."""
-    paths = []
+    """OpenMP runtimes shipped in ``torch/lib``, then any mapped into this process (Linux)."""
+    paths = [str(path) for path in sorted((Path(torch.__file__).parent / "lib").glob("lib*"))]
     try:
         lines = Path("/proc/self/maps").read_text().splitlines()
     except OSError:
@@ -268,7 +269,6 @@ def _openmp_candidates() -> list[str]:
         fields = line.split(maxsplit=5)
         if len(fields) == 6 and fields[5].startswith("/"):
             paths.append(fields[5])
-    paths += [str(path) for path in sorted((Path(torch.__file__).parent / "lib").glob("lib*"))]
     names = [path for path in paths if Path(path).name.startswith(_OPENMP_NAMES)]
     return list(dict.fromkeys(names))
 

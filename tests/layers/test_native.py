@@ -127,6 +127,8 @@ def test_available_where_a_compiler_is() -> None:
     assert native.available(), native.status()
     path = Path(native.status().split("loaded from ", 1)[1].split(" (")[0])
     assert path.is_file() and path.name.startswith("memsave_native_"), native.status()
+    if "parallel backend: OpenMP" in torch.__config__.parallel_info() and os.name == "posix":
+        assert "threads of torch's OpenMP runtime" in native.status()
 
 
 def test_disabled_by_environment() -> None:
