@@ -10,7 +10,9 @@
  * order like the values they encode, so the signed key (u & S ? -m : m) orders non-NaN values
  * exactly as float comparison does (both zeros have key 0). The same code then serves float64,
  * float32, bfloat16 and float16 (which differ only in width and INF), it never converts, and it does
- * not depend on the calling thread's denormal (DAZ/FTZ) mode.
+ * not depend on the calling thread's denormal mode. Stock kernels do: after
+ * torch.set_flush_denormal(True) they flush denormal results and compare denormals as zero, so
+ * there the two differ on denormals (memsave_flushes_denormals tells the caller).
  *
  * NOTE [thread ranges]: work is split into contiguous chunks of elements that start on multiples
  * of 64 elements, so each chunk writes whole 8-byte words of a bit array and no two threads ever
@@ -552,6 +554,22 @@ static int has_avx2(void) {
 #endif
 
 const char *memsave_isa(void) { return has_avx2() ? "avx2" : "generic"; }
+
+/* Whether the calling thread flushes denormals (x86 MXCSR DAZ or FTZ, ARM64 FPCR FZ), as
+ * torch.set_flush_denormal(True) makes it. */
+int memsave_flushes_denormals(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    unsigned csr;
+    __asm__ __volatile__("stmxcsr %0" : "=m"(csr));
+    return (csr & 0x8040u) != 0;
+#elif defined(__aarch64__)
+    uint64_t fpcr;
+    __asm__ __volatile__("mrs %0, fpcr" : "=r"(fpcr));
+    return (fpcr >> 24) & 1u;
+#else
+    return 0;
+#endif
+}
 
 int memsave_relu_pack(const void *x, void *out, uint8_t *bits, int64_t n, int size, uint64_t inf,
                       int nthreads) {

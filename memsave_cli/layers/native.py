@@ -25,6 +25,7 @@ stock CPU kernels round-trip each element through float32 in their vectorised lo
 NaNs (bfloat16 to 0xFFFF, float16 signalling NaNs quietened) but not in their scalar tail, so a
 stock NaN's payload depends on its position. These kernels copy NaNs unchanged (what the stock
 tail does): every result is NaN exactly where stock's is, and bitwise equal everywhere else.
+All of this holds in the default floating-point mode; see :func:`flushes_denormals`.
 """
 
 from __future__ import annotations
@@ -99,6 +100,18 @@ def available() -> bool:
 def status() -> str:
     """One line saying where the kernels were loaded from, or why they are unavailable."""
     return _loaded().status
+
+
+def flushes_denormals() -> bool:
+    """Whether this thread flushes denormals (``torch.set_flush_denormal(True)``).
+
+    Stock kernels then flush denormal results and compare denormals as zero; these kernels never
+    do, so callers wanting stock's results there should take the torch path.
+    """
+    library = _loaded().library
+    if library is None:
+        raise RuntimeError(f"Native kernels are unavailable: {status()}")
+    return bool(library.memsave_flushes_denormals())
 
 
 def _loaded() -> _Loaded:
@@ -231,6 +244,8 @@ def _bind(path: Path) -> ctypes.CDLL:
             function = getattr(library, name)
             function.argtypes, function.restype = argtypes, ctypes.c_int
         library.memsave_isa.argtypes, library.memsave_isa.restype = (), ctypes.c_char_p
+        library.memsave_flushes_denormals.argtypes = ()
+        library.memsave_flushes_denormals.restype = ctypes.c_int
         library.memsave_use_openmp.argtypes = (ctypes.c_void_p,)
         library.memsave_use_openmp.restype = ctypes.c_int
     except (OSError, AttributeError) as error:

@@ -321,6 +321,23 @@ def test_select_bits_in_place() -> None:
     assert_same_bits(grad, expected)
 
 
+@requires_native
+def test_reports_flushing_denormals() -> None:
+    """Where stock flushes denormals the kernels do not, and say so to the caller."""
+    x = torch.tensor([1, -(2**31) + 1, 2**30] * 40, dtype=torch.int32).view(torch.float32)
+    assert not native.flushes_denormals()
+    _check_relu_pack(x, threads=1)
+    if not torch.set_flush_denormal(True):
+        pytest.skip("this CPU cannot flush denormals")
+    try:
+        assert native.flushes_denormals()
+        flushed = torch.relu(x)
+    finally:
+        torch.set_flush_denormal(False)
+    assert not native.flushes_denormals()
+    assert _raw(flushed)[0] == 0 and _raw(torch.relu(x))[0] == 1  # why callers need to know
+
+
 # -------------------------------------------------------------------------------------------
 # Max-pool offsets
 
