@@ -25,8 +25,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.autograd import Function
 
+from memsave_cli.layers import native
 from memsave_cli.layers._backward import forbid_double_backward
-from memsave_cli.layers.bitmask import compare, layout_of, pack_bits, unpack_as
+from memsave_cli.layers._layout import is_dense
+from memsave_cli.layers.bitmask import compare, layout_of, pack_bits, packed_numel, unpack_as
 from memsave_cli.layers.registry import drop_in
 
 
@@ -39,6 +41,11 @@ class _ReLUFunction(Function):
 
     @staticmethod
     def forward(ctx, x: Tensor, inplace: bool, saves_result: bool) -> tuple[Tensor, Tensor]:
+        if fused_ready(x):
+            y = x if inplace else torch.empty_like(x)
+            bits = _empty_bits(x)
+            native.relu_pack(x, y, bits)
+            return _save_bits(ctx, x, y, bits, inplace)
         y = _output(torch.relu_(x) if inplace else torch.relu(x), x, inplace)
         return _save_bits(ctx, x, y, pack_bits(y.bool(), layout_of(x), scratch=True), inplace)
 
@@ -47,13 +54,7 @@ class _ReLUFunction(Function):
         forbid_double_backward("MemSaveReLU")
         if not ctx.needs_input_grad[0]:
             return None, None, None
-        keep = _unpack(ctx, grad, invert=False)
-        # Written over ``keep``: the gradient is the only tensor of input size backward allocates.
-        return (
-            torch.ops.aten.threshold_backward.grad_input(grad, keep, 0, grad_input=keep),
-            None,
-            None,
-        )
+        return _pass_where_set(ctx, grad), None, None
 
 
 class _LeakyReLUFunction(Function):
@@ -64,6 +65,14 @@ class _LeakyReLUFunction(Function):
         ctx, x: Tensor, slope: float, inplace: bool, saves_result: bool
     ) -> tuple[Tensor, Tensor]:
         ctx.slope, ctx.saves_result = slope, saves_result
+        if fused_ready(x):
+            bits = _empty_bits(x)
+            if not saves_result:
+                native.compare_pack(x, bits, "gt", 0.0)
+            y = _output(F.leaky_relu(x, slope, inplace), x, inplace)
+            if saves_result:
+                native.compare_pack(y, bits, "gt", 0.0)
+            return _save_bits(ctx, x, y, bits, inplace)
         y = _output(F.leaky_relu(x, slope, inplace), x, inplace)
         positive = compare(y if saves_result else x, "gt", 0.0)
         return _save_bits(ctx, x, y, pack_bits(positive, layout_of(x), scratch=True), inplace)
@@ -92,7 +101,11 @@ class _HardtanhFunction(Function):
     def forward(
         ctx, x: Tensor, min_val: float, max_val: float, inplace: bool, saves_result: bool
     ) -> tuple[Tensor, Tensor]:
-        bits = pack_bits(_hardtanh_keep(x, min_val, max_val), layout_of(x), scratch=True)
+        if fused_ready(x):
+            bits = _empty_bits(x)
+            native.compare_pack(x, bits, "between", *kernel_bounds(x.dtype, min_val, max_val))
+        else:
+            bits = pack_bits(_hardtanh_keep(x, min_val, max_val), layout_of(x), scratch=True)
         y = _output(F.hardtanh(x, min_val, max_val, inplace), x, inplace)
         return _save_bits(ctx, x, y, bits, inplace)
 
@@ -101,10 +114,7 @@ class _HardtanhFunction(Function):
         forbid_double_backward("MemSaveHardtanh/MemSaveReLU6")
         if not ctx.needs_input_grad[0]:
             return None, None, None, None, None
-        keep = _unpack(ctx, grad, invert=False)
-        # Written over ``keep``: the gradient is the only tensor of input size backward allocates.
-        grad_input = torch.ops.aten.threshold_backward.grad_input(grad, keep, 0, grad_input=keep)
-        return grad_input, None, None, None, None
+        return _pass_where_set(ctx, grad), None, None, None, None
 
 
 def _hardtanh_keep(x: Tensor, min_val: float, max_val: float) -> Tensor:
@@ -138,6 +148,44 @@ def _save_bits(ctx, x: Tensor, y: Tensor, bits: Tensor, inplace: bool) -> tuple[
     ctx.mark_non_differentiable(bits)
     ctx.save_for_backward(bits)
     return y, bits
+
+
+def _pass_where_set(ctx, grad: Tensor) -> Tensor:
+    """``grad`` where the saved bit is set, else 0: stock's ``threshold_backward`` on the mask."""
+    (bits,) = ctx.saved_tensors
+    if fused_ready(grad) and layout_of(grad) == ctx.layout:
+        # Deliberate: the gradient itself, in ``grad``'s layout as stock's kernel lays it out.
+        grad_input = torch.empty_like(grad)
+        native.select_bits(grad, bits, grad_input)
+        return grad_input
+    keep = _unpack(ctx, grad, invert=False)
+    # Written over ``keep``: the gradient is the only tensor of input size backward allocates.
+    return torch.ops.aten.threshold_backward.grad_input(grad, keep, 0, grad_input=keep)
+
+
+#: Dtypes the fused kernels serve. The stock bfloat16/float16 CPU kernels rewrite NaN payloads
+#: in their vectorised loops only, which no single kernel can follow (NOTE in ``native.py``).
+_FUSED_DTYPES = (torch.float32, torch.float64)
+
+
+def fused_ready(t: Tensor) -> bool:
+    """Whether ``t`` takes the fused native kernels: a dense float32/float64 CPU tensor in eager
+    mode (not fake, not traced) with the kernels built, and denormals not flushed (stock kernels
+    would then compare denormals as zero; the fused ones never do)."""
+    return (
+        type(t) is Tensor
+        and t.device.type == "cpu"
+        and t.dtype in _FUSED_DTYPES
+        and not torch.compiler.is_compiling()
+        and is_dense(t)
+        and native.available()
+        and not native.flushes_denormals()
+    )
+
+
+def _empty_bits(x: Tensor) -> Tensor:
+    """An uninitialised buffer for one packed bit per element of ``x``."""
+    return torch.empty(packed_numel(x.numel()), dtype=torch.uint8)
 
 
 def _unpack(ctx, grad: Tensor, *, invert: bool) -> Tensor:

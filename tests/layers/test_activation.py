@@ -11,7 +11,7 @@ import torch
 from torch import Tensor, nn
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
-from memsave_cli.layers import bitmask
+from memsave_cli.layers import bitmask, native
 from memsave_cli.layers.activation import (
     MemSaveHardtanh,
     MemSaveLeakyReLU,
@@ -148,7 +148,9 @@ def _assert_same(expected: object, actual: object) -> None:
 @pytest.mark.parametrize("inplace", [False, True], ids=lambda flag: f"inplace={flag}")
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda dtype: str(dtype).removeprefix("torch."))
 @pytest.mark.parametrize("case", CASES, ids=lambda case: case.name)
-def test_matches_stock(case: Case, dtype: torch.dtype, inplace: bool, layout: str) -> None:
+def test_matches_stock(
+    case: Case, dtype: torch.dtype, inplace: bool, layout: str, kernels: str
+) -> None:
     x = _input(dtype, case, layout)
     grad = _grad_output(x)
     stock, memsave = case.build(inplace)
@@ -173,6 +175,39 @@ def test_torch_kernels_match_stock(
     _assert_same(
         _forward_backward(stock, x, grad, inplace), _forward_backward(memsave, x, grad, inplace)
     )
+
+
+@pytest.mark.skipif(not native.available(), reason=native.status())
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+@pytest.mark.parametrize("case", CASES, ids=lambda case: case.name)
+def test_dense_cpu_tensors_take_the_fused_kernels(
+    case: Case, dtype: torch.dtype, native_calls: Callable[..., list[str]]
+) -> None:
+    """Forward packs with one native pass; ReLU and Hardtanh backward select with another."""
+    used = native_calls("relu_pack", "compare_pack", "select_bits")
+    x = _input(dtype, case, "channels_last")
+    _forward_backward(case.build(False)[1], x, _grad_output(x), False)
+    pack = "relu_pack" if case.stock is nn.ReLU else "compare_pack"
+    assert used[0] == pack
+    assert (used[1:] == ["select_bits"]) == (case.stock is not nn.LeakyReLU)
+
+
+@pytest.mark.skipif(not native.available(), reason=native.status())
+def test_flushed_denormals_take_the_stock_comparisons(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With denormals flushed, stock compares them as zero; the drop-in follows it there."""
+    x = torch.tensor([1e-40, -1e-40, 1.0, -1.0, 0.0] * 3, dtype=torch.float32)
+    grad = torch.ones_like(x)
+    previous = torch.set_flush_denormal(True)
+    if not previous and not torch.set_flush_denormal(True):
+        pytest.skip("this CPU cannot flush denormals")
+    try:
+        for case in CASES:
+            stock, memsave = case.build(False)
+            _assert_same(
+                _forward_backward(stock, x, grad, False), _forward_backward(memsave, x, grad, False)
+            )
+    finally:
+        torch.set_flush_denormal(False)
 
 
 HARDTANH_BOUNDS = [

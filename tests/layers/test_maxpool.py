@@ -11,7 +11,7 @@ from torch import Tensor, nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.testing import assert_close
 
-from memsave_cli.layers import maxpool
+from memsave_cli.layers import maxpool, native
 from memsave_cli.layers.maxpool import (
     MemSaveMaxPool1d,
     MemSaveMaxPool2d,
@@ -141,7 +141,7 @@ def _compare(case: tuple, x: Tensor) -> tuple[Tensor, Tensor]:
 @pytest.mark.parametrize("ties", [False, True], ids=["distinct", "ties"])
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
 @pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
-def test_matches_stock(case: tuple, dtype: torch.dtype, ties: bool) -> None:
+def test_matches_stock(case: tuple, dtype: torch.dtype, ties: bool, kernels: str) -> None:
     torch.manual_seed(0)
     _compare(case, _input(case[3], dtype, channels_last=False, ties=ties))
 
@@ -150,7 +150,7 @@ BATCHED_2D_3D = {k: c for k, c in CASES.items() if k[:2] in ("2d", "3d") and "un
 
 
 @pytest.mark.parametrize("case", BATCHED_2D_3D.values(), ids=BATCHED_2D_3D.keys())
-def test_channels_last_matches_stock_and_layout(case: tuple) -> None:
+def test_channels_last_matches_stock_and_layout(case: tuple, kernels: str) -> None:
     torch.manual_seed(0)
     x = _input(case[3], torch.float32, channels_last=True, ties=True)
     output, grad = _compare(case, x)
@@ -164,10 +164,22 @@ def test_channels_last_matches_stock_and_layout(case: tuple) -> None:
 @pytest.mark.parametrize(
     "case", [CASES["2d-k3s2p1"], CASES["3d-dil-ceil"], CASES["1d-k3s2p1"]], ids=["2d", "3d", "1d"]
 )
-def test_blockwise_cpu_path_matches_stock(monkeypatch, case: tuple, channels_last: bool) -> None:
+def test_blockwise_cpu_path_matches_stock(
+    monkeypatch, case: tuple, channels_last: bool, kernels: str
+) -> None:
     monkeypatch.setattr(maxpool, "CHUNK_ELEMENTS", 7)  # many blocks, ragged last one
     torch.manual_seed(0)
     _compare(case, _input(case[3], torch.float32, channels_last and len(case[3]) >= 4, ties=True))
+
+
+@pytest.mark.skipif(not native.available(), reason=native.status())
+@pytest.mark.parametrize("channels_last", [False, True], ids=["contiguous", "channels_last"])
+def test_cpu_offsets_convert_natively(native_calls, channels_last: bool) -> None:
+    """One native pass converts each block's indices to offsets and back."""
+    used = native_calls("to_offsets", "to_indices")
+    torch.manual_seed(0)
+    _compare(CASES["2d-k3s2p1"], _input(CASES["2d-k3s2p1"][3], torch.float32, channels_last, True))
+    assert used == ["to_offsets", "to_indices"]
 
 
 def test_strided_input_matches_stock() -> None:

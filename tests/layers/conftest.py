@@ -1,0 +1,41 @@
+"""Fixtures shared by the layer tests."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+
+from memsave_cli.layers import native
+
+
+@pytest.fixture(params=["native", "torch"])
+def kernels(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Run a test with the fused native CPU kernels (where built) and with them switched off,
+    so that the torch/numpy paths they replace stay tested on this machine too."""
+    if request.param == "torch":
+        monkeypatch.setattr(native, "available", lambda: False)
+    elif not native.available():
+        pytest.skip(native.status())
+    return request.param
+
+
+@pytest.fixture
+def native_calls(monkeypatch: pytest.MonkeyPatch) -> Callable[..., list[str]]:
+    """``native_calls(*names)``: a list that records, in order, each call of those kernels."""
+
+    def spy(*names: str) -> list[str]:
+        used: list[str] = []
+        for name in names:
+            monkeypatch.setattr(native, name, _recorded(getattr(native, name), name, used))
+        return used
+
+    return spy
+
+
+def _recorded(kernel: Callable, name: str, used: list[str]) -> Callable:
+    def record(*args, **kwargs):
+        used.append(name)
+        return kernel(*args, **kwargs)
+
+    return record
