@@ -82,6 +82,13 @@ class _LeakyReLUFunction(Function):
         forbid_double_backward("MemSaveLeakyReLU")
         if not ctx.needs_input_grad[0]:
             return None, None, None, None
+        (bits,) = ctx.saved_tensors
+        stock_error = ctx.saves_result and ctx.slope < 0
+        if not stock_error and fused_ready(grad) and layout_of(grad) == ctx.layout:
+            # Deliberate: the gradient itself, in ``grad``'s layout as stock's kernel lays it out.
+            grad_input = torch.empty_like(grad)
+            native.select_scale(grad, bits, grad_input, ctx.slope)
+            return grad_input, None, None, None
         positive = _unpack(ctx, grad, invert=False)
         # ``self_is_result`` as stock passes it: in place with a negative slope raises stock's error.
         grad_input = torch.ops.aten.leaky_relu_backward.grad_input(

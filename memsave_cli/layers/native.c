@@ -329,6 +329,38 @@ BIT_KERNELS_GENERIC(uint32_t, 32)
 BIT_KERNELS_GENERIC(uint64_t, 64)
 
 /* ------------------------------------------------------------------------------------------ */
+/* LeakyReLU backward: out = grad * (bit set ? 1 : slope) in the element's own type, as the
+ * vectorised loop of ATen's leaky_relu_backward computes it for float and double (one IEEE
+ * multiply, no contraction; multiplying by 1 quietens a signalling NaN there, which ATen's
+ * scalar tail passes unchanged). Plain loops the compiler vectorises; an AVX2 clone too. */
+
+struct scale_args {
+    const void *grad;
+    const uint8_t *bits;
+    void *out;
+    double slope;
+    double one; /* 1, read at run time: a literal 1 would let the compiler drop the multiply */
+};
+
+#define SCALE_KERNEL(T, NAME, TARGET)                                                             \
+    TARGET static void NAME(const void *raw, int64_t begin, int64_t end) {                        \
+        const struct scale_args *a = (const struct scale_args *)raw;                              \
+        const T *grad = (const T *)a->grad;                                                       \
+        T *out = (T *)a->out;                                                                     \
+        const T factor[2] = {(T)a->slope, (T)a->one};                                             \
+        for (int64_t i = begin; i < end; i += 8) {                                                \
+            int lanes = end - i < 8 ? (int)(end - i) : 8;                                         \
+            unsigned byte = a->bits[i / 8];                                                       \
+            for (int j = 0; j < lanes; j++) {                                                     \
+                out[i + j] = grad[i + j] * factor[(byte >> j) & 1u];                              \
+            }                                                                                     \
+        }                                                                                         \
+    }
+
+SCALE_KERNEL(float, select_scale32, )
+SCALE_KERNEL(double, select_scale64, )
+
+/* ------------------------------------------------------------------------------------------ */
 /* Bit kernels, AVX2: whole 64-element blocks (one 8-byte word of bits) with 256-bit vectors of
  * 16, 8 or 4 lanes, two vectors per step; the portable loops take the tail. Signed lane
  * comparisons do the integer tests: u > 0 is "positive, nonzero" and 0 > u "sign bit set". */
@@ -447,6 +479,9 @@ AVX2 static inline uint64_t lane_bits64(__m256i m0, __m256i m1) {
                       (short)-32768)
 #define LANE_BIT_32 _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128)
 #define LANE_BIT_64 _mm256_setr_epi64x(1, 2, 4, 8)
+
+SCALE_KERNEL(float, select_scale32_avx2, AVX2)
+SCALE_KERNEL(double, select_scale64_avx2, AVX2)
 
 BIT_KERNELS_AVX2(uint16_t, 16)
 BIT_KERNELS_AVX2(uint32_t, 32)
@@ -597,6 +632,23 @@ int memsave_select_bits(const void *grad, const uint8_t *bits, void *out, int64_
     range_fn fn = PICK(select_bits, size);
     if (!fn) return -1;
     struct select_args args = {grad, bits, out, invert};
+    parallel(fn, &args, n, nthreads);
+    return 0;
+}
+
+/* Only float (size 4) and double (size 8): 16-bit types multiply in float32 in ATen. */
+static volatile double unit = 1.0;
+
+int memsave_select_scale(const void *grad, const uint8_t *bits, void *out, int64_t n, int size,
+                         double slope, int nthreads) {
+    if (size != 4 && size != 8) return -1;
+#ifdef MEMSAVE_X86
+    range_fn fn = size == 4 ? (has_avx2() ? select_scale32_avx2 : select_scale32)
+                            : (has_avx2() ? select_scale64_avx2 : select_scale64);
+#else
+    range_fn fn = size == 4 ? select_scale32 : select_scale64;
+#endif
+    struct scale_args args = {grad, bits, out, slope, unit};
     parallel(fn, &args, n, nthreads);
     return 0;
 }

@@ -71,6 +71,7 @@ _SIGNATURES = {
     "memsave_relu_pack": (_P, _P, _P, _I64, _INT, _U64, _INT),
     "memsave_compare_pack": (_P, _P, _I64, _INT, _U64, _INT, _I64, _I64, _INT),
     "memsave_select_bits": (_P, _P, _P, _I64, _INT, _INT, _INT),
+    "memsave_select_scale": (_P, _P, _P, _I64, _INT, ctypes.c_double, _INT),
     "memsave_to_offsets": (_P, _P, _I64, _I64, _P, _P, _I64, _INT, _INT),
     "memsave_to_indices": (_P, _INT, _P, _P, _I64, _I64, _P, _I64, _INT),
 }
@@ -364,6 +365,26 @@ def select_bits(
     pointers = (grad.data_ptr(), bits.data_ptr(), out.data_ptr())
     args = (grad.numel(), grad.element_size(), int(invert), _threads(threads))
     _call("memsave_select_bits", *pointers, *args)
+
+
+def select_scale(
+    grad: Tensor, bits: Tensor, out: Tensor, slope: float, *, threads: int | None = None
+) -> None:
+    """Write ``grad * 1`` where bit ``i`` is set and ``grad * slope`` elsewhere to ``out``.
+
+    One multiply in ``grad``'s dtype, by ``slope`` rounded to it: bitwise the vectorised loop of
+    ``leaky_relu_backward(grad, saved, slope, ...)`` for the mask ``saved > 0`` the bits hold
+    (that loop's ``* 1`` quietens signalling NaNs, which its scalar tail passes unchanged).
+    float32 and float64 only; ``out`` may be ``grad``.
+    """
+    _check_cpu(grad, "grad")
+    if grad.dtype not in (torch.float32, torch.float64):
+        raise ValueError(f"select_scale expects float32 or float64, got {grad.dtype}.")
+    _check_like(out, grad, "out", "grad")
+    _check_bits(bits, grad.numel())
+    pointers = (grad.data_ptr(), bits.data_ptr(), out.data_ptr())
+    args = (grad.numel(), grad.element_size(), float(slope), _threads(threads))
+    _call("memsave_select_scale", *pointers, *args)
 
 
 def to_offsets(

@@ -314,6 +314,25 @@ def test_select_bits(dtype: torch.dtype, n: int, threads: int | None, invert: bo
 
 
 @requires_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=_id)
+@pytest.mark.parametrize(("n", "threads"), SIZE_THREADS, ids=lambda v: str(v))
+@pytest.mark.parametrize("slope", [0.01, 0.3, 0.0, -0.7, 1e-30], ids=str)
+def test_select_scale(dtype: torch.dtype, n: int, threads: int | None, slope: float) -> None:
+    """LeakyReLU's backward from bits: bitwise stock's ``leaky_relu_backward`` on ``saved > 0``."""
+    grad, saved = _samples(dtype, n, seed=n), _samples(dtype, n, seed=n + 1)
+    bits = _empty_bits(n)
+    native.compare_pack(saved, bits, "gt", 0.0, threads=threads)
+    expected = torch.ops.aten.leaky_relu_backward(grad, saved, slope, False)
+    passed = torch.where(saved > 0, grad * 1, grad * torch.tensor(slope, dtype=dtype))
+    out = torch.full_like(grad, 7.0)
+    native.select_scale(grad, bits, out, slope, threads=threads)
+    assert_same_bits(out, passed)  # signalling NaNs quietened everywhere, as stock's vector loop
+    assert_same_bits(out, expected, nan_payloads=False)  # stock's scalar tail passes them on
+    native.select_scale(grad, bits, grad, slope, threads=threads)  # in place
+    assert_same_bits(grad, passed)
+
+
+@requires_native
 def test_select_bits_in_place() -> None:
     grad, bits = _samples(torch.float32, LARGE, seed=5), _random_bits(LARGE, seed=5)
     expected = torch.where(_unpacked(bits, LARGE), grad, 0.0)
