@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from memsave_cli.layers import native
+from memsave_cli.layers import native, native_library
 from memsave_cli.layers.maxpool import IndexMaps, _reravel
 
 DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
@@ -114,8 +114,8 @@ def assert_same_bytes(actual: Tensor, expected: Tensor) -> None:
 
 def _has_compiler() -> bool:
     try:
-        native._compiler()
-    except native._Unavailable:
+        native_library._compiler()
+    except native_library._Unavailable:
         return False
     return True
 
@@ -148,7 +148,7 @@ def test_disabled_by_environment() -> None:
 @pytest.fixture
 def fresh_load(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
     """Load the kernels again under the test's environment and an empty cache directory."""
-    monkeypatch.setattr(native, "_LOADED", None)
+    monkeypatch.setattr(native_library, "_LOADED", None)
     monkeypatch.setenv("MEMSAVE_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.delenv("MEMSAVE_NATIVE", raising=False)
     return tmp_path
@@ -179,7 +179,9 @@ def test_broken_compiler_falls_back_silently(
 def test_concurrent_builds_share_one_library(fresh_load: Path) -> None:
     """Builds racing into one cache directory all end with the same complete library."""
     paths: list[Path] = []
-    builders = [threading.Thread(target=lambda: paths.append(native._build())) for _ in range(3)]
+    builders = [
+        threading.Thread(target=lambda: paths.append(native_library._build())) for _ in range(3)
+    ]
     for builder in builders:
         builder.start()
     for builder in builders:
@@ -188,8 +190,8 @@ def test_concurrent_builds_share_one_library(fresh_load: Path) -> None:
     (path,) = set(paths)
     assert [p.name for p in path.parent.iterdir()] == [path.name]  # no temporary left
     modified = path.stat().st_mtime_ns
-    assert native._build() == path and path.stat().st_mtime_ns == modified  # cached
-    assert native._bind(path).memsave_isa() in (b"avx2", b"generic")
+    assert native_library._build() == path and path.stat().st_mtime_ns == modified  # cached
+    assert native_library._bind(path).memsave_isa() in (b"avx2", b"generic")
 
 
 @requires_native
@@ -439,7 +441,7 @@ def other_library(monkeypatch: pytest.MonkeyPatch):
     """Swap in another build or thread backend for one test."""
 
     def use(library) -> None:
-        monkeypatch.setattr(native, "_LOADED", native._Loaded(library, "test"))
+        monkeypatch.setattr(native_library, "_LOADED", native_library._Loaded(library, "test"))
 
     return use
 
@@ -459,7 +461,7 @@ def _check_all_bit_kernels(threads: int, sizes: tuple[int, ...] = (65, LARGE)) -
 @requires_native
 def test_portable_build(tmp_path: Path, other_library) -> None:
     """The loops compiled without AVX2 (all a non-x86 CPU gets) agree with torch too."""
-    library = native._bind(native._build(("-DMEMSAVE_GENERIC",), tmp_path))
+    library = native_library._bind(native_library._build(("-DMEMSAVE_GENERIC",), tmp_path))
     assert library.memsave_isa() == b"generic"
     other_library(library)
     _check_all_bit_kernels(threads=2)
@@ -468,7 +470,7 @@ def test_portable_build(tmp_path: Path, other_library) -> None:
 @requires_native
 def test_own_thread_pool(other_library) -> None:
     """Without torch's OpenMP runtime the kernels run on their own worker threads."""
-    library = native._bind(native._build())
+    library = native_library._bind(native_library._build())
     library.memsave_use_openmp(None)
     other_library(library)
     for threads in (2, 3):  # above 2**20 elements, so that sleeping workers are woken

@@ -1,0 +1,238 @@
+"""The compiled library behind ``native.py``: building ``native.c``, caching and loading it.
+
+NOTE [building the native kernels]: ``native.c`` is plain C, compiled on first use with the
+system compiler (``$CC``, else ``cc``, ``gcc`` or ``clang``) into a shared library named after a
+hash of the source, flags, compiler and platform, in ``$MEMSAVE_CACHE_DIR``,
+``$XDG_CACHE_HOME/memsave`` or ``~/.cache/memsave`` (a fresh temporary directory when that is not
+writable). The compiler writes a temporary file that ``os.replace`` renames into place, so
+processes compiling at the same time (pytest-xdist) never load a half-written library. Any
+failure (``MEMSAVE_NATIVE=0``, no compiler, a compile or load error) leaves ``native.available()``
+False and ``native.status()`` saying why in one line; nothing here raises on import or prints. ctypes
+releases the GIL during each call; the kernels split large inputs over ``threads`` threads
+(default ``torch.get_num_threads()``), those of torch's own OpenMP runtime where it can be found.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shlex
+import shutil
+import subprocess
+import tempfile
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+#: The C source compiled on first use.
+SOURCE = Path(__file__).with_name("native.c")
+#: Compiler flags (portable: no ``-march=native``; AVX2 loops are chosen at run time).
+FLAGS = ("-O3", "-shared", "-fPIC", "-pthread")
+_COMPILE_TIMEOUT_S = 300
+#: File name prefixes of OpenMP runtimes exporting ``GOMP_parallel`` (GNU, LLVM, Intel).
+_OPENMP_NAMES = ("libgomp", "libomp", "libiomp5")
+
+_P, _I64, _INT, _U64 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_uint64
+#: Exported C functions and their argument types (all return 0, or -1 on bad arguments).
+_SIGNATURES = {
+    "memsave_relu_pack": (_P, _P, _P, _I64, _INT, _U64, _INT),
+    "memsave_compare_pack": (_P, _P, _I64, _INT, _U64, _INT, _I64, _I64, _INT),
+    "memsave_select_bits": (_P, _P, _P, _I64, _INT, _INT, _INT),
+    "memsave_select_scale": (_P, _P, _P, _I64, _INT, ctypes.c_double, _INT),
+    "memsave_to_offsets": (_P, _P, _I64, _I64, _P, _P, _I64, _INT, _INT),
+    "memsave_to_indices": (_P, _INT, _P, _P, _I64, _I64, _P, _I64, _INT),
+}
+
+
+class _Unavailable(Exception):
+    """Why the native kernels cannot be used; the message becomes :func:`status`."""
+
+
+@dataclass(frozen=True)
+class _Loaded:
+    """The outcome of loading: the library, or ``None`` and the reason."""
+
+    library: ctypes.CDLL | None
+    status: str
+
+
+_LOCK = threading.Lock()
+_LOADED: _Loaded | None = None
+
+
+def loaded() -> _Loaded:
+    """The load outcome of this process, computed once."""
+    global _LOADED
+    if _LOADED is None:
+        with _LOCK:
+            if _LOADED is None:
+                _LOADED = _load()
+    return _LOADED
+
+
+def _load() -> _Loaded:
+    """Build and bind the library, turning every failure into a status line."""
+    if os.environ.get("MEMSAVE_NATIVE", "").strip() == "0":
+        return _Loaded(None, "native kernels: disabled by MEMSAVE_NATIVE=0")
+    try:
+        path = _build()
+        library = _bind(path)
+        runtime = _share_openmp(library)
+        isa = library.memsave_isa().decode()
+    except _Unavailable as error:
+        return _Loaded(None, f"native kernels: {error}")
+    except Exception as error:  # any failure means the fallback, never an exception
+        return _Loaded(None, f"native kernels: {type(error).__name__}: {error}")
+    threads = f"threads of torch's OpenMP runtime {runtime}" if runtime else "own threads"
+    return _Loaded(library, f"native kernels: loaded from {path} ({isa}; {threads})")
+
+
+def _build(extra_flags: tuple[str, ...] = (), root: Path | None = None) -> Path:
+    """The compiled library for this source and compiler, compiling it unless cached."""
+    if not SOURCE.is_file():
+        raise _Unavailable(f"source not found: {SOURCE}")
+    compiler = _compiler()
+    flags = (*FLAGS, *extra_flags)
+    name = f"memsave_native_{_build_key(compiler, flags)}{_suffix()}"
+    for directory in [root] if root is not None else _cache_dirs():
+        if (directory / name).is_file():
+            return directory / name
+    directory = root if root is not None else _writable_cache_dir()
+    _compile(compiler, flags, directory / name)
+    return directory / name
+
+
+def _compiler() -> list[str]:
+    """The compiler command: ``$CC`` if set (and then only it), else cc, gcc or clang."""
+    choice = os.environ.get("CC", "").strip()
+    for candidate in [choice] if choice else ["cc", "gcc", "clang"]:
+        argv = shlex.split(candidate)
+        found = shutil.which(argv[0]) if argv else None
+        if found:
+            return [found, *argv[1:]]
+    raise _Unavailable(f"compiler not found: {choice or 'cc, gcc or clang'} (set CC to one)")
+
+
+def _build_key(compiler: list[str], flags: tuple[str, ...]) -> str:
+    """A hash of everything the library depends on (the compiler by path, size and mtime)."""
+    info = os.stat(compiler[0])
+    parts = [
+        SOURCE.read_bytes(),
+        "\0".join([*compiler, *flags]).encode(),
+        f"{info.st_size}:{info.st_mtime_ns}".encode(),
+        f"{platform.system()}:{platform.machine()}:{ctypes.sizeof(ctypes.c_void_p)}".encode(),
+    ]
+    return hashlib.sha256(b"\n\0".join(parts)).hexdigest()[:20]
+
+
+def _suffix() -> str:
+    """File name suffix of a shared library on this platform."""
+    return ".dll" if os.name == "nt" else ".so"
+
+
+def _cache_dirs() -> list[Path]:
+    """Where a compiled library is looked for, by precedence (NOTE [building the native kernels])."""
+    if os.environ.get("MEMSAVE_CACHE_DIR"):
+        return [Path(os.environ["MEMSAVE_CACHE_DIR"])]
+    if os.environ.get("XDG_CACHE_HOME"):
+        return [Path(os.environ["XDG_CACHE_HOME"]) / "memsave"]
+    home = os.path.expanduser("~")
+    return [] if home.startswith("~") else [Path(home) / ".cache" / "memsave"]  # no home: none
+
+
+def _writable_cache_dir() -> Path:
+    """The configured cache directory, created if needed, or a fresh temporary one."""
+    for directory in _cache_dirs():
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+        except OSError:
+            continue
+        if os.access(directory, os.W_OK | os.X_OK):
+            return directory
+    return Path(tempfile.mkdtemp(prefix="memsave-native-"))
+
+
+def _compile(compiler: list[str], flags: tuple[str, ...], target: Path) -> None:
+    """Compile ``SOURCE`` to ``target`` through a temporary file renamed into place."""
+    handle, temporary = tempfile.mkstemp(dir=target.parent, prefix=f"{target.name}.", suffix=".tmp")
+    os.close(handle)
+    command = [*compiler, *flags, "-o", temporary, str(SOURCE)]
+    try:
+        result = subprocess.run(
+            command,
+            capture_output=True,
+            text=True,
+            stdin=subprocess.DEVNULL,
+            timeout=_COMPILE_TIMEOUT_S,
+            check=False,
+        )
+        if result.returncode != 0:
+            detail = (result.stderr or result.stdout).strip().splitlines()
+            reason = detail[0] if detail else "no output"
+            raise _Unavailable(
+                f"compile failed ({compiler[0]} exited with {result.returncode}): {reason}"
+            )
+        os.replace(temporary, target)
+    except subprocess.TimeoutExpired as error:
+        raise _Unavailable(f"compile timed out after {_COMPILE_TIMEOUT_S} s") from error
+    except OSError as error:
+        raise _Unavailable(f"compile failed: {error}") from error
+    finally:
+        if os.path.exists(temporary):
+            os.unlink(temporary)
+
+
+def _bind(path: Path) -> ctypes.CDLL:
+    """Load the library at ``path`` and declare its functions' signatures."""
+    try:
+        library = ctypes.CDLL(str(path))
+        for name, argtypes in _SIGNATURES.items():
+            function = getattr(library, name)
+            function.argtypes, function.restype = argtypes, ctypes.c_int
+        library.memsave_isa.argtypes, library.memsave_isa.restype = (), ctypes.c_char_p
+        library.memsave_flushes_denormals.argtypes = ()
+        library.memsave_flushes_denormals.restype = ctypes.c_int
+        library.memsave_use_openmp.argtypes = (ctypes.c_void_p,)
+        library.memsave_use_openmp.restype = ctypes.c_int
+    except (OSError, AttributeError) as error:
+        raise _Unavailable(f"cannot load {path}: {error}") from error
+    return library
+
+
+def _share_openmp(library: ctypes.CDLL) -> str | None:
+    """Run ``library``'s threads on torch's OpenMP runtime if one is loaded; return its name.
+
+    See NOTE [sharing torch's OpenMP threads] in ``native.c``: the runtime must be the instance
+    torch already uses, so candidates are only ever opened with ``RTLD_NOLOAD``.
+    """
+    no_load = getattr(os, "RTLD_NOLOAD", None)
+    if no_load is None:
+        return None
+    for path in _openmp_candidates():
+        try:
+            runtime = ctypes.CDLL(path, mode=no_load | getattr(os, "RTLD_LAZY", 1))
+            entry = ctypes.cast(runtime.GOMP_parallel, ctypes.c_void_p).value
+        except (OSError, AttributeError):
+            continue
+        library.memsave_use_openmp(entry)
+        return Path(path).name
+    return None
+
+
+def _openmp_candidates() -> list[str]:
+    """OpenMP runtimes shipped in ``torch/lib``, then any mapped into this process (Linux)."""
+    paths = [str(path) for path in sorted((Path(torch.__file__).parent / "lib").glob("lib*"))]
+    try:
+        lines = Path("/proc/self/maps").read_text().splitlines()
+    except OSError:
+        lines = []
+    for line in lines:
+        fields = line.split(maxsplit=5)
+        if len(fields) == 6 and fields[5].startswith("/"):
+            paths.append(fields[5])
+    names = [path for path in paths if Path(path).name.startswith(_OPENMP_NAMES)]
+    return list(dict.fromkeys(names))
