@@ -20,8 +20,14 @@ app = typer.Typer(
 
 
 def _print_version(value: bool) -> None:
+    """The version, then what a bug report needs besides: torch's and the CPU kernels' state."""
     if value:
+        import torch
+
+        from memsave_cli.layers import native
+
         typer.echo(f"memsave {__version__}")
+        typer.echo(f"torch {torch.__version__}; {native.status()}")
         raise typer.Exit()
 
 

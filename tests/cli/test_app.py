@@ -6,11 +6,13 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from memsave_cli import __version__
 from memsave_cli.cli import app
 from memsave_cli.cli._errors import reported_errors
 from memsave_cli.errors import MemsaveError
+from memsave_cli.layers import native
 
 COMMANDS = ("profile", "check", "fit", "probe", "layers")
 
@@ -18,7 +20,9 @@ COMMANDS = ("profile", "check", "fit", "probe", "layers")
 def test_version(runner):
     result = runner.invoke(app, ["--version"])
     assert result.exit_code == 0, result.output
-    assert result.output.strip() == f"memsave {__version__}"
+    first, second = result.output.strip().splitlines()
+    assert first == f"memsave {__version__}"
+    assert second == f"torch {torch.__version__}; {native.status()}"
 
 
 def test_no_arguments_shows_help(runner):
@@ -47,7 +51,7 @@ def test_python_dash_m():
         [sys.executable, "-m", "memsave_cli", "--version"], capture_output=True, text=True
     )
     assert result.returncode == 0, result.stderr
-    assert result.stdout.strip() == f"memsave {__version__}"
+    assert result.stdout.splitlines()[0] == f"memsave {__version__}"
 
 
 def test_unknown_command_exits_2(runner):
