@@ -65,13 +65,11 @@ class _LeakyReLUFunction(Function):
         ctx, x: Tensor, slope: float, inplace: bool, saves_result: bool
     ) -> tuple[Tensor, Tensor]:
         ctx.slope, ctx.saves_result = slope, saves_result
-        if fused_ready(x):
-            bits = _empty_bits(x)
-            if not saves_result:
-                native.compare_pack(x, bits, "gt", 0.0)
-            y = _output(F.leaky_relu(x, slope, inplace), x, inplace)
-            if saves_result:
-                native.compare_pack(y, bits, "gt", 0.0)
+        # ``result > 0`` is ``x > 0`` unless the slope is negative (NOTE [which bit each
+        # activation keeps]); the fused kernel computes the result and ``x > 0`` in one pass.
+        if fused_ready(x) and not (saves_result and slope < 0):
+            y, bits = x if inplace else torch.empty_like(x), _empty_bits(x)
+            native.leaky_pack(x, y, bits, slope)
             return _save_bits(ctx, x, y, bits, inplace)
         y = _output(F.leaky_relu(x, slope, inplace), x, inplace)
         positive = compare(y if saves_result else x, "gt", 0.0)

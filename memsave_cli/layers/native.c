@@ -360,6 +360,47 @@ struct scale_args {
 SCALE_KERNEL(float, select_scale32, )
 SCALE_KERNEL(double, select_scale64, )
 
+/* LeakyReLU forward: out = x > 0 ? x : x * slope (NaN takes the multiply, which quietens it, as
+ * in both of ATen's loops), and the bit is x > 0. Each group of 8 goes through local copies, so an
+ * in-place call (out == x) leaves the compiler free to vectorise. */
+
+struct leaky_args {
+    const void *x;
+    void *out;
+    uint8_t *bits;
+    double slope;
+};
+
+#define LEAKY_KERNEL(T, U, NAME, TARGET)                                                          \
+    TARGET static void NAME(const void *raw, int64_t begin, int64_t end) {                        \
+        const struct leaky_args *a = (const struct leaky_args *)raw;                              \
+        const T *x = (const T *)a->x;                                                             \
+        T *out = (T *)a->out;                                                                     \
+        const T slope = (T)a->slope;                                                              \
+        for (int64_t i = begin; i < end; i += 8) {                                                \
+            int lanes = end - i < 8 ? (int)(end - i) : 8;                                         \
+            T v[8] = {0}, m[8];                                                                   \
+            U keep[8], vb[8], mb[8], yb[8];                                                       \
+            memcpy(v, x + i, lanes * sizeof(T));                                                  \
+            for (int j = 0; j < 8; j++) {                                                         \
+                m[j] = v[j] * slope;                                                              \
+                keep[j] = (U)0 - (U)(v[j] > (T)0);                                                \
+            }                                                                                     \
+            memcpy(vb, v, sizeof vb);                                                             \
+            memcpy(mb, m, sizeof mb);                                                             \
+            unsigned byte = 0;                                                                    \
+            for (int j = 0; j < 8; j++) {                                                         \
+                yb[j] = (vb[j] & keep[j]) | (mb[j] & ~keep[j]);                                   \
+                byte |= (unsigned)(keep[j] & 1u) << j;                                            \
+            }                                                                                     \
+            memcpy(out + i, yb, lanes * sizeof(T));                                               \
+            a->bits[i / 8] = (uint8_t)(byte & ((1u << lanes) - 1));                               \
+        }                                                                                         \
+    }
+
+LEAKY_KERNEL(float, uint32_t, leaky_pack32, )
+LEAKY_KERNEL(double, uint64_t, leaky_pack64, )
+
 /* ------------------------------------------------------------------------------------------ */
 /* Bit kernels, AVX2: whole 64-element blocks (one 8-byte word of bits) with 256-bit vectors of
  * 16, 8 or 4 lanes, two vectors per step; the portable loops take the tail. Signed lane
@@ -480,8 +521,75 @@ AVX2 static inline uint64_t lane_bits64(__m256i m0, __m256i m1) {
 #define LANE_BIT_32 _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128)
 #define LANE_BIT_64 _mm256_setr_epi64x(1, 2, 4, 8)
 
-SCALE_KERNEL(float, select_scale32_avx2, AVX2)
-SCALE_KERNEL(double, select_scale64_avx2, AVX2)
+/* LeakyReLU backward, 8 floats per step: each bit picks the factor (1 or slope), one multiply. */
+AVX2 static void select_scale32_avx2(const void *raw, int64_t begin, int64_t end) {
+    const struct scale_args *a = (const struct scale_args *)raw;
+    const float *grad = (const float *)a->grad;
+    float *out = (float *)a->out;
+    const __m256 slope = _mm256_set1_ps((float)a->slope), one = _mm256_set1_ps((float)a->one);
+    const __m256i lane_bit = LANE_BIT_32;
+    int64_t i = begin;
+    for (; i + 8 <= end; i += 8) {
+        __m256i byte = _mm256_set1_epi32(a->bits[i / 8]);
+        __m256i set = _mm256_cmpeq_epi32(_mm256_and_si256(byte, lane_bit), lane_bit);
+        __m256 factor = _mm256_blendv_ps(slope, one, _mm256_castsi256_ps(set));
+        _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_loadu_ps(grad + i), factor));
+    }
+    if (i < end) select_scale32(raw, i, end);
+}
+
+/* The same for doubles: two vectors of 4 per byte of bits. */
+AVX2 static void select_scale64_avx2(const void *raw, int64_t begin, int64_t end) {
+    const struct scale_args *a = (const struct scale_args *)raw;
+    const double *grad = (const double *)a->grad;
+    double *out = (double *)a->out;
+    const __m256d slope = _mm256_set1_pd(a->slope), one = _mm256_set1_pd(a->one);
+    const __m256i lane_bit = LANE_BIT_64;
+    int64_t i = begin;
+    for (; i + 8 <= end; i += 8) {
+        unsigned bits = a->bits[i / 8];
+        for (int half = 0; half < 2; half++) {
+            __m256i nibble = _mm256_set1_epi64x((long long)(bits >> (4 * half)));
+            __m256i set = _mm256_cmpeq_epi64(_mm256_and_si256(nibble, lane_bit), lane_bit);
+            __m256d factor = _mm256_blendv_pd(slope, one, _mm256_castsi256_pd(set));
+            __m256d g = _mm256_loadu_pd(grad + i + 4 * half);
+            _mm256_storeu_pd(out + i + 4 * half, _mm256_mul_pd(g, factor));
+        }
+    }
+    if (i < end) select_scale64(raw, i, end);
+}
+/* LeakyReLU forward, 8 floats (one output byte) per step: compare, multiply, blend, movemask. */
+AVX2 static void leaky_pack32_avx2(const void *raw, int64_t begin, int64_t end) {
+    const struct leaky_args *a = (const struct leaky_args *)raw;
+    const float *x = (const float *)a->x;
+    float *out = (float *)a->out;
+    const __m256 slope = _mm256_set1_ps((float)a->slope), zero = _mm256_setzero_ps();
+    int64_t i = begin;
+    for (; i + 8 <= end; i += 8) {
+        __m256 v = _mm256_loadu_ps(x + i);
+        __m256 positive = _mm256_cmp_ps(v, zero, _CMP_GT_OQ);
+        _mm256_storeu_ps(out + i, _mm256_blendv_ps(_mm256_mul_ps(v, slope), v, positive));
+        a->bits[i / 8] = (uint8_t)_mm256_movemask_ps(positive);
+    }
+    if (i < end) leaky_pack32(raw, i, end);
+}
+
+/* The same for doubles: two vectors of 4 per output byte. */
+AVX2 static void leaky_pack64_avx2(const void *raw, int64_t begin, int64_t end) {
+    const struct leaky_args *a = (const struct leaky_args *)raw;
+    const double *x = (const double *)a->x;
+    double *out = (double *)a->out;
+    const __m256d slope = _mm256_set1_pd(a->slope), zero = _mm256_setzero_pd();
+    int64_t i = begin;
+    for (; i + 8 <= end; i += 8) {
+        __m256d v0 = _mm256_loadu_pd(x + i), v1 = _mm256_loadu_pd(x + i + 4);
+        __m256d p0 = _mm256_cmp_pd(v0, zero, _CMP_GT_OQ), p1 = _mm256_cmp_pd(v1, zero, _CMP_GT_OQ);
+        _mm256_storeu_pd(out + i, _mm256_blendv_pd(_mm256_mul_pd(v0, slope), v0, p0));
+        _mm256_storeu_pd(out + i + 4, _mm256_blendv_pd(_mm256_mul_pd(v1, slope), v1, p1));
+        a->bits[i / 8] = (uint8_t)(_mm256_movemask_pd(p0) | (_mm256_movemask_pd(p1) << 4));
+    }
+    if (i < end) leaky_pack64(raw, i, end);
+}
 
 BIT_KERNELS_AVX2(uint16_t, 16)
 BIT_KERNELS_AVX2(uint32_t, 32)
@@ -637,6 +745,20 @@ int memsave_select_bits(const void *grad, const uint8_t *bits, void *out, int64_
 }
 
 /* Only float (size 4) and double (size 8): 16-bit types multiply in float32 in ATen. */
+int memsave_leaky_pack(const void *x, void *out, uint8_t *bits, int64_t n, int size, double slope,
+                       int nthreads) {
+    if (size != 4 && size != 8) return -1;
+#ifdef MEMSAVE_X86
+    range_fn fn = size == 4 ? (has_avx2() ? leaky_pack32_avx2 : leaky_pack32)
+                            : (has_avx2() ? leaky_pack64_avx2 : leaky_pack64);
+#else
+    range_fn fn = size == 4 ? leaky_pack32 : leaky_pack64;
+#endif
+    struct leaky_args args = {x, out, bits, slope};
+    parallel(fn, &args, n, nthreads);
+    return 0;
+}
+
 static volatile double unit = 1.0;
 
 int memsave_select_scale(const void *grad, const uint8_t *bits, void *out, int64_t n, int size,

@@ -91,6 +91,24 @@ def relu_pack(x: Tensor, out: Tensor, bits: Tensor, *, threads: int | None = Non
     _call("memsave_relu_pack", *pointers, x.numel(), x.element_size(), inf, _threads(threads))
 
 
+def leaky_pack(
+    x: Tensor, out: Tensor, bits: Tensor, slope: float, *, threads: int | None = None
+) -> None:
+    """Write ``leaky_relu(x, slope)`` to ``out`` and set bit ``i`` of ``bits`` where ``x > 0``.
+
+    ``x if x > 0 else x * slope`` with ``slope`` rounded to ``x``'s dtype, as ATen computes it
+    (NaN takes the multiply). float32 and float64 only; ``out`` may be ``x`` (in place).
+    """
+    _check_cpu(x, "x")
+    if x.dtype not in (torch.float32, torch.float64):
+        raise ValueError(f"leaky_pack expects float32 or float64, got {x.dtype}.")
+    _check_like(out, x, "out", "x")
+    _check_bits(bits, x.numel())
+    pointers = (x.data_ptr(), out.data_ptr(), bits.data_ptr())
+    args = (x.numel(), x.element_size(), float(slope), _threads(threads))
+    _call("memsave_leaky_pack", *pointers, *args)
+
+
 def compare_pack(
     x: Tensor,
     bits: Tensor,

@@ -43,6 +43,7 @@ _SIGNATURES = {
     "memsave_compare_pack": (_P, _P, _I64, _INT, _U64, _INT, _I64, _I64, _INT),
     "memsave_select_bits": (_P, _P, _P, _I64, _INT, _INT, _INT),
     "memsave_select_scale": (_P, _P, _P, _I64, _INT, ctypes.c_double, _INT),
+    "memsave_leaky_pack": (_P, _P, _P, _I64, _INT, ctypes.c_double, _INT),
     "memsave_to_offsets": (_P, _P, _I64, _I64, _P, _P, _I64, _INT, _INT),
     "memsave_to_indices": (_P, _INT, _P, _P, _I64, _I64, _P, _I64, _INT),
 }

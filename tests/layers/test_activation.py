@@ -184,10 +184,11 @@ def test_dense_cpu_tensors_take_the_fused_kernels(
     case: Case, dtype: torch.dtype, native_calls: Callable[..., list[str]]
 ) -> None:
     """Forward packs with one native pass; ReLU and Hardtanh backward select with another."""
-    used = native_calls("relu_pack", "compare_pack", "select_bits", "select_scale")
+    used = native_calls("relu_pack", "leaky_pack", "compare_pack", "select_bits", "select_scale")
     x = _input(dtype, case, "channels_last")
     _forward_backward(case.build(False)[1], x, _grad_output(x), False)
-    pack = "relu_pack" if case.stock is nn.ReLU else "compare_pack"
+    packs = {nn.ReLU: "relu_pack", nn.LeakyReLU: "leaky_pack"}
+    pack = packs.get(case.stock, "compare_pack")
     select = "select_scale" if case.stock is nn.LeakyReLU else "select_bits"
     assert used == [pack, select]
 

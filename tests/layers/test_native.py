@@ -335,6 +335,21 @@ def test_select_scale(dtype: torch.dtype, n: int, threads: int | None, slope: fl
 
 
 @requires_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=_id)
+@pytest.mark.parametrize(("n", "threads"), SIZE_THREADS, ids=lambda v: str(v))
+@pytest.mark.parametrize("slope", [0.01, 0.3, 0.0, -0.7, 1e-30], ids=str)
+def test_leaky_pack(dtype: torch.dtype, n: int, threads: int | None, slope: float) -> None:
+    """LeakyReLU's forward and mask in one pass: bitwise ``F.leaky_relu`` and ``x > 0``."""
+    x, bits = _samples(dtype, n, seed=n + 2), _empty_bits(n)
+    out = torch.full_like(x, 7.0)
+    native.leaky_pack(x, out, bits, slope, threads=threads)
+    assert_same_bits(out, F.leaky_relu(x, slope))
+    assert_same_bytes(bits, _packed(x > 0))
+    native.leaky_pack(x, x, _empty_bits(n), slope, threads=threads)  # in place
+    assert_same_bits(x, out)
+
+
+@requires_native
 def test_select_bits_in_place() -> None:
     grad, bits = _samples(torch.float32, LARGE, seed=5), _random_bits(LARGE, seed=5)
     expected = torch.where(_unpacked(bits, LARGE), grad, 0.0)
