@@ -107,10 +107,12 @@ class _HardtanhFunction(Function):
         ctx, x: Tensor, min_val: float, max_val: float, inplace: bool, saves_result: bool
     ) -> tuple[Tensor, Tensor]:
         if fused_ready(x):
-            bits = _empty_bits(x)
-            native.compare_pack(x, bits, "between", *kernel_bounds(x.dtype, min_val, max_val))
-        else:
-            bits = pack_bits(_hardtanh_keep(x, min_val, max_val), layout_of(x), scratch=True)
+            y, bits = x if inplace else torch.empty_like(x), _empty_bits(x)
+            low, high = kernel_bounds(x.dtype, min_val, max_val)
+            if native.hardtanh_pack(x, y, bits, low, high):
+                F.hardtanh(y, min_val, max_val, inplace=True)  # stock finishes the held elements
+            return _save_bits(ctx, x, y, bits, inplace)
+        bits = pack_bits(_hardtanh_keep(x, min_val, max_val), layout_of(x), scratch=True)
         y = _output(F.hardtanh(x, min_val, max_val, inplace), x, inplace)
         return _save_bits(ctx, x, y, bits, inplace)
 

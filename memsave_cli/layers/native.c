@@ -19,6 +19,7 @@
  * share a byte. Inputs below PARALLEL_MIN elements run on the calling thread only.
  */
 
+#include <math.h>
 #include <pthread.h>
 #include <sched.h>
 #include <stdatomic.h>
@@ -401,6 +402,56 @@ struct leaky_args {
 LEAKY_KERNEL(float, uint32_t, leaky_pack32, )
 LEAKY_KERNEL(double, uint64_t, leaky_pack64, )
 
+/* Hardtanh forward: out = clamp(x, low, high) and the bit low < x < high. ATen's clamp gives NaN
+ * payloads and the sign of a zero meeting a zero bound differently in its vector loop and its
+ * scalar tail, so such elements ("held") are copied unchanged and reported: the caller lets ATen
+ * finish them (clamping is idempotent on every other element). */
+
+struct hardtanh_args {
+    const void *x;
+    void *out;
+    uint8_t *bits;
+    double low;
+    double high;
+    int neg_zero_held; /* -0.0 inputs are held (a bound is +0.0) */
+    int pos_zero_held; /* +0.0 inputs are held (a bound is -0.0) */
+    atomic_int *held;
+};
+
+#define HARDTANH_KERNEL(T, U, NAME, TARGET)                                                       \
+    TARGET static void NAME(const void *raw, int64_t begin, int64_t end) {                        \
+        const struct hardtanh_args *a = (const struct hardtanh_args *)raw;                        \
+        const T *x = (const T *)a->x;                                                             \
+        T *out = (T *)a->out;                                                                     \
+        const T low = (T)a->low, high = (T)a->high;                                               \
+        const U sign = (U)1 << (8 * sizeof(U) - 1);                                               \
+        unsigned held = 0;                                                                        \
+        for (int64_t i = begin; i < end; i += 8) {                                                \
+            int lanes = end - i < 8 ? (int)(end - i) : 8;                                         \
+            T v[8] = {0}, y[8];                                                                   \
+            U raw_bits[8];                                                                        \
+            memcpy(v, x + i, lanes * sizeof(T));                                                  \
+            memcpy(raw_bits, v, sizeof raw_bits);                                                 \
+            unsigned byte = 0, hold_byte = 0;                                                     \
+            for (int j = 0; j < 8; j++) {                                                         \
+                int nan = v[j] != v[j];                                                           \
+                int clash = (raw_bits[j] == sign && a->neg_zero_held) ||                          \
+                            (raw_bits[j] == 0 && a->pos_zero_held);                               \
+                T clamped = v[j] < low ? low : (v[j] > high ? high : v[j]);                       \
+                y[j] = (nan | clash) ? v[j] : clamped;                                            \
+                byte |= (unsigned)((v[j] > low) & (v[j] < high)) << j;                            \
+                hold_byte |= (unsigned)(nan | clash) << j;                                        \
+            }                                                                                     \
+            memcpy(out + i, y, lanes * sizeof(T));                                                \
+            a->bits[i / 8] = (uint8_t)(byte & ((1u << lanes) - 1));                               \
+            held |= hold_byte & ((1u << lanes) - 1);                                              \
+        }                                                                                         \
+        if (held) atomic_store(a->held, 1);                                                       \
+    }
+
+HARDTANH_KERNEL(float, uint32_t, hardtanh_pack32, )
+HARDTANH_KERNEL(double, uint64_t, hardtanh_pack64, )
+
 /* ------------------------------------------------------------------------------------------ */
 /* Bit kernels, AVX2: whole 64-element blocks (one 8-byte word of bits) with 256-bit vectors of
  * 16, 8 or 4 lanes, two vectors per step; the portable loops take the tail. Signed lane
@@ -573,6 +624,37 @@ AVX2 static void leaky_pack32_avx2(const void *raw, int64_t begin, int64_t end) 
     }
     if (i < end) leaky_pack32(raw, i, end);
 }
+
+/* Hardtanh forward, 8 floats per step (see HARDTANH_KERNEL): max/min clamp, held lanes blended
+ * back to the input. */
+AVX2 static void hardtanh_pack32_avx2(const void *raw, int64_t begin, int64_t end) {
+    const struct hardtanh_args *a = (const struct hardtanh_args *)raw;
+    const float *x = (const float *)a->x;
+    float *out = (float *)a->out;
+    const __m256 low = _mm256_set1_ps((float)a->low), high = _mm256_set1_ps((float)a->high);
+    const __m256i neg_zero = _mm256_set1_epi32((int)0x80000000u), pos_zero = _mm256_setzero_si256();
+    const __m256i neg_held = _mm256_set1_epi32(a->neg_zero_held ? -1 : 0);
+    const __m256i pos_held = _mm256_set1_epi32(a->pos_zero_held ? -1 : 0);
+    int held = 0;
+    int64_t i = begin;
+    for (; i + 8 <= end; i += 8) {
+        __m256 v = _mm256_loadu_ps(x + i);
+        __m256i vi = _mm256_castps_si256(v);
+        __m256 inside = _mm256_and_ps(_mm256_cmp_ps(v, low, _CMP_GT_OQ),
+                                      _mm256_cmp_ps(v, high, _CMP_LT_OQ));
+        __m256i clash = _mm256_or_si256(_mm256_and_si256(_mm256_cmpeq_epi32(vi, neg_zero), neg_held),
+                                        _mm256_and_si256(_mm256_cmpeq_epi32(vi, pos_zero), pos_held));
+        __m256 hold = _mm256_or_ps(_mm256_cmp_ps(v, v, _CMP_UNORD_Q), _mm256_castsi256_ps(clash));
+        __m256 clamped = _mm256_min_ps(_mm256_max_ps(v, low), high);
+        _mm256_storeu_ps(out + i, _mm256_blendv_ps(clamped, v, hold));
+        a->bits[i / 8] = (uint8_t)_mm256_movemask_ps(inside);
+        held |= _mm256_movemask_ps(hold);
+    }
+    if (held) atomic_store(a->held, 1);
+    if (i < end) hardtanh_pack32(raw, i, end);
+}
+
+HARDTANH_KERNEL(double, uint64_t, hardtanh_pack64_avx2, AVX2)
 
 /* The same for doubles: two vectors of 4 per output byte. */
 AVX2 static void leaky_pack64_avx2(const void *raw, int64_t begin, int64_t end) {
@@ -756,6 +838,25 @@ int memsave_leaky_pack(const void *x, void *out, uint8_t *bits, int64_t n, int s
 #endif
     struct leaky_args args = {x, out, bits, slope};
     parallel(fn, &args, n, nthreads);
+    return 0;
+}
+
+/* Returns -1 on bad arguments, else 0; *held is set to 1 when elements were left for ATen. */
+int memsave_hardtanh_pack(const void *x, void *out, uint8_t *bits, int64_t n, int size, double low,
+                          double high, int *held, int nthreads) {
+    if (size != 4 && size != 8) return -1;
+#ifdef MEMSAVE_X86
+    range_fn fn = size == 4 ? (has_avx2() ? hardtanh_pack32_avx2 : hardtanh_pack32)
+                            : (has_avx2() ? hardtanh_pack64_avx2 : hardtanh_pack64);
+#else
+    range_fn fn = size == 4 ? hardtanh_pack32 : hardtanh_pack64;
+#endif
+    atomic_int any = 0;
+    int pos_bound = (low == 0 && !signbit(low)) || (high == 0 && !signbit(high));
+    int neg_bound = (low == 0 && signbit(low)) || (high == 0 && signbit(high));
+    struct hardtanh_args args = {x, out, bits, low, high, pos_bound, neg_bound, &any};
+    parallel(fn, &args, n, nthreads);
+    *held = atomic_load(&any);
     return 0;
 }
 

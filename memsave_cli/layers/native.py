@@ -21,6 +21,7 @@ All of this holds in the default floating-point mode; see :func:`flushes_denorma
 
 from __future__ import annotations
 
+import ctypes
 import struct
 
 import torch
@@ -107,6 +108,29 @@ def leaky_pack(
     pointers = (x.data_ptr(), out.data_ptr(), bits.data_ptr())
     args = (x.numel(), x.element_size(), float(slope), _threads(threads))
     _call("memsave_leaky_pack", *pointers, *args)
+
+
+def hardtanh_pack(
+    x: Tensor, out: Tensor, bits: Tensor, low: float, high: float, *, threads: int | None = None
+) -> bool:
+    """Write ``hardtanh(x, low, high)`` to ``out`` and set bit ``i`` where ``low < x < high``.
+
+    ATen's clamp treats NaN payloads, and a zero meeting a zero bound of the other sign,
+    differently in its vector loop and its scalar tail; such elements are copied to ``out``
+    unchanged, and the return value says whether there were any: then ``F.hardtanh`` over ``out``
+    finishes them exactly as stock would (it leaves every clamped element as it is). ``low`` and
+    ``high`` must be representable in ``x.dtype`` (float32 or float64); ``out`` may be ``x``.
+    """
+    _check_cpu(x, "x")
+    if x.dtype not in (torch.float32, torch.float64):
+        raise ValueError(f"hardtanh_pack expects float32 or float64, got {x.dtype}.")
+    _check_like(out, x, "out", "x")
+    _check_bits(bits, x.numel())
+    held = ctypes.c_int(0)
+    pointers = (x.data_ptr(), out.data_ptr(), bits.data_ptr())
+    args = (x.numel(), x.element_size(), float(low), float(high), ctypes.addressof(held))
+    _call("memsave_hardtanh_pack", *pointers, *args, _threads(threads))
+    return bool(held.value)
 
 
 def compare_pack(

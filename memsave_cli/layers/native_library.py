@@ -37,6 +37,7 @@ _COMPILE_TIMEOUT_S = 300
 _OPENMP_NAMES = ("libgomp", "libomp", "libiomp5")
 
 _P, _I64, _INT, _U64 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_uint64
+_F64 = ctypes.c_double
 #: Exported C functions and their argument types (all return 0, or -1 on bad arguments).
 _SIGNATURES = {
     "memsave_relu_pack": (_P, _P, _P, _I64, _INT, _U64, _INT),
@@ -44,6 +45,7 @@ _SIGNATURES = {
     "memsave_select_bits": (_P, _P, _P, _I64, _INT, _INT, _INT),
     "memsave_select_scale": (_P, _P, _P, _I64, _INT, ctypes.c_double, _INT),
     "memsave_leaky_pack": (_P, _P, _P, _I64, _INT, ctypes.c_double, _INT),
+    "memsave_hardtanh_pack": (_P, _P, _P, _I64, _INT, _F64, _F64, _P, _INT),
     "memsave_to_offsets": (_P, _P, _I64, _I64, _P, _P, _I64, _INT, _INT),
     "memsave_to_indices": (_P, _INT, _P, _P, _I64, _I64, _P, _I64, _INT),
 }

@@ -184,11 +184,12 @@ def test_dense_cpu_tensors_take_the_fused_kernels(
     case: Case, dtype: torch.dtype, native_calls: Callable[..., list[str]]
 ) -> None:
     """Forward packs with one native pass; ReLU and Hardtanh backward select with another."""
-    used = native_calls("relu_pack", "leaky_pack", "compare_pack", "select_bits", "select_scale")
+    kernels = ("relu_pack", "leaky_pack", "hardtanh_pack", "select_bits", "select_scale")
+    used = native_calls(*kernels)
     x = _input(dtype, case, "channels_last")
     _forward_backward(case.build(False)[1], x, _grad_output(x), False)
     packs = {nn.ReLU: "relu_pack", nn.LeakyReLU: "leaky_pack"}
-    pack = packs.get(case.stock, "compare_pack")
+    pack = packs.get(case.stock, "hardtanh_pack")
     select = "select_scale" if case.stock is nn.LeakyReLU else "select_bits"
     assert used == [pack, select]
 

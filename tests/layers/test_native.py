@@ -3,6 +3,7 @@ count; both builds (AVX2 and portable) and both thread backends; clean fallback 
 
 from __future__ import annotations
 
+import math
 import os
 import shutil
 import subprocess
@@ -347,6 +348,34 @@ def test_leaky_pack(dtype: torch.dtype, n: int, threads: int | None, slope: floa
     assert_same_bytes(bits, _packed(x > 0))
     native.leaky_pack(x, x, _empty_bits(n), slope, threads=threads)  # in place
     assert_same_bits(x, out)
+
+
+HARDTANH_RANGES = [(-1.0, 1.0), (0.0, 6.0), (-0.0, 6.0), (-6.0, 0.0), (-0.3, 0.7), (0.0, 0.0)]
+
+
+@requires_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=_id)
+@pytest.mark.parametrize(("n", "threads"), SIZE_THREADS, ids=lambda v: str(v))
+@pytest.mark.parametrize("bounds", HARDTANH_RANGES, ids=str)
+@pytest.mark.parametrize("inplace", [False, True], ids=["out", "inplace"])
+def test_hardtanh_pack(
+    dtype: torch.dtype, n: int, threads: int | None, bounds: tuple, inplace: bool
+) -> None:
+    """Hardtanh's forward and mask in one pass, finished by ATen where it reports held elements:
+    bitwise ``F.hardtanh`` (NaN payloads and signed zeros included) and ``low < x < high``."""
+    low, high = (torch.tensor(b, dtype=dtype).item() for b in bounds)
+    x, bits = _samples(dtype, n, seed=n + 3), _empty_bits(n)
+    expected = F.hardtanh(x, low, high)
+    out = x.clone() if inplace else torch.full_like(x, 7.0)
+    held = native.hardtanh_pack(out if inplace else x, out, bits, low, high, threads=threads)
+    if held:
+        F.hardtanh(out, low, high, inplace=True)
+    assert_same_bits(out, expected)
+    assert_same_bytes(bits, _packed((x > low) & (x < high)))
+    signs = {math.copysign(1.0, b) for b in (low, high) if b == 0}
+    zeros = x[x == 0]
+    clash = any([bool((torch.copysign(torch.ones_like(zeros), zeros) == -s).any()) for s in signs])
+    assert held == (bool(x.isnan().any()) or clash)  # only NaNs and clashing zeros are held
 
 
 @requires_native
