@@ -9,6 +9,7 @@ input needs one. Stock autograd saves both whenever any gradient is required.
 
 from __future__ import annotations
 
+import functools
 import mmap
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
@@ -29,6 +30,16 @@ from memsave_cli.layers.registry import drop_in
 Conv = nn.Conv1d | nn.Conv2d | nn.Conv3d
 ConvTranspose = nn.ConvTranspose1d | nn.ConvTranspose2d | nn.ConvTranspose3d
 
+# NOTE [Python between kernels runs on a cold cache]: a convolution streams megabytes through
+# the caches, so the Python that runs between two kernels (this module's forward prelude and its
+# backward) finds its code and data evicted and costs 5-10x what a microbenchmark shows
+# (measured on CPU: ``torch.ops.aten.convolution`` resolving its overload in Python 135 us cold
+# vs 16 us warm, a fresh stand-in view 96 us vs 6 us). Stock pays this only in C++. So the
+# per-call Python path stays short: the ATen overloads are bound once below, and geometries and
+# CPU stand-ins are memoised by shape and strides.
+_CONVOLUTION = torch.ops.aten.convolution.default
+_CONVOLUTION_BACKWARD = torch.ops.aten.convolution_backward.default
+
 # NOTE [stand-ins for dropped tensors]: ``aten.convolution_backward`` takes the input and the
 # weight even when it only reads their shape and layout (the layout picks the kernel, so it
 # matters for bitwise equality). Every CPU backend starts with ``input.contiguous(format)``,
@@ -45,11 +56,17 @@ _DENSE_STAND_IN_DEVICES = frozenset({"cpu"})
 #: The never-written CPU mapping that stand-ins view; replaced by a larger one on demand.
 _UNTOUCHED: list[Tensor] = []
 
+#: CPU stand-ins by geometry and dtype, all views of ``_UNTOUCHED[0]``; emptied when it is
+#: replaced, so that an outgrown mapping is unmapped once no kernel holds a view of it.
+_STAND_INS: dict[tuple[_Geometry, torch.dtype], Tensor] = {}
+_MAX_STAND_INS = 256
+
 
 def _untouched_bytes(nbytes: int) -> Tensor:
     """A uint8 CPU tensor of at least ``nbytes`` over anonymous memory nobody writes."""
     if not _UNTOUCHED or _UNTOUCHED[0].numel() < nbytes:
         grown = max(nbytes, 2 * _UNTOUCHED[0].numel() if _UNTOUCHED else 0, mmap.PAGESIZE)
+        _STAND_INS.clear()
         _UNTOUCHED[:] = [torch.frombuffer(mmap.mmap(-1, grown), dtype=torch.uint8)]
     return _UNTOUCHED[0][:nbytes]
 
@@ -66,8 +83,23 @@ def _geometry(t: Tensor) -> _Geometry:
     """What a stand-in for ``t`` reproduces: ATen's ``empty_like`` rule, computed from strides.
 
     That is ``t``'s own strides when it is dense, else those of its suggested memory format. No
-    tensor is created, so memory accounting sees nothing of input size here.
+    tensor of ``t``'s size is created, so memory accounting sees nothing of input size here.
+    Eager tensors are answered from a cache (see NOTE [Python between kernels runs on a cold
+    cache]); traced ones, whose sizes may be symbolic, are computed each time.
     """
+    if type(t) in (Tensor, nn.Parameter) and not torch.compiler.is_compiling():
+        return _eager_geometry(t.shape, t.stride())
+    return _computed_geometry(t)
+
+
+@functools.lru_cache(maxsize=512)
+def _eager_geometry(shape: torch.Size, stride: tuple[int, ...]) -> _Geometry:
+    """``_geometry`` of an eager tensor, which depends on its shape and strides only."""
+    return _computed_geometry(torch.empty_strided(shape, stride, device="meta"))
+
+
+def _computed_geometry(t: Tensor) -> _Geometry:
+    """``_geometry`` without the cache."""
     layout = memory_format(t)
     if is_dense(t):
         return _Geometry(t.shape, tuple(t.stride()), layout)
@@ -82,6 +114,18 @@ def _stand_in(grad: Tensor, geometry: _Geometry) -> Tensor:
         return shape_only(grad, geometry.shape)
     if type(grad) is not Tensor or torch.compiler.is_compiling():  # traced: no real memory
         return torch.empty_strided(geometry.shape, geometry.stride, dtype=grad.dtype)
+    key = (geometry, grad.dtype)
+    stand_in = _STAND_INS.get(key)
+    if stand_in is None:
+        if len(_STAND_INS) >= _MAX_STAND_INS:
+            _STAND_INS.clear()
+        stand_in = _untouched_view(geometry, grad.dtype)
+        _STAND_INS[key] = stand_in
+    return stand_in
+
+
+def _untouched_view(geometry: _Geometry, dtype: torch.dtype) -> Tensor:
+    """A view of the untouched mapping with ``geometry``'s shape and strides."""
     extent = (
         sum(
             (size - 1) * stride
@@ -90,7 +134,7 @@ def _stand_in(grad: Tensor, geometry: _Geometry) -> Tensor:
         + 1
     )
     extent = extent if all(geometry.shape) else 0
-    untouched = _untouched_bytes(extent * grad.element_size()).view(grad.dtype)
+    untouched = _untouched_bytes(extent * dtype.itemsize).view(dtype)
     return untouched.as_strided(geometry.shape, geometry.stride)
 
 
@@ -137,8 +181,9 @@ class _ConvFunction(torch.autograd.Function):
         ctx.weight_geometry = None if need_x else _geometry(weight)
         ctx.bias_shape = None if bias is None else bias.shape
         ctx.params = params
+        ctx.mask = list(ctx.needs_input_grad[:3])
         ctx.layer = f"MemSaveConv{'Transpose' if transposed else ''}{x.dim() - 2}d"
-        return torch.ops.aten.convolution(x, weight, bias, *params)
+        return _CONVOLUTION(x, weight, bias, *params)
 
     @staticmethod
     def backward(ctx: torch.autograd.function.FunctionCtx, grad: Tensor) -> tuple:
@@ -149,10 +194,7 @@ class _ConvFunction(torch.autograd.Function):
         if grad.device.type not in _DENSE_STAND_IN_DEVICES:
             dropped = [g for g in (ctx.x_geometry, ctx.weight_geometry) if g is not None]
             weight = _channels_last_weight(x, weight, dropped)
-        mask = list(ctx.needs_input_grad[:3])
-        grads = torch.ops.aten.convolution_backward(
-            grad, x, weight, ctx.bias_shape, *ctx.params, mask
-        )
+        grads = _CONVOLUTION_BACKWARD(grad, x, weight, ctx.bias_shape, *ctx.params, ctx.mask)
         return (*grads, None, None, None, None, None, None)
 
 
@@ -213,6 +255,18 @@ def _padded_input(module: Conv, x: Tensor) -> tuple[Tensor, list[int]]:
     return x, list(module.padding)
 
 
+#: Whether autocast exists for a device type (``torch.is_autocast_enabled`` raises where not).
+_AUTOCAST_AVAILABLE: dict[str, bool] = {}
+
+
+def _autocast_enabled(device_type: str) -> bool:
+    """``torch.is_autocast_enabled(device_type)``, False where autocast does not exist."""
+    available = _AUTOCAST_AVAILABLE.get(device_type)
+    if available is None:
+        available = _AUTOCAST_AVAILABLE[device_type] = is_autocast_available(device_type)
+    return available and torch.is_autocast_enabled(device_type)
+
+
 def _autocast_cast(t: Tensor | None, device_type: str, dtype: torch.dtype) -> Tensor | None:
     """Cast ``t`` the way autocast casts the arguments of a lower-precision op."""
     eligible = t is not None and t.is_floating_point() and t.device.type == device_type
@@ -224,7 +278,7 @@ def _autocast_cast(t: Tensor | None, device_type: str, dtype: torch.dtype) -> Te
 def _convolve(x: Tensor, weight: Tensor, bias: Tensor | None, *params: object) -> Tensor:
     """Run ``_ConvFunction``, casting explicitly where autocast would cast a stock convolution."""
     device_type = x.device.type
-    if not (is_autocast_available(device_type) and torch.is_autocast_enabled(device_type)):
+    if not _autocast_enabled(device_type):
         return _ConvFunction.apply(x, weight, bias, *params)
     dtype = torch.get_autocast_dtype(device_type)
     x, weight, bias = (_autocast_cast(t, device_type, dtype) for t in (x, weight, bias))
@@ -260,22 +314,31 @@ def conv_transpose_forward(
         x, output_size, module.stride, module.padding, module.kernel_size, n, module.dilation
     )
 
-    def run(batch: Tensor) -> Tensor:
-        m = module
-        params = (m.stride, m.padding, m.dilation, True, output_padding, m.groups)
-        return _convolve(batch, m.weight, m.bias, *params)
+    m = module
+    params = (m.stride, m.padding, m.dilation, True, output_padding, m.groups)
+    if x.dim() == n + 2:  # batched, the common case, without a closure (NOTE on cold caches)
+        return _convolve(x, m.weight, m.bias, *params)
+    return _convolve(x.unsqueeze(0), m.weight, m.bias, *params).squeeze(0)
 
-    return _batched(x, n, run)
+
+# NOTE [stock is already optimal when input and weight both train]: then each needs the other
+# saved, which is all that stock's convolution node saves. So the drop-in runs stock: the same
+# saved tensors, and none of the Python of a custom Function (see NOTE [Python between kernels
+# runs on a cold cache]). Only reflect and replicate padding keep the memsave path, whose pad
+# saves no input where stock's saves it.
 
 
 def _use_memsave(module: Conv | ConvTranspose, x: Tensor) -> bool:
-    """Whether a backward is recorded and the input is valid; otherwise stock runs (and raises)."""
-    if not torch.is_grad_enabled() or x.dim() not in (module.weight.dim() - 1, module.weight.dim()):
+    """Whether memsave saves less than stock here; otherwise stock runs (and raises on bad input).
+
+    That needs a recorded backward, a valid input, and not the case of the NOTE above.
+    """
+    weight, bias = module.weight, module.bias
+    if not torch.is_grad_enabled() or x.dim() not in (weight.dim() - 1, weight.dim()):
         return False
-    bias = module.bias
-    return (
-        x.requires_grad or module.weight.requires_grad or (bias is not None and bias.requires_grad)
-    )
+    if x.requires_grad and weight.requires_grad:
+        return module.padding_mode in _PAD_KERNELS
+    return x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
 
 
 @drop_in(nn.Conv1d)

@@ -566,9 +566,60 @@ def test_registered_and_stock_compatible() -> None:
 
 def test_double_backward_names_the_layer() -> None:
     _, ours = _pair(CASES[6])
+    ours.weight.requires_grad_(False)
     x = _input(CASES[6]).requires_grad_()
     with pytest.raises(RuntimeError, match="MemSaveConv2d does not support double backward"):
         torch.autograd.grad(ours(x).square().sum(), x, create_graph=True)
+
+
+def _graph_names(out: Tensor) -> set[str]:
+    """Names of every node in ``out``'s autograd graph."""
+    names, todo = set(), [out.grad_fn]
+    while todo:
+        node = todo.pop()
+        if node is not None and node.name() not in names:
+            names.add(node.name())
+            todo.extend(next_node for next_node, _ in node.next_functions)
+    return names
+
+
+@pytest.mark.parametrize(
+    "name", ["c2-basic", "c2-same-even", "c2-circular-stride", "t2-all-options", "c2-reflect"]
+)
+def test_input_and_weight_training_runs_stock(name: str) -> None:
+    """Both trained: stock saves only what is needed, so the drop-in runs stock's node (cheaper
+    than a custom Function, and double backward works); reflect padding keeps the memsave pad."""
+    case = next(c for c in CASES if c.name == name)
+    stock, ours = _pair(case)
+    args = () if case.output_size is None else (case.output_size,)
+    x = _set_needs(ours, _input(case), (True, True, True))
+    names = _graph_names(ours(x, *args))
+    runs_stock = case.kwargs.get("padding_mode") not in ("reflect", "replicate")
+    assert any(n.startswith("ConvolutionBackward") for n in names) == runs_stock, names
+    assert any(n.startswith("_ConvFunction") for n in names) != runs_stock, names
+    if runs_stock:
+        ys = [_set_needs(m, _input(case), (True, True, True)) for m in (stock, ours)]
+        grads = [
+            torch.autograd.grad(m(y, *args).square().sum(), y, create_graph=True)[0].sum()
+            for m, y in zip((stock, ours), ys, strict=True)
+        ]
+        second = [
+            torch.autograd.grad(g, m.weight)[0] for g, m in zip(grads, (stock, ours), strict=True)
+        ]
+        torch.testing.assert_close(second[1], second[0], atol=0, rtol=0)
+
+
+def test_cpu_stand_ins_are_reused_views_of_untouched_memory() -> None:
+    """A stand-in is made once per geometry and dtype, and dropped when the mapping grows."""
+    x, grad = torch.randn(2, 3, 5, 4).contiguous(memory_format=torch.channels_last), torch.ones(1)
+    first = conv._stand_in(grad, conv._geometry(x))
+    assert conv._stand_in(grad, conv._geometry(x.clone())) is first
+    assert (first.shape, first.stride()) == (x.shape, x.stride())
+    assert first.untyped_storage().data_ptr() == conv._UNTOUCHED[0].data_ptr()
+    assert conv._stand_in(grad.double(), conv._geometry(x)).dtype == torch.float64
+    conv._untouched_bytes(2 * conv._UNTOUCHED[0].numel() + 1)
+    assert conv._STAND_INS == {}
+    assert conv._stand_in(grad, conv._geometry(x)) is not first
 
 
 def test_stock_errors_are_kept() -> None:
