@@ -12,10 +12,10 @@ from collections.abc import Callable
 WARMUP_ROUNDS = 2
 
 
-def paired_times(
+def alternate(
     stock: Callable[[], float], memsave: Callable[[], float], repeats: int
-) -> tuple[float, float, float]:
-    """Median seconds of each step and the median of per-round ratios memsave/stock.
+) -> tuple[list[float], list[float]]:
+    """Seconds of each step per round, stock's and memsave's, alternating which runs first.
 
     Each step runs once per round and returns its own elapsed seconds; the first
     ``WARMUP_ROUNDS`` rounds are discarded.
@@ -27,9 +27,21 @@ def paired_times(
             elapsed = step()
             if i >= WARMUP_ROUNDS:
                 times[label].append(elapsed)
-    ratios = [m / s for m, s in zip(times["memsave"], times["stock"], strict=True)]
+    return times["stock"], times["memsave"]
+
+
+def round_ratios(stock_times: list[float], memsave_times: list[float]) -> list[float]:
+    """memsave/stock of each round."""
+    return [m / s for m, s in zip(memsave_times, stock_times, strict=True)]
+
+
+def paired_times(
+    stock: Callable[[], float], memsave: Callable[[], float], repeats: int
+) -> tuple[float, float, float]:
+    """Median seconds of each step and the median of per-round ratios memsave/stock."""
+    stock_times, memsave_times = alternate(stock, memsave, repeats)
     return (
-        statistics.median(times["stock"]),
-        statistics.median(times["memsave"]),
-        statistics.median(ratios),
+        statistics.median(stock_times),
+        statistics.median(memsave_times),
+        statistics.median(round_ratios(stock_times, memsave_times)),
     )
