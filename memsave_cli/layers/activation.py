@@ -82,7 +82,7 @@ class _LeakyReLUFunction(Function):
             return None, None, None, None
         (bits,) = ctx.saved_tensors
         stock_error = ctx.saves_result and ctx.slope < 0
-        if not stock_error and fused_ready(grad) and layout_of(grad) == ctx.layout:
+        if not stock_error and _fused_like_input(ctx, grad):
             # Deliberate: the gradient itself, in ``grad``'s layout as stock's kernel lays it out.
             grad_input = torch.empty_like(grad)
             native.select_scale(grad, bits, grad_input, ctx.slope)
@@ -150,6 +150,7 @@ def _save_bits(ctx, x: Tensor, y: Tensor, bits: Tensor, inplace: bool) -> tuple[
     """Save only the packed bits (in place, marking the input dirty as stock in-place ops do) and
     return the Function's outputs, the result and its bits."""
     ctx.layout = layout_of(x)
+    ctx.strides = x.stride()
     if inplace:
         ctx.mark_dirty(x)
     ctx.mark_non_differentiable(bits)
@@ -160,7 +161,7 @@ def _save_bits(ctx, x: Tensor, y: Tensor, bits: Tensor, inplace: bool) -> tuple[
 def _pass_where_set(ctx, grad: Tensor) -> Tensor:
     """``grad`` where the saved bit is set, else 0: stock's ``threshold_backward`` on the mask."""
     (bits,) = ctx.saved_tensors
-    if fused_ready(grad) and layout_of(grad) == ctx.layout:
+    if _fused_like_input(ctx, grad):
         # Deliberate: the gradient itself, in ``grad``'s layout as stock's kernel lays it out.
         grad_input = torch.empty_like(grad)
         native.select_bits(grad, bits, grad_input)
@@ -188,6 +189,12 @@ def fused_ready(t: Tensor) -> bool:
         and native.available()
         and not native.flushes_denormals()
     )
+
+
+def _fused_like_input(ctx, grad: Tensor) -> bool:
+    """Whether backward's fused kernel serves ``grad``: laid out exactly like the input, whose
+    memory order the bits follow."""
+    return grad.stride() == ctx.strides and fused_ready(grad)
 
 
 def _empty_bits(x: Tensor) -> Tensor:

@@ -16,6 +16,7 @@ same reason ``compare`` builds float32 masks with numpy's comparisons, twice as 
 
 from __future__ import annotations
 
+import functools
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -65,6 +66,8 @@ def layout_of(tensor: Tensor) -> BitLayout:
     strides may be symbolic and cannot be sorted, the order is the logical one unless the tensor
     is plainly channels-last.
     """
+    if type(tensor) is Tensor and not torch.compiler.is_compiling():
+        return _eager_layout(tuple(tensor.shape), tensor.stride())
     dims = tuple(range(tensor.dim()))
     strides = tensor.stride()
     if not torch.compiler.is_compiling() and all(isinstance(s, int) for s in strides):
@@ -74,6 +77,13 @@ def layout_of(tensor: Tensor) -> BitLayout:
     if channels_last is not None and tensor.is_contiguous(memory_format=channels_last):
         dims = (0, *dims[2:], 1)
     return BitLayout(tuple(tensor.shape), dims)
+
+
+@functools.lru_cache(maxsize=512)
+def _eager_layout(shape: tuple[int, ...], strides: tuple[int, ...]) -> BitLayout:
+    """``layout_of`` a plain eager tensor (concrete sizes), memoised by geometry."""
+    order = sorted(range(len(shape)), key=lambda dim: strides[dim], reverse=True)
+    return BitLayout(shape, tuple(order))
 
 
 def packed_numel(numel: int) -> int:
