@@ -314,11 +314,12 @@ def conv_transpose_forward(
         x, output_size, module.stride, module.padding, module.kernel_size, n, module.dilation
     )
 
-    m = module
-    params = (m.stride, m.padding, m.dilation, True, output_padding, m.groups)
-    if x.dim() == n + 2:  # batched, the common case, without a closure (NOTE on cold caches)
-        return _convolve(x, m.weight, m.bias, *params)
-    return _convolve(x.unsqueeze(0), m.weight, m.bias, *params).squeeze(0)
+    def run(batch: Tensor) -> Tensor:
+        m = module
+        params = (m.stride, m.padding, m.dilation, True, output_padding, m.groups)
+        return _convolve(batch, m.weight, m.bias, *params)
+
+    return _batched(x, n, run)
 
 
 # NOTE [stock is already optimal when input and weight both train]: then each needs the other

@@ -236,16 +236,15 @@ class MaxPoolWithOffsets(torch.autograd.Function):
     def forward(
         ctx, x: Tensor, kernel, stride, padding, dilation, ceil_mode
     ) -> tuple[Tensor, Tensor]:
-        ctx.args = (kernel, stride, padding, dilation, ceil_mode)
-        ctx.input_shape = tuple(x.shape)
-        ctx.layout = memory_format(x)
-        nd = len(kernel)
-        x = x.contiguous(memory_format=memory_format(x))
-        pool, _ = _KERNELS[nd]
         args = (kernel, stride, padding, dilation, ceil_mode)
+        ctx.args = args
+        ctx.input_shape = tuple(x.shape)
+        ctx.layout = layout = memory_format(x)
+        nd = len(kernel)
+        x = x.contiguous(memory_format=layout)
+        pool, _ = _KERNELS[nd]
         # The whole output is allocated once; blocks write into slices of it.
         out_shape = _output_shape(x, nd, args)
-        layout = memory_format(x)
         out = x.new_empty(out_shape).contiguous(memory_format=layout)
         offsets = torch.empty_like(out, dtype=offset_dtype(math.prod(kernel)))
         chunked = _is_chunked(x)

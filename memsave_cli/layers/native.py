@@ -28,6 +28,7 @@ import torch
 from torch import Tensor
 
 from memsave_cli.layers import native_library
+from memsave_cli.layers._layout import is_dense
 
 #: Bits of +infinity for each supported float dtype (NOTE [float classes as integer tests] in C).
 _INF_BITS = {
@@ -273,28 +274,11 @@ def _check_cpu(tensor: Tensor, name: str) -> None:
 def _check_dense(tensor: Tensor, name: str) -> None:
     """Raise unless ``tensor`` is a dense CPU tensor: contiguous in some memory format."""
     _check_cpu(tensor, name)
-    if not _is_dense(tensor):
+    if not is_dense(tensor):
         raise ValueError(
             f"Native kernels need dense tensors: {name} has shape {tuple(tensor.shape)} "
             f"and strides {tensor.stride()} (call .contiguous())."
         )
-
-
-def _is_dense(tensor: Tensor) -> bool:
-    """Whether ``tensor``'s elements fill its memory without gaps or overlap, in any order."""
-    if tensor.is_contiguous() or tensor.numel() == 0:
-        return True
-    expected = 1
-    for size, stride in sorted(zip(tensor.shape, tensor.stride(), strict=True), key=_by_stride):
-        if size != 1 and stride != expected:
-            return False
-        expected *= size
-    return True
-
-
-def _by_stride(pair: tuple[int, int]) -> int:
-    """Sort key of a (size, stride) pair: its stride."""
-    return pair[1]
 
 
 def _check_like(
