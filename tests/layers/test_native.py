@@ -500,6 +500,27 @@ def _check_all_bit_kernels(threads: int, sizes: tuple[int, ...] = (65, LARGE)) -
             out = torch.empty_like(x)
             native.select_bits(x, bits, out, threads=threads)
             assert_same_bits(out, torch.where((x > -1) & (x < 1), x, torch.zeros((), dtype=dtype)))
+            if dtype in (torch.float32, torch.float64):
+                _check_fused_activations(x, threads)
+
+
+def _check_fused_activations(x: Tensor, threads: int) -> None:
+    """LeakyReLU and Hardtanh forwards and LeakyReLU's backward, bitwise stock's (up to the
+    signalling NaNs stock's scalar tail passes on, as in ``test_select_scale``)."""
+    n = x.numel()
+    bits, out = _empty_bits(n), torch.empty_like(x)
+    native.leaky_pack(x, out, bits, 0.01, threads=threads)
+    assert_same_bits(out, F.leaky_relu(x, 0.01))
+    assert_same_bytes(bits, _packed(x > 0))
+    grad = torch.empty_like(x)
+    native.select_scale(x, bits, grad, 0.01, threads=threads)
+    assert_same_bits(
+        grad, torch.ops.aten.leaky_relu_backward(x, x, 0.01, False), nan_payloads=False
+    )
+    if native.hardtanh_pack(x, out, bits, -1.0, 1.0, threads=threads):
+        F.hardtanh(out, -1.0, 1.0, inplace=True)
+    assert_same_bits(out, F.hardtanh(x, -1.0, 1.0))
+    assert_same_bytes(bits, _packed((x > -1) & (x < 1)))
 
 
 @requires_native
