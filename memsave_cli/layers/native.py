@@ -101,11 +101,7 @@ def leaky_pack(
     ``x if x > 0 else x * slope`` with ``slope`` rounded to ``x``'s dtype, as ATen computes it
     (NaN takes the multiply). float32 and float64 only; ``out`` may be ``x`` (in place).
     """
-    _check_cpu(x, "x")
-    if x.dtype not in (torch.float32, torch.float64):
-        raise ValueError(f"leaky_pack expects float32 or float64, got {x.dtype}.")
-    _check_like(out, x, "out", "x")
-    _check_bits(bits, x.numel())
+    _check_float_kernel("leaky_pack", x, out, bits, "x")
     pointers = (x.data_ptr(), out.data_ptr(), bits.data_ptr())
     args = (x.numel(), x.element_size(), float(slope), _threads(threads))
     _call("memsave_leaky_pack", *pointers, *args)
@@ -122,11 +118,7 @@ def hardtanh_pack(
     finishes them exactly as stock would (it leaves every clamped element as it is). ``low`` and
     ``high`` must be representable in ``x.dtype`` (float32 or float64); ``out`` may be ``x``.
     """
-    _check_cpu(x, "x")
-    if x.dtype not in (torch.float32, torch.float64):
-        raise ValueError(f"hardtanh_pack expects float32 or float64, got {x.dtype}.")
-    _check_like(out, x, "out", "x")
-    _check_bits(bits, x.numel())
+    _check_float_kernel("hardtanh_pack", x, out, bits, "x")
     held = ctypes.c_int(0)
     pointers = (x.data_ptr(), out.data_ptr(), bits.data_ptr())
     args = (x.numel(), x.element_size(), float(low), float(high), ctypes.addressof(held))
@@ -194,11 +186,7 @@ def select_scale(
     (that loop's ``* 1`` quietens signalling NaNs, which its scalar tail passes unchanged).
     float32 and float64 only; ``out`` may be ``grad``.
     """
-    _check_cpu(grad, "grad")
-    if grad.dtype not in (torch.float32, torch.float64):
-        raise ValueError(f"select_scale expects float32 or float64, got {grad.dtype}.")
-    _check_like(out, grad, "out", "grad")
-    _check_bits(bits, grad.numel())
+    _check_float_kernel("select_scale", grad, out, bits, "grad")
     pointers = (grad.data_ptr(), bits.data_ptr(), out.data_ptr())
     args = (grad.numel(), grad.element_size(), float(slope), _threads(threads))
     _call("memsave_select_scale", *pointers, *args)
@@ -279,6 +267,16 @@ def _check_dense(tensor: Tensor, name: str) -> None:
             f"Native kernels need dense tensors: {name} has shape {tuple(tensor.shape)} "
             f"and strides {tensor.stride()} (call .contiguous())."
         )
+
+
+def _check_float_kernel(kernel: str, x: Tensor, out: Tensor, bits: Tensor, name: str) -> None:
+    """Raise unless ``x`` is a float32/float64 CPU tensor, ``out`` matches it element for element
+    and ``bits`` holds one bit per element: the arguments of the float-only activation kernels."""
+    _check_cpu(x, name)
+    if x.dtype not in (torch.float32, torch.float64):
+        raise ValueError(f"{kernel} expects float32 or float64, got {x.dtype}.")
+    _check_like(out, x, "out", name)
+    _check_bits(bits, x.numel())
 
 
 def _check_like(
