@@ -20,14 +20,16 @@ app = typer.Typer(
 
 
 def _print_version(value: bool) -> None:
-    """The version, then what a bug report needs besides: torch's and the CPU kernels' state."""
+    """The version, then what a bug report needs besides: torch's, the CPU kernels' and the
+    C++ operators' state."""
     if value:
         import torch
 
-        from memsave_cli.layers import native
+        from memsave_cli.layers import native, native_ops
 
         typer.echo(f"memsave {__version__}")
         typer.echo(f"torch {torch.__version__}; {native.status()}")
+        typer.echo(native_ops.status(build=False))
         raise typer.Exit()
 
 

@@ -16,6 +16,7 @@ save, for LeakyReLU); they differ only for an in-place call on a view (NOTE [in-
 
 from __future__ import annotations
 
+import functools
 import math
 import struct
 from collections.abc import Callable
@@ -25,7 +26,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.autograd import Function
 
-from memsave_cli.layers import native
+from memsave_cli.layers import native, native_ops
 from memsave_cli.layers._backward import forbid_double_backward
 from memsave_cli.layers._layout import is_dense
 from memsave_cli.layers.bitmask import compare, layout_of, pack_bits, packed_numel, unpack_as
@@ -209,7 +210,12 @@ def _unpack(ctx, grad: Tensor, *, invert: bool) -> Tensor:
 
 
 def _activate(
-    function: type[Function], stock: Callable, x: Tensor, *args: float, inplace: bool
+    function: type[Function],
+    stock: Callable,
+    x: Tensor,
+    *args: float,
+    inplace: bool,
+    operator: Callable[[Tensor], tuple] | None = None,
 ) -> Tensor:
     """Apply ``function`` to ``x`` like ``stock(x, *args, inplace)``, saving a 1-bit mask.
 
@@ -218,12 +224,17 @@ def _activate(
     forbids a Function that modifies a view in place from returning two tensors (the result and
     its bits), so an in-place call on a view computes out of place and copies the result back;
     ``saves_result`` keeps the bits those of the in-place call, so gradients are the same.
+
+    ``operator`` gives the native operator's arguments for ``x`` (``native_ops.activation``),
+    which replaces ``function`` where it can (NOTE [why the eager CPU path is an operator]).
     """
     if not (torch.is_grad_enabled() and x.requires_grad) or (inplace and x.is_leaf):
         return stock(x, *args, inplace)
     if inplace and x._base is not None:
         # Allocation: the out-of-place result, freed once copied into the view.
         return x.copy_(function.apply(x, *args, False, True)[0])
+    if operator is not None and fused_ready(x) and native_ops.available():
+        return native_ops.activation(x, *operator(x), inplace=inplace)
     return function.apply(x, *args, inplace, inplace)[0]
 
 
@@ -284,12 +295,18 @@ def _float16_bracket(value: float) -> tuple[float, float]:
     return min(nearest, neighbour), max(nearest, neighbour)
 
 
+def _relu_operator(_: Tensor) -> tuple[int]:
+    return (native_ops.RELU,)
+
+
 @drop_in(nn.ReLU)
 class MemSaveReLU(nn.ReLU):
     """``nn.ReLU`` saving a 1-bit mask (numel / 8 bytes) instead of its full result."""
 
     def forward(self, input: Tensor) -> Tensor:
-        return _activate(_ReLUFunction, F.relu, input, inplace=self.inplace)
+        return _activate(
+            _ReLUFunction, F.relu, input, inplace=self.inplace, operator=_relu_operator
+        )
 
 
 @drop_in(nn.LeakyReLU)
@@ -297,8 +314,11 @@ class MemSaveLeakyReLU(nn.LeakyReLU):
     """``nn.LeakyReLU`` saving a 1-bit mask (numel / 8 bytes) instead of its input."""
 
     def forward(self, input: Tensor) -> Tensor:
+        slope = self.negative_slope
+        # In place with a negative slope, stock's backward raises its error: the Function's does.
+        operator = None if self.inplace and slope < 0 else lambda _: (native_ops.LEAKY_RELU, slope)
         return _activate(
-            _LeakyReLUFunction, F.leaky_relu, input, self.negative_slope, inplace=self.inplace
+            _LeakyReLUFunction, F.leaky_relu, input, slope, inplace=self.inplace, operator=operator
         )
 
 
@@ -307,7 +327,19 @@ def _hardtanh(module: nn.Hardtanh, input: Tensor) -> Tensor:
     if module.min_val > module.max_val:
         raise ValueError("min_val cannot be greater than max_val")
     bounds = (module.min_val, module.max_val)
-    return _activate(_HardtanhFunction, F.hardtanh, input, *bounds, inplace=module.inplace)
+
+    def operator(x: Tensor) -> tuple:
+        return (native_ops.HARDTANH, *bounds, *_eager_kernel_bounds(x.dtype, *bounds))
+
+    return _activate(
+        _HardtanhFunction, F.hardtanh, input, *bounds, inplace=module.inplace, operator=operator
+    )
+
+
+@functools.lru_cache(maxsize=64)
+def _eager_kernel_bounds(dtype: torch.dtype, min_val: float, max_val: float) -> tuple:
+    """:func:`kernel_bounds` outside tracing, where it depends on its arguments only."""
+    return kernel_bounds(dtype, min_val, max_val)
 
 
 @drop_in(nn.Hardtanh)

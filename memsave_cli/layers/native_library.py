@@ -23,7 +23,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -57,10 +57,11 @@ class _Unavailable(Exception):
 
 @dataclass(frozen=True)
 class _Loaded:
-    """The outcome of loading: the library, or ``None`` and the reason."""
+    """The outcome of loading: the library and its path, or ``None`` and the reason."""
 
     library: ctypes.CDLL | None
     status: str
+    path: Path | None = None
 
 
 _LOCK = threading.Lock()
@@ -91,41 +92,78 @@ def _load() -> _Loaded:
     except Exception as error:  # any failure means the fallback, never an exception
         return _Loaded(None, f"native kernels: {type(error).__name__}: {error}")
     threads = f"threads of torch's OpenMP runtime {runtime}" if runtime else "own threads"
-    return _Loaded(library, f"native kernels: loaded from {path} ({isa}; {threads})")
+    return _Loaded(library, f"native kernels: loaded from {path} ({isa}; {threads})", path)
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """How to build one shared library: sources, compiler, flags, and what else its cache key
+    depends on. ``link`` comes after the sources on the command line (libraries to link)."""
+
+    prefix: str
+    sources: tuple[Path, ...]
+    compiler_variable: str
+    compilers: tuple[str, ...]
+    flags: tuple[str, ...]
+    link: tuple[str, ...] = ()
+    key: bytes = b""
+
+
+#: The recipe of the C kernels.
+KERNELS = Recipe("memsave_native_", (SOURCE,), "CC", ("cc", "gcc", "clang"), FLAGS)
 
 
 def _build(extra_flags: tuple[str, ...] = (), root: Path | None = None) -> Path:
-    """The compiled library for this source and compiler, compiling it unless cached."""
-    if not SOURCE.is_file():
-        raise _Unavailable(f"source not found: {SOURCE}")
-    compiler = _compiler()
-    flags = (*FLAGS, *extra_flags)
-    name = f"memsave_native_{_build_key(compiler, flags)}{_suffix()}"
+    """The compiled C kernels for this source and compiler, compiling them unless cached."""
+    return build(replace(KERNELS, flags=(*KERNELS.flags, *extra_flags)), root)
+
+
+def build(recipe: Recipe, root: Path | None = None) -> Path:
+    """The library ``recipe`` builds, compiled into the cache unless already there."""
+    for source in recipe.sources:
+        if not source.is_file():
+            raise _Unavailable(f"source not found: {source}")
+    compiler = _compiler(recipe.compiler_variable, recipe.compilers)
+    name = _file_name(recipe, compiler)
     for directory in [root] if root is not None else _cache_dirs():
         if (directory / name).is_file():
             return directory / name
     directory = root if root is not None else _writable_cache_dir()
-    _compile(compiler, flags, directory / name)
+    _compile(compiler, recipe, directory / name)
     return directory / name
 
 
-def _compiler() -> list[str]:
-    """The compiler command: ``$CC`` if set (and then only it), else cc, gcc or clang."""
-    choice = os.environ.get("CC", "").strip()
-    for candidate in [choice] if choice else ["cc", "gcc", "clang"]:
+def cached(recipe: Recipe) -> Path | None:
+    """Where the library ``recipe`` builds is cached, or None; compiles nothing."""
+    name = _file_name(recipe, _compiler(recipe.compiler_variable, recipe.compilers))
+    found = [directory / name for directory in _cache_dirs() if (directory / name).is_file()]
+    return found[0] if found else None
+
+
+def _file_name(recipe: Recipe, compiler: list[str]) -> str:
+    return f"{recipe.prefix}{_build_key(recipe, compiler)}{_suffix()}"
+
+
+def _compiler(variable: str = "CC", names: tuple[str, ...] = KERNELS.compilers) -> list[str]:
+    """The compiler command: ``$variable`` if set (and then only it), else the first of ``names``
+    on the path."""
+    choice = os.environ.get(variable, "").strip()
+    for candidate in [choice] if choice else names:
         argv = shlex.split(candidate)
         found = shutil.which(argv[0]) if argv else None
         if found:
             return [found, *argv[1:]]
-    raise _Unavailable(f"compiler not found: {choice or 'cc, gcc or clang'} (set CC to one)")
+    wanted = choice or ", ".join(names)
+    raise _Unavailable(f"compiler not found: {wanted} (set {variable} to one)")
 
 
-def _build_key(compiler: list[str], flags: tuple[str, ...]) -> str:
+def _build_key(recipe: Recipe, compiler: list[str]) -> str:
     """A hash of everything the library depends on (the compiler by path, size and mtime)."""
     info = os.stat(compiler[0])
     parts = [
-        SOURCE.read_bytes(),
-        "\0".join([*compiler, *flags]).encode(),
+        *[source.read_bytes() for source in recipe.sources],
+        "\0".join([*compiler, *recipe.flags, *recipe.link]).encode(),
+        recipe.key,
         f"{info.st_size}:{info.st_mtime_ns}".encode(),
         f"{platform.system()}:{platform.machine()}:{ctypes.sizeof(ctypes.c_void_p)}".encode(),
     ]
@@ -159,11 +197,12 @@ def _writable_cache_dir() -> Path:
     return Path(tempfile.mkdtemp(prefix="memsave-native-"))
 
 
-def _compile(compiler: list[str], flags: tuple[str, ...], target: Path) -> None:
-    """Compile ``SOURCE`` to ``target`` through a temporary file renamed into place."""
+def _compile(compiler: list[str], recipe: Recipe, target: Path) -> None:
+    """Compile ``recipe`` to ``target`` through a temporary file renamed into place."""
     handle, temporary = tempfile.mkstemp(dir=target.parent, prefix=f"{target.name}.", suffix=".tmp")
     os.close(handle)
-    command = [*compiler, *flags, "-o", temporary, str(SOURCE)]
+    sources = [str(source) for source in recipe.sources]
+    command = [*compiler, *recipe.flags, "-o", temporary, *sources, *recipe.link]
     try:
         result = subprocess.run(
             command,

@@ -6,7 +6,7 @@ from collections.abc import Callable
 
 import pytest
 
-from memsave_cli.layers import native
+from memsave_cli.layers import native, native_ops
 
 
 @pytest.fixture(params=["native", "torch"])
@@ -17,6 +17,21 @@ def kernels(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> 
         monkeypatch.setattr(native, "available", lambda: False)
     elif not native.available():
         pytest.skip(native.status())
+    return request.param
+
+
+@pytest.fixture(params=["operators", "functions", "torch"])
+def activation_paths(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Run an activation test on each eager CPU path: the C++ autograd operators (where built),
+    the Python Functions over the native kernels, and the torch/numpy code."""
+    if request.param == "torch":
+        monkeypatch.setattr(native, "available", lambda: False)
+    elif not native.available():
+        pytest.skip(native.status())
+    elif request.param == "functions":
+        monkeypatch.setattr(native_ops, "available", lambda: False)
+    elif not native_ops.available():
+        pytest.skip(native_ops.status())
     return request.param
 
 

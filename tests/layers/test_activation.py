@@ -11,7 +11,7 @@ import torch
 from torch import Tensor, nn
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
-from memsave_cli.layers import bitmask, native
+from memsave_cli.layers import bitmask, native, native_ops
 from memsave_cli.layers.activation import (
     MemSaveHardtanh,
     MemSaveLeakyReLU,
@@ -149,7 +149,7 @@ def _assert_same(expected: object, actual: object) -> None:
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda dtype: str(dtype).removeprefix("torch."))
 @pytest.mark.parametrize("case", CASES, ids=lambda case: case.name)
 def test_matches_stock(
-    case: Case, dtype: torch.dtype, inplace: bool, layout: str, kernels: str
+    case: Case, dtype: torch.dtype, inplace: bool, layout: str, activation_paths: str
 ) -> None:
     x = _input(dtype, case, layout)
     grad = _grad_output(x)
@@ -181,9 +181,14 @@ def test_torch_kernels_match_stock(
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
 @pytest.mark.parametrize("case", CASES, ids=lambda case: case.name)
 def test_dense_cpu_tensors_take_the_fused_kernels(
-    case: Case, dtype: torch.dtype, native_calls: Callable[..., list[str]]
+    case: Case,
+    dtype: torch.dtype,
+    native_calls: Callable[..., list[str]],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Forward packs with one native pass; ReLU and Hardtanh backward select with another."""
+    """Without the operators, forward packs with one native pass and backward selects with
+    another."""
+    monkeypatch.setattr(native_ops, "available", lambda: False)
     kernels = ("relu_pack", "leaky_pack", "hardtanh_pack", "select_bits", "select_scale")
     used = native_calls(*kernels)
     x = _input(dtype, case, "channels_last")
@@ -192,6 +197,19 @@ def test_dense_cpu_tensors_take_the_fused_kernels(
     pack = packs.get(case.stock, "hardtanh_pack")
     select = "select_scale" if case.stock is nn.LeakyReLU else "select_bits"
     assert used == [pack, select]
+
+
+@pytest.mark.skipif(not native_ops.available(), reason=native_ops.status())
+@pytest.mark.parametrize("inplace", [False, True], ids=lambda flag: f"inplace={flag}")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+@pytest.mark.parametrize("case", CASES, ids=lambda case: case.name)
+def test_dense_cpu_tensors_take_the_operator(case: Case, dtype: torch.dtype, inplace: bool) -> None:
+    """Eager dense float CPU tensors run the C++ autograd operator, not a Python Function; the
+    one exception is in place with a negative LeakyReLU slope, whose stock error the Function
+    raises (``test_inplace_negative_slope_raises_stock_error``)."""
+    x = _input(dtype, case, "channels_last").requires_grad_()
+    y = case.build(inplace)[1](x * 1)
+    assert "Activation" in y.grad_fn.name()
 
 
 @pytest.mark.skipif(not native.available(), reason=native.status())

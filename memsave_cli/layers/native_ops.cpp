@@ -1,0 +1,151 @@
+// Autograd operators over the fused kernels of native.c, registered with torch.library.
+//
+// NOTE [why the eager CPU path is an operator]: a Python autograd.Function costs tens of
+// microseconds a call in Python, and inside a model, where every kernel streams megabytes
+// through the caches, that Python runs on a cold cache and costs several times more (measured on
+// ResNet-18: +160 us per ReLU forward). These operators do the same work as the Python Functions
+// of activation.py in one C++ call: the dispatcher runs the composite kernel below, whose
+// torch::autograd::Function saves only the packed bits and whose backward selects the gradient
+// from them. They serve plain eager CPU float32/float64 tensors only (activation.py decides);
+// tracing, fake tensors and every other case keep the Python Functions.
+//
+// Compiled on first use against the installed torch (native_ops.py) and linked to the library
+// built from native.c, whose exported kernels it calls.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/csrc/autograd/custom_function.h>
+#include <torch/library.h>
+
+#include <cstdint>
+#include <string>
+
+extern "C" {
+int memsave_relu_pack(const void *x, void *out, uint8_t *bits, int64_t n, int size, uint64_t inf,
+                      int nthreads);
+int memsave_select_bits(const void *grad, const uint8_t *bits, void *out, int64_t n, int size,
+                        int invert, int nthreads);
+int memsave_leaky_pack(const void *x, void *out, uint8_t *bits, int64_t n, int size, double slope,
+                       int nthreads);
+int memsave_select_scale(const void *grad, const uint8_t *bits, void *out, int64_t n, int size,
+                         double slope, int nthreads);
+int memsave_hardtanh_pack(const void *x, void *out, uint8_t *bits, int64_t n, int size, double low,
+                          double high, int *held, int nthreads);
+}
+
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+enum class Kind : int64_t { ReLU = 0, LeakyReLU = 1, Hardtanh = 2 };
+
+const char *layer_name(Kind kind) {
+    switch (kind) {
+        case Kind::ReLU: return "MemSaveReLU";
+        case Kind::LeakyReLU: return "MemSaveLeakyReLU";
+        default: return "MemSaveHardtanh/MemSaveReLU6";
+    }
+}
+
+void check_input(const at::Tensor &x) {
+    TORCH_CHECK(x.device().is_cpu() && x.layout() == at::kStrided,
+                "memsave native activation: expected a strided CPU tensor, got ", x.device());
+    TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kDouble,
+                "memsave native activation: expected float32 or float64, got ", x.scalar_type());
+    TORCH_CHECK(x.is_non_overlapping_and_dense(),
+                "memsave native activation: expected a dense tensor (contiguous in some order)");
+}
+
+uint64_t inf_bits(const at::Tensor &x) {
+    return x.scalar_type() == at::kDouble ? UINT64_C(0x7FF0000000000000) : UINT64_C(0x7F800000);
+}
+
+int threads() { return std::max(1, at::get_num_threads()); }
+
+void check_status(int status, const char *kernel) {
+    TORCH_CHECK(status == 0, "memsave native kernel ", kernel, " rejected its arguments");
+}
+
+// Forward: result (in place or fresh, with x's strides) and one packed bit per element.
+struct Activation : public torch::autograd::Function<Activation> {
+    static at::Tensor forward(AutogradContext *ctx, const at::Tensor &x, int64_t kind_id,
+                              double a, double b, double low, double high, bool inplace) {
+        check_input(x);
+        const Kind kind = static_cast<Kind>(kind_id);
+        at::Tensor y = inplace ? x : at::empty_like(x);
+        at::Tensor bits = at::empty({(x.numel() + 7) / 8}, x.options().dtype(at::kByte));
+        const int64_t n = x.numel();
+        const int size = static_cast<int>(x.element_size());
+        auto *bits_ptr = bits.data_ptr<uint8_t>();
+        if (kind == Kind::ReLU) {
+            check_status(memsave_relu_pack(x.const_data_ptr(), y.data_ptr(), bits_ptr, n, size,
+                                           inf_bits(x), threads()),
+                         "relu_pack");
+        } else if (kind == Kind::LeakyReLU) {
+            check_status(memsave_leaky_pack(x.const_data_ptr(), y.data_ptr(), bits_ptr, n, size,
+                                            a, threads()),
+                         "leaky_pack");
+        } else {
+            int held = 0;
+            check_status(memsave_hardtanh_pack(x.const_data_ptr(), y.data_ptr(), bits_ptr, n,
+                                               size, low, high, &held, threads()),
+                         "hardtanh_pack");
+            // The elements the kernel left as they were get stock's own clamp (native.py).
+            if (held) at::hardtanh_(y, a, b);
+        }
+        ctx->saved_data["kind"] = kind_id;
+        ctx->saved_data["slope"] = a;
+        ctx->saved_data["strides"] = x.strides().vec();
+        if (inplace) ctx->mark_dirty({x});
+        ctx->save_for_backward({bits});
+        return y;
+    }
+
+    static variable_list backward(AutogradContext *ctx, variable_list grads) {
+        const Kind kind = static_cast<Kind>(ctx->saved_data["kind"].toInt());
+        TORCH_CHECK(!at::GradMode::is_enabled(), layer_name(kind),
+                    " does not support double backward (create_graph=True): it does not keep the "
+                    "tensors a second derivative needs. Use the stock layer there "
+                    "(memsave_cli.layers.revert) for higher-order gradients.");
+        const at::Tensor bits = ctx->get_saved_variables()[0];
+        at::Tensor grad = grads[0];
+        const auto strides = ctx->saved_data["strides"].toIntVector();
+        if (grad.strides() != at::IntArrayRef(strides)) {
+            // The bits follow the input's memory order: bring the gradient into it.
+            grad = at::empty_strided(grad.sizes(), strides, grad.options()).copy_(grad);
+        }
+        check_input(grad);
+        at::Tensor grad_input = at::empty_like(grad);
+        const int64_t n = grad.numel();
+        const int size = static_cast<int>(grad.element_size());
+        if (kind == Kind::LeakyReLU) {
+            check_status(memsave_select_scale(grad.const_data_ptr(), bits.const_data_ptr<uint8_t>(),
+                                              grad_input.data_ptr(), n, size,
+                                              ctx->saved_data["slope"].toDouble(), threads()),
+                         "select_scale");
+        } else {
+            check_status(memsave_select_bits(grad.const_data_ptr(), bits.const_data_ptr<uint8_t>(),
+                                             grad_input.data_ptr(), n, size, 0, threads()),
+                         "select_bits");
+        }
+        return {grad_input,  at::Tensor(), at::Tensor(), at::Tensor(),
+                at::Tensor(), at::Tensor(), at::Tensor()};
+    }
+};
+
+at::Tensor activation(const at::Tensor &x, int64_t kind, double a, double b, double low,
+                      double high, bool inplace) {
+    return Activation::apply(x, kind, a, b, low, high, inplace);
+}
+
+}  // namespace
+
+TORCH_LIBRARY(memsave_native, m) {
+    m.def("activation(Tensor x, int kind, float a, float b, float low, float high, bool inplace)"
+          " -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(memsave_native, CompositeImplicitAutograd, m) {
+    m.impl("activation", &activation);
+}

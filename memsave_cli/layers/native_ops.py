@@ -1,0 +1,125 @@
+"""Autograd operators in C++ over the native kernels, for the eager CPU path of the activations.
+
+See NOTE [why the eager CPU path is an operator] in ``native_ops.cpp``. The source is compiled
+on first use, like ``native.c`` (NOTE [building the native kernels]), with the C++ compiler
+(``$CXX``, else ``c++``, ``g++`` or ``clang++``) against the installed torch's headers, and linked
+to the kernels' library; the cache key adds the torch version and location. Without a C++
+compiler or torch headers, with ``MEMSAVE_NATIVE=0`` or ``MEMSAVE_NATIVE_OPS=0``, or on any
+failure, :func:`available` is False, :func:`status` says why in one line, and the layers run
+their Python ``autograd.Function`` instead: the same results, more time per call.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from memsave_cli.layers import native_library
+
+#: The C++ source compiled on first use.
+SOURCE = Path(__file__).with_name("native_ops.cpp")
+
+#: ``kind`` argument of the activation operator (``Kind`` in the C++ source).
+RELU, LEAKY_RELU, HARDTANH = 0, 1, 2
+
+_LOCK = threading.Lock()
+_LOADED: list[tuple[Callable[..., Tensor] | None, str]] = []
+
+
+def _load() -> tuple[Callable[..., Tensor] | None, str]:
+    """The operator and a status line, or ``None`` and why not."""
+    if os.environ.get("MEMSAVE_NATIVE_OPS", "").strip() == "0":
+        return None, "native operators: disabled by MEMSAVE_NATIVE_OPS=0"
+    kernels = native_library.loaded()
+    if kernels.path is None:
+        return None, "native operators: need the native kernels, unavailable"
+    try:
+        path = native_library.build(_recipe(kernels.path))
+        torch.ops.load_library(str(path))
+        operator = torch.ops.memsave_native.activation.default
+    except native_library._Unavailable as error:
+        return None, f"native operators: {error}"
+    except Exception as error:  # any failure means the Python Functions, never an exception
+        return None, f"native operators: {type(error).__name__}: {error}"
+    return operator, f"native operators: loaded from {path}"
+
+
+def _recipe(kernels: Path) -> native_library.Recipe:
+    """How to build the operators against this torch and the kernels' library at ``kernels``."""
+    root = Path(torch.__file__).parent
+    include, lib = root / "include", root / "lib"
+    if not (include / "ATen" / "ATen.h").is_file():
+        raise native_library._Unavailable(f"torch C++ headers not found under {include}")
+    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+    flags = (
+        "-O2",
+        "-std=c++20",
+        "-shared",
+        "-fPIC",
+        f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
+        f"-I{include}",
+        f"-I{include / 'torch' / 'csrc' / 'api' / 'include'}",
+    )
+    link = (f"-L{lib}", "-ltorch", "-ltorch_cpu", "-lc10", str(kernels), f"-Wl,-rpath,{lib}")
+    key = f"{torch.__version__}:{root}".encode()
+    compilers = ("c++", "g++", "clang++")
+    return native_library.Recipe(
+        "memsave_native_ops_", (SOURCE,), "CXX", compilers, flags, link, key
+    )
+
+
+def _loaded() -> tuple[Callable[..., Tensor] | None, str]:
+    if not _LOADED:
+        with _LOCK:
+            if not _LOADED:
+                _LOADED.append(_load())
+    return _LOADED[0]
+
+
+def available() -> bool:
+    """Whether the operators are built and loaded (building them on the first call)."""
+    return _loaded()[0] is not None
+
+
+def status(*, build: bool = True) -> str:
+    """One line saying where the operators were loaded from, or why they are unavailable.
+
+    ``build=False`` answers without compiling (about 20 s): when they are neither loaded nor
+    cached, it says that they will be built on first use.
+    """
+    if build or _LOADED:
+        return _loaded()[1]
+    kernels = native_library.loaded()
+    if kernels.path is None or os.environ.get("MEMSAVE_NATIVE_OPS", "").strip() == "0":
+        return _loaded()[1]  # unavailable either way, and nothing to compile
+    try:
+        cached = native_library.cached(_recipe(kernels.path))
+    except native_library._Unavailable as error:
+        return f"native operators: {error}"
+    if cached is None:
+        return "native operators: not built yet (compiled on first use, about 20 s)"
+    return f"native operators: built at {cached}"
+
+
+def activation(
+    x: Tensor,
+    kind: int,
+    a: float = 0.0,
+    b: float = 0.0,
+    low: float = 0.0,
+    high: float = 0.0,
+    *,
+    inplace: bool,
+) -> Tensor:
+    """The activation ``kind`` of ``x`` (a dense float32/float64 CPU tensor), saving its 1-bit
+    mask: ``a`` is LeakyReLU's slope or Hardtanh's ``min_val`` (then ``b`` its ``max_val`` and
+    ``low``/``high`` the kernel bounds of ``activation.kernel_bounds``)."""
+    operator = _loaded()[0]
+    if operator is None:
+        raise RuntimeError(f"Native operators are unavailable: {status()}")
+    return operator(x, kind, a, b, low, high, inplace)
