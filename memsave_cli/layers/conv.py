@@ -23,6 +23,7 @@ from torch._prims_common import (
 )
 from torch.amp.autocast_mode import is_autocast_available
 
+from memsave_cli.layers import native_ops
 from memsave_cli.layers._backward import forbid_double_backward, shape_only
 from memsave_cli.layers._layout import is_dense, memory_format
 from memsave_cli.layers.registry import drop_in
@@ -279,11 +280,25 @@ def _convolve(x: Tensor, weight: Tensor, bias: Tensor | None, *params: object) -
     """Run ``_ConvFunction``, casting explicitly where autocast would cast a stock convolution."""
     device_type = x.device.type
     if not _autocast_enabled(device_type):
-        return _ConvFunction.apply(x, weight, bias, *params)
+        return _apply(x, weight, bias, *params)
     dtype = torch.get_autocast_dtype(device_type)
     x, weight, bias = (_autocast_cast(t, device_type, dtype) for t in (x, weight, bias))
     with torch.autocast(device_type, enabled=False):
+        return _apply(x, weight, bias, *params)
+
+
+def _apply(x: Tensor, weight: Tensor, bias: Tensor | None, *params: object) -> Tensor:
+    """``_ConvFunction``, or on eager CPU tensors its C++ twin, the native operator (NOTE [why
+    the eager CPU path is an operator] in ``native_ops.cpp``), given the stand-ins up front."""
+    eager = type(x) is Tensor and type(weight) in (Tensor, nn.Parameter)
+    dense_stand_ins = x.device.type in _DENSE_STAND_IN_DEVICES
+    if not (eager and dense_stand_ins and not torch.compiler.is_compiling()):
         return _ConvFunction.apply(x, weight, bias, *params)
+    if not native_ops.available():
+        return _ConvFunction.apply(x, weight, bias, *params)
+    x_stand_in = None if weight.requires_grad else _stand_in(x, _geometry(x))
+    weight_stand_in = None if x.requires_grad else _stand_in(weight, _geometry(weight))
+    return native_ops.convolution(x, weight, bias, *params, x_stand_in, weight_stand_in)
 
 
 def _batched(x: Tensor, n: int, run: Callable[[Tensor], Tensor]) -> Tensor:

@@ -17,8 +17,11 @@
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/library.h>
 
+#include <array>
 #include <cstdint>
+#include <optional>
 #include <string>
+#include <vector>
 
 extern "C" {
 int memsave_relu_pack(const void *x, void *out, uint8_t *bits, int64_t n, int size, uint64_t inf,
@@ -68,7 +71,7 @@ void check_status(int status, const char *kernel) {
 }
 
 // Forward: result (in place or fresh, with x's strides) and one packed bit per element.
-struct Activation : public torch::autograd::Function<Activation> {
+struct MemSaveActivation : public torch::autograd::Function<MemSaveActivation> {
     static at::Tensor forward(AutogradContext *ctx, const at::Tensor &x, int64_t kind_id,
                               double a, double b, double low, double high, bool inplace) {
         check_input(x);
@@ -136,7 +139,75 @@ struct Activation : public torch::autograd::Function<Activation> {
 
 at::Tensor activation(const at::Tensor &x, int64_t kind, double a, double b, double low,
                       double high, bool inplace) {
-    return Activation::apply(x, kind, a, b, low, high, inplace);
+    return MemSaveActivation::apply(x, kind, a, b, low, high, inplace);
+}
+
+// Convolution saving the input only if the weight needs a gradient and the weight only if the
+// input does (NOTE [what a convolution's backward needs] in conv.py). In place of a dropped
+// tensor, backward hands ATen the stand-in conv.py made for it (NOTE [stand-ins for dropped
+// tensors]): the kernel reads only its shape and layout.
+struct MemSaveConvolution : public torch::autograd::Function<MemSaveConvolution> {
+    static at::Tensor forward(AutogradContext *ctx, const at::Tensor &x, const at::Tensor &weight,
+                              const std::optional<at::Tensor> &bias, std::vector<int64_t> stride,
+                              std::vector<int64_t> padding, std::vector<int64_t> dilation,
+                              bool transposed, std::vector<int64_t> output_padding, int64_t groups,
+                              const std::optional<at::Tensor> &x_stand_in,
+                              const std::optional<at::Tensor> &weight_stand_in) {
+        // Edges exist only for defined tensors, so the mask comes from the arguments themselves.
+        const bool need_x = x.requires_grad(), need_weight = weight.requires_grad();
+        const bool need_bias = bias.has_value() && bias->requires_grad();
+        TORCH_CHECK(need_weight || x_stand_in.has_value(), "memsave convolution: no input stand-in");
+        TORCH_CHECK(need_x || weight_stand_in.has_value(),
+                    "memsave convolution: no weight stand-in");
+        ctx->save_for_backward({need_weight ? x : at::Tensor(), need_x ? weight : at::Tensor()});
+        if (!need_weight) ctx->saved_data["x_stand_in"] = *x_stand_in;
+        if (!need_x) ctx->saved_data["weight_stand_in"] = *weight_stand_in;
+        if (bias.has_value()) ctx->saved_data["bias_sizes"] = bias->sizes().vec();
+        ctx->saved_data["mask"] = std::vector<bool>{need_x, need_weight, need_bias};
+        ctx->saved_data["stride"] = stride;
+        ctx->saved_data["padding"] = padding;
+        ctx->saved_data["dilation"] = dilation;
+        ctx->saved_data["transposed"] = transposed;
+        ctx->saved_data["output_padding"] = output_padding;
+        ctx->saved_data["groups"] = groups;
+        ctx->saved_data["layer"] = std::string("MemSaveConv") + (transposed ? "Transpose" : "") +
+                                   std::to_string(x.dim() - 2) + "d";
+        return at::convolution(x, weight, bias, stride, padding, dilation, transposed,
+                               output_padding, groups);
+    }
+
+    static variable_list backward(AutogradContext *ctx, variable_list grads) {
+        auto &data = ctx->saved_data;
+        TORCH_CHECK(!at::GradMode::is_enabled(), data["layer"].toStringRef(),
+                    " does not support double backward (create_graph=True): it does not keep the "
+                    "tensors a second derivative needs. Use the stock layer there "
+                    "(memsave_cli.layers.revert) for higher-order gradients.");
+        const auto saved = ctx->get_saved_variables();
+        const at::Tensor x = saved[0].defined() ? saved[0] : data["x_stand_in"].toTensor();
+        const at::Tensor weight = saved[1].defined() ? saved[1] : data["weight_stand_in"].toTensor();
+        std::optional<std::vector<int64_t>> bias_sizes;
+        if (data.count("bias_sizes")) bias_sizes = data["bias_sizes"].toIntVector();
+        const auto need = data["mask"].toBoolList();
+        const std::array<bool, 3> mask = {need[0], need[1], need[2]};
+        auto [grad_x, grad_weight, grad_bias] = at::convolution_backward(
+            grads[0], x, weight, bias_sizes ? at::OptionalIntArrayRef(*bias_sizes) : std::nullopt,
+            data["stride"].toIntVector(), data["padding"].toIntVector(),
+            data["dilation"].toIntVector(), data["transposed"].toBool(),
+            data["output_padding"].toIntVector(), data["groups"].toInt(), mask);
+        return {grad_x,       grad_weight,  grad_bias,    at::Tensor(), at::Tensor(), at::Tensor(),
+                at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+    }
+};
+
+at::Tensor convolution(const at::Tensor &x, const at::Tensor &weight,
+                       const std::optional<at::Tensor> &bias, at::IntArrayRef stride,
+                       at::IntArrayRef padding, at::IntArrayRef dilation, bool transposed,
+                       at::IntArrayRef output_padding, int64_t groups,
+                       const std::optional<at::Tensor> &x_stand_in,
+                       const std::optional<at::Tensor> &weight_stand_in) {
+    return MemSaveConvolution::apply(x, weight, bias, stride.vec(), padding.vec(), dilation.vec(),
+                              transposed, output_padding.vec(), groups, x_stand_in,
+                              weight_stand_in);
 }
 
 }  // namespace
@@ -144,8 +215,12 @@ at::Tensor activation(const at::Tensor &x, int64_t kind, double a, double b, dou
 TORCH_LIBRARY(memsave_native, m) {
     m.def("activation(Tensor x, int kind, float a, float b, float low, float high, bool inplace)"
           " -> Tensor");
+    m.def("convolution(Tensor x, Tensor weight, Tensor? bias, int[] stride, int[] padding,"
+          " int[] dilation, bool transposed, int[] output_padding, int groups,"
+          " Tensor? x_stand_in, Tensor? weight_stand_in) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(memsave_native, CompositeImplicitAutograd, m) {
     m.impl("activation", &activation);
+    m.impl("convolution", &convolution);
 }

@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -27,12 +28,20 @@ SOURCE = Path(__file__).with_name("native_ops.cpp")
 #: ``kind`` argument of the activation operator (``Kind`` in the C++ source).
 RELU, LEAKY_RELU, HARDTANH = 0, 1, 2
 
+
+class _Operators(NamedTuple):
+    """The loaded operators, bound once (a ``torch.ops`` lookup costs microseconds per call)."""
+
+    activation: Callable[..., Tensor]
+    convolution: Callable[..., Tensor]
+
+
 _LOCK = threading.Lock()
-_LOADED: list[tuple[Callable[..., Tensor] | None, str]] = []
+_LOADED: list[tuple[_Operators | None, str]] = []
 
 
-def _load() -> tuple[Callable[..., Tensor] | None, str]:
-    """The operator and a status line, or ``None`` and why not."""
+def _load() -> tuple[_Operators | None, str]:
+    """The operators' namespace and a status line, or ``None`` and why not."""
     if os.environ.get("MEMSAVE_NATIVE_OPS", "").strip() == "0":
         return None, "native operators: disabled by MEMSAVE_NATIVE_OPS=0"
     kernels = native_library.loaded()
@@ -41,12 +50,13 @@ def _load() -> tuple[Callable[..., Tensor] | None, str]:
     try:
         path = native_library.build(_recipe(kernels.path))
         torch.ops.load_library(str(path))
-        operator = torch.ops.memsave_native.activation.default
+        namespace = torch.ops.memsave_native
+        operators = _Operators(namespace.activation.default, namespace.convolution.default)
     except native_library._Unavailable as error:
         return None, f"native operators: {error}"
     except Exception as error:  # any failure means the Python Functions, never an exception
         return None, f"native operators: {type(error).__name__}: {error}"
-    return operator, f"native operators: loaded from {path}"
+    return operators, f"native operators: loaded from {path}"
 
 
 def _recipe(kernels: Path) -> native_library.Recipe:
@@ -73,7 +83,7 @@ def _recipe(kernels: Path) -> native_library.Recipe:
     )
 
 
-def _loaded() -> tuple[Callable[..., Tensor] | None, str]:
+def _loaded() -> tuple[_Operators | None, str]:
     if not _LOADED:
         with _LOCK:
             if not _LOADED:
@@ -119,7 +129,42 @@ def activation(
     """The activation ``kind`` of ``x`` (a dense float32/float64 CPU tensor), saving its 1-bit
     mask: ``a`` is LeakyReLU's slope or Hardtanh's ``min_val`` (then ``b`` its ``max_val`` and
     ``low``/``high`` the kernel bounds of ``activation.kernel_bounds``)."""
-    operator = _loaded()[0]
-    if operator is None:
+    return _operators().activation(x, kind, a, b, low, high, inplace)
+
+
+def convolution(
+    x: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    stride: Sequence[int],
+    padding: Sequence[int],
+    dilation: Sequence[int],
+    transposed: bool,
+    output_padding: Sequence[int],
+    groups: int,
+    x_stand_in: Tensor | None,
+    weight_stand_in: Tensor | None,
+) -> Tensor:
+    """``aten.convolution`` saving ``x`` only if ``weight`` requires grad and vice versa; the
+    stand-in of each tensor not saved (``conv._stand_in``) takes its place in backward."""
+    return _operators().convolution(
+        x,
+        weight,
+        bias,
+        stride,
+        padding,
+        dilation,
+        transposed,
+        output_padding,
+        groups,
+        x_stand_in,
+        weight_stand_in,
+    )
+
+
+def _operators() -> _Operators:
+    """The loaded operators' namespace; raises when they are unavailable."""
+    operators = _loaded()[0]
+    if operators is None:
         raise RuntimeError(f"Native operators are unavailable: {status()}")
-    return operator(x, kind, a, b, low, high, inplace)
+    return operators

@@ -35,6 +35,17 @@ def activation_paths(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyP
     return request.param
 
 
+@pytest.fixture(params=["operators", "functions"])
+def operator_paths(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Run a test with the C++ autograd operators (where built) and with the Python Functions
+    they replace on eager CPU tensors."""
+    if request.param == "functions":
+        monkeypatch.setattr(native_ops, "available", lambda: False)
+    elif not native_ops.available():
+        pytest.skip(native_ops.status())
+    return request.param
+
+
 @pytest.fixture
 def native_calls(monkeypatch: pytest.MonkeyPatch) -> Callable[..., list[str]]:
     """``native_calls(*names)``: a list that records, in order, each call of those kernels."""

@@ -59,7 +59,7 @@ def test_disabled_by_environment() -> None:
     assert result.returncode == 0, result.stderr
     available, status, node = result.stdout.splitlines()
     assert (available, status) == ("False", "native operators: disabled by MEMSAVE_NATIVE_OPS=0")
-    assert "Activation" not in node
+    assert "MemSaveActivation" not in node
 
 
 @pytest.fixture
@@ -95,7 +95,7 @@ def test_broken_cxx_compiler_falls_back_to_the_functions(
     assert native_ops.status().startswith(f"native operators: {reason}"), native_ops.status()
     assert "\n" not in native_ops.status()
     assert capfd.readouterr() == ("", "")
-    assert "Activation" not in y.grad_fn.name()
+    assert "MemSaveActivation" not in y.grad_fn.name()
     torch.testing.assert_close(memsave_input.grad, stock_input.grad, rtol=0, atol=0)
     with pytest.raises(RuntimeError, match=reason):
         native_ops.activation(x, native_ops.RELU, inplace=False)
@@ -137,6 +137,6 @@ def test_gradient_laid_out_unlike_the_input(layers: tuple[nn.Module, nn.Module])
     stock_input, memsave_input = x.clone().requires_grad_(), x.clone().requires_grad_()
     stock(stock_input).backward(grad)
     y = memsave(memsave_input)
-    assert "Activation" in y.grad_fn.name()
+    assert "MemSaveActivation" in y.grad_fn.name()
     y.backward(grad)
     torch.testing.assert_close(memsave_input.grad, stock_input.grad, rtol=0, atol=0)
