@@ -298,7 +298,7 @@ def _apply(x: Tensor, weight: Tensor, bias: Tensor | None, *params: object) -> T
         return _ConvFunction.apply(x, weight, bias, *params)
     x_stand_in = None if weight.requires_grad else _stand_in(x, _geometry(x))
     weight_stand_in = None if x.requires_grad else _stand_in(weight, _geometry(weight))
-    return native_ops.convolution(x, weight, bias, *params, x_stand_in, weight_stand_in)
+    return native_ops.convolution(x, weight, bias, params, x_stand_in, weight_stand_in)
 
 
 def _batched(x: Tensor, n: int, run: Callable[[Tensor], Tensor]) -> Tensor:

@@ -136,30 +136,14 @@ def convolution(
     x: Tensor,
     weight: Tensor,
     bias: Tensor | None,
-    stride: Sequence[int],
-    padding: Sequence[int],
-    dilation: Sequence[int],
-    transposed: bool,
-    output_padding: Sequence[int],
-    groups: int,
+    params: Sequence[object],
     x_stand_in: Tensor | None,
     weight_stand_in: Tensor | None,
 ) -> Tensor:
-    """``aten.convolution`` saving ``x`` only if ``weight`` requires grad and vice versa; the
-    stand-in of each tensor not saved (``conv._stand_in``) takes its place in backward."""
-    return _operators().convolution(
-        x,
-        weight,
-        bias,
-        stride,
-        padding,
-        dilation,
-        transposed,
-        output_padding,
-        groups,
-        x_stand_in,
-        weight_stand_in,
-    )
+    """``aten.convolution(x, weight, bias, *params)`` saving ``x`` only if ``weight`` requires
+    grad and vice versa; the stand-in of each tensor not saved (``conv._stand_in``) takes its
+    place in backward."""
+    return _operators().convolution(x, weight, bias, *params, x_stand_in, weight_stand_in)
 
 
 def _operators() -> _Operators:
