@@ -296,8 +296,9 @@ def _apply(x: Tensor, weight: Tensor, bias: Tensor | None, *params: object) -> T
         return _ConvFunction.apply(x, weight, bias, *params)
     if not native_ops.available():
         return _ConvFunction.apply(x, weight, bias, *params)
+    # ``x`` gives both stand-ins dtype and device (a weight, a Parameter, would read as traced).
     x_stand_in = None if weight.requires_grad else _stand_in(x, _geometry(x))
-    weight_stand_in = None if x.requires_grad else _stand_in(weight, _geometry(weight))
+    weight_stand_in = None if x.requires_grad else _stand_in(x, _geometry(weight))
     return native_ops.convolution(x, weight, bias, params, x_stand_in, weight_stand_in)
 
 
