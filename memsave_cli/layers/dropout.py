@@ -28,6 +28,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor, nn
 
+from memsave_cli.layers import native_ops
 from memsave_cli.layers._backward import forbid_double_backward
 from memsave_cli.layers.registry import drop_in
 
@@ -112,6 +113,8 @@ def _noise_shape(input: Tensor, feature: bool) -> list[int]:
     """Shape of the noise: the input's for element dropout, ``(N, C, 1, ...)`` for feature."""
     if not feature:
         return list(input.shape)
+    if input.dim() < 2:
+        raise RuntimeError("Feature dropout requires at least 2 dimensions in the input")
     return [input.shape[0], input.shape[1]] + [1] * (input.dim() - 2)
 
 
@@ -158,9 +161,23 @@ def seeded_dropout(
     """
     if not 0.0 < p < 1.0:
         raise ValueError(f"seeded_dropout needs 0 < p < 1, got {p}")
-    if feature and input.dim() < 2:
-        raise RuntimeError("Feature dropout requires at least 2 dimensions in the input")
     return SeededDropout.apply(input, seed, p, _noise_shape(input, feature), inplace)
+
+
+def _drop(input: Tensor, p: float, *, feature: bool, inplace: bool) -> Tensor:
+    """Seeded dropout with a fresh seed: on eager CPU tensors the native operator (NOTE [why the
+    eager CPU path is an operator] in ``native_ops.cpp``), which draws the seed and builds the
+    noise with the same calls as this module, else :func:`seeded_dropout`."""
+    operator_ready = (
+        type(input) is Tensor
+        and input.device.type == "cpu"
+        and input.dtype in _SAME_SIZE_INT
+        and not torch.compiler.is_compiling()
+        and native_ops.available()
+    )
+    if not operator_ready:
+        return seeded_dropout(input, draw_seed(), p, feature=feature, inplace=inplace)
+    return native_ops.dropout(input, p, _noise_shape(input, feature), inplace)
 
 
 def _needs_memsave(input: Tensor, p: float, training: bool) -> bool:
@@ -184,7 +201,7 @@ def dropout(input: Tensor, p: float = 0.5, training: bool = True, inplace: bool 
     _check_p(p)
     if not _needs_memsave(input, p, training):
         return nn.functional.dropout(input, p, training, inplace)
-    return seeded_dropout(input, draw_seed(), p, inplace=inplace)
+    return _drop(input, p, feature=False, inplace=inplace)
 
 
 def _feature_dropout(input: Tensor, p: float, training: bool, inplace: bool) -> Tensor:
@@ -193,7 +210,7 @@ def _feature_dropout(input: Tensor, p: float, training: bool, inplace: bool) -> 
         if inplace:
             return torch.feature_dropout_(input, p, training)
         return torch.feature_dropout(input, p, training)
-    return seeded_dropout(input, draw_seed(), p, feature=True, inplace=inplace)
+    return _drop(input, p, feature=True, inplace=inplace)
 
 
 def _unbatched_feature_dropout(input: Tensor, p: float, training: bool, inplace: bool) -> Tensor:

@@ -13,12 +13,16 @@
 // built from native.c, whose exported kernels it calls.
 
 #include <ATen/ATen.h>
+#include <ATen/CPUGeneratorImpl.h>
 #include <ATen/Parallel.h>
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/library.h>
 
 #include <array>
+#include <cmath>
 #include <cstdint>
+#include <limits>
+#include <mutex>
 #include <optional>
 #include <string>
 #include <vector>
@@ -210,6 +214,98 @@ at::Tensor convolution(const at::Tensor &x, const at::Tensor &weight,
                               weight_stand_in);
 }
 
+// Dropout saving an 8-byte seed and regenerating its noise in backward, bitwise as dropout.py
+// (NOTE [regenerated dropout masks]): the seed is drawn with the same call, and the noise takes
+// the same random words from a generator seeded with it. dropout.py draws them with
+// ``random_`` over int64 (one ``random64()`` per word, in order, under the generator's lock)
+// and compares each word's two int32 halves, low first; here they are compared as drawn, and
+// each element is written as 0 or the scale in one pass, with no word buffer.
+constexpr int64_t kSeedBound = int64_t(1) << 62;
+
+// Branch-free: a kept element gets the scale's bits, a dropped one all-zero bits (+0.0); with
+// random words a branch would be mispredicted for every other element at p = 0.5.
+template <typename bits_t>
+void fill_noise(bits_t *out, int64_t n, at::CPUGeneratorImpl *generator, int32_t threshold,
+                bits_t scale) {
+    std::lock_guard<std::mutex> lock(generator->mutex_);
+    const auto select = [&](uint32_t half) {
+        return static_cast<bits_t>(scale & (bits_t(0) - bits_t(static_cast<int32_t>(half) < threshold)));
+    };
+    const int64_t pairs = n / 2;
+    for (int64_t i = 0; i < pairs; ++i) {
+        const uint64_t word = generator->random64();
+        out[2 * i] = select(static_cast<uint32_t>(word));
+        out[2 * i + 1] = select(static_cast<uint32_t>(word >> 32));
+    }
+    if (n % 2) out[n - 1] = select(static_cast<uint32_t>(generator->random64()));
+}
+
+at::Tensor dropout_noise(const at::Tensor &like, int64_t seed, double p, at::IntArrayRef shape) {
+    auto generator = at::make_generator<at::CPUGeneratorImpl>();
+    generator.set_current_seed(static_cast<uint64_t>(seed));
+    const double keep_count = std::min(std::nearbyint((1.0 - p) * 4294967296.0), 4294967295.0);
+    const auto threshold =
+        static_cast<int32_t>(static_cast<int64_t>(keep_count) - (int64_t(1) << 31));
+    // ``1 / (1 - p)`` rounded as stock's ``noise.div_(1 - p)`` rounds it in this dtype.
+    const at::Tensor scale = at::ones({}, like.options()).div_(1.0 - p);
+    at::Tensor noise = at::empty(shape, like.options());
+    auto *engine = generator.get<at::CPUGeneratorImpl>();
+    const int64_t n = noise.numel();
+    switch (like.element_size()) {
+        case 8:
+            fill_noise<uint64_t>(static_cast<uint64_t *>(noise.data_ptr()), n, engine, threshold,
+                                 scale.view(at::kLong).item<int64_t>());
+            break;
+        case 4:
+            fill_noise<uint32_t>(static_cast<uint32_t *>(noise.data_ptr()), n, engine, threshold,
+                                 static_cast<uint32_t>(scale.view(at::kInt).item<int32_t>()));
+            break;
+        default:
+            fill_noise<uint16_t>(static_cast<uint16_t *>(noise.data_ptr()), n, engine, threshold,
+                                 static_cast<uint16_t>(scale.view(at::kShort).item<int16_t>()));
+    }
+    return noise;
+}
+
+struct MemSaveDropout : public torch::autograd::Function<MemSaveDropout> {
+    static at::Tensor forward(AutogradContext *ctx, const at::Tensor &x, double p,
+                              std::vector<int64_t> noise_shape, bool inplace) {
+        const at::ScalarType dtype = x.scalar_type();
+        TORCH_CHECK(x.device().is_cpu() && (dtype == at::kFloat || dtype == at::kDouble ||
+                                            dtype == at::kHalf || dtype == at::kBFloat16),
+                    "memsave native dropout: expected a floating-point CPU tensor, got ", dtype,
+                    " on ", x.device());
+        const at::Tensor seed = at::randint(kSeedBound, {}, at::TensorOptions().dtype(at::kLong));
+        ctx->saved_data["p"] = p;
+        ctx->saved_data["noise_shape"] = noise_shape;
+        ctx->save_for_backward({seed});
+        const at::Tensor noise = dropout_noise(x, seed.item<int64_t>(), p, noise_shape);
+        if (!inplace) return at::mul(x, noise);
+        ctx->mark_dirty({x});
+        return x.mul_(noise);
+    }
+
+    static variable_list backward(AutogradContext *ctx, variable_list grads) {
+        TORCH_CHECK(!at::GradMode::is_enabled(),
+                    "MemSaveDropout does not support double backward (create_graph=True): it does "
+                    "not keep the tensors a second derivative needs. Use the stock layer there "
+                    "(memsave_cli.layers.revert) for higher-order gradients.");
+        const int64_t seed = ctx->get_saved_variables()[0].item<int64_t>();
+        const at::Tensor &grad = grads[0];
+        const auto shape = ctx->saved_data["noise_shape"].toIntVector();
+        at::Tensor noise = dropout_noise(grad, seed, ctx->saved_data["p"].toDouble(), shape);
+        // Element dropout: the fresh noise becomes the gradient, nothing else is allocated.
+        at::Tensor grad_input = noise.sizes() == grad.sizes() && grad.is_contiguous()
+                                    ? noise.mul_(grad)
+                                    : at::mul(grad, noise);
+        return {grad_input, at::Tensor(), at::Tensor(), at::Tensor()};
+    }
+};
+
+at::Tensor dropout(const at::Tensor &x, double p, at::IntArrayRef noise_shape, bool inplace) {
+    return MemSaveDropout::apply(x, p, noise_shape.vec(), inplace);
+}
+
 }  // namespace
 
 TORCH_LIBRARY(memsave_native, m) {
@@ -218,9 +314,11 @@ TORCH_LIBRARY(memsave_native, m) {
     m.def("convolution(Tensor x, Tensor weight, Tensor? bias, int[] stride, int[] padding,"
           " int[] dilation, bool transposed, int[] output_padding, int groups,"
           " Tensor? x_stand_in, Tensor? weight_stand_in) -> Tensor");
+    m.def("dropout(Tensor x, float p, int[] noise_shape, bool inplace) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(memsave_native, CompositeImplicitAutograd, m) {
     m.impl("activation", &activation);
     m.impl("convolution", &convolution);
+    m.impl("dropout", &dropout);
 }

@@ -34,6 +34,7 @@ class _Operators(NamedTuple):
 
     activation: Callable[..., Tensor]
     convolution: Callable[..., Tensor]
+    dropout: Callable[..., Tensor]
 
 
 _LOCK = threading.Lock()
@@ -51,7 +52,9 @@ def _load() -> tuple[_Operators | None, str]:
         path = native_library.build(_recipe(kernels.path))
         torch.ops.load_library(str(path))
         namespace = torch.ops.memsave_native
-        operators = _Operators(namespace.activation.default, namespace.convolution.default)
+        operators = _Operators(
+            namespace.activation.default, namespace.convolution.default, namespace.dropout.default
+        )
     except native_library._Unavailable as error:
         return None, f"native operators: {error}"
     except Exception as error:  # any failure means the Python Functions, never an exception
@@ -144,6 +147,13 @@ def convolution(
     grad and vice versa; the stand-in of each tensor not saved (``conv._stand_in``) takes its
     place in backward."""
     return _operators().convolution(x, weight, bias, *params, x_stand_in, weight_stand_in)
+
+
+def dropout(x: Tensor, p: float, noise_shape: Sequence[int], inplace: bool) -> Tensor:
+    """Dropout of a floating-point CPU ``x`` with probability ``0 < p < 1`` and noise of
+    ``noise_shape``, saving an 8-byte seed: ``dropout.seeded_dropout(x, dropout.draw_seed(), p,
+    ...)`` bit for bit, the global generator advanced alike."""
+    return _operators().dropout(x, p, noise_shape, inplace)
 
 
 def _operators() -> _Operators:
