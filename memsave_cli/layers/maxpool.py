@@ -241,6 +241,12 @@ class MaxPoolWithOffsets(torch.autograd.Function):
         ctx.input_shape = tuple(x.shape)
         ctx.layout = layout = memory_format(x)
         nd = len(kernel)
+        ctx.window = _two_wide_window(x, args)
+        if ctx.window is not None:
+            out, offsets = _two_wide_pool(x, nd, ctx.window, args)
+            ctx.mark_non_differentiable(offsets)
+            ctx.save_for_backward(offsets)
+            return out, offsets
         x = x.contiguous(memory_format=layout)
         pool, _ = _KERNELS[nd]
         # The whole output is allocated once; blocks write into slices of it.
@@ -266,6 +272,14 @@ class MaxPoolWithOffsets(torch.autograd.Function):
         forbid_double_backward("MemSaveMaxPool")
         (offsets,) = ctx.saved_tensors
         nd = len(ctx.args[0])
+        if ctx.window is not None:
+            # Deliberate: the gradient itself, every element written by the kernel.
+            grad_input = grad_output.new_empty(ctx.input_shape)
+            planes = _planes(grad_input, nd)
+            native.max_pool2_backward(
+                _planes(grad_output.contiguous(), nd), _planes(offsets, nd), planes, ctx.window
+            )
+            return grad_input, None, None, None, None, None
         _, pool_backward = _KERNELS[nd]
         # 2d: the gradient is laid out like the input, as stock lays it out. 3d: ATen's out= kernel
         # restrides a channels-last-3d gradient to contiguous, which a block slice cannot follow.
@@ -283,6 +297,44 @@ class MaxPoolWithOffsets(torch.autograd.Function):
             like = shape_only(go_block, gi_block.shape)
             pool_backward(go_block, like, *ctx.args, indices, grad_input=gi_block)
         return grad_input, None, None, None, None, None
+
+
+def _two_wide_window(x: Tensor, args: tuple) -> tuple[int, int] | None:
+    """``(kd, kh)`` where the fused 2-wide kernels pool ``x`` (NOTE [2-wide max pooling] in
+    ``native.c``): contiguous float32 on CPU, window = stride, 2 wide and 1 or 2 high and deep,
+    no padding, dilation or ceil mode; else None."""
+    kernel, stride, padding, dilation, ceil_mode = args
+    window = (1, *kernel)[-3:]
+    fits = (
+        tuple(kernel) == tuple(stride)
+        and window[-1] == 2
+        and window[0] in (1, 2)
+        and window[1] in (1, 2)
+        and not any(padding)
+        and all(d == 1 for d in dilation)
+        and not ceil_mode
+    )
+    if not fits or x.dtype != torch.float32 or not _is_chunked(x) or not x.is_contiguous():
+        return None
+    if not native.available() or native.flushes_denormals():
+        return None
+    return window[0], window[1]
+
+
+def _planes(t: Tensor, nd: int) -> Tensor:
+    """A contiguous pooling tensor as ``(planes, D, H, W)`` (``D = 1`` for 2d pooling)."""
+    inner = t.shape[t.dim() - nd :]
+    return t.view(-1, *([1] * (3 - nd)), *inner)
+
+
+def _two_wide_pool(
+    x: Tensor, nd: int, window: tuple[int, int], args: tuple
+) -> tuple[Tensor, Tensor]:
+    """The output and int8 window offsets of the fused 2-wide max pooling of ``x``."""
+    out = x.new_empty(_output_shape(x, nd, args))
+    offsets = torch.empty_like(out, dtype=torch.int8)
+    native.max_pool2(_planes(x, nd), _planes(out, nd), _planes(offsets, nd), window)
+    return out, offsets
 
 
 def _output_shape(x: Tensor, nd: int, args: tuple) -> list[int]:

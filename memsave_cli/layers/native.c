@@ -904,3 +904,230 @@ int memsave_to_indices(const void *offsets, int size, const int64_t *table, cons
     parallel(fn, &args, n, nthreads);
     return 0;
 }
+
+/* ------------------------------------------------------------------------------------------ */
+/* Max pooling over non-overlapping 2-wide windows, straight to window offsets.
+ *
+ * NOTE [2-wide max pooling]: for float32 pooling whose window equals its stride, is 2 along the
+ * width and 1 or 2 along height and depth, with no padding or dilation, on contiguous planes,
+ * forward writes the maxima and their window offsets in one pass, and backward writes the whole
+ * input gradient in one pass, with no int64 indices in between. The results are ATen's bit for
+ * bit: its CPU kernels scan a window in (depth, height, width) order from -inf and take an element
+ * when `val > max || isnan(val)`, which is what the loops below do starting from the first
+ * element; its backward adds each gradient to a zeroed input gradient, and as these windows do not
+ * overlap every input element receives at most one `0 + grad` (so -0 becomes +0, as there).
+ * Work is split by output rows: a row's maxima need 2 input rows per depth slice. */
+
+struct pool2_args {
+    const float *x;      /* forward input, or backward output gradient */
+    float *out;          /* forward output, or backward input gradient */
+    int8_t *offsets;
+    int64_t in_depth, in_height, in_width;
+    int64_t out_depth, out_height, out_width;
+    int kd, kh;          /* window depth and height, 1 or 2; the width is 2 */
+};
+
+/* Scalar forward of outputs [from, to) of one output row, given its input row starts. */
+static void pool2_forward_tail(const float *const *rows, int nrows, float *out, int8_t *offsets,
+                               int64_t from, int64_t to) {
+    for (int64_t o = from; o < to; o++) {
+        float best = rows[0][2 * o];
+        int k = 0;
+        for (int r = 0; r < nrows; r++) {
+            for (int w = 0; w < 2; w++) {
+                float v = rows[r][2 * o + w];
+                if (v > best || v != v) {
+                    best = v;
+                    k = 2 * r + w;
+                }
+            }
+        }
+        out[o] = best;
+        offsets[o] = (int8_t)k;
+    }
+}
+
+/* Row r of the output: its plane, depth and height index, and the input rows of its windows. */
+static int pool2_rows(const struct pool2_args *a, const float *base, int64_t r, int64_t stride,
+                      const float **rows) {
+    int64_t oh = r % a->out_height, rest = r / a->out_height;
+    int64_t od = rest % a->out_depth, plane = rest / a->out_depth;
+    int n = 0;
+    for (int d = 0; d < a->kd; d++) {
+        for (int h = 0; h < a->kh; h++) {
+            int64_t id = od * a->kd + d, ih = oh * a->kh + h;
+            rows[n++] = base + ((plane * a->in_depth + id) * a->in_height + ih) * stride;
+        }
+    }
+    return n;
+}
+
+static void pool2_forward(const void *raw, int64_t begin, int64_t end) {
+    const struct pool2_args *a = (const struct pool2_args *)raw;
+    const int64_t ow = a->out_width;
+    for (int64_t r = (begin + ow - 1) / ow; r * ow < end; r++) {
+        const float *rows[4];
+        int n = pool2_rows(a, a->x, r, a->in_width, rows);
+        pool2_forward_tail(rows, n, a->out + r * ow, a->offsets + r * ow, 0, ow);
+    }
+}
+
+/* Scalar backward of one output row: writes both input columns of each window in every row. */
+static void pool2_backward_tail(float *const *rows, int nrows, const float *grad,
+                                const int8_t *offsets, int64_t from, int64_t to) {
+    for (int64_t o = from; o < to; o++) {
+        float g = 0.0f + grad[o];
+        for (int r = 0; r < nrows; r++) {
+            rows[r][2 * o] = offsets[o] == 2 * r ? g : 0.0f;
+            rows[r][2 * o + 1] = offsets[o] == 2 * r + 1 ? g : 0.0f;
+        }
+    }
+}
+
+/* Input elements no window covers (an odd last column, rows or slices past the last window) get
+ * a zero gradient, written by the thread that handles the last output row next to them. */
+static void pool2_zero_uncovered(const struct pool2_args *a, int64_t r, float *const *rows,
+                                 int nrows) {
+    const int64_t iw = a->in_width, ih = a->in_height;
+    if (iw > 2 * a->out_width) {
+        for (int k = 0; k < nrows; k++) memset(rows[k] + 2 * a->out_width, 0,
+                                               (size_t)(iw - 2 * a->out_width) * sizeof(float));
+    }
+    int64_t oh = r % a->out_height, rest = r / a->out_height;
+    if (oh != a->out_height - 1) return;
+    int64_t od = rest % a->out_depth, plane = rest / a->out_depth;
+    int64_t covered_h = a->out_height * a->kh;
+    for (int d = 0; d < a->kd; d++) {
+        int64_t id = od * a->kd + d;
+        float *slice = a->out + (plane * a->in_depth + id) * ih * iw;
+        memset(slice + covered_h * iw, 0, (size_t)((ih - covered_h) * iw) * sizeof(float));
+    }
+    int64_t covered_d = a->out_depth * a->kd;
+    if (od == a->out_depth - 1 && covered_d < a->in_depth) {
+        float *rest_slices = a->out + (plane * a->in_depth + covered_d) * ih * iw;
+        memset(rest_slices, 0, (size_t)((a->in_depth - covered_d) * ih * iw) * sizeof(float));
+    }
+}
+
+static void pool2_backward(const void *raw, int64_t begin, int64_t end) {
+    const struct pool2_args *a = (const struct pool2_args *)raw;
+    const int64_t ow = a->out_width;
+    for (int64_t r = (begin + ow - 1) / ow; r * ow < end; r++) {
+        float *rows[4];
+        int n = pool2_rows(a, a->out, r, a->in_width, (const float **)rows);
+        pool2_backward_tail(rows, n, a->x + r * ow, a->offsets + r * ow, 0, ow);
+        pool2_zero_uncovered(a, r, rows, n);
+    }
+}
+
+#ifdef MEMSAVE_X86
+/* Even and odd elements of 16 consecutive floats. */
+AVX2 static void deinterleave(const float *p, __m256 *even, __m256 *odd) {
+    __m256 lo = _mm256_loadu_ps(p), hi = _mm256_loadu_ps(p + 8);
+    __m256 e = _mm256_shuffle_ps(lo, hi, _MM_SHUFFLE(2, 0, 2, 0));
+    __m256 o = _mm256_shuffle_ps(lo, hi, _MM_SHUFFLE(3, 1, 3, 1));
+    *even = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(e), _MM_SHUFFLE(3, 1, 2, 0)));
+    *odd = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(o), _MM_SHUFFLE(3, 1, 2, 0)));
+}
+
+/* The inverse: 16 consecutive floats from their even and odd elements. */
+AVX2 static void interleave(float *p, __m256 even, __m256 odd) {
+    __m256 lo = _mm256_unpacklo_ps(even, odd), hi = _mm256_unpackhi_ps(even, odd);
+    _mm256_storeu_ps(p, _mm256_permute2f128_ps(lo, hi, 0x20));
+    _mm256_storeu_ps(p + 8, _mm256_permute2f128_ps(lo, hi, 0x31));
+}
+
+AVX2 static void pool2_forward_avx2(const void *raw, int64_t begin, int64_t end) {
+    const struct pool2_args *a = (const struct pool2_args *)raw;
+    const int64_t ow = a->out_width, vector_end = ow / 8 * 8;
+    for (int64_t r = (begin + ow - 1) / ow; r * ow < end; r++) {
+        const float *rows[4];
+        int n = pool2_rows(a, a->x, r, a->in_width, rows);
+        float *out = a->out + r * ow;
+        int8_t *offsets = a->offsets + r * ow;
+        for (int64_t o = 0; o < vector_end; o += 8) {
+            __m256 best, odd;
+            deinterleave(rows[0] + 2 * o, &best, &odd);
+            __m256i k = _mm256_setzero_si256();
+            for (int j = 1; j < 2 * n; j++) {
+                __m256 v = odd;
+                if (j % 2 == 0) deinterleave(rows[j / 2] + 2 * o, &v, &odd);
+                __m256 take = _mm256_or_ps(_mm256_cmp_ps(v, best, _CMP_GT_OQ),
+                                           _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+                best = _mm256_blendv_ps(best, v, take);
+                k = _mm256_castps_si256(_mm256_blendv_ps(
+                    _mm256_castsi256_ps(k), _mm256_castsi256_ps(_mm256_set1_epi32(j)), take));
+            }
+            _mm256_storeu_ps(out + o, best);
+            int32_t lanes[8];
+            _mm256_storeu_si256((__m256i *)lanes, k);
+            for (int l = 0; l < 8; l++) offsets[o + l] = (int8_t)lanes[l];
+        }
+        pool2_forward_tail(rows, n, out, offsets, vector_end, ow);
+    }
+}
+
+AVX2 static void pool2_backward_avx2(const void *raw, int64_t begin, int64_t end) {
+    const struct pool2_args *a = (const struct pool2_args *)raw;
+    const int64_t ow = a->out_width, vector_end = ow / 8 * 8;
+    for (int64_t r = (begin + ow - 1) / ow; r * ow < end; r++) {
+        float *rows[4];
+        int n = pool2_rows(a, a->out, r, a->in_width, (const float **)rows);
+        const float *grad = a->x + r * ow;
+        const int8_t *offsets = a->offsets + r * ow;
+        for (int64_t o = 0; o < vector_end; o += 8) {
+            __m256 g = _mm256_add_ps(_mm256_setzero_ps(), _mm256_loadu_ps(grad + o));
+            __m256i k = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(offsets + o)));
+            for (int row = 0; row < n; row++) {
+                __m256 even = _mm256_castsi256_ps(
+                    _mm256_cmpeq_epi32(k, _mm256_set1_epi32(2 * row)));
+                __m256 odd = _mm256_castsi256_ps(
+                    _mm256_cmpeq_epi32(k, _mm256_set1_epi32(2 * row + 1)));
+                interleave(rows[row] + 2 * o, _mm256_and_ps(even, g), _mm256_and_ps(odd, g));
+            }
+        }
+        pool2_backward_tail(rows, n, grad, offsets, vector_end, ow);
+        pool2_zero_uncovered(a, r, rows, n);
+    }
+}
+#endif
+
+static int pool2_check(int64_t planes, int64_t id, int64_t ih, int64_t iw, int kd, int kh) {
+    return planes >= 0 && (kd == 1 || kd == 2) && (kh == 1 || kh == 2) && id >= kd && ih >= kh &&
+           iw >= 2;
+}
+
+/* Runs fn (its AVX2 variant where the CPU has it) over every output of the pooling. */
+static int pool2_run(range_fn fn, range_fn fn_avx2, const float *x, float *out,
+                     const int8_t *offsets, int64_t planes, int64_t id, int64_t ih, int64_t iw,
+                     int kd, int kh, int nthreads) {
+    if (!pool2_check(planes, id, ih, iw, kd, kh)) return -1;
+    struct pool2_args args = {x, out, (int8_t *)offsets, id, ih, iw,
+                              id / kd, ih / kh, iw / 2, kd, kh};
+#ifdef MEMSAVE_X86
+    if (has_avx2()) fn = fn_avx2;
+#else
+    (void)fn_avx2;
+#endif
+    parallel(fn, &args, planes * args.out_depth * args.out_height * args.out_width, nthreads);
+    return 0;
+}
+
+#ifndef MEMSAVE_X86
+#define pool2_forward_avx2 pool2_forward
+#define pool2_backward_avx2 pool2_backward
+#endif
+
+/* Shapes: input (planes, id, ih, iw) contiguous; output (planes, id / kd, ih / kh, iw / 2). */
+int memsave_max_pool2(const float *x, float *out, int8_t *offsets, int64_t planes, int64_t id,
+                      int64_t ih, int64_t iw, int kd, int kh, int nthreads) {
+    return pool2_run(pool2_forward, pool2_forward_avx2, x, out, offsets, planes, id, ih, iw, kd,
+                     kh, nthreads);
+}
+
+int memsave_max_pool2_backward(const float *grad, const int8_t *offsets, float *grad_input,
+                               int64_t planes, int64_t id, int64_t ih, int64_t iw, int kd, int kh,
+                               int nthreads) {
+    return pool2_run(pool2_backward, pool2_backward_avx2, grad, grad_input, offsets, planes, id,
+                     ih, iw, kd, kh, nthreads);
+}

@@ -269,6 +269,52 @@ def _check_dense(tensor: Tensor, name: str) -> None:
         )
 
 
+def max_pool2(
+    x: Tensor, out: Tensor, offsets: Tensor, window: tuple[int, int], *, threads: int | None = None
+) -> None:
+    """Max pooling of a contiguous float32 ``x`` of shape ``(planes, D, H, W)`` with window and
+    stride ``(kd, kh, 2)`` (``window = (kd, kh)``, each 1 or 2), no padding or dilation, into
+    ``out`` ``(planes, D // kd, H // kh, W // 2)`` and the int8 window offsets of its argmaxes:
+    ``max_pool3d_with_indices``' values bit for bit (NOTE [2-wide max pooling] in C)."""
+    _check_pool2(x, out, offsets, window, "x", "out")
+    pointers = (x.data_ptr(), out.data_ptr(), offsets.data_ptr())
+    _call("memsave_max_pool2", *pointers, *x.shape, *window, _threads(threads))
+
+
+def max_pool2_backward(
+    grad: Tensor,
+    offsets: Tensor,
+    grad_input: Tensor,
+    window: tuple[int, int],
+    *,
+    threads: int | None = None,
+) -> None:
+    """The input gradient of :func:`max_pool2` from the output gradient and the offsets, every
+    element written (ATen's ``max_pool3d_with_indices_backward`` bit for bit)."""
+    _check_pool2(grad_input, grad, offsets, window, "grad_input", "grad")
+    pointers = (grad.data_ptr(), offsets.data_ptr(), grad_input.data_ptr())
+    _call("memsave_max_pool2_backward", *pointers, *grad_input.shape, *window, _threads(threads))
+
+
+def _check_pool2(
+    x: Tensor, out: Tensor, offsets: Tensor, window: tuple[int, int], x_name: str, out_name: str
+) -> None:
+    """Raise unless ``x`` is a contiguous float32 CPU ``(planes, D, H, W)`` tensor and ``out``
+    and ``offsets`` contiguous with its pooled shape under ``window``."""
+    _check_cpu(x, x_name)
+    kd, kh = window
+    if x.dtype != torch.float32 or x.dim() != 4 or not x.is_contiguous():
+        raise ValueError(f"max_pool2 expects a contiguous 4-d float32 {x_name}, got {x.dtype}.")
+    planes, depth, height, width = x.shape
+    pooled = (planes, depth // kd, height // kh, width // 2)
+    if kd not in (1, 2) or kh not in (1, 2) or min(pooled[1:]) < 1:
+        raise ValueError(f"max_pool2 cannot pool {tuple(x.shape)} with window {window}.")
+    for tensor, name, dtype in ((out, out_name, torch.float32), (offsets, "offsets", torch.int8)):
+        _check_cpu(tensor, name)
+        if tuple(tensor.shape) != pooled or tensor.dtype != dtype or not tensor.is_contiguous():
+            raise ValueError(f"max_pool2 expects a contiguous {dtype} {name} of shape {pooled}.")
+
+
 def _check_float_kernel(kernel: str, x: Tensor, out: Tensor, bits: Tensor, name: str) -> None:
     """Raise unless ``x`` is a float32/float64 CPU tensor, ``out`` matches it element for element
     and ``bits`` holds one bit per element: the arguments of the float-only activation kernels."""

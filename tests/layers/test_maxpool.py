@@ -182,6 +182,50 @@ def test_cpu_offsets_convert_natively(native_calls, channels_last: bool) -> None
     assert used == ["to_offsets", "to_indices"]
 
 
+TWO_WIDE = {
+    "1d-k2-odd": (MemSaveMaxPool1d, nn.MaxPool1d, dict(kernel_size=2), (3, 4, 37)),
+    "1d-k2-unbatched": (MemSaveMaxPool1d, nn.MaxPool1d, dict(kernel_size=2), (5, 20)),
+    "2d-k2-odd": (MemSaveMaxPool2d, nn.MaxPool2d, dict(kernel_size=2), (2, 3, 11, 41)),
+    "2d-k2-wide": (MemSaveMaxPool2d, nn.MaxPool2d, dict(kernel_size=2), (2, 2, 6, 64)),
+    "2d-k1x2": (MemSaveMaxPool2d, nn.MaxPool2d, dict(kernel_size=(1, 2)), (2, 3, 5, 34)),
+    "2d-k2-unbatched": (MemSaveMaxPool2d, nn.MaxPool2d, dict(kernel_size=2), (3, 9, 18)),
+    "3d-k2-odd": (MemSaveMaxPool3d, nn.MaxPool3d, dict(kernel_size=2), (2, 3, 5, 7, 35)),
+    "3d-k1x2x2": (MemSaveMaxPool3d, nn.MaxPool3d, dict(kernel_size=(1, 2, 2)), (2, 2, 3, 6, 32)),
+    "3d-k2x1x2": (MemSaveMaxPool3d, nn.MaxPool3d, dict(kernel_size=(2, 1, 2)), (1, 2, 4, 3, 18)),
+}
+
+
+def _special_input(shape: tuple[int, ...]) -> Tensor:
+    """Ties, signed zeros, infinities and NaNs (two payloads) spread over random values."""
+    x = torch.randint(-2, 3, shape).float()
+    special = torch.tensor(
+        [0.0, -0.0, math.inf, -math.inf, math.nan, -math.nan, 1.0, 1.0, -math.inf, -math.inf]
+    )
+    positions = torch.randperm(x.numel())[: x.numel() // 3]
+    x.view(-1)[positions] = special[torch.randint(0, special.numel(), positions.shape)]
+    return x
+
+
+@pytest.mark.skipif(not native.available(), reason=native.status())
+@pytest.mark.parametrize("case", TWO_WIDE.values(), ids=TWO_WIDE.keys())
+def test_two_wide_windows_pool_in_one_native_pass(native_calls, case: tuple) -> None:
+    """float32 windows equal to their stride, 2 wide (NOTE [2-wide max pooling] in native.c):
+    one fused pass each way, no int64 indices, values and gradients bitwise stock's, NaN and
+    -0 included (a window's -0 gradient arrives as +0, as stock's ``0 + grad``)."""
+    used = native_calls("max_pool2", "max_pool2_backward", "to_offsets", "to_indices")
+    torch.manual_seed(0)
+    memsave_cls, stock_cls, kwargs, shape = case
+    x = _special_input(shape)
+    stock_x, memsave_x = x.clone().requires_grad_(), x.clone().requires_grad_()
+    expected, output = stock_cls(**kwargs)(stock_x), memsave_cls(**kwargs)(memsave_x)
+    grad = _special_input(tuple(expected.shape))
+    expected.backward(grad)
+    output.backward(grad)
+    assert used == ["max_pool2", "max_pool2_backward"]
+    assert torch.equal(output.view(torch.int32), expected.view(torch.int32))
+    assert torch.equal(memsave_x.grad.view(torch.int32), stock_x.grad.view(torch.int32))
+
+
 def test_strided_input_matches_stock() -> None:
     torch.manual_seed(0)
     shape = CASES["2d-k3s2p1"][3]

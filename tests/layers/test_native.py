@@ -523,6 +523,33 @@ def _check_fused_activations(x: Tensor, threads: int) -> None:
     assert_same_bytes(bits, _packed((x > -1) & (x < 1)))
 
 
+def _check_max_pool2(threads: int) -> None:
+    """The fused 2-wide max pooling, forward and backward, bitwise ATen's on special values;
+    large enough (over 65536 outputs) to be split over threads, with odd sizes left over."""
+    generator = torch.Generator().manual_seed(5)
+    x = torch.randint(-2, 3, (4, 3, 67, 515), generator=generator).float()
+    special = torch.tensor([math.nan, -math.inf, math.inf, -0.0, 0.0])
+    positions = torch.randint(0, x.numel(), (x.numel() // 4,), generator=generator)
+    x.view(-1)[positions] = special[positions % special.numel()]
+    leaf = x.unsqueeze(1).requires_grad_()
+    expected, _ = torch.ops.aten.max_pool3d_with_indices(leaf, [2, 2, 2], [2, 2, 2])
+    grad = torch.randn(expected.shape[0], *expected.shape[2:], generator=generator)
+    expected.backward(grad.unsqueeze(1))
+    out = torch.empty_like(grad)
+    offsets = torch.empty_like(grad, dtype=torch.int8)
+    native.max_pool2(x, out, offsets, (2, 2), threads=threads)
+    assert_same_bits(out, expected.detach().squeeze(1))
+    grad_input = torch.full_like(x, math.nan)  # every element must be written
+    native.max_pool2_backward(grad, offsets, grad_input, (2, 2), threads=threads)
+    assert_same_bits(grad_input, leaf.grad.squeeze(1))
+
+
+@requires_native
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_max_pool2_matches_aten(threads: int) -> None:
+    _check_max_pool2(threads)
+
+
 @requires_native
 def test_portable_build(tmp_path: Path, other_library) -> None:
     """The loops compiled without AVX2 (all a non-x86 CPU gets) agree with torch too."""
@@ -530,6 +557,7 @@ def test_portable_build(tmp_path: Path, other_library) -> None:
     assert library.memsave_isa() == b"generic"
     other_library(library)
     _check_all_bit_kernels(threads=2)
+    _check_max_pool2(threads=2)
 
 
 @requires_native
@@ -540,6 +568,7 @@ def test_own_thread_pool(other_library) -> None:
     other_library(library)
     for threads in (2, 3):  # above 2**20 elements, so that sleeping workers are woken
         _check_all_bit_kernels(threads, sizes=((1 << 20) + 65,))
+        _check_max_pool2(threads)
 
 
 @requires_native
@@ -558,6 +587,12 @@ def test_misuse_raises_value_error() -> None:
         "high": lambda: native.compare_pack(x, bits, "gt", 0.0, 1.0),
         "element size": lambda: native.select_bits(x.to(torch.uint8), bits, x.to(torch.uint8)),
         "indices": lambda: native.to_offsets(x.int(), x.long(), 1, x.char(), x.char()),
+        "pool dtype": lambda: native.max_pool2(
+            x.double().view(1, 1, 4, 4), x[:4].view(1, 1, 2, 2), x.char()[:4], (1, 2)
+        ),
+        "pool shape": lambda: native.max_pool2(
+            x.view(1, 1, 4, 4), x[:8].view(1, 1, 2, 4), x.char()[:8], (1, 2)
+        ),
         "starts": lambda: native.to_indices(x.char(), x.long(), x.long()[:0], 1, x.long()),
         "inner": lambda: native.to_indices(x.char(), x.long(), x.long(), 0, x.long()),
         "table": lambda: native.to_indices(x.char(), x.int(), x.long(), 1, x.long()),
