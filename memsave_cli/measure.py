@@ -17,7 +17,7 @@ import contextlib
 import os
 import statistics
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 
 import torch
@@ -79,6 +79,16 @@ def measure(job: Job) -> Run:
         return _measure_tracked(job, prepared)
     except (torch.OutOfMemoryError, MemoryError) as error:
         return Run(job.case.label, job.impl, status=Status.OOM, error=one_line(error))
+
+
+def build_native(jobs: Sequence[Job]) -> None:
+    """Compile the native kernels and operators here when a CPU job will use them, so that its
+    worker loads them from the cache instead of compiling them (about 20 s the first time)
+    inside its measured step. Failures are left for the layers to report and fall back from."""
+    if any(job.device == "cpu" and job.impl != "stock" for job in jobs):
+        from memsave_cli.layers import native_ops
+
+        native_ops.available()
 
 
 def check_job(job: Job) -> None:

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
 
-from memsave_cli.measure import Job, measure, one_line
+from memsave_cli.measure import Job, build_native, measure, one_line
 from memsave_cli.report import Run, Status
 
 #: Modules the fork server imports once, so that every worker starts with them loaded.
@@ -55,6 +55,8 @@ def run_jobs(
     testing). Failures of a job are Runs with their status, never exceptions.
     """
     workers = max(1, min(workers or default_workers(jobs), len(jobs) or 1))
+    if target is measure:
+        build_native(jobs)
     context = worker_context()
     pending = deque(enumerate(jobs))
     active: list[_Worker] = []

@@ -1,4 +1,4 @@
-"""Autograd operators in C++ over the native kernels, for the eager CPU path of the activations.
+"""C++ autograd operators: the eager CPU path of the activations, convolutions and dropout.
 
 See NOTE [why the eager CPU path is an operator] in ``native_ops.cpp``. The source is compiled
 on first use, like ``native.c`` (NOTE [building the native kernels]), with the C++ compiler

@@ -8,7 +8,8 @@ from torch import nn
 
 from memsave_cli.cases import resolve_case
 from memsave_cli.errors import NeedsRealDataError
-from memsave_cli.measure import NEEDS_REAL_DATA, Job, measure, prepare
+from memsave_cli.layers import native_ops
+from memsave_cli.measure import NEEDS_REAL_DATA, Job, build_native, measure, prepare
 from memsave_cli.meta_attention import fused_attention_on_meta
 from memsave_cli.report import LayerSaved, Status
 from memsave_cli.specs import parse_spec
@@ -191,3 +192,24 @@ def test_fused_attention_on_meta_differentiates_a_mask_that_needs_grad() -> None
     with fused_attention_on_meta():
         nn.functional.scaled_dot_product_attention(q, q, q, attn_mask=mask).sum().backward()
     assert mask.grad is not None and mask.grad.shape == mask.shape
+
+
+@pytest.mark.parametrize(
+    "jobs,builds",
+    [
+        ([("cpu", "memsave")], True),
+        ([("meta", "memsave"), ("cpu", "memsave-conv")], True),
+        ([("cpu", "stock"), ("meta", "memsave")], False),
+    ],
+    ids=["cpu-memsave", "cpu-memsave-conv", "no-cpu-memsave"],
+)
+def test_native_code_is_built_before_cpu_memsave_workers(
+    monkeypatch: pytest.MonkeyPatch, jobs: list[tuple[str, str]], builds: bool
+) -> None:
+    """The parent compiles the native code a CPU memsave job uses, not the job's worker inside
+    its measured step; nothing is compiled for jobs that would not use it."""
+    calls: list[str] = []
+    monkeypatch.setattr(native_ops, "available", lambda: calls.append("built") or True)
+    spec = parse_spec("torchvision:resnet18")
+    build_native([Job(spec, resolve_case("all"), impl, device) for device, impl in jobs])
+    assert calls == (["built"] if builds else [])
