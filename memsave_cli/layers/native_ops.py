@@ -94,6 +94,12 @@ def _loaded() -> tuple[_Operators | None, str]:
     return _LOADED[0]
 
 
+def operators() -> _Operators | None:
+    """The loaded operators (building them on the first call), or None where unavailable: one
+    call for callers on a hot path that would otherwise ask :func:`available` first."""
+    return _loaded()[0] if available() else None
+
+
 def available() -> bool:
     """Whether the operators are built and loaded (building them on the first call)."""
     return _loaded()[0] is not None
