@@ -274,11 +274,42 @@ def dropout3d(
     return _feature_dropout(input, p, training, inplace)
 
 
+def _operator_dropout(module: nn.Module, input: Tensor, feature_dims: int | None) -> Tensor | None:
+    """The common case in one Python frame, else None: training, ``0 < p < 1``, a plain CPU
+    floating-point input that requires grad (with ``feature_dims`` dimensions, for feature
+    dropout), not tracing, the operators built (NOTE [Python between kernels runs on a cold
+    cache] in ``conv.py``)."""
+    p = module.p
+    ready = (
+        module.training
+        and 0.0 < p < 1.0
+        and type(input) is Tensor
+        and input.requires_grad
+        and torch.is_grad_enabled()
+        and input.device.type == "cpu"
+        and input.dtype in _SAME_SIZE_INT
+        and input.numel() > 0
+        and (feature_dims is None or input.dim() == feature_dims)
+        and not torch.compiler.is_compiling()
+    )
+    operators = native_ops.operators() if ready else None
+    if operators is None:
+        return None
+    if feature_dims is None:
+        shape = list(input.shape)
+    else:
+        shape = [input.shape[0], input.shape[1]] + [1] * (feature_dims - 2)
+    return operators.dropout(input, p, shape, module.inplace)
+
+
 @drop_in(nn.Dropout)
 class MemSaveDropout(nn.Dropout):
     """``nn.Dropout`` that saves an 8-byte seed instead of an input-sized noise tensor."""
 
     def forward(self, input: Tensor) -> Tensor:
+        output = _operator_dropout(self, input, None)
+        if output is not None:
+            return output
         return dropout(input, self.p, self.training, self.inplace)
 
 
@@ -287,6 +318,9 @@ class MemSaveDropout1d(nn.Dropout1d):
     """``nn.Dropout1d`` that saves an 8-byte seed instead of a per-channel noise tensor."""
 
     def forward(self, input: Tensor) -> Tensor:
+        output = _operator_dropout(self, input, 3)
+        if output is not None:
+            return output
         return dropout1d(input, self.p, self.training, self.inplace)
 
 
@@ -295,6 +329,9 @@ class MemSaveDropout2d(nn.Dropout2d):
     """``nn.Dropout2d`` that saves an 8-byte seed instead of a per-channel noise tensor."""
 
     def forward(self, input: Tensor) -> Tensor:
+        output = _operator_dropout(self, input, 4)
+        if output is not None:
+            return output
         return dropout2d(input, self.p, self.training, self.inplace)
 
 
@@ -303,4 +340,7 @@ class MemSaveDropout3d(nn.Dropout3d):
     """``nn.Dropout3d`` that saves an 8-byte seed instead of a per-channel noise tensor."""
 
     def forward(self, input: Tensor) -> Tensor:
+        output = _operator_dropout(self, input, 5)
+        if output is not None:
+            return output
         return dropout3d(input, self.p, self.training, self.inplace)

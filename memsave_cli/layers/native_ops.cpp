@@ -23,10 +23,13 @@
 #include <array>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
+#include <map>
 #include <mutex>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 extern "C" {
@@ -242,29 +245,48 @@ void fill_noise(bits_t *out, int64_t n, at::CPUGeneratorImpl *generator, int32_t
     if (n % 2) out[n - 1] = select(static_cast<uint32_t>(generator->random64()));
 }
 
+// The bits of ``1 / (1 - p)`` rounded as stock's ``noise.div_(1 - p)`` rounds it in ``dtype``,
+// computed by that same division once per (dtype, p) and then remembered.
+uint64_t scale_bits(at::ScalarType dtype, double p) {
+    static std::mutex lock;
+    static std::map<std::pair<int, double>, uint64_t> known;
+    const std::pair<int, double> key{static_cast<int>(dtype), p};
+    {
+        std::lock_guard<std::mutex> guard(lock);
+        auto found = known.find(key);
+        if (found != known.end()) return found->second;
+    }
+    const at::Tensor scale = at::ones({}, at::TensorOptions().dtype(dtype)).div_(1.0 - p);
+    uint64_t bits = 0;
+    std::memcpy(&bits, scale.const_data_ptr(), scale.element_size());  // little-endian
+    std::lock_guard<std::mutex> guard(lock);
+    if (known.size() > 256) known.clear();
+    known.emplace(key, bits);
+    return bits;
+}
+
 at::Tensor dropout_noise(const at::Tensor &like, int64_t seed, double p, at::IntArrayRef shape) {
     auto generator = at::make_generator<at::CPUGeneratorImpl>();
     generator.set_current_seed(static_cast<uint64_t>(seed));
     const double keep_count = std::min(std::nearbyint((1.0 - p) * 4294967296.0), 4294967295.0);
     const auto threshold =
         static_cast<int32_t>(static_cast<int64_t>(keep_count) - (int64_t(1) << 31));
-    // ``1 / (1 - p)`` rounded as stock's ``noise.div_(1 - p)`` rounds it in this dtype.
-    const at::Tensor scale = at::ones({}, like.options()).div_(1.0 - p);
+    const uint64_t scale = scale_bits(like.scalar_type(), p);
     at::Tensor noise = at::empty(shape, like.options());
     auto *engine = generator.get<at::CPUGeneratorImpl>();
     const int64_t n = noise.numel();
     switch (like.element_size()) {
         case 8:
             fill_noise<uint64_t>(static_cast<uint64_t *>(noise.data_ptr()), n, engine, threshold,
-                                 scale.view(at::kLong).item<int64_t>());
+                                 scale);
             break;
         case 4:
             fill_noise<uint32_t>(static_cast<uint32_t *>(noise.data_ptr()), n, engine, threshold,
-                                 static_cast<uint32_t>(scale.view(at::kInt).item<int32_t>()));
+                                 static_cast<uint32_t>(scale));
             break;
         default:
             fill_noise<uint16_t>(static_cast<uint16_t *>(noise.data_ptr()), n, engine, threshold,
-                                 static_cast<uint16_t>(scale.view(at::kShort).item<int16_t>()));
+                                 static_cast<uint16_t>(scale));
     }
     return noise;
 }
