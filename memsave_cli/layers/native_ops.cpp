@@ -156,10 +156,14 @@ at::Tensor activation(const at::Tensor &x, int64_t kind, double a, double b, dou
 // tensor, backward hands ATen the stand-in conv.py made for it (NOTE [stand-ins for dropped
 // tensors]): the kernel reads only its shape and layout.
 struct MemSaveConvolution : public torch::autograd::Function<MemSaveConvolution> {
+    // Everything backward needs besides tensors, in one saved integer list (one saved_data entry
+    // instead of ten: this runs once per convolution call): the spatial rank n, then stride,
+    // padding, dilation and output_padding (n each), groups, transposed, the gradient mask (3),
+    // and the bias length or -1.
     static at::Tensor forward(AutogradContext *ctx, const at::Tensor &x, const at::Tensor &weight,
-                              const std::optional<at::Tensor> &bias, std::vector<int64_t> stride,
-                              std::vector<int64_t> padding, std::vector<int64_t> dilation,
-                              bool transposed, std::vector<int64_t> output_padding, int64_t groups,
+                              const std::optional<at::Tensor> &bias, at::IntArrayRef stride,
+                              at::IntArrayRef padding, at::IntArrayRef dilation, bool transposed,
+                              at::IntArrayRef output_padding, int64_t groups,
                               const std::optional<at::Tensor> &x_stand_in,
                               const std::optional<at::Tensor> &weight_stand_in) {
         // Edges exist only for defined tensors, so the mask comes from the arguments themselves.
@@ -171,38 +175,43 @@ struct MemSaveConvolution : public torch::autograd::Function<MemSaveConvolution>
         ctx->save_for_backward({need_weight ? x : at::Tensor(), need_x ? weight : at::Tensor()});
         if (!need_weight) ctx->saved_data["x_stand_in"] = *x_stand_in;
         if (!need_x) ctx->saved_data["weight_stand_in"] = *weight_stand_in;
-        if (bias.has_value()) ctx->saved_data["bias_sizes"] = bias->sizes().vec();
-        ctx->saved_data["mask"] = std::vector<bool>{need_x, need_weight, need_bias};
-        ctx->saved_data["stride"] = stride;
-        ctx->saved_data["padding"] = padding;
-        ctx->saved_data["dilation"] = dilation;
-        ctx->saved_data["transposed"] = transposed;
-        ctx->saved_data["output_padding"] = output_padding;
-        ctx->saved_data["groups"] = groups;
-        ctx->saved_data["layer"] = std::string("MemSaveConv") + (transposed ? "Transpose" : "") +
-                                   std::to_string(x.dim() - 2) + "d";
+        const auto n = static_cast<int64_t>(stride.size());
+        std::vector<int64_t> spec;
+        spec.reserve(4 * n + 7);
+        spec.push_back(n);
+        for (const auto values : {stride, padding, dilation, output_padding}) {
+            TORCH_CHECK(static_cast<int64_t>(values.size()) == n,
+                        "memsave convolution: parameters of different lengths");
+            spec.insert(spec.end(), values.begin(), values.end());
+        }
+        spec.insert(spec.end(), {groups, transposed, need_x, need_weight, need_bias,
+                                 bias.has_value() ? bias->size(0) : -1});
+        ctx->saved_data["spec"] = std::move(spec);
         return at::convolution(x, weight, bias, stride, padding, dilation, transposed,
                                output_padding, groups);
     }
 
     static variable_list backward(AutogradContext *ctx, variable_list grads) {
         auto &data = ctx->saved_data;
-        TORCH_CHECK(!at::GradMode::is_enabled(), data["layer"].toStringRef(),
-                    " does not support double backward (create_graph=True): it does not keep the "
+        const auto spec = data["spec"].toIntVector();
+        const int64_t n = spec[0];
+        const bool transposed = spec[4 * n + 2];
+        TORCH_CHECK(!at::GradMode::is_enabled(), "MemSaveConv", transposed ? "Transpose" : "", n,
+                    "d does not support double backward (create_graph=True): it does not keep the "
                     "tensors a second derivative needs. Use the stock layer there "
                     "(memsave_cli.layers.revert) for higher-order gradients.");
         const auto saved = ctx->get_saved_variables();
         const at::Tensor x = saved[0].defined() ? saved[0] : data["x_stand_in"].toTensor();
         const at::Tensor weight = saved[1].defined() ? saved[1] : data["weight_stand_in"].toTensor();
-        std::optional<std::vector<int64_t>> bias_sizes;
-        if (data.count("bias_sizes")) bias_sizes = data["bias_sizes"].toIntVector();
-        const auto need = data["mask"].toBoolList();
-        const std::array<bool, 3> mask = {need[0], need[1], need[2]};
+        const auto part = [&](int64_t k) { return at::IntArrayRef(spec.data() + 1 + k * n, n); };
+        const int64_t bias_length = spec[4 * n + 6];
+        const std::array<int64_t, 1> bias_sizes = {bias_length};
+        const std::array<bool, 3> mask = {spec[4 * n + 3] != 0, spec[4 * n + 4] != 0,
+                                          spec[4 * n + 5] != 0};
         auto [grad_x, grad_weight, grad_bias] = at::convolution_backward(
-            grads[0], x, weight, bias_sizes ? at::OptionalIntArrayRef(*bias_sizes) : std::nullopt,
-            data["stride"].toIntVector(), data["padding"].toIntVector(),
-            data["dilation"].toIntVector(), data["transposed"].toBool(),
-            data["output_padding"].toIntVector(), data["groups"].toInt(), mask);
+            grads[0], x, weight,
+            bias_length >= 0 ? at::OptionalIntArrayRef(bias_sizes) : std::nullopt, part(0),
+            part(1), part(2), transposed, part(3), spec[4 * n + 1], mask);
         return {grad_x,       grad_weight,  grad_bias,    at::Tensor(), at::Tensor(), at::Tensor(),
                 at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
     }
@@ -214,9 +223,8 @@ at::Tensor convolution(const at::Tensor &x, const at::Tensor &weight,
                        at::IntArrayRef output_padding, int64_t groups,
                        const std::optional<at::Tensor> &x_stand_in,
                        const std::optional<at::Tensor> &weight_stand_in) {
-    return MemSaveConvolution::apply(x, weight, bias, stride.vec(), padding.vec(), dilation.vec(),
-                              transposed, output_padding.vec(), groups, x_stand_in,
-                              weight_stand_in);
+    return MemSaveConvolution::apply(x, weight, bias, stride, padding, dilation, transposed,
+                                     output_padding, groups, x_stand_in, weight_stand_in);
 }
 
 // Dropout saving an 8-byte seed and regenerating its noise in backward, bitwise as dropout.py
