@@ -96,13 +96,13 @@ def _loaded() -> tuple[_Operators | None, str]:
 
 def operators() -> _Operators | None:
     """The loaded operators (building them on the first call), or None where unavailable: one
-    call for callers on a hot path that would otherwise ask :func:`available` first."""
-    return _loaded()[0] if available() else None
+    short call for the layers' hot paths."""
+    return _LOADED[0][0] if _LOADED else _loaded()[0]
 
 
 def available() -> bool:
     """Whether the operators are built and loaded (building them on the first call)."""
-    return _loaded()[0] is not None
+    return operators() is not None
 
 
 def status(*, build: bool = True) -> str:
