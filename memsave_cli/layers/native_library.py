@@ -4,8 +4,9 @@ NOTE [building the native kernels]: ``native.c`` is plain C, compiled on first u
 system compiler (``$CC``, else ``cc``, ``gcc`` or ``clang``) into a shared library named after a
 hash of the source, flags, compiler and platform, in ``$MEMSAVE_CACHE_DIR``,
 ``$XDG_CACHE_HOME/memsave`` or ``~/.cache/memsave`` (a fresh temporary directory when that is not
-writable). The compiler writes a temporary file that ``os.replace`` renames into place, so
-processes compiling at the same time (pytest-xdist) never load a half-written library. Any
+writable). The compiler writes a temporary file that ``os.replace`` renames into place, so no
+process ever loads a half-written library, and a lock file beside it makes processes that need
+the same library at once (pytest-xdist workers) wait for the first to compile it. Any
 failure (``MEMSAVE_NATIVE=0``, no compiler, a compile or load error) leaves ``native.available()``
 False and ``native.status()`` saying why in one line; nothing here raises on import or prints. ctypes
 releases the GIL during each call; the kernels split large inputs over ``threads`` threads
@@ -14,6 +15,7 @@ releases the GIL during each call; the kernels split large inputs over ``threads
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import os
@@ -23,6 +25,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -131,8 +134,32 @@ def build(recipe: Recipe, root: Path | None = None) -> Path:
         if (directory / name).is_file():
             return directory / name
     directory = root if root is not None else _writable_cache_dir()
-    _compile(compiler, recipe, directory / name)
+    with _exclusive(directory / f"{name}.lock"):
+        if not (directory / name).is_file():  # else another process built it meanwhile
+            _compile(compiler, recipe, directory / name)
     return directory / name
+
+
+@contextlib.contextmanager
+def _exclusive(lock: Path) -> Iterator[None]:
+    """Hold an advisory lock on ``lock`` (created if missing), so that processes needing the
+    same library compile it once, one after the other (pytest-xdist workers start together).
+    Where locking is not possible the compiles just overlap, which the atomic rename keeps safe."""
+    try:
+        import fcntl
+    except ImportError:  # not POSIX
+        yield
+        return
+    try:
+        handle = open(lock, "a+b")  # noqa: SIM115 - released in finally
+    except OSError:
+        yield
+        return
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        yield
+    finally:
+        handle.close()  # releases the lock
 
 
 def cached(recipe: Recipe) -> Path | None:

@@ -177,8 +177,18 @@ def test_broken_compiler_falls_back_silently(
 
 
 @requires_native
-def test_concurrent_builds_share_one_library(fresh_load: Path) -> None:
-    """Builds racing into one cache directory all end with the same complete library."""
+def test_concurrent_builds_share_one_library(
+    fresh_load: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Builds racing into one cache directory compile once and all end with the same library."""
+    compiles: list[Path] = []
+    compile_ = native_library._compile
+
+    def counted(compiler, recipe, target: Path) -> None:
+        compiles.append(target)
+        compile_(compiler, recipe, target)
+
+    monkeypatch.setattr(native_library, "_compile", counted)
     paths: list[Path] = []
     builders = [
         threading.Thread(target=lambda: paths.append(native_library._build())) for _ in range(3)
@@ -189,7 +199,9 @@ def test_concurrent_builds_share_one_library(fresh_load: Path) -> None:
         builder.join()
     assert len(set(paths)) == 1 and len(paths) == 3
     (path,) = set(paths)
-    assert [p.name for p in path.parent.iterdir()] == [path.name]  # no temporary left
+    assert compiles == [path]
+    left = sorted(p.name for p in path.parent.iterdir())
+    assert left == [path.name, f"{path.name}.lock"]  # no temporary left
     modified = path.stat().st_mtime_ns
     assert native_library._build() == path and path.stat().st_mtime_ns == modified  # cached
     assert native_library._bind(path).memsave_isa() in (b"avx2", b"generic")
