@@ -718,29 +718,24 @@ struct offsets_args {
         }                                                                                         \
     } while (0)
 
-#define TO_OFFSETS(T, NAME)                                                                       \
+/* One conversion kernel: out[i] = MAP(src[i], lookup, start of element i's window). */
+#define OFFSET_KERNEL(NAME, SRC_T, LOOKUP_T, OUT_T, MAP)                                          \
     static void NAME(const void *raw, int64_t begin, int64_t end) {                              \
         const struct offsets_args *a = (const struct offsets_args *)raw;                          \
-        const int64_t *idx = (const int64_t *)a->src;                                             \
-        const T *inverse = (const T *)a->lookup;                                                  \
-        T *out = (T *)a->out;                                                                     \
+        const SRC_T *src = (const SRC_T *)a->src;                                                 \
+        const LOOKUP_T *lookup = (const LOOKUP_T *)a->lookup;                                     \
+        OUT_T *out = (OUT_T *)a->out;                                                             \
         FOR_EACH_RUN(                                                                             \
             a, begin, end,                                                                        \
-            for (int64_t j = 0; j < count; j++) out[i + j] = inverse[idx[i + j] - s],             \
-            for (int64_t j = 0; j < count; j++) out[i + j] = inverse[idx[i + j] - st[j]]);        \
+            for (int64_t j = 0; j < count; j++) out[i + j] = MAP(src[i + j], lookup, s),         \
+            for (int64_t j = 0; j < count; j++) out[i + j] = MAP(src[i + j], lookup, st[j]));     \
     }
 
-#define TO_INDICES(T, NAME)                                                                       \
-    static void NAME(const void *raw, int64_t begin, int64_t end) {                              \
-        const struct offsets_args *a = (const struct offsets_args *)raw;                          \
-        const T *offsets = (const T *)a->src;                                                     \
-        const int64_t *table = (const int64_t *)a->lookup;                                        \
-        int64_t *out = (int64_t *)a->out;                                                         \
-        FOR_EACH_RUN(                                                                             \
-            a, begin, end,                                                                        \
-            for (int64_t j = 0; j < count; j++) out[i + j] = table[offsets[i + j]] + s,           \
-            for (int64_t j = 0; j < count; j++) out[i + j] = table[offsets[i + j]] + st[j]);      \
-    }
+/* Indices to offsets through the inverse table, and offsets back to indices through the table. */
+#define INDEX_TO_OFFSET(index, inverse, start) (inverse)[(index) - (start)]
+#define OFFSET_TO_INDEX(offset, table, start) ((table)[offset] + (start))
+#define TO_OFFSETS(T, NAME) OFFSET_KERNEL(NAME, int64_t, T, T, INDEX_TO_OFFSET)
+#define TO_INDICES(T, NAME) OFFSET_KERNEL(NAME, T, int64_t, int64_t, OFFSET_TO_INDEX)
 
 TO_OFFSETS(int8_t, to_offsets8)
 TO_OFFSETS(int16_t, to_offsets16)
