@@ -299,12 +299,19 @@ def _apply(x: Tensor, weight: Tensor, bias: Tensor | None, *params: object) -> T
     dense_stand_ins = x.device.type in _DENSE_STAND_IN_DEVICES
     if not (eager and dense_stand_ins and not torch.compiler.is_compiling()):
         return _ConvFunction.apply(x, weight, bias, *params)
-    if not native_ops.available():
+    operators = native_ops.operators()
+    if operators is None:
         return _ConvFunction.apply(x, weight, bias, *params)
-    # ``x`` gives both stand-ins dtype and device (a weight, a Parameter, would read as traced).
-    x_stand_in = None if weight.requires_grad else _stand_in(x, _geometry(x))
-    weight_stand_in = None if x.requires_grad else _stand_in(x, _geometry(weight))
-    return native_ops.convolution(x, weight, bias, params, x_stand_in, weight_stand_in)
+    return _by_operator(operators, x, weight, bias, params)
+
+
+def _by_operator(
+    operators: native_ops.Operators, x: Tensor, weight: Tensor, bias: Tensor | None, params: tuple
+) -> Tensor:
+    """The native convolution operator, with the stand-ins of what it does not save."""
+    x_stand_in = None if weight.requires_grad else _cached_stand_in(x, x)
+    weight_stand_in = None if x.requires_grad else _cached_stand_in(x, weight)
+    return operators.convolution(x, weight, bias, *params, x_stand_in, weight_stand_in)
 
 
 def _operator_forward(
@@ -334,22 +341,9 @@ def _operator_forward(
     operators = native_ops.operators() if common else None
     if operators is None or not (need_x or need_weight or _bias_trains(module)):
         return None
-    x_stand_in = None if need_weight else _cached_stand_in(x, x)
-    weight_stand_in = None if need_x else _cached_stand_in(x, weight)
     m = module
-    return operators.convolution(
-        x,
-        weight,
-        m.bias,
-        m.stride,
-        m.padding,
-        m.dilation,
-        transposed,
-        output_padding,
-        m.groups,
-        x_stand_in,
-        weight_stand_in,
-    )
+    params = (m.stride, m.padding, m.dilation, transposed, output_padding, m.groups)
+    return _by_operator(operators, x, weight, m.bias, params)
 
 
 #: ``output_padding`` of a plain convolution, by number of spatial dimensions.
@@ -361,7 +355,10 @@ def _bias_trains(module: Conv | ConvTranspose) -> bool:
 
 
 def _cached_stand_in(like: Tensor, t: Tensor) -> Tensor:
-    """``_stand_in(like, _geometry(t))`` for an eager ``t``, looked up by its own geometry."""
+    """``_stand_in(like, _geometry(t))`` for an eager ``t``, looked up by its own geometry.
+
+    ``like`` (the input) gives dtype and device: passing a weight, a Parameter, there would
+    read as a traced tensor."""
     key = (t.shape, t.stride(), like.dtype)
     stand_in = _STAND_INS_BY_TENSOR_GEOMETRY.get(key)
     if stand_in is None:

@@ -165,19 +165,12 @@ def seeded_dropout(
 
 
 def _drop(input: Tensor, p: float, *, feature: bool, inplace: bool) -> Tensor:
-    """Seeded dropout with a fresh seed: on eager CPU tensors the native operator (NOTE [why the
-    eager CPU path is an operator] in ``native_ops.cpp``), which draws the seed and builds the
-    noise with the same calls as this module, else :func:`seeded_dropout`."""
-    operator_ready = (
-        type(input) is Tensor
-        and input.device.type == "cpu"
-        and input.dtype in _SAME_SIZE_INT
-        and not torch.compiler.is_compiling()
-        and native_ops.available()
-    )
-    if not operator_ready:
-        return seeded_dropout(input, draw_seed(), p, feature=feature, inplace=inplace)
-    return native_ops.dropout(input, p, _noise_shape(input, feature), inplace)
+    """Seeded dropout with a fresh seed: the native operator where it serves ``input``, else
+    :func:`seeded_dropout`."""
+    output = _operator_dropout(input, p, inplace, input.dim() if feature else None)
+    if output is not None:
+        return output
+    return seeded_dropout(input, draw_seed(), p, feature=feature, inplace=inplace)
 
 
 def _needs_memsave(input: Tensor, p: float, training: bool) -> bool:
@@ -274,22 +267,27 @@ def dropout3d(
     return _feature_dropout(input, p, training, inplace)
 
 
-def _operator_dropout(module: nn.Module, input: Tensor, feature_dims: int | None) -> Tensor | None:
-    """The common case in one Python frame, else None: training, ``0 < p < 1``, a plain CPU
-    floating-point input that requires grad (with ``feature_dims`` dimensions, for feature
-    dropout), not tracing, the operators built (NOTE [Python between kernels runs on a cold
-    cache] in ``conv.py``)."""
-    p = module.p
+def _operator_dropout(
+    input: Tensor, p: float, inplace: bool, feature_dims: int | None
+) -> Tensor | None:
+    """Dropout by the native operator (NOTE [why the eager CPU path is an operator] in
+    ``native_ops.cpp``), which draws the seed and builds the noise with the same calls as this
+    module, else None. It serves ``0 < p < 1`` and a plain CPU floating-point input that
+    requires grad, with ``feature_dims`` dimensions for feature dropout, outside tracing.
+
+    The drop-ins call it first and in one Python frame from ``forward``: every frame between
+    kernels costs several times its microbenchmarked time on a cold cache (NOTE [Python between
+    kernels runs on a cold cache] in ``conv.py``).
+    """
     ready = (
-        module.training
-        and 0.0 < p < 1.0
+        0.0 < p < 1.0
         and type(input) is Tensor
         and input.requires_grad
         and torch.is_grad_enabled()
         and input.device.type == "cpu"
         and input.dtype in _SAME_SIZE_INT
         and input.numel() > 0
-        and (feature_dims is None or input.dim() == feature_dims)
+        and (feature_dims is None or input.dim() == feature_dims >= 2)
         and not torch.compiler.is_compiling()
     )
     operators = native_ops.operators() if ready else None
@@ -299,7 +297,7 @@ def _operator_dropout(module: nn.Module, input: Tensor, feature_dims: int | None
         shape = list(input.shape)
     else:
         shape = [input.shape[0], input.shape[1]] + [1] * (feature_dims - 2)
-    return operators.dropout(input, p, shape, module.inplace)
+    return operators.dropout(input, p, shape, inplace)
 
 
 @drop_in(nn.Dropout)
@@ -307,7 +305,7 @@ class MemSaveDropout(nn.Dropout):
     """``nn.Dropout`` that saves an 8-byte seed instead of an input-sized noise tensor."""
 
     def forward(self, input: Tensor) -> Tensor:
-        output = _operator_dropout(self, input, None)
+        output = _operator_dropout(input, self.p, self.inplace, None) if self.training else None
         if output is not None:
             return output
         return dropout(input, self.p, self.training, self.inplace)
@@ -318,7 +316,7 @@ class MemSaveDropout1d(nn.Dropout1d):
     """``nn.Dropout1d`` that saves an 8-byte seed instead of a per-channel noise tensor."""
 
     def forward(self, input: Tensor) -> Tensor:
-        output = _operator_dropout(self, input, 3)
+        output = _operator_dropout(input, self.p, self.inplace, 3) if self.training else None
         if output is not None:
             return output
         return dropout1d(input, self.p, self.training, self.inplace)
@@ -329,7 +327,7 @@ class MemSaveDropout2d(nn.Dropout2d):
     """``nn.Dropout2d`` that saves an 8-byte seed instead of a per-channel noise tensor."""
 
     def forward(self, input: Tensor) -> Tensor:
-        output = _operator_dropout(self, input, 4)
+        output = _operator_dropout(input, self.p, self.inplace, 4) if self.training else None
         if output is not None:
             return output
         return dropout2d(input, self.p, self.training, self.inplace)
@@ -340,7 +338,7 @@ class MemSaveDropout3d(nn.Dropout3d):
     """``nn.Dropout3d`` that saves an 8-byte seed instead of a per-channel noise tensor."""
 
     def forward(self, input: Tensor) -> Tensor:
-        output = _operator_dropout(self, input, 5)
+        output = _operator_dropout(input, self.p, self.inplace, 5) if self.training else None
         if output is not None:
             return output
         return dropout3d(input, self.p, self.training, self.inplace)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 from typing import NamedTuple
 
@@ -29,7 +29,7 @@ SOURCE = Path(__file__).with_name("native_ops.cpp")
 RELU, LEAKY_RELU, HARDTANH = 0, 1, 2
 
 
-class _Operators(NamedTuple):
+class Operators(NamedTuple):
     """The loaded operators, bound once (a ``torch.ops`` lookup costs microseconds per call)."""
 
     activation: Callable[..., Tensor]
@@ -38,10 +38,10 @@ class _Operators(NamedTuple):
 
 
 _LOCK = threading.Lock()
-_LOADED: list[tuple[_Operators | None, str]] = []
+_LOADED: list[tuple[Operators | None, str]] = []
 
 
-def _load() -> tuple[_Operators | None, str]:
+def _load() -> tuple[Operators | None, str]:
     """The operators' namespace and a status line, or ``None`` and why not."""
     if os.environ.get("MEMSAVE_NATIVE_OPS", "").strip() == "0":
         return None, "native operators: disabled by MEMSAVE_NATIVE_OPS=0"
@@ -52,7 +52,7 @@ def _load() -> tuple[_Operators | None, str]:
         path = native_library.build(_recipe(kernels.path))
         torch.ops.load_library(str(path))
         namespace = torch.ops.memsave_native
-        operators = _Operators(
+        operators = Operators(
             namespace.activation.default, namespace.convolution.default, namespace.dropout.default
         )
     except native_library._Unavailable as error:
@@ -86,7 +86,7 @@ def _recipe(kernels: Path) -> native_library.Recipe:
     )
 
 
-def _loaded() -> tuple[_Operators | None, str]:
+def _loaded() -> tuple[Operators | None, str]:
     if not _LOADED:
         with _LOCK:
             if not _LOADED:
@@ -94,7 +94,7 @@ def _loaded() -> tuple[_Operators | None, str]:
     return _LOADED[0]
 
 
-def operators() -> _Operators | None:
+def operators() -> Operators | None:
     """The loaded operators (building them on the first call), or None where unavailable: one
     short call for the layers' hot paths."""
     return _LOADED[0][0] if _LOADED else _loaded()[0]
@@ -141,28 +141,7 @@ def activation(
     return _operators().activation(x, kind, a, b, low, high, inplace)
 
 
-def convolution(
-    x: Tensor,
-    weight: Tensor,
-    bias: Tensor | None,
-    params: Sequence[object],
-    x_stand_in: Tensor | None,
-    weight_stand_in: Tensor | None,
-) -> Tensor:
-    """``aten.convolution(x, weight, bias, *params)`` saving ``x`` only if ``weight`` requires
-    grad and vice versa; the stand-in of each tensor not saved (``conv._stand_in``) takes its
-    place in backward."""
-    return _operators().convolution(x, weight, bias, *params, x_stand_in, weight_stand_in)
-
-
-def dropout(x: Tensor, p: float, noise_shape: Sequence[int], inplace: bool) -> Tensor:
-    """Dropout of a floating-point CPU ``x`` with probability ``0 < p < 1`` and noise of
-    ``noise_shape``, saving an 8-byte seed: ``dropout.seeded_dropout(x, dropout.draw_seed(), p,
-    ...)`` bit for bit, the global generator advanced alike."""
-    return _operators().dropout(x, p, noise_shape, inplace)
-
-
-def _operators() -> _Operators:
+def _operators() -> Operators:
     """The loaded operators' namespace; raises when they are unavailable."""
     operators = _loaded()[0]
     if operators is None:
