@@ -215,7 +215,7 @@ def _activate(
     x: Tensor,
     *args: float,
     inplace: bool,
-    operator: Callable[[Tensor], tuple] | None = None,
+    operator: tuple[float, ...] | None = None,
 ) -> Tensor:
     """Apply ``function`` to ``x`` like ``stock(x, *args, inplace)``, saving a 1-bit mask.
 
@@ -225,8 +225,9 @@ def _activate(
     its bits), so an in-place call on a view computes out of place and copies the result back;
     ``saves_result`` keeps the bits those of the in-place call, so gradients are the same.
 
-    ``operator`` gives the native operator's arguments for ``x`` (``native_ops.activation``),
-    which replaces ``function`` where it can (NOTE [why the eager CPU path is an operator]).
+    ``operator`` is ``(kind, *values)`` for the native operator (``native_ops.activation``; a
+    Hardtanh's kernel bounds are added here), which replaces ``function`` where it can (NOTE
+    [why the eager CPU path is an operator]).
     """
     if not (torch.is_grad_enabled() and x.requires_grad) or (inplace and x.is_leaf):
         return stock(x, *args, inplace)
@@ -234,7 +235,9 @@ def _activate(
         # Allocation: the out-of-place result, freed once copied into the view.
         return x.copy_(function.apply(x, *args, False, True)[0])
     if operator is not None and fused_ready(x) and native_ops.available():
-        return native_ops.activation(x, *operator(x), inplace=inplace)
+        kind, *values = operator
+        bounds = _eager_kernel_bounds(x.dtype, *values) if kind == native_ops.HARDTANH else ()
+        return native_ops.activation(x, kind, *values, *bounds, inplace=inplace)
     return function.apply(x, *args, inplace, inplace)[0]
 
 
@@ -295,17 +298,13 @@ def _float16_bracket(value: float) -> tuple[float, float]:
     return min(nearest, neighbour), max(nearest, neighbour)
 
 
-def _relu_operator(_: Tensor) -> tuple[int]:
-    return (native_ops.RELU,)
-
-
 @drop_in(nn.ReLU)
 class MemSaveReLU(nn.ReLU):
     """``nn.ReLU`` saving a 1-bit mask (numel / 8 bytes) instead of its full result."""
 
     def forward(self, input: Tensor) -> Tensor:
         return _activate(
-            _ReLUFunction, F.relu, input, inplace=self.inplace, operator=_relu_operator
+            _ReLUFunction, F.relu, input, inplace=self.inplace, operator=(native_ops.RELU,)
         )
 
 
@@ -316,7 +315,7 @@ class MemSaveLeakyReLU(nn.LeakyReLU):
     def forward(self, input: Tensor) -> Tensor:
         slope = self.negative_slope
         # In place with a negative slope, stock's backward raises its error: the Function's does.
-        operator = None if self.inplace and slope < 0 else lambda _: (native_ops.LEAKY_RELU, slope)
+        operator = None if self.inplace and slope < 0 else (native_ops.LEAKY_RELU, slope)
         return _activate(
             _LeakyReLUFunction, F.leaky_relu, input, slope, inplace=self.inplace, operator=operator
         )
@@ -327,10 +326,7 @@ def _hardtanh(module: nn.Hardtanh, input: Tensor) -> Tensor:
     if module.min_val > module.max_val:
         raise ValueError("min_val cannot be greater than max_val")
     bounds = (module.min_val, module.max_val)
-
-    def operator(x: Tensor) -> tuple:
-        return (native_ops.HARDTANH, *bounds, *_eager_kernel_bounds(x.dtype, *bounds))
-
+    operator = (native_ops.HARDTANH, *bounds)
     return _activate(
         _HardtanhFunction, F.hardtanh, input, *bounds, inplace=module.inplace, operator=operator
     )
