@@ -46,9 +46,10 @@ class _ReLUFunction(Function):
             y = x if inplace else torch.empty_like(x)
             bits = _empty_bits(x)
             native.relu_pack(x, y, bits)
-            return _save_bits(ctx, x, y, bits, inplace)
+            return _save_bits(ctx, x, y, bits, inplace, saved=y)
         y = _output(torch.relu_(x) if inplace else torch.relu(x), x, inplace)
-        return _save_bits(ctx, x, y, pack_bits(y.bool(), layout_of(x), scratch=True), inplace)
+        bits = pack_bits(y.bool(), layout_of(x), scratch=True)
+        return _save_bits(ctx, x, y, bits, inplace, saved=y)
 
     @staticmethod
     def backward(ctx, grad: Tensor, _bits_grad: None) -> tuple[Tensor | None, None, None]:
@@ -71,10 +72,11 @@ class _LeakyReLUFunction(Function):
         if fused_ready(x) and not (saves_result and slope < 0):
             y, bits = x if inplace else torch.empty_like(x), _empty_bits(x)
             native.leaky_pack(x, y, bits, slope)
-            return _save_bits(ctx, x, y, bits, inplace)
+            return _save_bits(ctx, x, y, bits, inplace, saved=y if saves_result else x)
         y = _output(F.leaky_relu(x, slope, inplace), x, inplace)
         positive = compare(y if saves_result else x, "gt", 0.0)
-        return _save_bits(ctx, x, y, pack_bits(positive, layout_of(x), scratch=True), inplace)
+        bits = pack_bits(positive, layout_of(x), scratch=True)
+        return _save_bits(ctx, x, y, bits, inplace, saved=y if saves_result else x)
 
     @staticmethod
     def backward(ctx, grad: Tensor, _bits_grad: None) -> tuple[Tensor | None, None, None, None]:
@@ -90,8 +92,9 @@ class _LeakyReLUFunction(Function):
             return grad_input, None, None, None
         positive = _unpack(ctx, grad, invert=False)
         # ``self_is_result`` as stock passes it: in place with a negative slope raises stock's error.
+        out = _gradient_buffer(ctx, grad, positive)
         grad_input = torch.ops.aten.leaky_relu_backward.grad_input(
-            grad, positive, ctx.slope, ctx.saves_result, grad_input=positive
+            grad, positive, ctx.slope, ctx.saves_result, grad_input=out
         )
         return grad_input, None, None, None
 
@@ -112,10 +115,11 @@ class _HardtanhFunction(Function):
             low, high = kernel_bounds(x.dtype, min_val, max_val)
             if native.hardtanh_pack(x, y, bits, low, high):
                 F.hardtanh(y, min_val, max_val, inplace=True)  # stock finishes the held elements
-            return _save_bits(ctx, x, y, bits, inplace)
+            return _save_bits(ctx, x, y, bits, inplace, saved=x)
         bits = pack_bits(_hardtanh_keep(x, min_val, max_val), layout_of(x), scratch=True)
+        strides = x.stride()  # stock saves the input (a copy, in place): before it is overwritten
         y = _output(F.hardtanh(x, min_val, max_val, inplace), x, inplace)
-        return _save_bits(ctx, x, y, bits, inplace)
+        return _save_bits(ctx, x, y, bits, inplace, saved=strides)
 
     @staticmethod
     def backward(ctx, grad: Tensor, _bits_grad: None) -> tuple[Tensor | None, ...]:
@@ -147,11 +151,15 @@ def _output(y: Tensor, x: Tensor, inplace: bool) -> Tensor:
     return x if inplace else y
 
 
-def _save_bits(ctx, x: Tensor, y: Tensor, bits: Tensor, inplace: bool) -> tuple[Tensor, Tensor]:
+def _save_bits(
+    ctx, x: Tensor, y: Tensor, bits: Tensor, inplace: bool, saved: Tensor | tuple[int, ...]
+) -> tuple[Tensor, Tensor]:
     """Save only the packed bits (in place, marking the input dirty as stock in-place ops do) and
-    return the Function's outputs, the result and its bits."""
+    return the Function's outputs, the result and its bits. ``saved`` is the tensor stock would
+    save (or its strides): its layout decides the layout of stock's input gradient."""
     ctx.layout = layout_of(x)
     ctx.strides = x.stride()
+    ctx.saved_strides = saved if isinstance(saved, tuple) else saved.stride()
     if inplace:
         ctx.mark_dirty(x)
     ctx.mark_non_differentiable(bits)
@@ -168,8 +176,38 @@ def _pass_where_set(ctx, grad: Tensor) -> Tensor:
         native.select_bits(grad, bits, grad_input)
         return grad_input
     keep = _unpack(ctx, grad, invert=False)
-    # Written over ``keep``: the gradient is the only tensor of input size backward allocates.
-    return torch.ops.aten.threshold_backward.grad_input(grad, keep, 0, grad_input=keep)
+    # Written over ``keep`` where the layouts agree: the only tensor of input size backward allocates.
+    out = _gradient_buffer(ctx, grad, keep)
+    return torch.ops.aten.threshold_backward.grad_input(grad, keep, 0, grad_input=out)
+
+
+def _gradient_buffer(ctx, grad: Tensor, mask: Tensor) -> Tensor:
+    """Where backward writes the input gradient: over the unpacked ``mask`` when stock's kernel
+    would lay the gradient out as the mask is laid out, else a fresh tensor in stock's layout.
+
+    NOTE [gradient layout]: stock's backward kernel lays its result out from ``grad`` and the
+    tensor it saved; the mask follows the input's memory order instead. For most inputs the two
+    agree. Where they do not (an expanded or oddly strided input, a gradient laid out unlike the
+    input) the values are the same but a layout unlike stock's would change how later kernels
+    (an expand's sum, a convolution) round, so the gradient takes stock's layout.
+    """
+    if type(grad) is not Tensor or torch.compiler.is_compiling():
+        return mask
+    strides = _stock_gradient_strides(tuple(grad.shape), grad.stride(), ctx.saved_strides)
+    if strides == mask.stride():
+        return mask
+    # Allocation: the gradient in stock's layout; the mask is freed when backward returns.
+    return torch.empty_strided(grad.shape, strides, dtype=grad.dtype)
+
+
+@functools.lru_cache(maxsize=512)
+def _stock_gradient_strides(
+    shape: tuple[int, ...], grad_strides: tuple[int, ...], saved_strides: tuple[int, ...]
+) -> tuple[int, ...]:
+    """Strides of an elementwise backward kernel's result for ``grad`` and the saved tensor: the
+    layout rule (TensorIterator's) is the same for every such kernel, so one stands for all."""
+    meta = [torch.empty_strided(shape, s, device="meta") for s in (grad_strides, saved_strides)]
+    return torch.ops.aten.threshold_backward(*meta, 0).stride()
 
 
 #: Dtypes the fused kernels serve. The stock bfloat16/float16 CPU kernels rewrite NaN payloads

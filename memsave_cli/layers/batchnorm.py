@@ -108,12 +108,22 @@ class _MemSaveBatchNorm(nn.modules.batchnorm._BatchNorm):
     """Shared ``forward`` of the BatchNorm drop-ins (see NOTE [batch norm with running statistics])."""
 
     def forward(self, input: Tensor) -> Tensor:
-        if not self._normalises_with_running_stats() or not self._may_need_grad(input):
+        if self._runs_stock(input):
             return super().forward(input)
         self._check_input_dim(input)
         return BatchNormEvalFunction.apply(
             input, self.weight, self.bias, self.running_mean, self.running_var, self.eps
         )
+
+    def _runs_stock(self, input: Tensor) -> bool:
+        """Whether stock keeps nothing this layer could drop, so the stock module runs.
+
+        An empty input takes stock's kernel-free path (``_batch_norm_impl_index``: a scaled copy
+        of the input) and keeps nothing of size; the backward kernel would divide by its zero
+        element count and crash the process.
+        """
+        empty = input.numel() == 0
+        return empty or not self._normalises_with_running_stats() or not self._may_need_grad(input)
 
     def _normalises_with_running_stats(self) -> bool:
         """Whether stock normalises with the running statistics (and validates ``eps`` as stock)."""

@@ -99,7 +99,8 @@ def compare(tensor: Tensor, op: str, value: float) -> Tensor:
     """
     if tensor.dtype == torch.float32 and _numpy_ready(tensor):
         ufunc = getattr(numpy, _COMPARISONS[op])
-        return torch.from_numpy(ufunc(tensor.detach().numpy(), numpy.float32(value)))
+        # ``asarray``: on a 0-dim array a ufunc returns a numpy scalar, not an array.
+        return torch.from_numpy(numpy.asarray(ufunc(tensor.detach().numpy(), numpy.float32(value))))
     return getattr(torch, op)(tensor, value)
 
 

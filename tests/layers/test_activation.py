@@ -11,7 +11,7 @@ import torch
 from torch import Tensor, nn
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
-from memsave_cli.layers import bitmask, native, native_ops
+from memsave_cli.layers import bitmask, convert, native, native_ops
 from memsave_cli.layers.activation import (
     MemSaveHardtanh,
     MemSaveLeakyReLU,
@@ -478,3 +478,16 @@ def test_compiled_with_dynamic_shapes_matches_stock() -> None:
         x = torch.randn(batch, 3, 12, 12, generator=torch.Generator().manual_seed(batch))
         expected = _model_gradients(_small_model(memsave=False), x)
         torch.testing.assert_close(_model_gradients(model, x), expected)
+
+
+@pytest.mark.parametrize("cls", [nn.ReLU, nn.LeakyReLU, nn.ReLU6])
+def test_expanded_input_gradient_reaches_base_as_stock(activation_paths: str, cls) -> None:
+    """A stride-0 input: the gradient takes stock's layout, so expand's sum adds as stock's."""
+    grads = []
+    for module in (cls(), convert(cls())):
+        base = torch.randn(1, 1, 1, 37, generator=torch.Generator().manual_seed(0))
+        base.requires_grad_(True)
+        y = module(base.expand(3, 5, 7, 37).transpose(2, 3))
+        y.backward(torch.randn(y.shape, generator=torch.Generator().manual_seed(1)))
+        grads.append(base.grad)
+    assert torch.equal(*grads)

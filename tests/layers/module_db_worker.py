@@ -1,0 +1,109 @@
+"""Compare PyTorch's own ``module_db`` samples of one module class, stock against converted.
+
+Run by ``test_module_db.py`` in a process of its own, so that a sample that kills the process (a
+signal inside a kernel) is reported as that sample's failure instead of taking the test run down:
+
+    python module_db_worker.py NAME RESULTS [SKIP]
+
+``NAME`` is the ``module_db`` entry's formatted name (``nn_ReLU``). Before each sample the worker appends
+``{"key": ..., "state": "start"}`` to the file ``RESULTS``, after it ``{"key": ..., "diffs": [...]}``;
+a line of the first kind without one of the second names the sample that crashed. The first
+``SKIP`` samples are passed over (the parent restarts a crashed worker after its sample).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from exact import PATTERNS, compare
+from torch.testing._internal.common_modules import ModuleInfo, module_db
+
+from memsave_cli.layers import native, native_ops
+
+DTYPES = (torch.float32, torch.float64)
+#: The eager CPU code paths of the drop-ins (the layer tests' fixtures name the same three).
+PATHS = ("operators", "functions", "torch")
+
+
+def entry(name: str) -> ModuleInfo:
+    """The ``module_db`` entry called ``name``."""
+    return next(info for info in module_db if info.formatted_name == name)
+
+
+@contextlib.contextmanager
+def code_path(path: str) -> Iterator[None]:
+    """Run the drop-ins on one eager CPU path: C++ operators, Python Functions or torch ops."""
+    saved = native.available, native_ops.operators
+    if path != "operators":
+        native_ops.operators = lambda: None
+    if path == "torch":
+        native.available = lambda: False
+    try:
+        yield
+    finally:
+        native.available, native_ops.operators = saved
+
+
+def samples(info: ModuleInfo) -> Iterator[tuple[str, object, object]]:
+    """``(key, build, make_inputs, pattern)`` for every sample, dtype, mode and pattern."""
+    for dtype in DTYPES:
+        for training in (True, False):
+            torch.manual_seed(0)
+            inputs = info.module_inputs_func(
+                info, device="cpu", dtype=dtype, requires_grad=False, training=training
+            )
+            for i, sample in enumerate(inputs):
+                mode = "train" if training else "eval"
+                label = f"{str(dtype)[6:]}-{mode}-{i}:{sample.desc or 'default'}"
+                build = _builder(info, sample.constructor_input, dtype, training)
+                make = _input_maker(sample.forward_input)
+                for pattern in PATTERNS:
+                    yield f"{label}-{pattern}", build, make, pattern
+
+
+def _builder(info: ModuleInfo, constructor, dtype: torch.dtype, training: bool):
+    def build():
+        torch.manual_seed(0)
+        module = info.module_cls(*constructor.args, **constructor.kwargs)
+        return module.to(dtype).train(training)
+
+    return build
+
+
+def _input_maker(forward):
+    """Fresh copies of a sample's forward inputs, in their own layout (deepcopy keeps strides)."""
+
+    def make():
+        return copy.deepcopy(forward.args), copy.deepcopy(forward.kwargs)
+
+    return make
+
+
+def main(name: str, results: str, skip: int) -> None:
+    info = entry(name)
+    with Path(results).open("a") as out:
+        index = 0
+        for path in PATHS:
+            with code_path(path):
+                for key, build, make, pattern in samples(info):
+                    index += 1
+                    if index <= skip:
+                        continue
+                    key = f"{path}-{key}"
+                    _emit(out, {"key": key, "state": "start"})
+                    _emit(out, {"key": key, "diffs": compare(build, make, pattern)})
+
+
+def _emit(out, record: dict) -> None:
+    out.write(json.dumps(record) + "\n")
+    out.flush()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2], int(sys.argv[3]) if len(sys.argv) > 3 else 0)
