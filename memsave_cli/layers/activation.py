@@ -56,7 +56,7 @@ class _ReLUFunction(Function):
         forbid_double_backward("MemSaveReLU")
         if not ctx.needs_input_grad[0]:
             return None, None, None
-        return _pass_where_set(ctx, grad), None, None
+        return _pass_where_set(ctx, grad, "relu"), None, None
 
 
 class _LeakyReLUFunction(Function):
@@ -92,7 +92,7 @@ class _LeakyReLUFunction(Function):
             return grad_input, None, None, None
         positive = _unpack(ctx, grad, invert=False)
         # ``self_is_result`` as stock passes it: in place with a negative slope raises stock's error.
-        out = _gradient_buffer(ctx, grad, positive)
+        out = _gradient_buffer(ctx, grad, positive, "leaky_relu")
         grad_input = torch.ops.aten.leaky_relu_backward.grad_input(
             grad, positive, ctx.slope, ctx.saves_result, grad_input=out
         )
@@ -126,7 +126,7 @@ class _HardtanhFunction(Function):
         forbid_double_backward("MemSaveHardtanh/MemSaveReLU6")
         if not ctx.needs_input_grad[0]:
             return None, None, None, None, None
-        return _pass_where_set(ctx, grad), None, None, None, None
+        return _pass_where_set(ctx, grad, "hardtanh"), None, None, None, None
 
 
 def _hardtanh_keep(x: Tensor, min_val: float, max_val: float) -> Tensor:
@@ -167,8 +167,9 @@ def _save_bits(
     return y, bits
 
 
-def _pass_where_set(ctx, grad: Tensor) -> Tensor:
-    """``grad`` where the saved bit is set, else 0: stock's ``threshold_backward`` on the mask."""
+def _pass_where_set(ctx, grad: Tensor, kernel: str) -> Tensor:
+    """``grad`` where the saved bit is set, else 0: stock's ``threshold_backward`` on the mask,
+    laid out as stock's backward ``kernel`` lays out its result."""
     (bits,) = ctx.saved_tensors
     if _fused_like_input(ctx, grad):
         # Deliberate: the gradient itself, in ``grad``'s layout as stock's kernel lays it out.
@@ -177,23 +178,26 @@ def _pass_where_set(ctx, grad: Tensor) -> Tensor:
         return grad_input
     keep = _unpack(ctx, grad, invert=False)
     # Written over ``keep`` where the layouts agree: the only tensor of input size backward allocates.
-    out = _gradient_buffer(ctx, grad, keep)
+    out = _gradient_buffer(ctx, grad, keep, kernel)
     return torch.ops.aten.threshold_backward.grad_input(grad, keep, 0, grad_input=out)
 
 
-def _gradient_buffer(ctx, grad: Tensor, mask: Tensor) -> Tensor:
+def _gradient_buffer(ctx, grad: Tensor, mask: Tensor, kernel: str) -> Tensor:
     """Where backward writes the input gradient: over the unpacked ``mask`` when stock's kernel
     would lay the gradient out as the mask is laid out, else a fresh tensor in stock's layout.
 
     NOTE [gradient layout]: stock's backward kernel lays its result out from ``grad`` and the
-    tensor it saved; the mask follows the input's memory order instead. For most inputs the two
-    agree. Where they do not (an expanded or oddly strided input, a gradient laid out unlike the
-    input) the values are the same but a layout unlike stock's would change how later kernels
-    (an expand's sum, a convolution) round, so the gradient takes stock's layout.
+    tensor it saved (TensorIterator's rule, in which the operand order differs per kernel:
+    ``threshold_backward`` and ``leaky_relu_backward`` put the saved tensor first,
+    ``hardtanh_backward`` the gradient); the
+    mask follows the input's memory order instead. For most inputs they agree. Where they do not
+    (an expanded or oddly strided input, a gradient laid out unlike the input) the values are the
+    same but a layout unlike stock's would change how later kernels (an expand's sum, a
+    convolution) round, so the gradient takes stock's layout. The C++ operator does the same.
     """
     if type(grad) is not Tensor or torch.compiler.is_compiling():
         return mask
-    strides = _stock_gradient_strides(tuple(grad.shape), grad.stride(), ctx.saved_strides)
+    strides = _stock_gradient_strides(kernel, tuple(grad.shape), grad.stride(), ctx.saved_strides)
     if strides == mask.stride():
         return mask
     # Allocation: the gradient in stock's layout; the mask is freed when backward returns.
@@ -202,12 +206,18 @@ def _gradient_buffer(ctx, grad: Tensor, mask: Tensor) -> Tensor:
 
 @functools.lru_cache(maxsize=512)
 def _stock_gradient_strides(
-    shape: tuple[int, ...], grad_strides: tuple[int, ...], saved_strides: tuple[int, ...]
+    kernel: str, shape: tuple[int, ...], grad: tuple[int, ...], saved: tuple[int, ...]
 ) -> tuple[int, ...]:
-    """Strides of an elementwise backward kernel's result for ``grad`` and the saved tensor: the
-    layout rule (TensorIterator's) is the same for every such kernel, so one stands for all."""
-    meta = [torch.empty_strided(shape, s, device="meta") for s in (grad_strides, saved_strides)]
-    return torch.ops.aten.threshold_backward(*meta, 0).stride()
+    """Strides of stock's backward ``kernel`` result for a gradient and a saved tensor of these
+    strides (memoised per geometry).
+
+    The layout depends only on the operand order TensorIterator sees, so a structured binary op
+    with the same order stands in on meta (``hardtanh_backward`` has no structured meta kernel of
+    its own, and its generic one lays results out unlike the CPU kernel).
+    """
+    grad_t, saved_t = (torch.empty_strided(shape, s, device="meta") for s in (grad, saved))
+    first, second = (grad_t, saved_t) if kernel == "hardtanh" else (saved_t, grad_t)
+    return torch.mul(first, second).stride()
 
 
 #: Dtypes the fused kernels serve. The stock bfloat16/float16 CPU kernels rewrite NaN payloads

@@ -73,7 +73,8 @@ class AdaptiveAvgPoolShapeOnly(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, output_size: tuple[int, ...]) -> Tensor:
         ctx.nd = len(output_size)
-        ctx.input_shape = tuple(x.shape)  # nothing saved: the shape only
+        ctx.input_shape = tuple(x.shape)  # nothing saved: shape and layout only
+        ctx.layout = memory_format(x)
         pool, _ = _ADAPTIVE_KERNELS[ctx.nd]
         return pool(x, output_size)
 
@@ -81,8 +82,14 @@ class AdaptiveAvgPoolShapeOnly(torch.autograd.Function):
     def backward(ctx, grad_output: Tensor) -> tuple[Tensor, None]:
         forbid_double_backward("MemSaveAdaptiveAvgPool")
         _, pool_backward = _ADAPTIVE_KERNELS[ctx.nd]
-        # The kernel allocates the gradient (contiguous for the placeholder); nothing else.
-        return pool_backward(grad_output, shape_only(grad_output, ctx.input_shape)), None
+        # The kernel allocates the gradient (contiguous for the placeholder).
+        grad_input = pool_backward(grad_output, shape_only(grad_output, ctx.input_shape))
+        if ctx.layout == torch.channels_last:
+            # Allocation: the gradient again, channels-last as stock's 2d kernel lays it out for
+            # such an input (no out= form); the contiguous one is freed at once. Stock's 3d
+            # kernel answers contiguously for every layout.
+            grad_input = grad_input.contiguous(memory_format=ctx.layout)
+        return grad_input, None
 
 
 def _needs_memsave(input: Tensor, nd: int) -> bool:

@@ -300,6 +300,10 @@ class MaxPoolWithOffsets(torch.autograd.Function):
             indices = maps.to_indices(off_block)
             like = shape_only(go_block, gi_block.shape)
             pool_backward(go_block, like, *ctx.args, indices, grad_input=gi_block)
+        if layout != ctx.layout:
+            # Allocation: the gradient again, channels-last-3d as stock lays it out for such an
+            # input (each element's sum is the same in either layout); the first is freed.
+            grad_input = grad_input.contiguous(memory_format=ctx.layout)
         return grad_input, None, None, None, None, None
 
 

@@ -141,8 +141,26 @@ struct MemSaveActivation : public torch::autograd::Function<MemSaveActivation> {
                                              grad_input.data_ptr(), n, size, 0, threads()),
                          "select_bits");
         }
-        return {grad_input,  at::Tensor(), at::Tensor(), at::Tensor(),
-                at::Tensor(), at::Tensor(), at::Tensor()};
+        return {in_stock_layout(kind, grad_input, grads[0].strides()), at::Tensor(), at::Tensor(),
+                at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+    }
+
+    // NOTE [gradient layout] (activation.py): stock's backward kernel lays its result out from
+    // the incoming gradient and the saved tensor (here laid out as the input), with an operand
+    // order of its own per kernel; only when the incoming gradient was laid out unlike the input
+    // can that layout differ from ours.
+    static at::Tensor in_stock_layout(Kind kind, const at::Tensor &grad_input,
+                                      at::IntArrayRef incoming) {
+        if (incoming == grad_input.strides()) return grad_input;
+        const auto meta = grad_input.options().device(at::kMeta);
+        const at::Tensor grad = at::empty_strided(grad_input.sizes(), incoming, meta);
+        const at::Tensor saved = at::empty_strided(grad_input.sizes(), grad_input.strides(), meta);
+        // A structured binary op with the kernel's operand order stands in (activation.py).
+        const at::Tensor stock = kind == Kind::Hardtanh ? at::mul(grad, saved) : at::mul(saved, grad);
+        if (stock.strides() == grad_input.strides()) return grad_input;
+        // Allocation: the gradient in stock's layout (rare: a gradient unlike the input).
+        return at::empty_strided(grad_input.sizes(), stock.strides(), grad_input.options())
+            .copy_(grad_input);
     }
 };
 

@@ -25,6 +25,10 @@ PATTERNS: dict[str, tuple[bool, bool]] = {
 
 LAYOUTS = ("contiguous", "sliced", "expanded", "permuted", "channels_last")
 SPECIAL = (float("nan"), float("inf"), -float("inf"), -0.0, 0.0)
+#: NOTE [NaN in hardtanh_backward] (activation.py): stock passes a NaN element's gradient in
+#: the scalar tail of its CPU loops and blocks it elsewhere, so where an element falls decides;
+#: Hardtanh and ReLU6 are compared on every special value but NaN.
+NOT_NAN = SPECIAL[1:]
 
 _AS_INT = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -53,10 +57,14 @@ def bitwise_diff(name: str, stock: object, ours: object) -> str | None:
 
 
 def laid_out(
-    shape: Sequence[int], dtype: torch.dtype, layout: str, g: torch.Generator, special: bool = False
+    shape: Sequence[int],
+    dtype: torch.dtype,
+    layout: str,
+    g: torch.Generator,
+    special: Sequence[float] = (),
 ) -> Tensor:
-    """A random tensor of ``shape`` whose strides follow ``layout`` (where the shape allows it);
-    ``special`` puts NaN, infinities and signed zeros in about a quarter of its elements."""
+    """A random tensor of ``shape`` whose strides follow ``layout`` (where the shape allows it),
+    with values drawn from ``special`` (e.g. ``SPECIAL``) in about a quarter of its elements."""
     shape = list(shape)
     make = lambda s: _values(s, dtype, g, special)  # noqa: E731
     n = len(shape)
@@ -75,12 +83,12 @@ def laid_out(
     return make(shape)
 
 
-def _values(shape: list[int], dtype, g: torch.Generator, special: bool) -> Tensor:
+def _values(shape: list[int], dtype, g: torch.Generator, special: Sequence[float]) -> Tensor:
     x = torch.randn(shape, generator=g, dtype=torch.float64)
     if special and x.numel():
         picks = torch.randint(0, x.numel(), (max(1, x.numel() // 4),), generator=g)
-        fill = torch.tensor(SPECIAL, dtype=torch.float64)
-        x.view(-1)[picks] = fill[torch.randint(0, len(SPECIAL), picks.shape, generator=g)]
+        fill = torch.tensor(special, dtype=torch.float64)
+        x.view(-1)[picks] = fill[torch.randint(0, len(special), picks.shape, generator=g)]
     return x.to(dtype)
 
 
