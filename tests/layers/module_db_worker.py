@@ -3,12 +3,14 @@
 Run by ``test_module_db.py`` in a process of its own, so that a sample that kills the process (a
 signal inside a kernel) is reported as that sample's failure instead of taking the test run down:
 
-    python module_db_worker.py NAME RESULTS [SKIP]
+    python module_db_worker.py RESULTS SKIP NAME [NAME ...]
 
-``NAME`` is the ``module_db`` entry's formatted name (``nn_ReLU``). Before each sample the worker appends
-``{"key": ..., "state": "start"}`` to the file ``RESULTS``, after it ``{"key": ..., "diffs": [...]}``;
-a line of the first kind without one of the second names the sample that crashed. The first
-``SKIP`` samples are passed over (the parent restarts a crashed worker after its sample).
+Each ``NAME`` is a ``module_db`` entry's formatted name (``nn_ReLU``); one process serves them
+all, since importing ``module_db`` costs seconds. Before each sample the worker appends
+``{"name": ..., "key": ..., "state": "start"}`` to the file ``RESULTS``, after it the same with
+``"diffs": [...]`` instead of the state; a start without its end names the sample that crashed.
+The first ``SKIP`` samples are passed over (the parent restarts a crashed worker after its
+sample).
 """
 
 from __future__ import annotations
@@ -85,19 +87,19 @@ def _input_maker(forward):
     return make
 
 
-def main(name: str, results: str, skip: int) -> None:
-    info = entry(name)
+def main(results: str, skip: int, names: list[str]) -> None:
+    index = 0
     with Path(results).open("a") as out:
-        index = 0
-        for path in PATHS:
-            with code_path(path):
-                for key, build, make, pattern in samples(info):
-                    index += 1
-                    if index <= skip:
-                        continue
-                    key = f"{path}-{key}"
-                    _emit(out, {"key": key, "state": "start"})
-                    _emit(out, {"key": key, "diffs": compare(build, make, pattern)})
+        for name in names:
+            for path in PATHS:
+                with code_path(path):
+                    for key, build, make, pattern in samples(entry(name)):
+                        index += 1
+                        if index <= skip:
+                            continue
+                        record = {"name": name, "key": f"{path}-{key}"}
+                        _emit(out, {**record, "state": "start"})
+                        _emit(out, {**record, "diffs": compare(build, make, pattern)})
 
 
 def _emit(out, record: dict) -> None:
@@ -106,4 +108,4 @@ def _emit(out, record: dict) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], int(sys.argv[3]) if len(sys.argv) > 3 else 0)
+    main(sys.argv[1], int(sys.argv[2]), sys.argv[3:])

@@ -3,9 +3,9 @@
 Every sample of every swapped class, in float32 and float64, train and eval, under three
 differentiability patterns (``exact.PATTERNS``) and on every eager CPU path, must give outputs,
 gradients and buffers bitwise equal to stock's. The classes are found by converting each entry's
-first sample, so a new drop-in is covered without being listed here. Each class runs in a worker
-process (``module_db_worker.py``): a sample that crashes the process fails this test by name, and
-the worker goes on after it.
+first sample, so a new drop-in is covered without being listed here. The samples run in a worker
+process (``module_db_worker.py``): a sample that crashes the process fails its class's test by
+name, and the worker goes on after it.
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ common_modules = pytest.importorskip(
 )
 
 WORKER = Path(__file__).with_name("module_db_worker.py")
-#: Per class: far above the slowest (about 40 s with the native build), far below CI's limit.
-TIMEOUT_S = 600
+#: For all entries together (about 3 minutes on one core), far below CI's limit.
+TIMEOUT_S = 1500
 
 
 def swapped_entries() -> list[str]:
@@ -52,27 +52,46 @@ def _is_swapped(cls: type[nn.Module], constructor) -> bool:
     return type(convert(module, inplace=True)) is not cls
 
 
-@pytest.mark.parametrize("name", swapped_entries())
-def test_module_db_samples_are_exact(name: str, tmp_path: Path) -> None:
-    results = tmp_path / "results.jsonl"
-    failures = _run(name, results)
+@pytest.fixture(scope="session")
+def module_db_failures(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[str]]:
+    """Per entry, the samples that differ from stock or crashed, from one worker run over all
+    swapped entries (restarted after each crash)."""
+    results = tmp_path_factory.mktemp("module_db") / "results.jsonl"
+    crashed = _run(swapped_entries(), results)
     records = [json.loads(line) for line in results.read_text().splitlines()]
-    compared = [r for r in records if "diffs" in r]
-    failures += [f"{r['key']}: {'; '.join(r['diffs'])}" for r in compared if r["diffs"]]
-    assert compared, f"{name}: no sample was compared"
-    assert not failures, (
-        f"{name}: {len(failures)} of {len(compared)} samples differ:\n" + "\n".join(failures[:40])
+    failures: dict[str, list[str]] = {}
+    for record in records:
+        if "diffs" in record:
+            failures.setdefault(record["name"], [])
+            if record["diffs"]:
+                failures[record["name"]].append(f"{record['key']}: {'; '.join(record['diffs'])}")
+    for record in crashed:
+        failures.setdefault(record["name"], []).append(
+            f"{record['key']}: the process died ({record['how']})"
+        )
+    return failures
+
+
+@pytest.mark.xdist_group("module_db")  # one worker process for every entry: the import is slow
+@pytest.mark.parametrize("name", swapped_entries())
+def test_module_db_samples_are_exact(name: str, module_db_failures: dict[str, list[str]]) -> None:
+    assert name in module_db_failures, f"{name}: no sample was compared"
+    failures = module_db_failures[name]
+    assert not failures, f"{name}: {len(failures)} samples differ or crash:\n" + "\n".join(
+        failures[:40]
     )
 
 
-def _run(name: str, results: Path) -> list[str]:
-    """Run the worker to the end, restarting it after each sample that kills it; the crashes."""
-    crashes: list[str] = []
+def _run(names: list[str], results: Path) -> list[dict]:
+    """Run the worker over ``names`` to the end, restarting it after each sample that kills it;
+    the crashed samples' records."""
+    crashes: list[dict] = []
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(WORKER.parent), *sys.path])}
     while True:
-        done = sum('"state"' in line for line in _lines(results))  # samples started so far
+        started = [json.loads(line) for line in _lines(results)]
+        done = sum("state" in record for record in started)  # samples started so far
         proc = subprocess.run(
-            [sys.executable, str(WORKER), name, str(results), str(done)],
+            [sys.executable, str(WORKER), str(results), str(done), *names],
             env=env,
             capture_output=True,
             text=True,
@@ -80,16 +99,17 @@ def _run(name: str, results: Path) -> list[str]:
         )
         if proc.returncode == 0:
             return crashes
-        started = [json.loads(line) for line in _lines(results)]
-        crashed = started[-1]["key"] if started and "state" in started[-1] else None
-        if crashed is None:
+        last = ([json.loads(line) for line in _lines(results)] or [{}])[-1]
+        if "state" not in last:
             pytest.fail(
-                f"{name}: worker failed before a sample (exit {proc.returncode}):\n"
+                f"module_db worker failed outside a sample (exit {proc.returncode}):\n"
                 f"{proc.stderr[-3000:]}"
             )
-        crashes.append(f"{crashed}: the process died ({_describe(proc.returncode)})")
+        crashes.append({**last, "how": _describe(proc.returncode)})
         with results.open("a") as out:  # close the crashed sample's record
-            out.write(json.dumps({"key": crashed, "crashed": True}) + "\n")
+            out.write(
+                json.dumps({"name": last["name"], "key": last["key"], "crashed": True}) + "\n"
+            )
 
 
 def _lines(path: Path) -> list[str]:
