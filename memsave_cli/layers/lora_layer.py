@@ -40,7 +40,7 @@ def lora_forward(layer: peft_lora.LoraLayer, x: Tensor, *args: Any, **kwargs: An
     result_dtype = result.dtype
     dtypes: list[torch.dtype] = []  # peft casts x again before each adapter
     for name in layer.active_adapters:
-        if name not in layer.lora_A.keys():
+        if name not in layer.lora_A:
             continue
         lora_A, lora_B = layer.lora_A[name], layer.lora_B[name]
         dtypes.append(lora_A.weight.dtype)
@@ -198,7 +198,9 @@ def _probe_layer(kind: type[nn.Module], base: nn.Module) -> nn.Module:
     """A peft layer of ``kind`` around ``base``: two adapters, nonzero B, dropout 0.5 and 0.25."""
     config = LoraConfig(r=2, lora_alpha=3, lora_dropout=0.5, init_lora_weights=False)
     options = {"init_lora_weights": False, "config": config}
-    layer = kind(base.requires_grad_(False), "first", r=2, lora_alpha=3, lora_dropout=0.5, **options)
+    layer = kind(
+        base.requires_grad_(False), "first", r=2, lora_alpha=3, lora_dropout=0.5, **options
+    )
     layer.update_layer("second", r=3, lora_alpha=2, lora_dropout=0.25, **options)
     layer.set_adapter(["first", "second"])
     return layer.train()
