@@ -75,7 +75,7 @@ class DroppedProjection(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_output: Tensor) -> tuple[Tensor | None, ...]:
-        forbid_double_backward("the LoRA dropout of memsave")
+        forbid_double_backward("DroppedProjection (LoRA dropout)")
         x, *state = ctx.saved_tensors
         needs_x, params = ctx.needs_input_grad[0], list(ctx.project.parameters())
         wanted = [p for p, need in zip(params, ctx.needs_input_grad[4:], strict=True) if need]
