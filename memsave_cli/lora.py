@@ -121,10 +121,10 @@ def _is_hugging_face(model: nn.Module) -> bool:
 
 def _no_target(model: nn.Module, targets: tuple[str, ...], error: ValueError) -> str:
     """One line for peft's refusal: which targets, and what the model's layer names look like."""
-    names = [n.rsplit(".", 1)[-1] for n, m in model.named_modules() if type(m) in _CANDIDATES]
-    sample = ", ".join(dict.fromkeys(names)) or "(none)"
+    names = [n for n, m in model.named_modules() if type(m) in _CANDIDATES]
+    sample = ", ".join(names[:3] + (["...", names[-1]] if len(names) > 3 else [])) or "(none)"
     first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
     return (
         f"LoRA targets {','.join(targets)} select no layer peft can adapt ({first[:120]}); "
-        f"linear and convolution layers are named like: {sample[:200]}"
+        f"expected module names (or name endings) such as: {sample}"
     )

@@ -58,6 +58,7 @@ def _assert_same_step(stock: nn.Module, memsave: nn.Module, loss_of) -> tuple[in
     return stock_bytes, memsave_bytes
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_tiny_llama_matches_stock_and_saves_less(dtype: torch.dtype) -> None:
     transformers = pytest.importorskip("transformers")
@@ -79,6 +80,7 @@ def test_tiny_llama_matches_stock_and_saves_less(dtype: torch.dtype) -> None:
     assert saved[1] < 0.8 * saved[0]
 
 
+@pytest.mark.slow
 def test_tiny_cnn_matches_stock_and_saves_less() -> None:
     torchvision = pytest.importorskip("torchvision")
     from memsave_cli.lora import LoraSettings, apply_lora
