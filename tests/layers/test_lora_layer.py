@@ -99,24 +99,13 @@ def test_tiny_cnn_matches_stock_and_saves_less() -> None:
 def test_several_adapters_on_one_layer() -> None:
     torch.manual_seed(1)
     stock = _adapted(Attention(), ["q", "v"], dropout=0.4)
-    for name in ("q", "v"):  # a second adapter without dropout, a third with a high one
-        getattr(stock, name).update_layer(
-            "plain",
-            r=3,
-            lora_alpha=2,
-            lora_dropout=0.0,
-            init_lora_weights=False,
-            config=LoraConfig(),
-        )
-        getattr(stock, name).update_layer(
-            "high",
-            r=2,
-            lora_alpha=5,
-            lora_dropout=0.9,
-            init_lora_weights=False,
-            config=LoraConfig(),
-        )
-        getattr(stock, name).set_adapter(["default", "plain", "high"])
+    # A second adapter without dropout, a third with a high one: (name, rank, alpha, dropout).
+    extra = [("plain", 3, 2, 0.0), ("high", 2, 5, 0.9)]
+    for layer in (stock.q, stock.v):
+        for adapter, rank, alpha, p in extra:
+            options = {"init_lora_weights": False, "config": LoraConfig()}
+            layer.update_layer(adapter, r=rank, lora_alpha=alpha, lora_dropout=p, **options)
+        layer.set_adapter(["default", "plain", "high"])
     memsave = convert(stock)
     x = torch.randn(6, 5, 32)
     _assert_same_step(stock, memsave, lambda m: m(x).sum())
