@@ -3,7 +3,8 @@
 NOTE [LoRA dropout replay]: a peft LoRA layer adds ``lora_B(lora_A(dropout(x))) * scaling`` per
 adapter. Stock autograd keeps, per adapter, the dropout noise (input-sized, for ``x``'s gradient)
 and ``dropout(x)`` (input-sized, for ``lora_A``'s weight gradient), although backward can rebuild
-both from ``x``, which the model keeps anyway. Here forward keeps ``x`` itself (one storage, shared
+both from ``x``, which the model keeps anyway. (With ``p = 0``, peft's ``nn.Identity``, stock still
+keeps ``cast(x)``, a float32 copy per adapter on a half-precision model.) Here forward keeps ``x`` itself (one storage, shared
 by every adapter and every LoRA layer reading the same input: q, k and v; gate and up) and the
 state of the generator dropout draws from. Backward restores that state, replays the stock
 ``F.dropout`` and ``lora_A`` on ``x`` and differentiates them: the noise is stock's own (same
@@ -59,6 +60,11 @@ def _unsaved(tensor: Tensor) -> Tensor:
     return tensor
 
 
+def _dropout(x: Tensor, p: float) -> Tensor:
+    """Stock training-mode dropout; none at all for ``p = 0`` (peft's ``nn.Identity``)."""
+    return F.dropout(x, p, True) if p > 0 else x
+
+
 class DroppedProjection(torch.autograd.Function):
     """``project(F.dropout(cast(x), p))`` keeping ``x`` and the random state (NOTE above)."""
 
@@ -68,10 +74,10 @@ class DroppedProjection(torch.autograd.Function):
     ) -> Tensor:
         ctx.p, ctx.project, ctx.cast = p, project, cast
         if any(ctx.needs_input_grad):
-            state = rng_state(x.device)
+            state = rng_state(x.device) if p > 0 else None
             # x is the layer's own input: it is kept once, whoever else keeps it too.
             ctx.save_for_backward(x, *(() if state is None else (state,)))
-        return project(F.dropout(cast(x), p, True))
+        return project(_dropout(cast(x), p))
 
     @staticmethod
     def backward(ctx, grad_output: Tensor) -> tuple[Tensor | None, ...]:
@@ -84,7 +90,7 @@ class DroppedProjection(torch.autograd.Function):
         hooks = torch.autograd.graph.saved_tensors_hooks(_unsaved, _unsaved)
         with hooks, replayed_rng(x.device, state[0] if state else None), torch.enable_grad():
             source = x.detach().requires_grad_(needs_x)
-            output = ctx.project(F.dropout(ctx.cast(source), ctx.p, True))
+            output = ctx.project(_dropout(ctx.cast(source), ctx.p))
         grads = iter(torch.autograd.grad(output, [source] * needs_x + wanted, grad_output))
         grad_x = next(grads) if needs_x else None
         grad_params = [next(grads) if need else None for need in ctx.needs_input_grad[4:]]
@@ -93,7 +99,9 @@ class DroppedProjection(torch.autograd.Function):
 
 def dropped_projection(x: Tensor, p: float, project: nn.Module, cast: Cast) -> Tensor:
     """``project(F.dropout(cast(x), p, training=True))``, bitwise stock's, keeping only ``x`` and
-    the random state for backward. ``p`` must lie in (0, 1)."""
-    if not 0.0 < p < 1.0:
-        raise ValueError(f"dropped_projection needs 0 < p < 1, got {p}")
+    the random state for backward. ``p`` must lie in [0, 1): with ``p = 0`` there is no dropout,
+    and what is saved is ``x`` rather than ``cast(x)`` (peft casts a half-precision input up to
+    its float32 adapters: the cast copy is twice the size, and one per adapter)."""
+    if not 0.0 <= p < 1.0:
+        raise ValueError(f"dropped_projection needs 0 <= p < 1, got {p}")
     return DroppedProjection.apply(x, p, project, cast, *project.parameters())

@@ -59,18 +59,18 @@ def _cast(layer: peft_lora.LoraLayer, dtypes: tuple[torch.dtype, ...], x: Tensor
 def _project(
     x: Tensor, dropout: nn.Module, lora_A: nn.Module, cast: Callable[[Tensor], Tensor]
 ) -> Tensor:
-    """``lora_A(dropout(cast(x)))``: replayed where stock would keep an input-sized noise."""
-    p = getattr(dropout, "p", 0.0)
-    replay = (
-        type(dropout) is nn.Dropout
-        and dropout.training
-        and 0.0 < p < 1.0
-        and torch.is_grad_enabled()
-        and (x.requires_grad or any(w.requires_grad for w in lora_A.parameters()))
-    )
-    if replay:
-        return dropped_projection(x, p, lora_A, cast)
-    return lora_A(dropout(cast(x)))
+    """``lora_A(dropout(cast(x)))``: replayed from ``x`` where stock would keep an input-sized
+    noise and dropped copy, or (no dropout) a copy of ``x`` cast to the adapter's dtype."""
+    if type(dropout) is nn.Dropout and dropout.training and 0.0 < dropout.p < 1.0:
+        p = dropout.p
+    elif type(dropout) is nn.Identity and lora_A.weight.dtype != x.dtype:
+        p = 0.0
+    else:
+        return lora_A(dropout(cast(x)))
+    needs_grad = x.requires_grad or any(w.requires_grad for w in lora_A.parameters())
+    if not (needs_grad and torch.is_grad_enabled()):
+        return lora_A(dropout(cast(x)))
+    return dropped_projection(x, p, lora_A, cast)
 
 
 class MemSaveLoraLinear(peft_lora.Linear):

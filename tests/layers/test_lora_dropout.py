@@ -151,8 +151,8 @@ def test_meta_tensors() -> None:
 
 
 def test_rejects_p_outside_the_open_interval() -> None:
-    for p in (0.0, 1.0):
-        with pytest.raises(ValueError, match="0 < p < 1"):
+    for p in (-0.1, 1.0):
+        with pytest.raises(ValueError, match="0 <= p < 1"):
             dropped_projection(torch.randn(2, 3), p, nn.Linear(3, 1), _identity)
 
 
@@ -169,3 +169,29 @@ def test_odd_sizes_sweep() -> None:
     for rows, features, rank in itertools.product((1, 3, 129), (1, 7), (1, 5)):
         project = nn.Linear(features, rank, bias=False)
         _compare(torch.randn(rows, features, requires_grad=True), 0.25, project)
+
+
+@pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16), ids=str)
+def test_no_dropout_keeps_the_input_not_its_float32_copy(dtype: torch.dtype) -> None:
+    torch.manual_seed(9)
+    project = nn.Linear(24, 4, bias=False)
+    x = torch.randn(16, 24, dtype=dtype, requires_grad=True)
+    _compare(x, 0.0, project, _to_float32)
+    with SavedTensorRecorder() as stock:
+        _stock(x, 0.0, project, _to_float32)
+    with SavedTensorRecorder() as memsave:
+        dropped_projection(x, 0.0, project, _to_float32)
+    weight_bytes = project.weight.numel() * 4  # not known as a parameter without a model
+    assert stock.activation_bytes == 2 * x.numel() * x.element_size() + weight_bytes
+    assert memsave.activation_bytes == x.numel() * x.element_size()  # x, no random state
+
+
+def test_gradcheck_float64_without_dropout() -> None:
+    torch.manual_seed(10)
+    project = nn.Conv1d(3, 2, 3, bias=False).double()
+    x = torch.randn(2, 3, 7, dtype=torch.float64, requires_grad=True)
+
+    def fn(x: Tensor, weight: Tensor) -> Tensor:
+        return dropped_projection(x, 0.0, project, _identity)
+
+    assert torch.autograd.gradcheck(fn, (x, project.weight))
