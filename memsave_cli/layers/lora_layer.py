@@ -179,12 +179,11 @@ def _restore_dropouts(layer: nn.Module) -> None:
 def reproduces(kind: type[nn.Module]) -> bool:
     """Whether the drop-in of peft class ``kind`` is bitwise peft's on a probe (cached per class)."""
     drop_in, base = LORA_DROP_INS[kind]
-    with torch.device("cpu"):
-        torch.manual_seed(0)  # the probe's own weights; the global state is restored below
+    with torch.random.fork_rng(devices=[]), torch.device("cpu"):  # the caller's RNG untouched
+        torch.manual_seed(0)
         layer = _probe_layer(kind, base())
         x = torch.randn(2, *_probe_shape(layer.base_layer), requires_grad=True)
         noise = torch.randn_like(layer.base_layer(x))
-    with torch.random.fork_rng(devices=[]):
         results = []
         for forward in (kind.forward, drop_in.forward):
             torch.manual_seed(1)

@@ -208,3 +208,12 @@ def test_conversion_is_silent_when_everything_converts() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         convert(_adapted(Attention(), ["q", "k", "v"]))
+
+
+def test_probe_leaves_the_global_random_state_alone() -> None:
+    lora_layer.reproduces.cache_clear()
+    torch.manual_seed(12)
+    expected = torch.rand(4)
+    torch.manual_seed(12)
+    assert lora_layer.reproduces(peft_lora.Conv2d)
+    assert torch.equal(torch.rand(4), expected)
