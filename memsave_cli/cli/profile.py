@@ -34,6 +34,7 @@ EPILOG = examples(
     "memsave profile torchvision:vit_b_16 --trainable 'heads.*' --input-grad",
     "memsave profile mymodels.py:build --kwarg width=64 --input-shape 3,64,64",
     "memsave profile hf:./llama-config --dtype bfloat16 --batch-size 8 --json report.json",
+    "memsave profile torchvision:resnet50 --case lora --lora-rank 8 --batch-size 16",
 )
 
 
