@@ -13,7 +13,9 @@ kernel, same random numbers), so outputs and gradients are bitwise the stock one
 The seeded noise of ``dropout.py`` is not used here: it draws different random numbers than
 stock's ``bernoulli_``, so a converted peft model could not match the stock one bitwise. The
 replay costs, per adapter, the random state (5 KiB on CPU, 16 bytes on CUDA) and, in backward,
-``lora_A``'s forward once more (a rank-``r`` projection, small beside the base layer).
+``lora_A``'s forward once more (a rank-``r`` projection, small beside the base layer). That
+replay calls ``lora_A`` as a module, so hooks on it run again in backward, as they do under
+``torch.utils.checkpoint``.
 """
 
 from __future__ import annotations
