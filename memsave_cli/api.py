@@ -9,6 +9,7 @@ import torch
 
 from memsave_cli.cases import PAPER_CASES, Case, has_norm_layers, resolve_case
 from memsave_cli.errors import MemsaveError
+from memsave_cli.lora import LoraSettings, apply_lora
 from memsave_cli.measure import DEVICES, NEEDS_REAL_DATA, Job, check_job
 from memsave_cli.report import Report, Run
 from memsave_cli.runner import run_jobs
@@ -32,6 +33,7 @@ def profile(
     on_run: Callable[[Run], None] | None = None,
     workers: int | None = None,
     on_plan: Callable[[int], None] | None = None,
+    lora: LoraSettings | None = None,
 ) -> Report:
     """Measure ``model`` (a spec such as ``"torchvision:resnet101"``) for every case x impl.
 
@@ -40,6 +42,7 @@ def profile(
     ``on_run`` sees each run as it finishes. ``device="auto"`` is cuda when available, else meta;
     there a model that needs real data (detection) is measured on cpu instead. Settings that
     cannot work raise MemsaveError before any worker starts; a failing run is a Run with a status.
+    Case ``"lora"`` adds peft LoRA adapters with ``lora`` settings (default ``lora_settings()``).
     """
     spec = parse_spec(model, model_kwargs)
     notes: list[str] = []
@@ -53,7 +56,7 @@ def profile(
         "repeat": repeat,
     }
     _check_settings(spec, impls, chosen, settings)
-    selected = _select_cases(spec, cases, notes)
+    selected = _select_cases(spec, cases, notes, lora)
     jobs = [Job(spec, case, impl, chosen, **settings) for case in selected for impl in impls]
     if not jobs:
         raise MemsaveError("nothing to measure: every case was skipped")
@@ -89,15 +92,33 @@ def resolve_device(device: str, notes: list[str]) -> str:
     return device
 
 
-def _select_cases(spec: ModelSpec, cases: Sequence[str | Case], notes: list[str]) -> list[Case]:
-    """Resolve case names; drop ``norm`` with a note when the model has no norm layer to train."""
-    resolved = [case if isinstance(case, Case) else resolve_case(case) for case in cases]
+def _select_cases(
+    spec: ModelSpec, cases: Sequence[str | Case], notes: list[str], lora: LoraSettings | None
+) -> list[Case]:
+    """Resolve case names; drop ``norm`` with a note when the model has no norm layer to train;
+    check that LoRA targets select layers of the model."""
+    resolved = [case if isinstance(case, Case) else _resolve(case, lora) for case in cases]
     if not resolved:
         raise MemsaveError("no case to measure: give at least one")
+    check_lora_cases(spec, resolved)
     if any(case.name == "norm" for case in resolved) and not _has_norms(spec):
         notes.append(f"case norm skipped: {spec.text} has no normalisation layer with parameters")
         resolved = [case for case in resolved if case.name != "norm"]
     return resolved
+
+
+def _resolve(name: str, lora: LoraSettings | None) -> Case:
+    """A case by name; ``lora`` settings go to the lora case."""
+    is_lora = name.strip().lower() == "lora"
+    return resolve_case(name, lora=lora if is_lora else None)
+
+
+def check_lora_cases(spec: ModelSpec, cases: Sequence[Case]) -> None:
+    """Raise CaseError when a lora case's targets select no layer (checked on a meta build)."""
+    for case in cases:
+        if case.lora is not None:
+            with torch.device("meta"):
+                apply_lora(build_model(spec), case.lora)
 
 
 def _has_norms(spec: ModelSpec) -> bool:

@@ -1,8 +1,9 @@
 """Differentiability cases: which parameters (and whether the input) get ``requires_grad``.
 
 The paper's four cases are ``all``, ``input``, ``norm`` and ``surgical``; ``none`` is the inference
-baseline and ``custom`` trains the parameters that glob patterns name. Only ``input`` makes the input
-differentiable by default (as in the paper); any case can ask for it with ``input_grad=True``.
+baseline and ``custom`` trains the parameters that glob patterns name; ``lora`` adds peft LoRA
+adapters and trains them alone (``memsave_cli.lora``). Only ``input`` makes the input differentiable
+by default (as in the paper); any case can ask for it with ``input_grad=True``.
 """
 
 from __future__ import annotations
@@ -16,10 +17,11 @@ from fnmatch import fnmatchcase
 from torch import nn
 
 from memsave_cli.errors import CaseError
+from memsave_cli.lora import LoraSettings, lora_settings
 
 PAPER_CASES = ("all", "input", "norm", "surgical")
 PRESETS = (*PAPER_CASES, "none")
-CASE_NAMES = (*PRESETS, "custom")
+CASE_NAMES = (*PRESETS, "custom", "lora")
 
 #: torch's normalisation modules (matched with isinstance, so subclasses count too).
 TORCH_NORMS: tuple[type[nn.Module], ...] = (
@@ -49,22 +51,32 @@ _NORM_NAME = re.compile(r"(?:Norm|Normalization)(?:[123][dD])?(?:Gated)?$")
 class Case:
     """A differentiability pattern: a preset name, or ``custom`` with glob patterns."""
 
-    name: str  # "all" | "input" | "norm" | "surgical" | "none" | "custom"
+    name: str  # "all" | "input" | "norm" | "surgical" | "none" | "custom" | "lora"
     trainable: tuple[str, ...] = ()  # glob patterns over parameter names (custom)
     input_grad: bool = False
+    lora: LoraSettings | None = None  # the adapters of the lora case
 
     @property
     def label(self) -> str:
         """A distinct display name: the preset, or the patterns of a custom case (``+input``)."""
         base = self.name if self.name != "custom" else ",".join(self.trainable)
+        if self.lora is not None and self.lora.label:
+            base = f"{base}({self.lora.label})"
         extra = self.input_grad and self.name != "input"
         return f"{base}+input" if extra else base
 
 
 def resolve_case(
-    name: str, *, trainable: Sequence[str] = (), input_grad: bool | None = None
+    name: str,
+    *,
+    trainable: Sequence[str] = (),
+    input_grad: bool | None = None,
+    lora: LoraSettings | None = None,
 ) -> Case:
-    """Validate a case name (and patterns); ``input_grad=None`` takes the case's default."""
+    """Validate a case name (and patterns); ``input_grad=None`` takes the case's default.
+
+    The ``lora`` case takes ``lora`` settings (default: ``lora_settings()``, which needs peft).
+    """
     name = name.strip().lower()
     patterns = tuple(p.strip() for p in ([trainable] if isinstance(trainable, str) else trainable))
     if name not in CASE_NAMES:
@@ -79,8 +91,12 @@ def resolve_case(
         raise CaseError("case 'input' always makes the input differentiable")
     if name == "none" and input_grad:
         raise CaseError("case 'none' makes nothing differentiable; use case 'input' for the input")
+    if name != "lora" and lora is not None:
+        raise CaseError(f"case '{name}' takes no LoRA settings; use case 'lora' for adapters")
+    if name == "lora" and lora is None:
+        lora = lora_settings()
     default = name == "input"
-    return Case(name, patterns, default if input_grad is None else input_grad)
+    return Case(name, patterns, default if input_grad is None else input_grad, lora)
 
 
 def apply_case(model: nn.Module, case: Case) -> int:
@@ -99,6 +115,8 @@ def trainable_names(model: nn.Module, case: Case) -> list[str]:
     names = {id(p): n for n, p in model.named_parameters()}
     if case.name in ("none", "input"):
         return []
+    if case.name == "lora":  # the adapters, as peft left them trainable (``apply_lora``)
+        return [n for n, p in model.named_parameters() if p.requires_grad]
     if case.name == "custom":
         return _matching(list(names.values()), case.trainable)
     params = {

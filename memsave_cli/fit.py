@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass, replace
 
 import torch
 
-from memsave_cli.api import resolve_device
+from memsave_cli.api import check_lora_cases, resolve_device
 from memsave_cli.budget import parse_bytes
 from memsave_cli.cases import PAPER_CASES, Case, has_norm_layers, resolve_case
 from memsave_cli.errors import MemsaveError
@@ -204,6 +204,7 @@ def _cases(spec: ModelSpec, cases: Sequence[str | Case]) -> tuple[list[Case], li
     """Resolved cases; ``norm`` is skipped with a note when it is one of the defaults and the
     model has no norm layers (asked for explicitly, it fails with CaseError instead)."""
     resolved = [c if isinstance(c, Case) else resolve_case(c) for c in cases]
+    check_lora_cases(spec, resolved)
     if tuple(cases) != PAPER_CASES:
         return resolved, []
     with torch.device("meta"):

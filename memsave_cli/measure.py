@@ -26,6 +26,7 @@ from torch import nn
 from memsave_cli.cases import Case, apply_case
 from memsave_cli.errors import MemsaveError, NeedsRealDataError
 from memsave_cli.inputs import Example, loss_of, make_example
+from memsave_cli.lora import apply_lora
 from memsave_cli.meta_attention import fused_attention_on_meta
 from memsave_cli.report import LayerSaved, Run, Status
 from memsave_cli.saved import SavedTensorRecorder
@@ -109,8 +110,10 @@ def prepare(job: Job) -> Prepared:
     """Build the model on the job's device in its dtype, convert it, set modes, case and inputs."""
     device, dtype = torch.device(job.device), DTYPES[job.dtype]
     with torch.device(device), _default_dtype(dtype):
-        model = build_model(job.spec)
-    model = convert_impl(model.to(dtype=dtype), job.impl)
+        model = build_model(job.spec).to(dtype=dtype)
+        if job.case.lora is not None:  # adapters are part of the stock model, then converted
+            model = apply_lora(model, job.case.lora)
+    model = convert_impl(model, job.impl)
     model.train()
     if job.bn_eval:
         for module in model.modules():

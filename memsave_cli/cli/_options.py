@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from enum import Enum
 from typing import TYPE_CHECKING, Annotated
 
@@ -63,7 +64,7 @@ CasesOpt = Annotated[
     list[str] | None,
     typer.Option(
         metavar="CASE",
-        help="Case: all, input, norm, surgical, none (repeatable; default: the paper's four).",
+        help="Case: all, input, norm, surgical, none, lora (repeatable; default: the paper's four).",
         show_default=False,
     ),
 ]
@@ -76,4 +77,39 @@ TrainableOpt = Annotated[
 InputGradOpt = Annotated[
     bool | None,
     typer.Option("--input-grad/--no-input-grad", help="Make the input differentiable."),
+]
+
+
+@dataclass(frozen=True)
+class LoraOptions:
+    """The ``--lora-*`` values as typed (None: not given, the core's default applies)."""
+
+    rank: int | None = None
+    alpha: float | None = None
+    dropout: float | None = None
+    targets: str | None = None
+
+    @property
+    def given(self) -> bool:
+        return any(value is not None for value in vars(self).values())
+
+
+LoraRankOpt = Annotated[
+    int | None, typer.Option(help="LoRA rank of case lora [default: 16].", show_default=False)
+]
+LoraAlphaOpt = Annotated[
+    float | None, typer.Option(help="LoRA alpha of case lora [default: 32].", show_default=False)
+]
+LoraDropoutOpt = Annotated[
+    float | None,
+    typer.Option(help="LoRA dropout of case lora [default: 0.05].", show_default=False),
+]
+LoraTargetsOpt = Annotated[
+    str | None,
+    typer.Option(
+        metavar="NAMES",
+        help="Layers case lora adapts: all-linear or module names, comma-separated "
+        "[default: all-linear].",
+        show_default=False,
+    ),
 ]

@@ -10,29 +10,55 @@ import typer
 
 if TYPE_CHECKING:
     from memsave_cli.cases import Case
+    from memsave_cli.cli._options import LoraOptions
 
 #: The paper's cases, the default (as in ``memsave_cli.cases``, which imports torch).
 PAPER_CASES = ("all", "input", "norm", "surgical")
 
 
 def select_cases(
-    names: Sequence[str] | None, trainable: Sequence[str] | None, input_grad: bool | None
+    names: Sequence[str] | None,
+    trainable: Sequence[str] | None,
+    input_grad: bool | None,
+    lora: LoraOptions | None = None,
 ) -> tuple[str | Case, ...]:
     """The cases to measure: the paper's four by default (as names, so that the core may skip
     ``norm`` on models without norm layers), else the named ones plus a custom case for
-    ``--trainable`` patterns. ``input_grad`` applies to every case it is given with."""
+    ``--trainable`` patterns. ``input_grad`` applies to every case it is given with; ``lora``
+    options to the lora case."""
     from memsave_cli.cases import resolve_case
 
     names = list(names or ())
+    settings = _lora_settings(names, lora)
     patterns = tuple(trainable or ())
     if not names and not patterns and input_grad is None:
         return PAPER_CASES
     if not names and not patterns:
         names = list(PAPER_CASES)
-    cases = [resolve_case(n, input_grad=input_grad) for n in names if n.strip().lower() != "custom"]
-    if patterns or any(n.strip().lower() == "custom" for n in names):
+    cases = [
+        resolve_case(n, input_grad=input_grad, lora=settings if _is(n, "lora") else None)
+        for n in names
+        if not _is(n, "custom")
+    ]
+    if patterns or any(_is(n, "custom") for n in names):
         cases.append(resolve_case("custom", trainable=patterns, input_grad=input_grad))
     return tuple(dict.fromkeys(cases))
+
+
+def _is(name: str, case: str) -> bool:
+    return name.strip().lower() == case
+
+
+def _lora_settings(names: Sequence[str], lora: LoraOptions | None) -> object:
+    """Checked LoRA settings when the lora case is asked for; ``--lora-*`` without it is an error."""
+    if not any(_is(n, "lora") for n in names):
+        if lora is not None and lora.given:
+            raise typer.BadParameter("the --lora-* options need --case lora", param_hint="'--case'")
+        return None
+    from memsave_cli.lora import lora_settings
+
+    given = {} if lora is None else {k: v for k, v in vars(lora).items() if v is not None}
+    return lora_settings(**given)
 
 
 def parse_shape(text: str | None) -> tuple[int, ...] | None:

@@ -15,6 +15,11 @@ from memsave_cli.cli._options import (
     Dtype,
     Impl,
     InputGradOpt,
+    LoraAlphaOpt,
+    LoraDropoutOpt,
+    LoraOptions,
+    LoraRankOpt,
+    LoraTargetsOpt,
     ModelArg,
     Optimizer,
     TrainableOpt,
@@ -39,6 +44,10 @@ def fit(
     case: CasesOpt = None,
     trainable: TrainableOpt = None,
     input_grad: InputGradOpt = None,
+    lora_rank: LoraRankOpt = None,
+    lora_alpha: LoraAlphaOpt = None,
+    lora_dropout: LoraDropoutOpt = None,
+    lora_targets: LoraTargetsOpt = None,
     impl: Annotated[
         list[Impl] | None,
         typer.Option(
@@ -83,7 +92,12 @@ def fit(
             result = fit_core(
                 model,
                 budget=budget,
-                cases=select_cases(case, trainable, input_grad),
+                cases=select_cases(
+                    case,
+                    trainable,
+                    input_grad,
+                    LoraOptions(lora_rank, lora_alpha, lora_dropout, lora_targets),
+                ),
                 impls=impl_names(impl),
                 device=device.value,
                 dtype=dtype.value,

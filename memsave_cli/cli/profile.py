@@ -15,6 +15,11 @@ from memsave_cli.cli._options import (
     Dtype,
     Impl,
     InputGradOpt,
+    LoraAlphaOpt,
+    LoraDropoutOpt,
+    LoraOptions,
+    LoraRankOpt,
+    LoraTargetsOpt,
     ModelArg,
     Optimizer,
     TrainableOpt,
@@ -29,6 +34,7 @@ EPILOG = examples(
     "memsave profile torchvision:vit_b_16 --trainable 'heads.*' --input-grad",
     "memsave profile mymodels.py:build --kwarg width=64 --input-shape 3,64,64",
     "memsave profile hf:./llama-config --dtype bfloat16 --batch-size 8 --json report.json",
+    "memsave profile torchvision:resnet50 --case lora --lora-rank 8 --batch-size 16",
 )
 
 
@@ -38,6 +44,10 @@ def profile(
     case: CasesOpt = None,
     trainable: TrainableOpt = None,
     input_grad: InputGradOpt = None,
+    lora_rank: LoraRankOpt = None,
+    lora_alpha: LoraAlphaOpt = None,
+    lora_dropout: LoraDropoutOpt = None,
+    lora_targets: LoraTargetsOpt = None,
     device: Annotated[
         Device, typer.Option(help="auto: cuda if available, else meta (an estimate).")
     ] = Device.auto,
@@ -94,7 +104,12 @@ def profile(
         from memsave_cli.render.csv import report_csv
         from memsave_cli.render.profile import print_profile
 
-        cases = select_cases(case, trainable, input_grad)
+        cases = select_cases(
+            case,
+            trainable,
+            input_grad,
+            LoraOptions(lora_rank, lora_alpha, lora_dropout, lora_targets),
+        )
         impls = impl_names(impl)
         with progress_bar(f"profiling {model}", len(cases) * len(impls)) as bar:
             report = profile_core(

@@ -17,7 +17,10 @@ only selects the fused inference path, which runs when no gradient is needed and
 from __future__ import annotations
 
 import copy
+import sys
+import warnings
 from collections.abc import Iterable
+from types import ModuleType
 
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -59,6 +62,7 @@ def convert(
     converts ``model`` itself. ``include`` restricts the swap to some stock layer types: classes
     (``nn.Conv2d``), class names (``"Conv2d"``) or families (``"conv"``, ``"batchnorm"``,
     ``"activation"``, ``"dropout"``, ...: the ``memsave_cli.layers`` module defining the drop-in).
+    Without ``include``, peft LoRA layers convert too (``lora_layer.py``).
     Models built under ``FakeTensorMode`` cannot be deep-copied: convert them with ``inplace=True``.
     """
     selected = select_drop_ins(include)
@@ -69,6 +73,8 @@ def convert(
             module.__class__ = drop_in
         if nn.ReLU in selected and _has_activation(module, F.relu):
             module.activation = memsave_relu
+    if include is None:
+        _convert_adapters(target)
     return target
 
 
@@ -82,6 +88,8 @@ def revert(model: nn.Module, *, inplace: bool = False) -> nn.Module:
             module.__class__ = stock
         if _has_activation(module, memsave_relu):
             module.activation = F.relu
+    if (adapters := _adapter_module()) is not None:
+        adapters.revert_lora(target)
     return target
 
 
@@ -99,7 +107,29 @@ def converted_counts(model: nn.Module) -> dict[str, int]:
             name = FUNCTIONAL_RELU
         if name is not None:
             counts[name] = counts.get(name, 0) + 1
+    if (adapters := _adapter_module()) is not None:
+        counts.update(adapters.lora_counts(model))
     return counts
+
+
+def _adapter_module() -> ModuleType | None:
+    """The peft LoRA drop-ins, once peft is imported (before that, no model holds its layers)."""
+    if "peft" not in sys.modules:
+        return None
+    from memsave_cli.layers import lora_layer
+
+    return lora_layer
+
+
+def _convert_adapters(model: nn.Module) -> None:
+    """Convert peft's LoRA layers (``lora_layer.py``); warn about adapter layers left stock."""
+    adapters = _adapter_module()
+    left = adapters.convert_lora(model) if adapters is not None else {}
+    if left:
+        reasons = sorted(set(left.values()))
+        warnings.warn(
+            f"memsave left {len(left)} adapter layer(s) stock: {'; '.join(reasons)}", stacklevel=3
+        )
 
 
 def select_drop_ins(

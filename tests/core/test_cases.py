@@ -64,8 +64,8 @@ def test_custom_case_keeps_its_patterns() -> None:
         (
             "surgicl",
             {},
-            "unknown case 'surgicl': expected one of all, input, norm, surgical, none, custom; "
-            "did you mean 'surgical'?",
+            "unknown case 'surgicl': expected one of all, input, norm, surgical, none, custom, "
+            "lora; did you mean 'surgical'?",
         ),
         ("qqq", {}, "unknown case 'qqq': expected one of all, input, norm, surgical, none, custom"),
         ("custom", {}, "the custom case needs at least one glob pattern over parameter names"),

@@ -1,0 +1,109 @@
+"""``lora_A(dropout(x))`` keeping ``x`` and the random state instead of the dropped-out copy.
+
+NOTE [LoRA dropout replay]: a peft LoRA layer adds ``lora_B(lora_A(dropout(x))) * scaling`` per
+adapter. Stock autograd keeps, per adapter, the dropout noise (input-sized, for ``x``'s gradient)
+and ``dropout(x)`` (input-sized, for ``lora_A``'s weight gradient), although backward can rebuild
+both from ``x``, which the model keeps anyway. (With ``p = 0``, peft's ``nn.Identity``, stock still
+keeps ``cast(x)``, a float32 copy per adapter on a half-precision model.) Here forward keeps ``x`` itself (one storage, shared
+by every adapter and every LoRA layer reading the same input: q, k and v; gate and up) and the
+state of the generator dropout draws from. Backward restores that state, replays the stock
+``F.dropout`` and ``lora_A`` on ``x`` and differentiates them: the noise is stock's own (same
+kernel, same random numbers), so outputs and gradients are bitwise the stock ones on every device.
+
+The seeded noise of ``dropout.py`` is not used here: it draws different random numbers than
+stock's ``bernoulli_``, so a converted peft model could not match the stock one bitwise. The
+replay costs, per adapter, the random state (5 KiB on CPU, 16 bytes on CUDA) and, in backward,
+``lora_A``'s forward once more (a rank-``r`` projection, small beside the base layer). That
+replay calls ``lora_A`` as a module, so hooks on it run again in backward, as they do under
+``torch.utils.checkpoint``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from memsave_cli.layers._backward import forbid_double_backward
+
+#: Casts the input as peft's ``_cast_input_dtype`` does before the adapter (identity if none).
+Cast = Callable[[Tensor], Tensor]
+
+
+def rng_state(device: torch.device) -> Tensor | None:
+    """The state of the generator stock dropout draws from on ``device`` (None on meta)."""
+    if device.type == "meta":
+        return None
+    if device.type == "cpu":
+        return torch.get_rng_state()
+    return torch.get_device_module(device.type).get_rng_state(device)
+
+
+@contextlib.contextmanager
+def replayed_rng(device: torch.device, state: Tensor | None) -> Iterator[None]:
+    """Run the body with ``device``'s generator at ``state``; restore its current state after."""
+    if state is None:
+        yield
+        return
+    module = torch if device.type == "cpu" else torch.get_device_module(device.type)
+    args = () if device.type == "cpu" else (device,)
+    current = module.get_rng_state(*args)
+    module.set_rng_state(state, *args)
+    try:
+        yield
+    finally:
+        module.set_rng_state(current, *args)
+
+
+def _unsaved(tensor: Tensor) -> Tensor:
+    return tensor
+
+
+def _dropout(x: Tensor, p: float) -> Tensor:
+    """Stock training-mode dropout; none at all for ``p = 0`` (peft's ``nn.Identity``)."""
+    return F.dropout(x, p, True) if p > 0 else x
+
+
+class DroppedProjection(torch.autograd.Function):
+    """``project(F.dropout(cast(x), p))`` keeping ``x`` and the random state (NOTE above)."""
+
+    @staticmethod
+    def forward(
+        ctx, x: Tensor, p: float, project: nn.Module, cast: Cast, *params: Tensor
+    ) -> Tensor:
+        ctx.p, ctx.project, ctx.cast = p, project, cast
+        if any(ctx.needs_input_grad):
+            state = rng_state(x.device) if p > 0 else None
+            # x is the layer's own input: it is kept once, whoever else keeps it too.
+            ctx.save_for_backward(x, *(() if state is None else (state,)))
+        return project(_dropout(cast(x), p))
+
+    @staticmethod
+    def backward(ctx, grad_output: Tensor) -> tuple[Tensor | None, ...]:
+        forbid_double_backward("DroppedProjection (LoRA dropout)")
+        x, *state = ctx.saved_tensors
+        needs_x, params = ctx.needs_input_grad[0], list(ctx.project.parameters())
+        wanted = [p for p, need in zip(params, ctx.needs_input_grad[4:], strict=True) if need]
+        # The replay's own saved tensors (noise, dropout(x)) live only until autograd.grad below:
+        # identity hooks keep them out of any saved-tensor accounting of the outer step.
+        hooks = torch.autograd.graph.saved_tensors_hooks(_unsaved, _unsaved)
+        with hooks, replayed_rng(x.device, state[0] if state else None), torch.enable_grad():
+            source = x.detach().requires_grad_(needs_x)
+            output = ctx.project(_dropout(ctx.cast(source), ctx.p))
+        grads = iter(torch.autograd.grad(output, [source] * needs_x + wanted, grad_output))
+        grad_x = next(grads) if needs_x else None
+        grad_params = [next(grads) if need else None for need in ctx.needs_input_grad[4:]]
+        return grad_x, None, None, None, *grad_params
+
+
+def dropped_projection(x: Tensor, p: float, project: nn.Module, cast: Cast) -> Tensor:
+    """``project(F.dropout(cast(x), p, training=True))``, bitwise stock's, keeping only ``x`` and
+    the random state for backward. ``p`` must lie in [0, 1): with ``p = 0`` there is no dropout,
+    and what is saved is ``x`` rather than ``cast(x)`` (peft casts a half-precision input up to
+    its float32 adapters: the cast copy is twice the size, and one per adapter)."""
+    if not 0.0 <= p < 1.0:
+        raise ValueError(f"dropped_projection needs 0 <= p < 1, got {p}")
+    return DroppedProjection.apply(x, p, project, cast, *project.parameters())

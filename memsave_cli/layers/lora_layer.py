@@ -1,0 +1,211 @@
+"""Drop-ins for peft's LoRA layers whose adapters replay their dropout (``lora_dropout.py``).
+
+NOTE [LoRA layers by behaviour]: a drop-in subclasses one peft class (``lora.Linear``,
+``lora.Conv1d/2d/3d``) and overrides ``forward`` only, re-stating peft's vanilla LoRA forward with
+``lora_A(dropout(x))`` as one ``DroppedProjection``. Whether that re-statement is peft's is decided
+by behaviour: once per class, a small probe layer runs both forwards from the same random state,
+and the class converts only if output and every gradient are bitwise equal. A layer also stays
+stock, and is reported, when it is merged or has a LoRA variant (DoRA, ...); per call, mixed
+batches (``adapter_names``), variant arguments and disabled adapters take peft's own forward.
+The adapters' ``nn.Dropout`` modules stay stock: converted layers replay them, and layers left
+stock keep stock's masks.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from peft import LoraConfig
+from peft.tuners.lora import layer as peft_lora
+from peft.tuners.tuners_utils import BaseTunerLayer
+from torch import Tensor, nn
+
+from memsave_cli.layers.lora_dropout import dropped_projection
+
+#: Arguments with which peft's forward leaves the vanilla path.
+_OFF_PATH_KWARGS = ("adapter_names", *getattr(peft_lora, "VARIANT_KWARG_KEYS", ()))
+
+
+def lora_forward(layer: peft_lora.LoraLayer, x: Tensor, *args: Any, **kwargs: Any) -> Tensor:
+    """peft's vanilla LoRA forward, each ``lora_A(dropout(x))`` replaying its dropout."""
+    if layer.disable_adapters or layer.merged or layer.lora_variant:
+        return _stock_forward(layer)(layer, x, *args, **kwargs)
+    if any(kwargs.get(key) is not None for key in _OFF_PATH_KWARGS):
+        return _stock_forward(layer)(layer, x, *args, **kwargs)
+    kwargs = {k: v for k, v in kwargs.items() if k not in _OFF_PATH_KWARGS}
+    result = layer.base_layer(x, *args, **kwargs)
+    result_dtype = result.dtype
+    dtypes: list[torch.dtype] = []  # peft casts x again before each adapter
+    for name in layer.active_adapters:
+        if name not in layer.lora_A:
+            continue
+        lora_A, lora_B = layer.lora_A[name], layer.lora_B[name]
+        dtypes.append(lora_A.weight.dtype)
+        cast = functools.partial(_cast, layer, tuple(dtypes))
+        projected = _project(x, layer.lora_dropout[name], lora_A, cast)
+        result = result + lora_B(projected) * layer.scaling[name]
+    return result.to(result_dtype)
+
+
+def _cast(layer: peft_lora.LoraLayer, dtypes: tuple[torch.dtype, ...], x: Tensor) -> Tensor:
+    for dtype in dtypes:
+        x = layer._cast_input_dtype(x, dtype)
+    return x
+
+
+def _project(
+    x: Tensor, dropout: nn.Module, lora_A: nn.Module, cast: Callable[[Tensor], Tensor]
+) -> Tensor:
+    """``lora_A(dropout(cast(x)))``: replayed from ``x`` where stock would keep an input-sized
+    noise and dropped copy, or (no dropout) a copy of ``x`` cast to the adapter's dtype."""
+    if type(dropout) is nn.Dropout and dropout.training and 0.0 < dropout.p < 1.0:
+        p = dropout.p
+    elif type(dropout) is nn.Identity and lora_A.weight.dtype != x.dtype:
+        p = 0.0
+    else:
+        return lora_A(dropout(cast(x)))
+    needs_grad = x.requires_grad or any(w.requires_grad for w in lora_A.parameters())
+    if not (needs_grad and torch.is_grad_enabled()):
+        return lora_A(dropout(cast(x)))
+    return dropped_projection(x, p, lora_A, cast)
+
+
+class MemSaveLoraLinear(peft_lora.Linear):
+    """peft ``lora.Linear`` whose adapters keep the layer's input instead of dropout copies."""
+
+    def forward(self, x: Tensor, *args: Any, **kwargs: Any) -> Tensor:
+        return lora_forward(self, x, *args, **kwargs)
+
+
+class MemSaveLoraConv1d(peft_lora.Conv1d):
+    """peft ``lora.Conv1d`` whose adapters keep the layer's input instead of dropout copies."""
+
+    def forward(self, x: Tensor, *args: Any, **kwargs: Any) -> Tensor:
+        return lora_forward(self, x, *args, **kwargs)
+
+
+class MemSaveLoraConv2d(peft_lora.Conv2d):
+    """peft ``lora.Conv2d`` whose adapters keep the layer's input instead of dropout copies."""
+
+    def forward(self, x: Tensor, *args: Any, **kwargs: Any) -> Tensor:
+        return lora_forward(self, x, *args, **kwargs)
+
+
+class MemSaveLoraConv3d(peft_lora.Conv3d):
+    """peft ``lora.Conv3d`` whose adapters keep the layer's input instead of dropout copies."""
+
+    def forward(self, x: Tensor, *args: Any, **kwargs: Any) -> Tensor:
+        return lora_forward(self, x, *args, **kwargs)
+
+
+#: Exact peft class -> (its drop-in, a builder of a small stock base layer for the probe).
+LORA_DROP_INS: dict[type[nn.Module], tuple[type[nn.Module], Callable[[], nn.Module]]] = {
+    peft_lora.Linear: (MemSaveLoraLinear, lambda: nn.Linear(7, 5)),
+    peft_lora.Conv1d: (MemSaveLoraConv1d, lambda: nn.Conv1d(3, 4, 3, padding=1)),
+    peft_lora.Conv2d: (MemSaveLoraConv2d, lambda: nn.Conv2d(3, 4, 3, stride=2)),
+    peft_lora.Conv3d: (MemSaveLoraConv3d, lambda: nn.Conv3d(2, 3, 2)),
+}
+_STOCK_OF = {drop_in: stock for stock, (drop_in, _) in LORA_DROP_INS.items()}
+
+
+def _stock_forward(layer: nn.Module) -> Callable[..., Tensor]:
+    return _STOCK_OF[type(layer)].forward
+
+
+def convert_lora(model: nn.Module) -> dict[str, str]:
+    """Swap every supported peft LoRA layer of ``model`` for its drop-in, in place.
+
+    Returns the adapter layers left stock, by qualified name, with the reason.
+    """
+    left: dict[str, str] = {}
+    for name, module in model.named_modules():
+        if not isinstance(module, BaseTunerLayer):
+            continue
+        _restore_dropouts(module)
+        reason = unsupported(module)
+        if reason is not None:
+            left[name] = reason
+        elif type(module) in LORA_DROP_INS:
+            module.__class__ = LORA_DROP_INS[type(module)][0]
+    return left
+
+
+def revert_lora(model: nn.Module) -> None:
+    """Swap every LoRA drop-in of ``model`` back to its peft class, in place."""
+    for module in model.modules():
+        stock = _STOCK_OF.get(type(module))
+        if stock is not None:
+            module.__class__ = stock
+
+
+def lora_counts(model: nn.Module) -> dict[str, int]:
+    """How many LoRA drop-ins ``model`` holds, per peft class (``{"lora.Linear": 224}``)."""
+    counts: dict[str, int] = {}
+    for module in model.modules():
+        stock = _STOCK_OF.get(type(module))
+        if stock is not None:
+            key = f"lora.{stock.__name__}"
+            counts[key] = counts.get(key, 0) + 1
+    return counts
+
+
+def unsupported(layer: nn.Module) -> str | None:
+    """Why ``layer`` (a peft adapter layer) cannot convert, or None if it can."""
+    kind = type(layer)
+    if kind in _STOCK_OF:
+        return None
+    if kind not in LORA_DROP_INS:
+        return f"no drop-in for {kind.__module__}.{kind.__name__}"
+    if layer.merged:
+        return "merged adapters"
+    if layer.lora_variant:
+        return f"LoRA variant ({', '.join(sorted(type(v).__name__ for v in layer.lora_variant.values()))})"
+    if not reproduces(kind):
+        return f"peft's {kind.__name__}.forward differs from the drop-in on probe inputs"
+    return None
+
+
+def _restore_dropouts(layer: nn.Module) -> None:
+    """The adapters' dropouts stay stock ``nn.Dropout`` (see the NOTE), also after ``convert``."""
+    for dropout in getattr(layer, "lora_dropout", {}).values():
+        if isinstance(dropout, nn.Dropout) and type(dropout) is not nn.Dropout:
+            dropout.__class__ = nn.Dropout
+
+
+@functools.cache
+def reproduces(kind: type[nn.Module]) -> bool:
+    """Whether the drop-in of peft class ``kind`` is bitwise peft's on a probe (cached per class)."""
+    drop_in, base = LORA_DROP_INS[kind]
+    with torch.random.fork_rng(devices=[]), torch.device("cpu"):  # the caller's RNG untouched
+        torch.manual_seed(0)
+        layer = _probe_layer(kind, base())
+        x = torch.randn(2, *_probe_shape(layer.base_layer), requires_grad=True)
+        noise = torch.randn_like(layer.base_layer(x))
+        results = []
+        for forward in (kind.forward, drop_in.forward):
+            torch.manual_seed(1)
+            output = forward(layer, x)
+            params = [x, *(p for p in layer.parameters() if p.requires_grad)]
+            results.append((output, *torch.autograd.grad(output, params, noise)))
+    return all(torch.equal(a, b) for a, b in zip(*results, strict=True))
+
+
+def _probe_layer(kind: type[nn.Module], base: nn.Module) -> nn.Module:
+    """A peft layer of ``kind`` around ``base``: two adapters, nonzero B, dropout 0.5 and 0.25."""
+    config = LoraConfig(r=2, lora_alpha=3, lora_dropout=0.5, init_lora_weights=False)
+    options = {"init_lora_weights": False, "config": config}
+    layer = kind(
+        base.requires_grad_(False), "first", r=2, lora_alpha=3, lora_dropout=0.5, **options
+    )
+    layer.update_layer("second", r=3, lora_alpha=2, lora_dropout=0.25, **options)
+    layer.set_adapter(["first", "second"])
+    return layer.train()
+
+
+def _probe_shape(base: nn.Module) -> tuple[int, ...]:
+    if isinstance(base, nn.Linear):
+        return (3, base.in_features)
+    return (base.in_channels, *(6,) * (base.weight.dim() - 2))

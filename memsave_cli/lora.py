@@ -1,0 +1,130 @@
+"""The ``lora`` case: peft LoRA adapters on a frozen model, as users fine-tune with peft.
+
+``apply_lora`` wraps the target layers with ``peft.get_peft_model`` (its defaults: base frozen,
+adapters trainable and, on a float16/bfloat16 model, kept in float32) and returns the adapted
+model itself, so that inputs and losses stay those of the original model.
+
+NOTE [all-linear targets]: on a Hugging Face model, ``all-linear`` is peft's own choice (every
+linear layer but the output head). Elsewhere (torchvision, a user's module) peft has no such
+option, so we resolve it: every ``nn.Linear`` and every ungrouped ``nn.Conv1d/2d/3d``, except the
+last of them in registration order (the output head: ResNet's ``fc``). Grouped convolutions are
+left out because peft needs the rank to be divisible by the groups.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+
+from torch import nn
+
+from memsave_cli.errors import CaseError
+
+ALL_LINEAR = "all-linear"
+INSTALL_HINT = 'the lora case needs peft: pip install "memsave-cli[lora]"'
+_CANDIDATES = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)
+
+
+@dataclass(frozen=True)
+class LoraSettings:
+    """The adapters to add: rank, alpha, dropout probability and target module names."""
+
+    rank: int = 16
+    alpha: float = 32.0
+    dropout: float = 0.05
+    targets: tuple[str, ...] = (ALL_LINEAR,)
+
+    @property
+    def label(self) -> str:
+        """Settings that differ from the defaults, e.g. ``r=8,targets=q_proj+v_proj``."""
+        parts = [
+            f"{key}={value}"
+            for key, value, default in (
+                ("r", self.rank, 16),
+                ("alpha", self.alpha, 32.0),
+                ("dropout", self.dropout, 0.05),
+                ("targets", "+".join(self.targets), ALL_LINEAR),
+            )
+            if value != default
+        ]
+        return ",".join(parts)
+
+
+def lora_settings(
+    rank: int = 16, alpha: float = 32.0, dropout: float = 0.05, targets: str | tuple[str, ...] = ""
+) -> LoraSettings:
+    """Checked settings; ``targets`` is ``all-linear`` or module names (comma-separated or a tuple).
+
+    Raises CaseError when peft is missing or a value cannot work.
+    """
+    require_peft()
+    if isinstance(targets, str):
+        targets = tuple(t.strip() for t in targets.split(",") if t.strip())
+    if rank <= 0:
+        raise CaseError(f"LoRA rank must be a positive integer, got {rank}")
+    if not 0.0 <= dropout < 1.0:
+        raise CaseError(f"LoRA dropout must lie in [0, 1), got {dropout}")
+    if alpha <= 0:
+        raise CaseError(f"LoRA alpha must be positive, got {alpha}")
+    return LoraSettings(rank, float(alpha), float(dropout), targets or (ALL_LINEAR,))
+
+
+def require_peft() -> None:
+    """Raise CaseError with the install command when peft cannot be imported."""
+    if importlib.util.find_spec("peft") is None:
+        raise CaseError(INSTALL_HINT)
+
+
+def apply_lora(model: nn.Module, settings: LoraSettings) -> nn.Module:
+    """``model`` with peft LoRA adapters on its target layers, base frozen (adapted in place)."""
+    require_peft()
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(
+        r=settings.rank,
+        lora_alpha=settings.alpha,
+        lora_dropout=settings.dropout,
+        target_modules=resolve_targets(model, settings.targets),
+    )
+    try:
+        return get_peft_model(model, config).get_base_model()
+    except ValueError as error:
+        raise CaseError(_no_target(model, settings.targets, error)) from error
+
+
+def resolve_targets(model: nn.Module, targets: tuple[str, ...]) -> str | list[str]:
+    """peft's ``target_modules`` for ``targets`` (``all-linear`` resolved as in the NOTE)."""
+    if targets != (ALL_LINEAR,):
+        return list(targets)
+    if _is_hugging_face(model):
+        return ALL_LINEAR
+    names = [
+        name
+        for name, module in model.named_modules()
+        if type(module) in _CANDIDATES and getattr(module, "groups", 1) == 1
+    ]
+    if len(names) < 2:
+        raise CaseError(
+            f"LoRA targets all-linear: {type(model).__name__} has no linear or convolution layer "
+            "besides its output head; name the layers with --lora-targets"
+        )
+    return names[:-1]
+
+
+def _is_hugging_face(model: nn.Module) -> bool:
+    try:
+        from transformers import PreTrainedModel
+    except ImportError:
+        return False
+    return isinstance(model, PreTrainedModel)
+
+
+def _no_target(model: nn.Module, targets: tuple[str, ...], error: ValueError) -> str:
+    """One line for peft's refusal: which targets, and what the model's layer names look like."""
+    names = [n for n, m in model.named_modules() if type(m) in _CANDIDATES]
+    sample = ", ".join(names[:3] + (["...", names[-1]] if len(names) > 3 else [])) or "(none)"
+    first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    return (
+        f"LoRA targets {','.join(targets)} select no layer peft can adapt ({first[:120]}); "
+        f"expected module names (or name endings) such as: {sample}"
+    )

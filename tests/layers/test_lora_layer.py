@@ -1,0 +1,219 @@
+"""peft LoRA layers under ``convert``: bitwise the stock peft model, keeping less for backward."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from torch import Tensor, nn
+
+peft = pytest.importorskip("peft")
+from peft import LoraConfig, get_peft_model  # noqa: E402
+from peft.tuners.lora import layer as peft_lora  # noqa: E402
+
+from memsave_cli.layers import lora_layer  # noqa: E402
+from memsave_cli.layers.convert import convert, converted_counts, revert  # noqa: E402
+from memsave_cli.saved import SavedTensorRecorder  # noqa: E402
+
+
+class Attention(nn.Module):
+    """q, k and v read one input, as in a Transformer block."""
+
+    def __init__(self, width: int = 32) -> None:
+        super().__init__()
+        self.norm = nn.Linear(width, width)
+        self.q, self.k, self.v = (nn.Linear(width, width) for _ in range(3))
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.norm(x)
+        return self.q(h) * self.k(h) + self.v(h)
+
+
+def _adapted(model: nn.Module, targets, *, dropout: float = 0.3, **options) -> nn.Module:
+    config = LoraConfig(r=4, lora_alpha=8, lora_dropout=dropout, target_modules=targets, **options)
+    return get_peft_model(model, config).get_base_model()
+
+
+def _step(model: nn.Module, loss_of, seed: int = 5) -> tuple[Tensor, dict[str, Tensor], int]:
+    """Loss, gradients of every trainable parameter, and bytes saved for backward."""
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(seed)
+    with SavedTensorRecorder(model) as recorder:
+        loss = loss_of(model)
+        loss.backward()
+    grads = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+    return loss.detach(), grads, recorder.activation_bytes
+
+
+def _assert_same_step(stock: nn.Module, memsave: nn.Module, loss_of) -> tuple[int, int]:
+    """Loss and every trainable gradient bitwise equal; returns (stock, memsave) saved bytes."""
+    loss, grads, stock_bytes = _step(stock, loss_of)
+    loss_m, grads_m, memsave_bytes = _step(memsave, loss_of)
+    assert torch.equal(loss, loss_m)
+    assert grads.keys() == grads_m.keys() and grads
+    for name, grad in grads.items():
+        assert grads_m[name] is not None, name
+        assert torch.equal(grad, grads_m[name]), f"gradient of {name} differs"
+    return stock_bytes, memsave_bytes
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("dtype", "dropout"),
+    [(torch.float32, 0.3), (torch.bfloat16, 0.3), (torch.bfloat16, 0.0)],
+    ids=["float32", "bfloat16", "bfloat16-no-dropout"],
+)
+def test_tiny_llama_matches_stock_and_saves_less(dtype: torch.dtype, dropout: float) -> None:
+    """Without dropout, the saving is the float32 copy peft casts for its float32 adapters."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        vocab_size=61,
+        hidden_size=48,
+        intermediate_size=83,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).to(dtype)
+    stock = _adapted(model, "all-linear", dropout=dropout)
+    memsave = convert(stock)
+    assert converted_counts(memsave)["lora.Linear"] == 14
+    ids = torch.randint(0, 61, (4, 37))
+    saved = _assert_same_step(stock, memsave, lambda m: m(input_ids=ids, labels=ids).loss)
+    assert saved[1] < 0.8 * saved[0]
+
+
+@pytest.mark.slow
+def test_tiny_cnn_matches_stock_and_saves_less() -> None:
+    torchvision = pytest.importorskip("torchvision")
+    from memsave_cli.lora import LoraSettings, apply_lora
+
+    torch.manual_seed(0)
+    model = torchvision.models.resnet18(weights=None, num_classes=5)
+    stock = apply_lora(model, LoraSettings(rank=4, alpha=8, dropout=0.2))
+    memsave = convert(stock)
+    counts = converted_counts(memsave)
+    assert counts["lora.Conv2d"] == 20 and "lora.Linear" not in counts  # fc is the head
+    x = torch.randn(3, 3, 40, 36)
+    saved = _assert_same_step(stock, memsave, lambda m: m(x).square().mean())
+    assert saved[1] < 0.8 * saved[0]
+
+
+def test_several_adapters_on_one_layer() -> None:
+    torch.manual_seed(1)
+    stock = _adapted(Attention(), ["q", "v"], dropout=0.4)
+    # A second adapter without dropout, a third with a high one: (name, rank, alpha, dropout).
+    extra = [("plain", 3, 2, 0.0), ("high", 2, 5, 0.9)]
+    for layer in (stock.q, stock.v):
+        for adapter, rank, alpha, p in extra:
+            options = {"init_lora_weights": False, "config": LoraConfig()}
+            layer.update_layer(adapter, r=rank, lora_alpha=alpha, lora_dropout=p, **options)
+        layer.set_adapter(["default", "plain", "high"])
+    memsave = convert(stock)
+    x = torch.randn(6, 5, 32)
+    _assert_same_step(stock, memsave, lambda m: m(x).sum())
+
+
+def test_shared_input_is_kept_once() -> None:
+    """q, k and v keep one storage (their input) where stock keeps two copies per adapter."""
+    torch.manual_seed(2)
+    stock = _adapted(Attention(), ["q", "k", "v"], dropout=0.1)
+    stock.norm.requires_grad_(True)  # the shared input needs a gradient too
+    memsave = convert(stock)
+    x = torch.randn(8, 16, 32)
+    stock_bytes, memsave_bytes = _assert_same_step(stock, memsave, lambda m: m(x).sum())
+    input_bytes = x.numel() * 4
+    rank_bytes = 8 * 16 * 4 * 4  # lora_A's output, which lora_B keeps
+    state = torch.get_rng_state().numel()
+    # Both keep: x (for norm's weight), q(h) and k(h) (for the product), lora_A's outputs.
+    common = 3 * input_bytes + 3 * rank_bytes
+    assert stock_bytes == common + 3 * 2 * input_bytes  # noise and dropout(h) per adapter
+    assert memsave_bytes == common + input_bytes + 3 * state  # h once, a state per adapter
+
+
+def test_eval_no_grad_and_mixed_batches_follow_peft() -> None:
+    torch.manual_seed(3)
+    stock = _adapted(Attention(), ["q", "k"], dropout=0.5)
+    memsave = convert(stock)
+    x = torch.randn(4, 32)
+    with torch.no_grad():
+        torch.manual_seed(0)
+        expected = stock(x)
+        torch.manual_seed(0)
+        assert torch.equal(expected, memsave(x))
+    stock.eval(), memsave.eval()
+    assert torch.equal(stock(x), memsave(x))
+    names = ["default", "__base__", "default", "__base__"]
+    assert torch.equal(stock.q(x, adapter_names=names), memsave.q(x, adapter_names=names))
+
+
+def test_dora_merged_and_unsupported_layers_stay_stock_and_are_reported() -> None:
+    torch.manual_seed(4)
+    model = nn.ModuleDict({"attn": Attention(), "emb": nn.Embedding(10, 32)})
+    adapted = get_peft_model(
+        model, LoraConfig(r=2, lora_dropout=0.1, target_modules=["q", "k", "v", "emb"])
+    ).get_base_model()
+    adapted["attn"].k.update_layer(
+        "default",
+        r=2,
+        lora_alpha=4,
+        lora_dropout=0.1,
+        init_lora_weights=True,
+        use_dora=True,
+        config=LoraConfig(use_dora=True),
+    )
+    adapted["attn"].v.merge()
+    with pytest.warns(UserWarning, match="left 3 adapter layer") as caught:
+        memsave = convert(adapted)
+    message = str(caught[0].message)
+    assert "merged adapters" in message and "DoraLinearVariant" in message
+    assert "Embedding" in message
+    assert converted_counts(memsave) == {"lora.Linear": 1}
+    assert type(memsave["attn"].k) is peft_lora.Linear
+
+
+def test_a_forward_the_drop_in_does_not_reproduce_stays_stock(monkeypatch) -> None:
+    original = peft_lora.Linear.forward
+
+    def shifted(self, x, *args, **kwargs):
+        return original(self, x, *args, **kwargs) + 1
+
+    monkeypatch.setattr(peft_lora.Linear, "forward", shifted)
+    lora_layer.reproduces.cache_clear()
+    try:
+        assert not lora_layer.reproduces(peft_lora.Linear)
+        with pytest.warns(UserWarning, match="differs from the drop-in on probe inputs"):
+            memsave = convert(_adapted(Attention(), ["q"]))
+        assert type(memsave.q) is peft_lora.Linear
+    finally:
+        lora_layer.reproduces.cache_clear()
+
+
+def test_revert_restores_peft_classes_and_state_dict() -> None:
+    stock = _adapted(Attention(), ["q", "k", "v"])
+    memsave = convert(stock)
+    assert type(memsave.q) is lora_layer.MemSaveLoraLinear
+    assert isinstance(memsave.q, peft_lora.Linear)
+    assert type(memsave.q.lora_dropout["default"]) is nn.Dropout
+    assert memsave.state_dict().keys() == stock.state_dict().keys()
+    reverted = revert(memsave)
+    assert type(reverted.q) is peft_lora.Linear
+    assert "lora.Linear" not in converted_counts(reverted)
+
+
+def test_conversion_is_silent_when_everything_converts() -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        convert(_adapted(Attention(), ["q", "k", "v"]))
+
+
+def test_probe_leaves_the_global_random_state_alone() -> None:
+    lora_layer.reproduces.cache_clear()
+    torch.manual_seed(12)
+    expected = torch.rand(4)
+    torch.manual_seed(12)
+    assert lora_layer.reproduces(peft_lora.Conv2d)
+    assert torch.equal(torch.rand(4), expected)
