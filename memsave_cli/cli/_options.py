@@ -37,6 +37,19 @@ class Optimizer(str, Enum):
     adamw = "adamw"
 
 
+class Inputs(str, Enum):
+    auto = "auto"
+    tokens = "tokens"
+    embeds = "embeds"
+
+
+class Attention(str, Enum):
+    auto = "auto"
+    math = "math"
+    flash = "flash"
+    efficient = "efficient"
+
+
 def torch_dtype(dtype: Dtype) -> torch.dtype:
     """The torch dtype a Dtype choice names (torch is imported only when a command runs)."""
     import torch
@@ -76,4 +89,18 @@ TrainableOpt = Annotated[
 InputGradOpt = Annotated[
     bool | None,
     typer.Option("--input-grad/--no-input-grad", help="Make the input differentiable."),
+]
+InputsOpt = Annotated[
+    Inputs,
+    typer.Option(
+        help="Language models' inputs: auto (token ids and labels; embeddings when the case "
+        "differentiates the input), tokens, or embeds (every case, as the paper)."
+    ),
+]
+AttentionOpt = Annotated[
+    Attention,
+    typer.Option(
+        help="Attention kernel: auto (the one a CUDA device picks, also on meta), math, flash "
+        "or efficient."
+    ),
 ]
