@@ -51,6 +51,11 @@ def attention_kernels(device: str, kernel: str = "auto") -> Iterator[AttentionLo
     def attention(*args, **kwargs):
         call = _sdpa_call(*args, **kwargs)
         chosen = kernel if kernel != "auto" else cuda_kernel(call)
+        if chosen in _FITS and not (_dense_4d(call) and _FITS[chosen](call)):
+            raise RuntimeError(
+                f"attention kernel '{chosen}' cannot run this call (CUDA would refuse it: "
+                f"{_describe(call)}); use --attention auto or math"
+            )
         log[chosen] += 1
         if chosen == "math" or call["query"].device.type != "meta":
             return original(*args, **kwargs)
@@ -187,4 +192,11 @@ def _aligned_bias(bias: torch.Tensor) -> torch.Tensor:
     return _pad_last(bias, BIAS_ALIGNMENT)[..., : bias.size(-1)]
 
 
+def _describe(call: dict) -> str:
+    q, k, mask = call["query"], call["key"], call["attn_mask"]
+    masked = "no mask" if mask is None else f"a {mask.dtype} mask"
+    return f"query {tuple(q.shape)} {q.dtype}, key {tuple(k.shape)}, {masked}"
+
+
+_FITS = {"flash": _flash_fits, "efficient": _efficient_fits}
 _FUSED = {"flash": _flash, "efficient": _efficient}
