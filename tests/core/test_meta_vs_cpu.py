@@ -95,5 +95,5 @@ def test_llama_style_model(tmp_path: Path, case: str, inputs: str) -> None:
         f"hf:{tmp_path}", case, batch_size=2, input_shape=(20,), attention="math", inputs=inputs
     )
     if inputs == "auto" and case == "all":  # token ids and the model's own loss: float32 logits
-        logits = [s for s in saved if s[1][-1] == 300 and s[3] >= 2 * 20 * 300 * 4]
+        logits = [s for s in saved if s[1][-1:] == (300,) and s[3] >= 2 * 20 * 300 * 4]
         assert logits and all(dtype == torch.float32 for _, _, dtype, _ in logits)
