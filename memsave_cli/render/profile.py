@@ -159,7 +159,9 @@ def inputs_and_attention(report: Report) -> str:
     kernels = {f"{run.case}/{run.impl}": run.attention for run in report.runs if run.attention}
     if kernels:
         names = sorted(set(kernels.values()))
-        per_run = names[0] if len(names) == 1 else ", ".join(f"{k}: {v}" for k, v in kernels.items())
+        per_run = (
+            names[0] if len(names) == 1 else ", ".join(f"{k}: {v}" for k, v in kernels.items())
+        )
         assumed = " (as a CUDA device picks)" if report.attention == "auto" else " (forced)"
         lines.append(f"Attention kernel: {per_run}{assumed}.")
     return "\n".join(lines)

@@ -43,9 +43,9 @@ def _call(q, k, v, mask=None, dropout_p=0.0, is_causal=False, enable_gqa=False) 
         ({"dtype": BF16, "kv_length": 24}, {"is_causal": True}, "efficient"),
         ({"dtype": torch.float64}, {}, "math"),
     ],
-    ids=lambda value: "-".join(f"{k}={v}" for k, v in value.items())
-    if isinstance(value, dict)
-    else str(value),
+    ids=lambda value: (
+        "-".join(f"{k}={v}" for k, v in value.items()) if isinstance(value, dict) else str(value)
+    ),
 )
 def test_cuda_kernel_choice(qkv: dict, extra: dict, kernel: str) -> None:
     q, k, v = _qkv(**qkv)
