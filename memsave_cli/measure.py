@@ -27,6 +27,7 @@ from memsave_cli.cases import Case, apply_case
 from memsave_cli.errors import MemsaveError, NeedsRealDataError
 from memsave_cli.inputs import INPUTS, Example, feeds_embeddings, loss_of, make_example
 from memsave_cli.meta_attention import ATTENTION_KERNELS, attention_kernels
+from memsave_cli.meta_dropout import dropout_as_on_cuda
 from memsave_cli.report import LayerSaved, Run, Status
 from memsave_cli.saved import SavedTensorRecorder
 from memsave_cli.specs import ModelSpec, build_model
@@ -200,7 +201,12 @@ def _measure_tracked(job: Job, prepared: Prepared) -> Run:
     tracker.track_module(prepared.model)
     tracker.track(prepared.example.args, prepared.example.kwargs)
     marks: dict[str, int] = {}
-    with _meta_errors(job), tracker, attention_kernels(job.device, job.attention) as kernels:
+    with (
+        _meta_errors(job),
+        tracker,
+        attention_kernels(job.device, job.attention) as kernels,
+        dropout_as_on_cuda(job.device),
+    ):
         if prepared.optimizer is not None:
             train_step(prepared)  # creates the optimizer states
             clear_grads(prepared)
