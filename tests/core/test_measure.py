@@ -6,6 +6,7 @@ import pytest
 import torch
 from torch import nn
 
+from memsave_cli import meta_dropout
 from memsave_cli.cases import resolve_case
 from memsave_cli.errors import NeedsRealDataError
 from memsave_cli.layers import native_ops
@@ -31,7 +32,8 @@ def memory(run) -> tuple:
 
 @pytest.mark.parametrize("model", ["mlp", "small_cnn", "attention_net"])
 @pytest.mark.parametrize("case", ["all", "input", "norm", "surgical"])
-def test_meta_equals_cpu(model: str, case: str) -> None:
+def test_meta_equals_cpu(monkeypatch: pytest.MonkeyPatch, model: str, case: str) -> None:
+    monkeypatch.setattr(meta_dropout, "DEVICES", ("meta", "cpu"))  # CUDA's dropout on both
     if case == "norm" and model == "mlp":
         pytest.skip("the MLP has no normalisation layer")
     # the same attention kernel on both sides: on meta ``auto`` counts the CUDA kernel
@@ -218,3 +220,29 @@ def test_native_code_is_built_before_cpu_memsave_workers(
     spec = parse_spec("torchvision:resnet18")
     build_native([Job(spec, resolve_case("all"), impl, device) for device, impl in jobs])
     assert calls == (["built"] if builds else [])
+
+
+def test_stock_dropout_on_meta_keeps_cudas_one_byte_mask() -> None:
+    """On meta, stock dropout saves a bool mask as CUDA's fused kernel does; cpu keeps its own
+    kernel, which saves float noise of the input's size."""
+    from memsave_cli.meta_dropout import dropout_as_on_cuda
+
+    def saved(device: str) -> list[torch.dtype]:
+        x = torch.ones(4, 8, device=device, requires_grad=True)
+        found: list[torch.dtype] = []
+
+        def pack(tensor: torch.Tensor) -> torch.Tensor:
+            found.append(tensor.dtype)
+            return tensor
+
+        with (
+            dropout_as_on_cuda(device),
+            torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t),
+        ):
+            out = nn.Dropout(0.25)(x)
+        out.sum().backward()
+        assert x.grad is not None and x.grad.shape == x.shape
+        return found
+
+    assert saved("meta") == [torch.bool]
+    assert saved("cpu") == [torch.float32]

@@ -2,7 +2,8 @@
 
 Totals can agree by luck; here every saved storage is compared, per layer, by shape, dtype and
 bytes. Attention runs the same kernel on both sides (``math``): on meta ``auto`` counts the CUDA
-kernel, which a CPU does not have.
+kernel, which a CPU does not have. Stock dropout runs CUDA's fused kernel on both sides (the CPU
+has it too, though ``F.dropout`` does not pick it there).
 """
 
 from __future__ import annotations
@@ -12,13 +13,20 @@ from pathlib import Path
 import pytest
 import torch
 
+from memsave_cli import meta_dropout
 from memsave_cli.cases import resolve_case
 from memsave_cli.measure import Job, prepare, train_step
 from memsave_cli.meta_attention import attention_kernels
+from memsave_cli.meta_dropout import dropout_as_on_cuda
 from memsave_cli.saved import SavedTensorRecorder
 from memsave_cli.specs import parse_spec
 
 Saved = tuple[str, tuple[int, ...], torch.dtype, int]
+
+
+@pytest.fixture(autouse=True)
+def fused_dropout_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(meta_dropout, "DEVICES", ("meta", "cpu"))
 
 
 class _DetailRecorder(SavedTensorRecorder):
@@ -41,7 +49,11 @@ def saved_tensors(job: Job) -> list[Saved]:
     """Every distinct storage one training step of ``job`` saves for backward (parameters too)."""
     torch.manual_seed(0)
     prepared = prepare(job)
-    with attention_kernels(job.device, job.attention), _DetailRecorder(prepared.model) as recorder:
+    with (
+        attention_kernels(job.device, job.attention),
+        dropout_as_on_cuda(job.device),
+        _DetailRecorder(prepared.model) as recorder,
+    ):
         train_step(prepared)
     return recorder.details
 
@@ -74,6 +86,8 @@ def test_transformer_with_dropout(case: str) -> None:
     )
     # the math path keeps the (B, H, L, S) attention weights and their dropout noise
     assert sum(shape == (3, 4, 12, 12) for _, shape, *_ in saved) >= 2
+    # nn.Dropout keeps CUDA's 1-byte mask
+    assert any("dropout" in layer and dtype == torch.bool for layer, _, dtype, _ in saved)
 
 
 @pytest.mark.parametrize(
