@@ -70,9 +70,8 @@ def measure_experiment(experiment: Experiment, *, repeat: int = 0, **settings: A
         model_kwargs=dict(experiment.kwargs),
         repeat=repeat,
         timeout=TIMEOUT_S,
-        inputs=PAPER_INPUTS,
         on_run=lambda run: print(f"  {experiment.key} {run.case}/{run.impl}: {run.status.value}"),
-        **settings,
+        **{"inputs": PAPER_INPUTS, **settings},
     )
 
 
