@@ -34,13 +34,18 @@ def profile(
     workers: int | None = None,
     on_plan: Callable[[int], None] | None = None,
     lora: LoraSettings | None = None,
+    inputs: str = "auto",
+    attention: str = "auto",
 ) -> Report:
     """Measure ``model`` (a spec such as ``"torchvision:resnet101"``) for every case x impl.
 
     Every run happens in its own worker process (``timeout`` seconds each, ``workers`` at once);
     ``on_plan`` learns how many runs there will be (after skipped cases are dropped) and
     ``on_run`` sees each run as it finishes. ``device="auto"`` is cuda when available, else meta;
-    there a model that needs real data (detection) is measured on cpu instead. Settings that
+    there a model that needs real data (detection) is measured on cpu instead. ``inputs`` says
+    what language models are fed (``auto``: token ids and labels, embeddings where the case
+    differentiates the input; ``embeds``: embeddings in every case, as the paper did);
+    ``attention`` forces one attention kernel (``auto``: the one a CUDA device picks). Settings that
     cannot work raise MemsaveError before any worker starts; a failing run is a Run with a status.
     Case ``"lora"`` adds peft LoRA adapters with ``lora`` settings (default ``lora_settings()``).
     """
@@ -54,9 +59,13 @@ def profile(
         "bn_eval": bn_eval,
         "optimizer": optimizer,
         "repeat": repeat,
+        "inputs": inputs,
+        "attention": attention,
     }
     _check_settings(spec, impls, chosen, settings)
     selected = _select_cases(spec, cases, notes, lora)
+    for case in selected:
+        check_job(Job(spec, case, impls[0], chosen, **settings))
     jobs = [Job(spec, case, impl, chosen, **settings) for case in selected for impl in impls]
     if not jobs:
         raise MemsaveError("nothing to measure: every case was skipped")
@@ -71,6 +80,8 @@ def profile(
         bn_eval=bn_eval,
         runs=tuple(runs),
         notes=tuple(notes),
+        inputs=inputs,
+        attention=attention,
     )
 
 
@@ -134,6 +145,11 @@ def _check_settings(spec: ModelSpec, impls: Sequence[str], device: str, settings
         check_job(Job(spec, Case("all"), impl, device, **settings))
     if settings["batch_size"] is not None and settings["batch_size"] < 1:
         raise MemsaveError(f"batch size must be at least 1, got {settings['batch_size']}")
+    if settings["inputs"] == "tokens" and spec.kind != "hf":
+        raise MemsaveError(
+            f"--inputs tokens applies to Hugging Face language models (hf: specs); {spec.text} "
+            "takes the inputs its family or companion gives: use --inputs auto"
+        )
     shape = settings["input_shape"]
     if shape is not None and (not shape or min(shape) < 1):
         raise MemsaveError(f"input shape must be positive sizes, got {shape}")

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from memsave_cli.cases import Case
 from memsave_cli.errors import SpecError
 from memsave_cli.specs import ModelSpec, companion_inputs
 
@@ -36,6 +37,9 @@ SHAPE_OVERRIDES: dict[str, tuple[int, ...]] = {
     "mvit_v2_s": (3, 16, 224, 224),
     "s3d": (3, 16, 224, 224),
 }
+
+#: What language models are fed: ``auto`` (by case, ``feeds_embeddings``), token ids, embeddings.
+INPUTS = ("auto", "tokens", "embeds")
 
 #: Hugging Face heads that compute their own loss from ``labels`` of shape (B, sequence).
 _LM_HEADS = ("ForCausalLM", "LMHeadModel", "ForConditionalGeneration", "ForMaskedLM")
@@ -77,6 +81,20 @@ class _Maker:
         if self.meta:
             return torch.empty(tuple(shape), device=self.device, dtype=torch.int64)
         return torch.randint(low, high, tuple(shape), generator=self.generator, device=self.device)
+
+
+def feeds_embeddings(inputs: str, case: Case) -> bool:
+    """Whether a language model gets ``inputs_embeds`` rather than token ids (and labels).
+
+    NOTE [inputs by case]: a fine-tuning run (any case that trains parameters: all, norm,
+    surgical, custom, LoRA) feeds token ids and labels and pays for the model's own loss, whose
+    upcast logits are among its largest tensors; only a case that differentiates the input needs
+    embeddings, as token ids have no gradient. ``embeds`` feeds embeddings in every case, as the
+    paper did; ``tokens`` feeds ids wherever the case allows.
+    """
+    if inputs == "embeds":
+        return True
+    return case.input_grad
 
 
 def _default(batch_size: int | None, default: int) -> int:

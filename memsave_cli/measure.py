@@ -25,9 +25,10 @@ from torch import nn
 
 from memsave_cli.cases import Case, apply_case
 from memsave_cli.errors import MemsaveError, NeedsRealDataError
-from memsave_cli.inputs import Example, loss_of, make_example
+from memsave_cli.inputs import INPUTS, Example, feeds_embeddings, loss_of, make_example
 from memsave_cli.lora import apply_lora
-from memsave_cli.meta_attention import fused_attention_on_meta
+from memsave_cli.meta_attention import ATTENTION_KERNELS, attention_kernels
+from memsave_cli.meta_dropout import dropout_as_on_cuda
 from memsave_cli.report import LayerSaved, Run, Status
 from memsave_cli.saved import SavedTensorRecorder
 from memsave_cli.specs import ModelSpec, build_model
@@ -56,6 +57,8 @@ class Job:
     optimizer: str | None = None
     repeat: int = 3
     per_layer: bool = True
+    inputs: str = "auto"  # language models: "auto" | "tokens" | "embeds" (memsave_cli.inputs)
+    attention: str = "auto"  # "auto" (as CUDA picks) | "math" | "flash" | "efficient"
 
 
 @dataclass
@@ -99,9 +102,21 @@ def check_job(job: Job) -> None:
         (job.dtype, tuple(DTYPES), "dtype"),
         (job.impl, IMPLS, "implementation"),
         (job.optimizer or "sgd", OPTIMIZERS, "optimizer"),
+        (job.inputs, INPUTS, "inputs"),
+        (job.attention, ATTENTION_KERNELS, "attention kernel"),
     ):
         if value not in known:
             raise MemsaveError(f"unknown {what} '{value}': expected one of {', '.join(known)}")
+    if job.device == "cpu" and job.attention == "efficient":
+        raise MemsaveError(
+            "attention kernel 'efficient' does not run on cpu: use auto, math or flash there, "
+            "or estimate on meta"
+        )
+    if job.inputs == "tokens" and job.case.input_grad:
+        raise MemsaveError(
+            f"case {job.case.label} differentiates the input, which token ids cannot be: "
+            "use --inputs auto or embeds"
+        )
     if job.repeat < 0:
         raise MemsaveError(f"repeat must be 0 (memory only) or more, got {job.repeat}")
 
@@ -128,6 +143,7 @@ def prepare(job: Job) -> Prepared:
         dtype=dtype,
         device=device,
         input_grad=job.case.input_grad,
+        embeds=feeds_embeddings(job.inputs, job.case),
     )
     if job.case.input_grad:
         for tensor in example.differentiable:
@@ -188,20 +204,33 @@ def _measure_tracked(job: Job, prepared: Prepared) -> Run:
     tracker.track_module(prepared.model)
     tracker.track(prepared.example.args, prepared.example.kwargs)
     marks: dict[str, int] = {}
-    with _meta_errors(job), tracker, fused_attention_on_meta():
+    with (
+        _meta_errors(job),
+        tracker,
+        attention_kernels(job.device, job.attention) as kernels,
+        dropout_as_on_cuda(job.device),
+    ):
         if prepared.optimizer is not None:
             train_step(prepared)  # creates the optimizer states
             clear_grads(prepared)
         tracker.reset_peak()
         with SavedTensorRecorder(prepared.model) as recorder:
+            kernels.clear()
             train_step(prepared, lambda: marks.setdefault("forward", tracker.peak_bytes))
     tracker.detach()
-    time_s = None if job.device == "meta" else _median_time(job, prepared, _wall_time)
-    return _run(job, prepared, recorder, marks["forward"], tracker.peak_bytes, time_s)
+    with attention_kernels(job.device, job.attention):
+        time_s = None if job.device == "meta" else _median_time(job, prepared, _wall_time)
+    run = _run(job, prepared, recorder, marks["forward"], tracker.peak_bytes, time_s)
+    return replace(run, attention=_kernel_names(job, kernels))
 
 
 def _measure_cuda(job: Job, prepared: Prepared) -> Run:
     """cuda: the caching allocator's peak statistics, NVML's process memory, CUDA-event times."""
+    with attention_kernels(job.device, job.attention):
+        return _measure_cuda_steps(job, prepared)
+
+
+def _measure_cuda_steps(job: Job, prepared: Prepared) -> Run:
     if prepared.optimizer is not None:
         train_step(prepared)
         clear_grads(prepared)
@@ -215,7 +244,14 @@ def _measure_cuda(job: Job, prepared: Prepared) -> Run:
     device_bytes = nvml_process_bytes()
     time_s = _median_time(job, prepared, _cuda_time)
     run = _run(job, prepared, recorder, marks["forward"], peak, time_s)
-    return replace(run, device_bytes=device_bytes)
+    return replace(run, device_bytes=device_bytes, attention=_kernel_names(job, None))
+
+
+def _kernel_names(job: Job, kernels: object) -> str | None:
+    """The attention kernels a meta run counted; elsewhere the one forced, if any."""
+    if job.device == "meta":
+        return str(kernels) or None
+    return None if job.attention == "auto" else job.attention
 
 
 def _median_time(

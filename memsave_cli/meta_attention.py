@@ -1,38 +1,87 @@
-"""Scaled dot-product attention on the meta device, counted as the fused kernels real devices run."""
+"""Scaled dot-product attention counted as a GPU runs it: the fused kernel CUDA would choose.
+
+NOTE [attention on meta]: ``F.scaled_dot_product_attention`` chooses its kernel per device; on
+meta it always takes the math fallback, which saves the (B, H, L, S) attention weights (and, with
+dropout, a mask of the same size), while a CUDA device runs flash or memory-efficient attention,
+which save q, k, v, the output, a log-sum-exp and the random generator's seed and offset. While
+``attention_kernels`` is active, a meta call runs the aten operator of the kernel that PyTorch's
+CUDA selection (``sdp_utils.cpp``, sm80 and later) would pick for those shapes and dtypes, so
+autograd saves exactly what that kernel's backward needs. The function is replaced on
+``torch.nn.functional``, which is where ``nn.MultiheadAttention`` and Hugging Face models look it
+up. On cpu and cuda a forced kernel goes through ``torch.nn.attention.sdpa_kernel``.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import math
+from collections import Counter
 from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
 
+#: ``auto`` picks as CUDA does; the others force one kernel.
+ATTENTION_KERNELS = ("auto", "math", "flash", "efficient")
+FLASH_DTYPES = (torch.float16, torch.bfloat16)
+EFFICIENT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+FLASH_MAX_HEAD_DIM = 256
+#: The efficient kernel reads its bias in rows of 16 elements, padding a mask that is not aligned.
+BIAS_ALIGNMENT = 16
+
+
+class AttentionLog(Counter):
+    """How many attention calls ran each kernel; ``str`` names them, most used first."""
+
+    def __str__(self) -> str:
+        return "+".join(name for name, _ in self.most_common())
+
 
 @contextlib.contextmanager
-def fused_attention_on_meta() -> Iterator[None]:
-    """On meta, run scaled dot-product attention as the fused kernel real devices pick.
-
-    NOTE [attention on meta]: ``F.scaled_dot_product_attention`` chooses its kernel per device; on
-    meta it always takes the math fallback, which saves the (B, H, L, S) attention weights, while
-    cpu and cuda run a fused kernel that saves only its output and a (B, H, L) log-sum-exp. While
-    this context is active, a meta call without dropout (the cpu kernel's own condition) runs the
-    cpu flash kernel's meta implementation instead, so meta counts what cpu counts and close to
-    what cuda holds. The function is replaced on ``torch.nn.functional``, which is where
-    ``nn.MultiheadAttention`` and Hugging Face models look it up.
-    """
+def attention_kernels(device: str, kernel: str = "auto") -> Iterator[AttentionLog]:
+    """Run every scaled dot-product attention as ``kernel`` would (``auto``: as CUDA picks on
+    meta, the device's own choice elsewhere); yield the log of kernels that ran."""
+    log = AttentionLog()
+    if device != "meta":
+        with _forced_elsewhere(kernel):
+            yield log
+        return
     original = F.scaled_dot_product_attention
 
     def attention(*args, **kwargs):
         call = _sdpa_call(*args, **kwargs)
-        return _fused_attention(call) if _fusable_on_meta(call) else original(*args, **kwargs)
+        chosen = kernel if kernel != "auto" else cuda_kernel(call)
+        if chosen in _FITS and not (_dense_4d(call) and _FITS[chosen](call)):
+            raise RuntimeError(
+                f"attention kernel '{chosen}' cannot run this call (CUDA would refuse it: "
+                f"{_describe(call)}); use --attention auto or math"
+            )
+        log[chosen] += 1
+        if chosen == "math" or call["query"].device.type != "meta":
+            return original(*args, **kwargs)
+        return _FUSED[chosen](call)
 
     F.scaled_dot_product_attention = attention
     try:
-        yield
+        yield log
     finally:
         F.scaled_dot_product_attention = original
+
+
+@contextlib.contextmanager
+def _forced_elsewhere(kernel: str) -> Iterator[None]:
+    if kernel == "auto":
+        yield
+        return
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    backend = {
+        "math": SDPBackend.MATH,
+        "flash": SDPBackend.FLASH_ATTENTION,
+        "efficient": SDPBackend.EFFICIENT_ATTENTION,
+    }[kernel]
+    with sdpa_kernel(backend):
+        yield
 
 
 def _sdpa_call(
@@ -49,28 +98,105 @@ def _sdpa_call(
     return dict(locals())
 
 
-def _fusable_on_meta(call: dict) -> bool:
+def cuda_kernel(call: dict) -> str:
+    """flash, efficient or math: the first kernel whose CUDA constraints the call meets, in
+    PyTorch's priority order (flash before efficient before math)."""
+    if _dense_4d(call) and _flash_fits(call):
+        return "flash"
+    if _dense_4d(call) and _efficient_fits(call):
+        return "efficient"
+    return "math"
+
+
+def _dense_4d(call: dict) -> bool:
     q, k, v = call["query"], call["key"], call["value"]
+    same = q.dim() == k.dim() == v.dim() == 4 and q.dtype == k.dtype == v.dtype
+    return same and q.stride(-1) == k.stride(-1) == v.stride(-1) == 1 and min(q.shape) > 0
+
+
+def _flash_fits(call: dict) -> bool:
+    """No mask, half precision, head dim at most 256 and equal for q, k, v; causal only when
+    query and key lengths agree. Grouped-query attention is native."""
+    q, k, v = call["query"], call["key"], call["value"]
+    causal_ok = not call["is_causal"] or q.size(-2) == k.size(-2)
     return (
-        q.device.type == "meta"
-        and q.dim() == k.dim() == v.dim() == 4
-        and q.size(-1) == k.size(-1) == v.size(-1)
-        and call["dropout_p"] == 0.0
-        # The fused kernels give no gradient for a mask, so a differentiable one takes the math path.
-        and (call["attn_mask"] is None or not call["attn_mask"].requires_grad)
+        call["attn_mask"] is None
+        and q.dtype in FLASH_DTYPES
+        and q.size(-1) == k.size(-1) == v.size(-1) <= FLASH_MAX_HEAD_DIM
+        and causal_ok
+        and _heads_fit(call, grouped=True)
     )
 
 
-def _fused_attention(call: dict) -> torch.Tensor:
-    q, mask = call["query"], call["attn_mask"]
-    if mask is not None and mask.dtype == torch.bool:  # as the dispatcher does: an additive mask
-        mask = torch.zeros_like(mask, dtype=q.dtype).masked_fill_(mask.logical_not(), -math.inf)
-    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default(
-        q,
-        call["key"],
-        call["value"],
-        0.0,
-        call["is_causal"],
-        attn_mask=mask,
-        scale=call["scale"],
+def _efficient_fits(call: dict) -> bool:
+    """Masks (additive or boolean, with or without grad) and float32; the head dim a multiple of
+    the GEMM alignment (8 in half precision, 4 in float32); no grouped-query attention."""
+    q, k, v = call["query"], call["key"], call["value"]
+    alignment = 8 if q.dtype in FLASH_DTYPES else 4
+    return (
+        q.dtype in EFFICIENT_DTYPES
+        and q.size(-1) == k.size(-1)
+        and q.size(-1) % alignment == 0
+        and v.size(-1) % alignment == 0
+        and _heads_fit(call, grouped=False)
+    )
+
+
+def _heads_fit(call: dict, grouped: bool) -> bool:
+    q, k, v = call["query"], call["key"], call["value"]
+    if q.size(0) != k.size(0) or k.shape[:2] != v.shape[:2]:
+        return False
+    if q.size(1) == k.size(1):
+        return True
+    return grouped and call["enable_gqa"] and q.size(1) % k.size(1) == 0
+
+
+def _flash(call: dict) -> torch.Tensor:
+    """``aten._scaled_dot_product_flash_attention`` as CUDA calls it: head dims padded to a
+    multiple of 8 (a copy of q, k and v when they are not), the output sliced back."""
+    q, k, v = (_pad_last(call[name], 8) for name in ("query", "key", "value"))
+    size = call["query"].size(-1)
+    scale = call["scale"] if call["scale"] is not None else 1.0 / math.sqrt(size)
+    out = torch.ops.aten._scaled_dot_product_flash_attention(
+        q, k, v, call["dropout_p"], call["is_causal"], False, scale=scale
     )[0]
+    return out[..., :size] if out.size(-1) != size else out
+
+
+def _efficient(call: dict) -> torch.Tensor:
+    """``aten._scaled_dot_product_efficient_attention`` with the mask as CUDA prepares it: a
+    boolean mask becomes an additive one, and a bias whose rows are not 16-aligned is padded."""
+    q, k, v, mask = call["query"], call["key"], call["value"], call["attn_mask"]
+    if mask is not None:
+        if mask.dtype == torch.bool:
+            mask = torch.zeros_like(mask, dtype=q.dtype).masked_fill_(mask.logical_not(), -math.inf)
+        mask = _aligned_bias(mask).expand(q.size(0), q.size(1), q.size(-2), k.size(-2))
+    grad = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (q, k, v, mask)
+    )
+    return torch.ops.aten._scaled_dot_product_efficient_attention(
+        q, k, v, mask, grad, call["dropout_p"], call["is_causal"], scale=call["scale"]
+    )[0]
+
+
+def _pad_last(tensor: torch.Tensor, multiple: int) -> torch.Tensor:
+    extra = -tensor.size(-1) % multiple
+    return F.pad(tensor, (0, extra)) if extra else tensor
+
+
+def _aligned_bias(bias: torch.Tensor) -> torch.Tensor:
+    """A bias whose rows start at multiples of 16 elements, as the kernel reads it (a padded copy
+    when they do not; broadcast dimensions, of stride 0, need none)."""
+    if all(stride % BIAS_ALIGNMENT == 0 for stride in bias.stride()[:-1]):
+        return bias
+    return _pad_last(bias, BIAS_ALIGNMENT)[..., : bias.size(-1)]
+
+
+def _describe(call: dict) -> str:
+    q, k, mask = call["query"], call["key"], call["attn_mask"]
+    masked = "no mask" if mask is None else f"a {mask.dtype} mask"
+    return f"query {tuple(q.shape)} {q.dtype}, key {tuple(k.shape)}, {masked}"
+
+
+_FITS = {"flash": _flash_fits, "efficient": _efficient_fits}
+_FUSED = {"flash": _flash, "efficient": _efficient}

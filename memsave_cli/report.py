@@ -50,6 +50,7 @@ class Run:
     saved_bytes: int | None = None
     time_s: float | None = None
     device_bytes: int | None = None  # process device memory as NVML sees it (cuda only)
+    attention: str | None = None  # attention kernels counted, e.g. "efficient" or "flash+math"
     layers: tuple[LayerSaved, ...] = ()
 
     @property
@@ -70,6 +71,8 @@ class Report:
     tool_version: str = __version__
     schema: int = SCHEMA
     notes: tuple[str, ...] = field(default=())
+    inputs: str = "auto"  # language models: auto (by case), tokens or embeds
+    attention: str = "auto"  # attention kernel: auto (as the device picks) or the one forced
 
     def run(self, case: str, impl: str) -> Run | None:
         """The run of ``case`` and ``impl``, or None when there is none."""

@@ -28,13 +28,14 @@ MODULE = "benchmarks.reproduce.explain"
 
 @dataclass(frozen=True)
 class Variant:
-    """A paper model with changed model kwargs, and the question it answers."""
+    """A paper model with changed model kwargs (or profile settings), and the question it answers."""
 
     name: str
     table: str
     model: str
     kwargs: tuple[tuple[str, object], ...]
     question: str
+    settings: tuple[tuple[str, str], ...] = ()  # memsave_cli.api.profile settings, e.g. attention
 
     def experiment(self) -> Experiment:
         base = next(
@@ -43,7 +44,7 @@ class Variant:
         return replace(base, kwargs=self.kwargs, title=f"{base.title}, {self.describe()}")
 
     def describe(self) -> str:
-        return ", ".join(f"{key}={value}" for key, value in self.kwargs)
+        return ", ".join(f"{key}={value}" for key, value in (*self.kwargs, *self.settings))
 
     @property
     def path(self) -> Path:
@@ -58,7 +59,8 @@ VARIANTS = (
         (("attention_dropout", 0.0),),
         "How much of our Transformer estimate is attention with dropout, which the meta device "
         "runs as PyTorch's math fallback (keeping the attention weights and a dropout mask) where "
-        "a GPU runs a fused kernel that keeps neither?",
+        "a GPU runs a fused kernel that keeps neither? (Meta now counts the fused kernel a GPU "
+        "picks; this variant shows what attention dropout itself costs.)",
     ),
     Variant(
         "t5-no-dropout",
@@ -66,9 +68,44 @@ VARIANTS = (
         "t5_h768",
         (("dropout_rate", 0.0),),
         "How much of our T5 estimate is dropout? T5's attention applies dropout to its attention "
-        "weights inside scaled dot-product attention, which the meta device runs as the math "
-        "fallback with a full-size float mask (a GPU keeps a 1-byte mask, or none with a fused "
-        "kernel); without dropout, attention runs as the fused kernel here too.",
+        "weights inside scaled dot-product attention; meta counts it as the fused kernel a GPU "
+        "picks (memory-efficient attention, which keeps no mask), and stock dropout elsewhere "
+        "as CUDA's 1-byte mask.",
+    ),
+    Variant(
+        "transformer-math-attention",
+        "llm",
+        "transformer_h2048",
+        (),
+        "What would the Transformer hold if its attention ran PyTorch's math path (attention "
+        "weights and their dropout mask kept) instead of the memory-efficient kernel?",
+        (("attention", "math"),),
+    ),
+    Variant(
+        "phi3-eager-attention",
+        "llm",
+        "phi3_4b",
+        (("attn_implementation", "eager"),),
+        "Is the paper's Phi-3 row explained by eager attention? The transformers releases of "
+        "the paper's time ran Phi-3's attention eagerly, keeping the float32 softmax and its "
+        "bfloat16 copy, (B, 32, 256, 256) each per layer.",
+    ),
+    Variant(
+        "t5-eager-attention",
+        "llm",
+        "t5_h768",
+        (("attn_implementation", "eager"),),
+        "What would T5 hold with eager attention (its own softmax and dropout of the attention "
+        "weights), as older transformers releases ran it?",
+    ),
+    Variant(
+        "llama3-token-inputs",
+        "llm",
+        "llama3_8b",
+        (),
+        "What does a fine-tuning run of LLaMA-3-8B hold when fed token ids and labels (the "
+        "default) instead of the paper's embeddings? The model's own loss upcasts the logits.",
+        (("inputs", "auto"),),
     ),
 )
 
@@ -77,7 +114,7 @@ def run(variants: Sequence[Variant]) -> None:
     for variant in variants:
         start = time.perf_counter()
         experiment = variant.experiment()
-        report = measure_experiment(experiment)
+        report = measure_experiment(experiment, **dict(variant.settings))
         command = command_line(MODULE, ["--name", variant.name])
         record = record_of(experiment, report, command, time.perf_counter() - start)
         record.update(kind="explain", question=variant.question, base=variant.model)

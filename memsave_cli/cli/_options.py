@@ -38,6 +38,19 @@ class Optimizer(str, Enum):
     adamw = "adamw"
 
 
+class Inputs(str, Enum):
+    auto = "auto"
+    tokens = "tokens"
+    embeds = "embeds"
+
+
+class Attention(str, Enum):
+    auto = "auto"
+    math = "math"
+    flash = "flash"
+    efficient = "efficient"
+
+
 def torch_dtype(dtype: Dtype) -> torch.dtype:
     """The torch dtype a Dtype choice names (torch is imported only when a command runs)."""
     import torch
@@ -111,5 +124,19 @@ LoraTargetsOpt = Annotated[
         help="Layers case lora adapts: all-linear or module names, comma-separated "
         "[default: all-linear].",
         show_default=False,
+    ),
+]
+InputsOpt = Annotated[
+    Inputs,
+    typer.Option(
+        help="Language models' inputs: auto (token ids and labels; embeddings when the case "
+        "differentiates the input), tokens, or embeds (every case, as the paper)."
+    ),
+]
+AttentionOpt = Annotated[
+    Attention,
+    typer.Option(
+        help="Attention kernel: auto (the one a CUDA device picks, also on meta), math, flash "
+        "or efficient."
     ),
 ]

@@ -10,11 +10,15 @@ from memsave_cli.cli._console import STDOUT, human_console, write_output
 from memsave_cli.cli._errors import USAGE_EXIT, reported_errors
 from memsave_cli.cli._help import DEBUG_HELP, examples
 from memsave_cli.cli._options import (
+    Attention,
+    AttentionOpt,
     CasesOpt,
     Device,
     Dtype,
     Impl,
     InputGradOpt,
+    Inputs,
+    InputsOpt,
     LoraAlphaOpt,
     LoraDropoutOpt,
     LoraOptions,
@@ -76,6 +80,8 @@ def profile(
         list[str] | None,
         typer.Option(metavar="KEY=VALUE", help="Model keyword argument (repeatable)."),
     ] = None,
+    inputs: InputsOpt = Inputs.auto,
+    attention: AttentionOpt = Attention.auto,
     top: Annotated[int, typer.Option(min=0, help="Layers shown per case (0: none).")] = 5,
     repeat: Annotated[int, typer.Option(min=1, help="Timed repeats (cpu/cuda).")] = 3,
     timeout: Annotated[float, typer.Option(min=1, help="Seconds per isolated run.")] = 600.0,
@@ -128,6 +134,8 @@ def profile(
                 workers=workers,
                 on_run=lambda run: bar.advance(f"{run.case}/{run.impl}: {run.status.value}"),
                 on_plan=bar.set_total,
+                inputs=inputs.value,
+                attention=attention.value,
             )
         print_profile(human_console(json_path, csv_path), report, top=top)
         if json_path is not None:

@@ -135,11 +135,36 @@ def profile_view(report: Report, *, top: int = 5) -> RenderableType:
         parts.extend(layer_tables(report, top))
     parts.append(verdicts(report))
     parts.append(Text(summary.provenance(report), style="dim"))
+    setup = inputs_and_attention(report)
+    if setup:
+        parts.append(Text(setup, style="dim"))
     parts.extend(Text(f"note: {note}", style="yellow") for note in report.notes)
     failures = failures_table(report)
     if failures is not None:
         parts.append(failures)
     return Group(*_spaced(parts))
+
+
+def inputs_and_attention(report: Report) -> str:
+    """What a language model was fed and which attention kernels were counted, per case."""
+    lines = []
+    if report.model.startswith("hf:") or report.inputs != "auto":
+        what = {
+            "auto": "token ids and labels (the model's own loss); embeddings where the case "
+            "differentiates the input",
+            "tokens": "token ids and labels (the model's own loss)",
+            "embeds": "embeddings in every case (the paper's setup)",
+        }[report.inputs]
+        lines.append(f"Inputs: {what}.")
+    kernels = {f"{run.case}/{run.impl}": run.attention for run in report.runs if run.attention}
+    if kernels:
+        names = sorted(set(kernels.values()))
+        per_run = (
+            names[0] if len(names) == 1 else ", ".join(f"{k}: {v}" for k, v in kernels.items())
+        )
+        assumed = " (as a CUDA device picks)" if report.attention == "auto" else " (forced)"
+        lines.append(f"Attention kernel: {per_run}{assumed}.")
+    return "\n".join(lines)
 
 
 def print_profile(console: Console, report: Report, *, top: int = 5) -> None:

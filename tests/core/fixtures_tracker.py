@@ -162,3 +162,33 @@ def behave(job) -> Run:
 def _preloaded() -> int:
     """1 when torchvision was imported before this worker ran (the fork server preloads it)."""
     return int("torchvision" in sys.modules)
+
+
+class SmallTransformer(nn.Module):
+    """The paper's vanilla Transformer in miniature: encoder-decoder, ReLU, dropout 0.1 (also
+    inside attention), a projection onto a small vocabulary."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.transformer = nn.Transformer(
+            d_model=32,
+            nhead=4,
+            num_encoder_layers=1,
+            num_decoder_layers=1,
+            dim_feedforward=48,
+            dropout=0.1,
+            batch_first=True,
+        )
+        self.pred = nn.Linear(32, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        memory = self.transformer.encoder(x)
+        return self.pred(self.transformer.decoder(x, memory))
+
+
+def small_transformer() -> nn.Module:
+    return SmallTransformer()
+
+
+def small_transformer_inputs(batch_size: int) -> torch.Tensor:
+    return torch.randn(batch_size, 12, 32)

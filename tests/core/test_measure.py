@@ -6,11 +6,12 @@ import pytest
 import torch
 from torch import nn
 
+from memsave_cli import meta_dropout
 from memsave_cli.cases import resolve_case
 from memsave_cli.errors import NeedsRealDataError
 from memsave_cli.layers import native_ops
 from memsave_cli.measure import NEEDS_REAL_DATA, Job, build_native, measure, prepare
-from memsave_cli.meta_attention import fused_attention_on_meta
+from memsave_cli.meta_attention import attention_kernels
 from memsave_cli.report import LayerSaved, Status
 from memsave_cli.specs import parse_spec
 from memsave_cli.tracker import round_bytes
@@ -31,11 +32,13 @@ def memory(run) -> tuple:
 
 @pytest.mark.parametrize("model", ["mlp", "small_cnn", "attention_net"])
 @pytest.mark.parametrize("case", ["all", "input", "norm", "surgical"])
-def test_meta_equals_cpu(model: str, case: str) -> None:
+def test_meta_equals_cpu(monkeypatch: pytest.MonkeyPatch, model: str, case: str) -> None:
+    monkeypatch.setattr(meta_dropout, "DEVICES", ("meta", "cpu"))  # CUDA's dropout on both
     if case == "norm" and model == "mlp":
         pytest.skip("the MLP has no normalisation layer")
-    meta = measure(job(model, case, repeat=1))
-    cpu = measure(job(model, case, "cpu", repeat=1))
+    # the same attention kernel on both sides: on meta ``auto`` counts the CUDA kernel
+    meta = measure(job(model, case, repeat=1, attention="math"))
+    cpu = measure(job(model, case, "cpu", repeat=1, attention="math"))
     assert meta.ok and cpu.ok, (meta.error, cpu.error)
     assert memory(meta) == memory(cpu)
     assert meta.time_s is None and cpu.time_s > 0
@@ -117,8 +120,8 @@ def test_out_of_memory_is_an_outcome() -> None:
 
 
 @pytest.mark.parametrize("mask", ["none", "bool", "float", "causal"])
-def test_fused_attention_on_meta_matches_cpu(mask: str) -> None:
-    """The meta stand-in computes nothing, but keeps what the cpu kernel keeps, byte for byte."""
+def test_forced_math_attention_on_meta_matches_cpu(mask: str) -> None:
+    """With the math kernel forced on both, meta keeps what cpu keeps, byte for byte."""
     from memsave_cli.tracker import MemoryTracker
 
     def count(device: str) -> tuple[int, int, tuple]:
@@ -131,7 +134,7 @@ def test_fused_attention_on_meta_matches_cpu(mask: str) -> None:
             attn = torch.zeros(2, 1, 24, 24, device=device)
         tracker = MemoryTracker(device)
         tracker.track(q, k, v, attn)
-        with tracker, fused_attention_on_meta():
+        with tracker, attention_kernels(device, "math"):
             out = nn.functional.scaled_dot_product_attention(
                 q, k, v, attn_mask=attn, is_causal=mask == "causal"
             )
@@ -179,19 +182,23 @@ def test_hugging_face_causal_lm_meta_equals_cpu(tmp_path) -> None:
     config.save_pretrained(tmp_path)
     spec = parse_spec(f"hf:{tmp_path}")
     for case in ("all", "input", "norm"):
-        meta = measure(Job(spec, resolve_case(case), "stock", "meta", batch_size=2))
-        cpu = measure(Job(spec, resolve_case(case), "stock", "cpu", batch_size=2, repeat=1))
+        same = {"batch_size": 2, "attention": "math"}
+        meta = measure(Job(spec, resolve_case(case), "stock", "meta", **same))
+        cpu = measure(Job(spec, resolve_case(case), "stock", "cpu", repeat=1, **same))
         assert meta.ok and cpu.ok, (meta.error, cpu.error)
         assert memory(meta) == memory(cpu)
 
 
-def test_fused_attention_on_meta_differentiates_a_mask_that_needs_grad() -> None:
-    """The fused kernels give no mask gradient, so a differentiable mask keeps the math path."""
+@pytest.mark.parametrize("kernel", ["auto", "math", "efficient"])
+def test_attention_on_meta_differentiates_a_mask_that_needs_grad(kernel: str) -> None:
+    """T5's position bias is a mask with a gradient: the efficient kernel (CUDA's choice for
+    a float mask) and the math path both give it one."""
     q = torch.empty(1, 2, 4, 8, device="meta", requires_grad=True)
     mask = torch.empty(1, 2, 4, 4, device="meta", requires_grad=True)
-    with fused_attention_on_meta():
+    with attention_kernels("meta", kernel) as log:
         nn.functional.scaled_dot_product_attention(q, q, q, attn_mask=mask).sum().backward()
     assert mask.grad is not None and mask.grad.shape == mask.shape
+    assert str(log) == ("efficient" if kernel == "auto" else kernel)
 
 
 @pytest.mark.parametrize(
@@ -213,3 +220,29 @@ def test_native_code_is_built_before_cpu_memsave_workers(
     spec = parse_spec("torchvision:resnet18")
     build_native([Job(spec, resolve_case("all"), impl, device) for device, impl in jobs])
     assert calls == (["built"] if builds else [])
+
+
+def test_stock_dropout_on_meta_keeps_cudas_one_byte_mask() -> None:
+    """On meta, stock dropout saves a bool mask as CUDA's fused kernel does; cpu keeps its own
+    kernel, which saves float noise of the input's size."""
+    from memsave_cli.meta_dropout import dropout_as_on_cuda
+
+    def saved(device: str) -> list[torch.dtype]:
+        x = torch.ones(4, 8, device=device, requires_grad=True)
+        found: list[torch.dtype] = []
+
+        def pack(tensor: torch.Tensor) -> torch.Tensor:
+            found.append(tensor.dtype)
+            return tensor
+
+        with (
+            dropout_as_on_cuda(device),
+            torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t),
+        ):
+            out = nn.Dropout(0.25)(x)
+        out.sum().backward()
+        assert x.grad is not None and x.grad.shape == x.shape
+        return found
+
+    assert saved("meta") == [torch.bool]
+    assert saved("cpu") == [torch.float32]

@@ -1,0 +1,96 @@
+"""``memsave profile --inputs/--attention``: choices reach the core, bad ones exit 2 before work."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+import memsave_cli.api
+from memsave_cli.cli import app
+from memsave_cli.report import Report
+
+SMALL = ["--device", "meta", "--batch-size", "2", "--top", "0"]
+
+
+@pytest.fixture
+def recorded(monkeypatch, paper_report):
+    """The core replaced by a recorder returning ``paper_report``."""
+    calls = []
+
+    def profile(model, **kwargs):
+        calls.append(kwargs)
+        return paper_report
+
+    monkeypatch.setattr(memsave_cli.api, "profile", profile)
+    return calls
+
+
+@pytest.fixture
+def no_workers(monkeypatch):
+    """Fail the test if a worker would start."""
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a worker started")
+
+    monkeypatch.setattr(memsave_cli.api, "run_jobs", refuse)
+
+
+def test_defaults_are_auto(runner, recorded):
+    result = runner.invoke(app, ["profile", "torchvision:resnet18"])
+    assert result.exit_code == 0, result.output
+    assert recorded[0]["inputs"] == "auto" and recorded[0]["attention"] == "auto"
+
+
+@pytest.mark.parametrize("inputs", ["auto", "tokens", "embeds"])
+@pytest.mark.parametrize("attention", ["auto", "math", "flash", "efficient"])
+def test_choices_reach_the_core(runner, recorded, inputs: str, attention: str):
+    args = ["profile", "hf:gpt2", "--inputs", inputs, "--attention", attention]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.output
+    assert (recorded[0]["inputs"], recorded[0]["attention"]) == (inputs, attention)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--attention", "foo"], "'foo' is not one of 'auto', 'math', 'flash', 'efficient'"),
+        (["--inputs", "foo"], "'foo' is not one of 'auto', 'tokens', 'embeds'"),
+        (["--inputs", "tokens"], "--inputs tokens applies to Hugging Face language models"),
+        (["--attention", "efficient", "--device", "cpu"], "'efficient' does not run on cpu"),
+    ],
+)
+def test_bad_choice_exits_2_before_any_worker(runner, no_workers, args, message):
+    result = runner.invoke(app, ["profile", "torchvision:resnet18", *SMALL, *args])
+    assert result.exit_code == 2, result.output
+    assert message in " ".join(result.output.split())
+    assert "Traceback" not in result.output
+
+
+def test_tokens_cannot_be_differentiated(runner, no_workers, tmp_path: Path):
+    transformers = pytest.importorskip("transformers")
+    transformers.LlamaConfig(
+        vocab_size=100, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+        num_attention_heads=2, max_position_embeddings=32,
+    ).save_pretrained(tmp_path)  # fmt: skip
+    args = ["profile", f"hf:{tmp_path}", *SMALL, "--case", "input", "--inputs", "tokens"]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 2, result.output
+    assert "token ids cannot be" in result.output and len(result.output.strip().splitlines()) == 1
+
+
+def test_report_names_inputs_and_kernel(runner, tmp_path: Path):
+    transformers = pytest.importorskip("transformers")
+    transformers.LlamaConfig(
+        vocab_size=100, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+        num_attention_heads=2, max_position_embeddings=32, architectures=["LlamaForCausalLM"],
+    ).save_pretrained(tmp_path)  # fmt: skip
+    out = tmp_path / "report.json"
+    args = ["profile", f"hf:{tmp_path}", *SMALL, "--case", "all", "--impl", "stock"]
+    args += ["--input-shape", "8", "--dtype", "bfloat16", "--json", str(out)]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.output
+    text = " ".join(result.output.split())
+    assert "Inputs: token ids and labels" in text and "Attention kernel: flash" in text
+    report = Report.load(out)
+    assert report.inputs == "auto" and report.runs[0].attention == "flash"

@@ -1,0 +1,116 @@
+"""Attention on meta: the kernel CUDA would pick, and what that kernel saves for backward."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from memsave_cli.meta_attention import attention_kernels, cuda_kernel
+
+BF16, F32 = torch.bfloat16, torch.float32
+
+
+def _qkv(dtype, heads=4, kv_heads=None, length=16, kv_length=None, dim=64):
+    q = torch.empty(2, heads, length, dim, device="meta", dtype=dtype, requires_grad=True)
+    kv_shape = (2, kv_heads or heads, kv_length or length, dim)
+    k = torch.empty(kv_shape, device="meta", dtype=dtype, requires_grad=True)
+    v = torch.empty(kv_shape, device="meta", dtype=dtype, requires_grad=True)
+    return q, k, v
+
+
+def _call(q, k, v, mask=None, dropout_p=0.0, is_causal=False, enable_gqa=False) -> dict:
+    return dict(
+        query=q, key=k, value=v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal,
+        scale=None, enable_gqa=enable_gqa,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("qkv", "extra", "kernel"),
+    [
+        ({"dtype": BF16}, {}, "flash"),
+        ({"dtype": BF16}, {"dropout_p": 0.1}, "flash"),
+        ({"dtype": F32}, {}, "efficient"),  # flash needs half precision
+        ({"dtype": BF16}, {"mask": "float"}, "efficient"),  # flash takes no mask
+        ({"dtype": BF16, "dim": 512}, {}, "efficient"),  # flash stops at head dim 256
+        ({"dtype": F32, "dim": 6}, {}, "math"),  # not a multiple of 4
+        ({"dtype": BF16, "dim": 12}, {"mask": "float"}, "math"),  # half: multiple of 8
+        ({"dtype": BF16, "kv_heads": 2}, {"enable_gqa": True}, "flash"),
+        ({"dtype": F32, "kv_heads": 2}, {"enable_gqa": True}, "math"),  # efficient: no GQA
+        ({"dtype": BF16, "kv_length": 24}, {"is_causal": True}, "efficient"),
+        ({"dtype": torch.float64}, {}, "math"),
+    ],
+    ids=lambda value: (
+        "-".join(f"{k}={v}" for k, v in value.items()) if isinstance(value, dict) else str(value)
+    ),
+)
+def test_cuda_kernel_choice(qkv: dict, extra: dict, kernel: str) -> None:
+    q, k, v = _qkv(**qkv)
+    if extra.pop("mask", None):
+        extra["mask"] = torch.empty(q.size(-2), k.size(-2), device="meta", dtype=q.dtype)
+    assert cuda_kernel(_call(q, k, v, **extra)) == kernel
+
+
+def _saved(dtype, kernel: str = "auto", **kwargs) -> tuple[list[tuple], str]:
+    q, k, v = _qkv(dtype)
+    saved: list[tuple] = []
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        saved.append((tuple(tensor.shape), tensor.dtype))
+        return tensor
+
+    with attention_kernels("meta", kernel) as log:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = F.scaled_dot_product_attention(q, k, v, **kwargs)
+        out.sum().backward()
+    assert q.grad is not None and q.grad.shape == q.shape
+    return saved, str(log)
+
+
+def test_flash_with_dropout_saves_inputs_output_logsumexp_and_generator_state() -> None:
+    saved, kernel = _saved(BF16, dropout_p=0.1)
+    assert kernel == "flash"
+    qkv = ((2, 4, 16, 64), BF16)
+    assert saved.count(qkv) == 4  # q, k, v and the output
+    assert ((2, 4, 16), F32) in saved  # log-sum-exp
+    assert ((2,), torch.uint64) in saved and ((), torch.uint64) in saved  # philox seed, offset
+    assert len(saved) == 7
+
+
+def test_efficient_with_dropout_saves_a_padded_logsumexp() -> None:
+    saved, kernel = _saved(F32, dropout_p=0.1)
+    assert kernel == "efficient"
+    assert saved.count(((2, 4, 16, 64), F32)) == 4
+    assert ((2, 4, math.ceil(16 / 32) * 32), F32) in saved
+    assert saved.count(((), torch.int64)) == 2
+    assert not any(shape[-2:] == (16, 16) for shape, _ in saved)  # no attention matrix
+
+
+def test_math_keeps_the_attention_matrix() -> None:
+    saved, kernel = _saved(F32, "math", dropout_p=0.1)
+    assert kernel == "math"
+    assert any(shape == (2, 4, 16, 16) for shape, _ in saved)
+
+
+def test_forced_kernel_refuses_what_cuda_refuses() -> None:
+    q, k, v = _qkv(F32)
+    with attention_kernels("meta", "flash"), pytest.raises(RuntimeError, match="'flash' cannot"):
+        F.scaled_dot_product_attention(q, k, v)
+
+
+def test_unaligned_bias_is_padded_as_the_kernel_reads_it() -> None:
+    q, k, v = _qkv(F32, length=10)
+    bias = torch.empty(2, 4, 10, 10, device="meta", requires_grad=True)
+    sizes: list[int] = []
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        sizes.append(tensor.untyped_storage().nbytes())
+        return tensor
+
+    with attention_kernels("meta"), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        F.scaled_dot_product_attention(q, k, v, attn_mask=bias).sum().backward()
+    assert 2 * 4 * 10 * 16 * 4 in sizes  # rows of 10 stored in rows of 16
+    assert bias.grad is not None and bias.grad.shape == bias.shape

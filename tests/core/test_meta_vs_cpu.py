@@ -1,0 +1,113 @@
+"""A second opinion on the meta estimate: a real CPU step of the same model saves the same tensors.
+
+Totals can agree by luck; here every saved storage is compared, per layer, by shape, dtype and
+bytes. Attention runs the same kernel on both sides (``math``): on meta ``auto`` counts the CUDA
+kernel, which a CPU does not have. Stock dropout runs CUDA's fused kernel on both sides (the CPU
+has it too, though ``F.dropout`` does not pick it there).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from memsave_cli import meta_dropout
+from memsave_cli.cases import resolve_case
+from memsave_cli.measure import Job, prepare, train_step
+from memsave_cli.meta_attention import attention_kernels
+from memsave_cli.meta_dropout import dropout_as_on_cuda
+from memsave_cli.saved import SavedTensorRecorder
+from memsave_cli.specs import parse_spec
+
+Saved = tuple[str, tuple[int, ...], torch.dtype, int]
+
+
+@pytest.fixture(autouse=True)
+def fused_dropout_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(meta_dropout, "DEVICES", ("meta", "cpu"))
+
+
+class _DetailRecorder(SavedTensorRecorder):
+    """Also remembers each distinct saved storage's layer, shape and dtype, in saving order."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__(model)
+        self.details: list[Saved] = []
+
+    def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        before = len(self.records)
+        packed = super()._pack(tensor)
+        if len(self.records) > before:
+            record = self.records[-1]
+            self.details.append((record.module, tuple(tensor.shape), tensor.dtype, record.nbytes))
+        return packed
+
+
+def saved_tensors(job: Job) -> list[Saved]:
+    """Every distinct storage one training step of ``job`` saves for backward (parameters too)."""
+    torch.manual_seed(0)
+    prepared = prepare(job)
+    with (
+        attention_kernels(job.device, job.attention),
+        dropout_as_on_cuda(job.device),
+        _DetailRecorder(prepared.model) as recorder,
+    ):
+        train_step(prepared)
+    return recorder.details
+
+
+def assert_same_saved(spec: str, case: str, **settings: object) -> list[Saved]:
+    """Meta and cpu save the same tensors, layer by layer; a difference names the first one."""
+    jobs = {
+        device: Job(parse_spec(spec), resolve_case(case), "stock", device, repeat=0, **settings)
+        for device in ("meta", "cpu")
+    }
+    meta, cpu = saved_tensors(jobs["meta"]), saved_tensors(jobs["cpu"])
+    for position, (estimated, real) in enumerate(zip(meta, cpu, strict=False)):
+        assert estimated == real, f"saved tensor {position}: meta {estimated} != cpu {real}"
+    assert len(meta) == len(cpu), f"meta saves {len(meta)} tensors, cpu {len(cpu)}"
+    return meta
+
+
+@pytest.mark.parametrize("case", ["all", "input", "surgical"])
+def test_cnn(case: str) -> None:
+    saved = assert_same_saved(
+        "torchvision:resnet18", case, batch_size=2, input_shape=(3, 32, 32), dtype="float32"
+    )
+    assert any(layer.startswith("layer1") for layer, *_ in saved)
+
+
+@pytest.mark.parametrize("case", ["all", "input", "norm"])
+def test_transformer_with_dropout(case: str) -> None:
+    saved = assert_same_saved(
+        "fixtures_tracker:small_transformer", case, batch_size=3, attention="math"
+    )
+    # the math path keeps the (B, H, L, S) attention weights and their dropout noise
+    assert sum(shape == (3, 4, 12, 12) for _, shape, *_ in saved) >= 2
+    # nn.Dropout keeps CUDA's 1-byte mask
+    assert any("dropout" in layer and dtype == torch.bool for layer, _, dtype, _ in saved)
+
+
+@pytest.mark.parametrize(
+    ("case", "inputs"), [("all", "auto"), ("input", "auto"), ("norm", "embeds")]
+)
+def test_llama_style_model(tmp_path: Path, case: str, inputs: str) -> None:
+    transformers = pytest.importorskip("transformers")
+    transformers.LlamaConfig(
+        vocab_size=300,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        architectures=["LlamaForCausalLM"],
+    ).save_pretrained(tmp_path)
+    saved = assert_same_saved(
+        f"hf:{tmp_path}", case, batch_size=2, input_shape=(20,), attention="math", inputs=inputs
+    )
+    if inputs == "auto" and case == "all":  # token ids and the model's own loss: float32 logits
+        logits = [s for s in saved if s[1][-1:] == (300,) and s[3] >= 2 * 20 * 300 * 4]
+        assert logits and all(dtype == torch.float32 for _, _, dtype, _ in logits)
