@@ -13,6 +13,7 @@ import functools
 import torch
 from torch import Tensor, nn
 from torch._prims_common import is_non_overlapping_and_dense_or_false, suggest_memory_format
+from torch.utils._python_dispatch import _disable_current_modes
 
 #: Tensor types whose sizes and strides are concrete integers outside ``torch.compile``.
 _EAGER_TYPES = (Tensor, nn.Parameter)
@@ -38,5 +39,6 @@ def _is_eager(t: Tensor) -> bool:
 
 @functools.lru_cache(maxsize=512)
 def _cached(shape: tuple[int, ...], stride: tuple[int, ...]) -> tuple[torch.memory_format, bool]:
-    probe = torch.empty_strided(shape, stride, device="meta")
-    return suggest_memory_format(probe), is_non_overlapping_and_dense_or_false(probe)
+    with _disable_current_modes():  # a memory tracker must not count the probe
+        probe = torch.empty_strided(shape, stride, device="meta")
+        return suggest_memory_format(probe), is_non_overlapping_and_dense_or_false(probe)

@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.autograd import Function
+from torch.utils._python_dispatch import _disable_current_modes
 
 from memsave_cli.layers import native, native_ops
 from memsave_cli.layers._backward import forbid_double_backward
@@ -215,9 +216,11 @@ def _stock_gradient_strides(
     with the same order stands in on meta (``hardtanh_backward`` has no structured meta kernel of
     its own, and its generic one lays results out unlike the CPU kernel).
     """
-    grad_t, saved_t = (torch.empty_strided(shape, s, device="meta") for s in (grad, saved))
-    first, second = (grad_t, saved_t) if kernel == "hardtanh" else (saved_t, grad_t)
-    return torch.mul(first, second).stride()
+    # Outside any dispatch mode: a memory tracker must not count these stand-ins.
+    with _disable_current_modes():
+        grad_t, saved_t = (torch.empty_strided(shape, s, device="meta") for s in (grad, saved))
+        first, second = (grad_t, saved_t) if kernel == "hardtanh" else (saved_t, grad_t)
+        return torch.mul(first, second).stride()
 
 
 #: Dtypes the fused kernels serve. The stock bfloat16/float16 CPU kernels rewrite NaN payloads
