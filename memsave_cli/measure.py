@@ -66,14 +66,16 @@ class Prepared:
     optimizer: torch.optim.Optimizer | None
 
 
-def measure(job: Job) -> Run:
+def measure(job: Job, model: nn.Module | None = None) -> Run:
     """Run ``job`` here and return its Run; out-of-memory is a Run with status ``oom``.
 
-    Other errors propagate (the worker turns them into a Run with status ``error``).
+    ``model``, when given, is measured instead of building ``job.spec`` (it is moved to the job's
+    device and dtype and converted in place). Other errors propagate (the worker turns them into
+    a Run with status ``error``).
     """
     check_job(job)
     try:
-        prepared = prepare(job)
+        prepared = prepare(job, model)
         if job.device == "cuda":
             return _measure_cuda(job, prepared)
         return _measure_tracked(job, prepared)
@@ -105,12 +107,14 @@ def check_job(job: Job) -> None:
         raise MemsaveError(f"repeat must be 0 (memory only) or more, got {job.repeat}")
 
 
-def prepare(job: Job) -> Prepared:
-    """Build the model on the job's device in its dtype, convert it, set modes, case and inputs."""
+def prepare(job: Job, model: nn.Module | None = None) -> Prepared:
+    """Build the model on the job's device in its dtype (or take ``model``), convert it, set
+    modes, case and inputs."""
     device, dtype = torch.device(job.device), DTYPES[job.dtype]
-    with torch.device(device), _default_dtype(dtype):
-        model = build_model(job.spec)
-    model = convert_impl(model.to(dtype=dtype), job.impl)
+    if model is None:
+        with torch.device(device), _default_dtype(dtype):
+            model = build_model(job.spec)
+    model = convert_impl(model.to(device=device, dtype=dtype), job.impl)
     model.train()
     if job.bn_eval:
         for module in model.modules():
