@@ -10,6 +10,7 @@ import torch
 from memsave_cli.cases import PAPER_CASES, Case, has_norm_layers, resolve_case
 from memsave_cli.errors import MemsaveError
 from memsave_cli.measure import DEVICES, NEEDS_REAL_DATA, Job, check_job
+from memsave_cli.preflight import check_plan
 from memsave_cli.report import Report, Run
 from memsave_cli.runner import run_jobs
 from memsave_cli.specs import ModelSpec, build_model, parse_spec
@@ -39,7 +40,8 @@ def profile(
     ``on_plan`` learns how many runs there will be (after skipped cases are dropped) and
     ``on_run`` sees each run as it finishes. ``device="auto"`` is cuda when available, else meta;
     there a model that needs real data (detection) is measured on cpu instead. Settings that
-    cannot work raise MemsaveError before any worker starts; a failing run is a Run with a status.
+    cannot work raise MemsaveError before any worker starts (checked on meta: globs that select
+    nothing, inputs the forward cannot take); a failing run is a Run with a status.
     """
     spec = parse_spec(model, model_kwargs)
     notes: list[str] = []
@@ -54,6 +56,7 @@ def profile(
     }
     _check_settings(spec, impls, chosen, settings)
     selected = _select_cases(spec, cases, notes)
+    check_plan(spec, selected, batch_size=batch_size, input_shape=settings["input_shape"])
     jobs = [Job(spec, case, impl, chosen, **settings) for case in selected for impl in impls]
     if not jobs:
         raise MemsaveError("nothing to measure: every case was skipped")
