@@ -132,13 +132,23 @@ def _run_from_dict(data: dict[str, Any]) -> Run:
 
 def write_atomic(path: Path, data: str | bytes) -> None:
     """Write ``data`` (text or bytes) to ``path`` through a temporary file in the same folder and a
-    rename, so that a crash never leaves half a file."""
+    rename, so that a crash never leaves half a file. The file gets the permissions any new file
+    gets (0644 under the usual umask), not the temporary file's 0600: CI uploads it as another user.
+    """
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
+        os.fchmod(fd, 0o666 & ~_umask())
         with os.fdopen(fd, "wb" if isinstance(data, bytes) else "w") as handle:
             handle.write(data)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def _umask() -> int:
+    """The process's file creation mask (reading it means setting it, so it is set back)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask

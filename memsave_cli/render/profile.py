@@ -51,7 +51,8 @@ def comparison_table(report: Report) -> RenderableType:
         for impl in summary.impls_of(report):
             values = [_cell_text(cells.get((impl, case)), metric, scale) for case in cases]
             table.add_row(summary.IMPL_LABELS.get(impl, impl), *values)
-    return titled(f"{report.model}: memory and time, ratio to {against}", table, _CAPTION)
+    measured = "memory and time" if summary.has_metric(report, "time_s") else "memory"
+    return titled(f"{report.model}: {measured}, ratio to {against}", table, _CAPTION)
 
 
 def layer_table(report: Report, cases: list[str], top: int) -> RenderableType | None:
