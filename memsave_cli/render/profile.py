@@ -83,7 +83,7 @@ def layer_table(report: Report, cases: list[str], top: int) -> RenderableType | 
         )
     footnote = None
     if any(row.shared for row in rows):
-        footnote = "* also saves a storage another layer saves (counted once, here)"
+        footnote = "* output also kept by another layer (counted once, at the layer producing it)"
     return titled(title, table, footnote)
 
 
