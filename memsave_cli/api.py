@@ -14,6 +14,7 @@ from memsave_cli.preflight import check_plan
 from memsave_cli.report import Report, Run
 from memsave_cli.runner import run_jobs
 from memsave_cli.specs import ModelSpec, build_model, parse_spec
+from memsave_cli.timing import time_runs
 
 
 def profile(
@@ -57,12 +58,20 @@ def profile(
     _check_settings(spec, impls, chosen, settings)
     selected = _select_cases(spec, cases, notes)
     check_plan(spec, selected, batch_size=batch_size, input_shape=settings["input_shape"])
-    jobs = [Job(spec, case, impl, chosen, **settings) for case in selected for impl in impls]
+    # NOTE [paired timing] in timing.py: on cpu, times come from one worker per case alternating
+    # the implementations, not from the memory runs.
+    paired = chosen == "cpu" and repeat > 0
+    memory = settings | {"repeat": 0} if paired else settings
+    jobs = [Job(spec, case, impl, chosen, **memory) for case in selected for impl in impls]
     if not jobs:
         raise MemsaveError("nothing to measure: every case was skipped")
     if on_plan is not None:
-        on_plan(len(jobs))
+        on_plan(len(jobs) + (len(selected) if paired else 0))
     runs, chosen = _run_with_fallback(jobs, device, timeout, workers, on_run, notes)
+    if paired:
+        timed = [replace(job, repeat=repeat) for job in jobs]
+        runs, failures = time_runs(timed, runs, timeout=timeout, on_done=on_run)
+        notes.extend(failures)
     return Report(
         model=spec.text,
         device=chosen,

@@ -49,6 +49,7 @@ class Run:
     peak_bytes: int | None = None
     saved_bytes: int | None = None
     time_s: float | None = None
+    times_s: tuple[float, ...] = ()  # seconds per timed round, paired by round within a case
     device_bytes: int | None = None  # process device memory as NVML sees it (cuda only)
     layers: tuple[LayerSaved, ...] = ()
 
@@ -127,6 +128,7 @@ def _run_from_dict(data: dict[str, Any]) -> Run:
     layers = tuple(LayerSaved(**layer) for layer in data.get("layers", ()))
     values = {k: v for k, v in data.items() if k != "layers"}
     values["status"] = Status(values.get("status", "ok"))
+    values["times_s"] = tuple(values.get("times_s", ()))
     return Run(**values, layers=layers)
 
 
