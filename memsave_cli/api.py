@@ -34,15 +34,17 @@ def profile(
     on_run: Callable[[Run], None] | None = None,
     workers: int | None = None,
     on_plan: Callable[[int], None] | None = None,
+    threads: int | None = None,
 ) -> Report:
     """Measure ``model`` (a spec such as ``"torchvision:resnet101"``) for every case x impl.
 
     Every run happens in its own worker process (``timeout`` seconds each, ``workers`` at once);
     ``on_plan`` learns how many runs there will be (after skipped cases are dropped) and
-    ``on_run`` sees each run as it finishes. ``device="auto"`` is cuda when available, else meta;
-    there a model that needs real data (detection) is measured on cpu instead. Settings that
-    cannot work raise MemsaveError before any worker starts (checked on meta: globs that select
-    nothing, inputs the forward cannot take); a failing run is a Run with a status.
+    ``on_run`` sees each run as it finishes; ``threads`` sets cpu timing's intra-op threads.
+    ``device="auto"`` is cuda when available, else meta; there a model that needs real data
+    (detection) is measured on cpu instead. Settings that cannot work raise MemsaveError before
+    any worker starts (checked on meta: globs that select nothing, inputs the forward cannot
+    take); a failing run is a Run with a status.
     """
     spec = parse_spec(model, model_kwargs)
     notes: list[str] = []
@@ -70,7 +72,7 @@ def profile(
     runs, chosen = _run_with_fallback(jobs, device, timeout, workers, on_run, notes)
     if paired:
         timed = [replace(job, repeat=repeat) for job in jobs]
-        runs, failures = time_runs(timed, runs, timeout=timeout, on_done=on_run)
+        runs, failures = time_runs(timed, runs, timeout=timeout, threads=threads, on_done=on_run)
         notes.extend(failures)
     return Report(
         model=spec.text,

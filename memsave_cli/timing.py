@@ -16,6 +16,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from functools import partial
 
+import torch
+
 from memsave_cli.measure import Job, Prepared, clear_grads, prepare, train_step
 from memsave_cli.report import Run
 
@@ -59,11 +61,14 @@ def resolved(ratio: float, iqr: float) -> bool:
     return iqr < abs(ratio - 1)
 
 
-def time_case(job: Job, impls: Sequence[str]) -> tuple[Run, ...]:
-    """Worker target: ``job.repeat`` alternated rounds of every implementation of ``job.case``.
+def time_case(job: Job, impls: Sequence[str], threads: int | None = None) -> tuple[Run, ...]:
+    """Worker target: ``job.repeat`` alternated rounds of every implementation of ``job.case``,
+    on ``threads`` intra-op threads (torch's default for None).
 
     Returns one Run per implementation carrying only its per-round seconds and their median.
     """
+    if threads is not None:
+        torch.set_num_threads(threads)
     prepared = {impl: prepare(replace(job, impl=impl)) for impl in impls}
     times = alternate({impl: _timed(p) for impl, p in prepared.items()}, job.repeat)
     return tuple(
@@ -89,6 +94,7 @@ def time_runs(
     runs: Sequence[Run],
     *,
     timeout: float,
+    threads: int | None = None,
     on_done: Callable[[Run], None] | None = None,
 ) -> tuple[list[Run], list[str]]:
     """Time every case of ``jobs`` that measured, one worker per case alternating its
@@ -104,7 +110,7 @@ def time_runs(
         list(cases.values()),
         timeout=timeout,
         workers=1,
-        target=partial(time_case, impls=impls),
+        target=partial(time_case, impls=impls, threads=threads),
         on_done=None if on_done is None else lambda job, result: on_done(_first(result)),
     )
     timed = [run for result in results if isinstance(result, tuple) for run in result]

@@ -85,6 +85,7 @@ def test_profile_on_cpu_times_both_implementations_in_one_worker(tiny_cnn_spec: 
         repeat=3,
         workers=1,
         input_shape=(3, 16, 16),
+        threads=1,
     )
     assert all(run.ok for run in report.runs), report.runs
     for run in report.runs:
