@@ -275,13 +275,14 @@ def model_bytes(model: nn.Module) -> int:
 
 
 def layer_rows(recorder: SavedTensorRecorder) -> tuple[LayerSaved, ...]:
-    """Saved bytes per layer: each distinct non-parameter storage once, at the innermost module
-    that saved it first; ``shared`` when another layer saved it too. Rows sum to ``saved_bytes``."""
+    """Saved bytes per layer: each distinct non-parameter storage once, at the module that produced
+    it (NOTE [counting saved tensors]); ``shared`` when two layers saved it. Rows sum to
+    ``saved_bytes``."""
     rows: dict[tuple[str, str], list] = {}
     for record in recorder.records:
         if record.is_parameter:
             continue
-        row = rows.setdefault((record.module, record.module_type), [0, False])
+        row = rows.setdefault((record.producer, record.producer_type), [0, False])
         row[0] += record.nbytes
         row[1] = row[1] or record.shared
     return tuple(

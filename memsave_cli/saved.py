@@ -3,9 +3,10 @@
 NOTE [counting saved tensors]: autograd hands every tensor a node saves to the pack hook of
 ``torch.autograd.graph.saved_tensors_hooks``. Several nodes often save views of one storage (an
 in-place ReLU's output is also the next convolution's input), so bytes are counted once per
-distinct storage. A storage is attributed to the module that produced it: the innermost one
-whose forward returned it (an in-place layer after it takes it over, a parent returning it does
-not). Storages no module returned (a model's input, a mask made inside a layer) go to the
+distinct storage. Each record names the module that saved it first, and the one it is counted
+at in per-layer tables: the module that produced it, the innermost one whose forward returned
+it (an in-place layer after it takes it over, a parent returning it does not). Storages no
+module returned (a model's input, a mask made inside a layer) go to the
 innermost module whose forward was running when the storage was first saved. Attributing to a
 saver instead would move a storage between layers when only *which* layers keep it changes: with
 stock ReLUs a block's output is kept by its ReLU, with memsave's by the next convolution, and that
@@ -27,10 +28,12 @@ class SavedStorage:
     """One distinct storage autograd saved for backward."""
 
     nbytes: int
-    module: str
+    module: str  # the innermost module whose forward was running when it was first saved
     module_type: str
     is_parameter: bool
     shared: bool = False
+    producer: str = ""  # the module it is counted at (see NOTE); the saver when none returned it
+    producer_type: str = ""
 
 
 def storage_nbytes(tensor: Tensor) -> int:
@@ -53,7 +56,6 @@ class SavedTensorRecorder:
         self.records: list[SavedStorage] = []
         self._index: WeakIdKeyDictionary = WeakIdKeyDictionary()
         self._producer: WeakIdKeyDictionary = WeakIdKeyDictionary()  # storage -> (name, type)
-        self._savers: list[str] = []  # the first module that saved each record
         self._stack: list[tuple[str, str]] = [("", "")]
         self._params: WeakIdKeyDictionary = WeakIdKeyDictionary()
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
@@ -124,25 +126,26 @@ class SavedTensorRecorder:
             position = self._index.get(key)
             if position is not None:
                 record = self.records[position]
-                record.module, record.module_type = entry
+                record.producer, record.producer_type = entry
 
     def _pack(self, tensor: Tensor) -> Tensor:
         key = _storage_key(tensor)
         saver = self._stack[-1]
         position = self._index.get(key) if key is not None else None
         if position is None:
-            name, type_name = self._producer.get(key, saver) if key is not None else saver
+            producer = self._producer.get(key, saver) if key is not None else saver
             record = SavedStorage(
                 nbytes=storage_nbytes(tensor),
-                module=name,
-                module_type=type_name,
+                module=saver[0],
+                module_type=saver[1],
                 is_parameter=key is not None and key in self._params,
+                producer=producer[0],
+                producer_type=producer[1],
             )
             if key is not None:
                 self._index[key] = len(self.records)
             self.records.append(record)
-            self._savers.append(saver[0])
-        elif self._savers[position] != saver[0]:
+        elif self.records[position].module != saver[0]:
             self.records[position].shared = True
         return tensor
 

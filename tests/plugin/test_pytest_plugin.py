@@ -56,7 +56,7 @@ def test_budget_that_fits_passes_and_one_that_does_not_fails_readably(
             "over the budget of 200 MiB by 20.8 MiB",
             "E *(case input, batch size 16, memsave layers, estimated on meta)",
             "E *layers keeping the most for backward:",
-            "E *  bn1 (BatchNorm2d): 49.0 MiB",
+            "E *  conv1 (Conv2d): 49.0 MiB",
         ]
     )
     # the failure points at the user's line, not into the plugin
