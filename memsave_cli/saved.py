@@ -110,7 +110,9 @@ class SavedTensorRecorder:
 
     def _leave_module(self, module: nn.Module, args: object, output: object) -> None:
         if len(self._stack) > 1:
-            self._claim(output, self._stack.pop())
+            entry = self._stack.pop()
+            if not torch.compiler.is_compiling():  # traced hooks cannot look up weak tables
+                self._claim(output, entry)
 
     def _claim(self, output: object, entry: tuple[str, str]) -> None:
         """Make the module ``entry`` the producer of each storage its forward returned, unless an
