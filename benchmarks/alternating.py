@@ -1,4 +1,4 @@
-"""Side-by-side timing: stock and memsave steps alternate, ratios taken per round.
+"""Side-by-side timing of two steps for the benchmarks: ``memsave_cli.timing`` with two labels.
 
 Alternating the order every round, and taking the median of per-round ratios, cancels machine
 drift slower than a round (other jobs on a shared CPU), which separate runs cannot.
@@ -9,30 +9,18 @@ from __future__ import annotations
 import statistics
 from collections.abc import Callable
 
-WARMUP_ROUNDS = 2
+from memsave_cli.timing import WARMUP_ROUNDS, round_ratios
+from memsave_cli.timing import alternate as alternate_steps
+
+__all__ = ["WARMUP_ROUNDS", "alternate", "paired_times", "round_ratios"]
 
 
 def alternate(
     stock: Callable[[], float], memsave: Callable[[], float], repeats: int
 ) -> tuple[list[float], list[float]]:
-    """Seconds of each step per round, stock's and memsave's, alternating which runs first.
-
-    Each step runs once per round and returns its own elapsed seconds; the first
-    ``WARMUP_ROUNDS`` rounds are discarded.
-    """
-    times: dict[str, list[float]] = {"stock": [], "memsave": []}
-    order = [("stock", stock), ("memsave", memsave)]
-    for i in range(repeats + WARMUP_ROUNDS):
-        for label, step in order if i % 2 else order[::-1]:
-            elapsed = step()
-            if i >= WARMUP_ROUNDS:
-                times[label].append(elapsed)
+    """Seconds of each step per round, stock's and memsave's, alternating which runs first."""
+    times = alternate_steps({"stock": stock, "memsave": memsave}, repeats)
     return times["stock"], times["memsave"]
-
-
-def round_ratios(stock_times: list[float], memsave_times: list[float]) -> list[float]:
-    """memsave/stock of each round."""
-    return [m / s for m, s in zip(memsave_times, stock_times, strict=True)]
 
 
 def paired_times(

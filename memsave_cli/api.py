@@ -11,9 +11,11 @@ from memsave_cli.cases import PAPER_CASES, Case, has_norm_layers, resolve_case
 from memsave_cli.errors import MemsaveError
 from memsave_cli.lora import LoraSettings, apply_lora
 from memsave_cli.measure import DEVICES, NEEDS_REAL_DATA, Job, check_job
+from memsave_cli.preflight import check_plan
 from memsave_cli.report import Report, Run
 from memsave_cli.runner import run_jobs
 from memsave_cli.specs import ModelSpec, build_model, parse_spec
+from memsave_cli.timing import time_runs
 
 
 def profile(
@@ -36,18 +38,21 @@ def profile(
     lora: LoraSettings | None = None,
     inputs: str = "auto",
     attention: str = "auto",
+    threads: int | None = None,
 ) -> Report:
     """Measure ``model`` (a spec such as ``"torchvision:resnet101"``) for every case x impl.
 
     Every run happens in its own worker process (``timeout`` seconds each, ``workers`` at once);
     ``on_plan`` learns how many runs there will be (after skipped cases are dropped) and
-    ``on_run`` sees each run as it finishes. ``device="auto"`` is cuda when available, else meta;
-    there a model that needs real data (detection) is measured on cpu instead. ``inputs`` says
-    what language models are fed (``auto``: token ids and labels, embeddings where the case
-    differentiates the input; ``embeds``: embeddings in every case, as the paper did);
-    ``attention`` forces one attention kernel (``auto``: the one a CUDA device picks). Settings that
-    cannot work raise MemsaveError before any worker starts; a failing run is a Run with a status.
-    Case ``"lora"`` adds peft LoRA adapters with ``lora`` settings (default ``lora_settings()``).
+    ``on_run`` sees each run as it finishes; ``threads`` sets cpu timing's intra-op threads.
+    ``device="auto"`` is cuda when available, else meta; there a model that needs real data
+    (detection) is measured on cpu instead. ``inputs`` says what language models are fed
+    (``auto``: token ids and labels, embeddings where the case differentiates the input;
+    ``embeds``: embeddings in every case, as the paper did); ``attention`` forces one attention
+    kernel (``auto``: the one a CUDA device picks). Case ``"lora"`` adds peft LoRA adapters with
+    ``lora`` settings (default ``lora_settings()``). Settings that cannot work raise MemsaveError
+    before any worker starts (checked on meta: globs that select nothing, inputs the forward
+    cannot take); a failing run is a Run with a status.
     """
     spec = parse_spec(model, model_kwargs)
     notes: list[str] = []
@@ -64,14 +69,23 @@ def profile(
     }
     _check_settings(spec, impls, chosen, settings)
     selected = _select_cases(spec, cases, notes, lora)
+    check_plan(spec, selected, batch_size=batch_size, input_shape=settings["input_shape"])
     for case in selected:
         check_job(Job(spec, case, impls[0], chosen, **settings))
-    jobs = [Job(spec, case, impl, chosen, **settings) for case in selected for impl in impls]
+    # NOTE [paired timing] in timing.py: on cpu, times come from one worker per case alternating
+    # the implementations, not from the memory runs.
+    paired = chosen == "cpu" and repeat > 0
+    memory = settings | {"repeat": 0} if paired else settings
+    jobs = [Job(spec, case, impl, chosen, **memory) for case in selected for impl in impls]
     if not jobs:
         raise MemsaveError("nothing to measure: every case was skipped")
     if on_plan is not None:
-        on_plan(len(jobs))
+        on_plan(len(jobs) + (len(selected) if paired else 0))
     runs, chosen = _run_with_fallback(jobs, device, timeout, workers, on_run, notes)
+    if paired:
+        timed = [replace(job, repeat=repeat) for job in jobs]
+        runs, failures = time_runs(timed, runs, timeout=timeout, threads=threads, on_done=on_run)
+        notes.extend(failures)
     return Report(
         model=spec.text,
         device=chosen,

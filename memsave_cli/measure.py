@@ -70,14 +70,16 @@ class Prepared:
     optimizer: torch.optim.Optimizer | None
 
 
-def measure(job: Job) -> Run:
+def measure(job: Job, model: nn.Module | None = None) -> Run:
     """Run ``job`` here and return its Run; out-of-memory is a Run with status ``oom``.
 
-    Other errors propagate (the worker turns them into a Run with status ``error``).
+    ``model``, when given, is measured instead of building ``job.spec`` (it is moved to the job's
+    device and dtype and converted in place). Other errors propagate (the worker turns them into
+    a Run with status ``error``).
     """
     check_job(job)
     try:
-        prepared = prepare(job)
+        prepared = prepare(job, model)
         if job.device == "cuda":
             return _measure_cuda(job, prepared)
         return _measure_tracked(job, prepared)
@@ -121,12 +123,16 @@ def check_job(job: Job) -> None:
         raise MemsaveError(f"repeat must be 0 (memory only) or more, got {job.repeat}")
 
 
-def prepare(job: Job) -> Prepared:
-    """Build the model on the job's device in its dtype, convert it, set modes, case and inputs."""
+def prepare(job: Job, model: nn.Module | None = None) -> Prepared:
+    """Build the model on the job's device in its dtype (or take ``model``), convert it, set
+    modes, case and inputs."""
     device, dtype = torch.device(job.device), DTYPES[job.dtype]
-    with torch.device(device), _default_dtype(dtype):
-        model = build_model(job.spec).to(dtype=dtype)
-        if job.case.lora is not None:  # adapters are part of the stock model, then converted
+    if model is None:
+        with torch.device(device), _default_dtype(dtype):
+            model = build_model(job.spec)
+    model = model.to(device=device, dtype=dtype)
+    if job.case.lora is not None:  # adapters are part of the stock model, then converted
+        with torch.device(device), _default_dtype(dtype):
             model = apply_lora(model, job.case.lora)
     model = convert_impl(model, job.impl)
     model.train()
@@ -310,13 +316,14 @@ def model_bytes(model: nn.Module) -> int:
 
 
 def layer_rows(recorder: SavedTensorRecorder) -> tuple[LayerSaved, ...]:
-    """Saved bytes per layer: each distinct non-parameter storage once, at the innermost module
-    that saved it first; ``shared`` when another layer saved it too. Rows sum to ``saved_bytes``."""
+    """Saved bytes per layer: each distinct non-parameter storage once, at the module that produced
+    it (NOTE [counting saved tensors]); ``shared`` when two layers saved it. Rows sum to
+    ``saved_bytes``."""
     rows: dict[tuple[str, str], list] = {}
     for record in recorder.records:
         if record.is_parameter:
             continue
-        row = rows.setdefault((record.module, record.module_type), [0, False])
+        row = rows.setdefault((record.producer, record.producer_type), [0, False])
         row[0] += record.nbytes
         row[1] = row[1] or record.shared
     return tuple(

@@ -49,6 +49,7 @@ class Run:
     peak_bytes: int | None = None
     saved_bytes: int | None = None
     time_s: float | None = None
+    times_s: tuple[float, ...] = ()  # seconds per timed round, paired by round within a case
     device_bytes: int | None = None  # process device memory as NVML sees it (cuda only)
     attention: str | None = None  # attention kernels counted, e.g. "efficient" or "flash+math"
     layers: tuple[LayerSaved, ...] = ()
@@ -130,18 +131,29 @@ def _run_from_dict(data: dict[str, Any]) -> Run:
     layers = tuple(LayerSaved(**layer) for layer in data.get("layers", ()))
     values = {k: v for k, v in data.items() if k != "layers"}
     values["status"] = Status(values.get("status", "ok"))
+    values["times_s"] = tuple(values.get("times_s", ()))
     return Run(**values, layers=layers)
 
 
 def write_atomic(path: Path, data: str | bytes) -> None:
     """Write ``data`` (text or bytes) to ``path`` through a temporary file in the same folder and a
-    rename, so that a crash never leaves half a file."""
+    rename, so that a crash never leaves half a file. The file gets the permissions any new file
+    gets (0644 under the usual umask), not the temporary file's 0600: CI uploads it as another user.
+    """
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
+        os.fchmod(fd, 0o666 & ~_umask())
         with os.fdopen(fd, "wb" if isinstance(data, bytes) else "w") as handle:
             handle.write(data)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def _umask() -> int:
+    """The process's file creation mask (reading it means setting it, so it is set back)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask

@@ -4,10 +4,11 @@ NOTE [worker protocol]: the parent starts each worker from a multiprocessing for
 already imported torch, torchvision and memsave (a fork costs milliseconds where a fresh
 interpreter costs seconds; the server is a fresh interpreter of its own, so it never inherits an
 initialised CUDA context). A worker writes its stdout and stderr to a temporary file and sends
-exactly one ``Run`` back over a dedicated pipe; nothing is ever parsed from its output. The
-parent turns every other ending into a Run of its own: no message and a dead process is
-``crashed`` (exit code or signal, and the tail of the worker's stderr), a message that is not a
-Run is ``error``, and a worker past its deadline is killed and ``timeout``. Workers still
+exactly one result back over a dedicated pipe: a ``Run``, or a tuple of Runs from a worker that
+timed implementations side by side; nothing is ever parsed from its output. The parent turns
+every other ending into a Run of its own: no message and a dead process is ``crashed`` (exit
+code or signal, and the tail of the worker's stderr), a message that is not a result is
+``error``, and a worker past its deadline is killed and ``timeout``. Workers still
 running when the parent stops (an exception, Ctrl-C) are killed in ``finally``. A parent killed
 outright runs no ``finally``: each worker watches its result pipe and exits once nobody can read
 it.
@@ -34,6 +35,9 @@ from pathlib import Path
 from memsave_cli.measure import Job, build_native, measure, one_line
 from memsave_cli.report import Run, Status
 
+#: What a worker sends: one Run, or one per implementation it timed side by side.
+Result = Run | tuple[Run, ...]
+
 #: Modules the fork server imports once, so that every worker starts with them loaded.
 PRELOAD = ("torch", "torchvision", "memsave_cli.measure", "memsave_cli.layers.convert")
 TAIL_CHARS = 300
@@ -45,9 +49,9 @@ def run_jobs(
     *,
     timeout: float,
     workers: int | None = None,
-    on_done: Callable[[Job, Run], None] | None = None,
-    target: Callable[[Job], Run] = measure,
-) -> list[Run]:
+    on_done: Callable[[Job, Result], None] | None = None,
+    target: Callable[[Job], Result] = measure,
+) -> list[Result]:
     """Run each job in its own worker process, at most ``workers`` at once; Runs in job order.
 
     ``timeout`` (seconds) applies to each job; ``on_done`` is called as each job finishes;
@@ -60,7 +64,7 @@ def run_jobs(
     context = worker_context()
     pending = deque(enumerate(jobs))
     active: list[_Worker] = []
-    runs: list[Run | None] = [None] * len(jobs)
+    runs: list[Result | None] = [None] * len(jobs)
     try:
         while pending or active:
             while pending and len(active) < workers:
@@ -113,7 +117,7 @@ class _Worker:
         context: multiprocessing.context.BaseContext,
         index: int,
         job: Job,
-        target: Callable[[Job], Run],
+        target: Callable[[Job], Result],
         timeout: float,
     ) -> _Worker:
         fd, log = tempfile.mkstemp(prefix="memsave-worker-", suffix=".log")
@@ -126,7 +130,7 @@ class _Worker:
         writer.close()  # the child holds the only write end: its death reads as end of file
         return cls(index, job, process, reader, Path(log), timeout, time.monotonic() + timeout)
 
-    def outcome(self) -> Run | None:
+    def outcome(self) -> Result | None:
         """The job's Run if it has ended (result, crash or timeout), else None."""
         if self.conn.poll():
             return self._receive()
@@ -137,7 +141,7 @@ class _Worker:
             return self._failed(Status.TIMEOUT, f"no result within {self.timeout:g} s; killed")
         return None
 
-    def _receive(self) -> Run:
+    def _receive(self) -> Result:
         try:
             message = self.conn.recv()
         except (EOFError, OSError):
@@ -145,7 +149,7 @@ class _Worker:
             return self._failed(Status.CRASHED, f"worker {_exit_reason(self.process)}")
         except Exception as error:
             return self._failed(Status.ERROR, f"malformed result ({one_line(error)})")
-        if not isinstance(message, Run):
+        if not _is_result(message):
             return self._failed(
                 Status.ERROR, f"malformed result: expected a Run, got {type(message).__name__}"
             )
@@ -167,6 +171,13 @@ class _Worker:
         self.kill()
         self.conn.close()
         self.log.unlink(missing_ok=True)
+
+
+def _is_result(message: object) -> bool:
+    """A Run, or a tuple of Runs (a worker that timed several implementations side by side)."""
+    if isinstance(message, tuple):
+        return bool(message) and all(isinstance(item, Run) for item in message)
+    return isinstance(message, Run)
 
 
 def _wait_any(active: list[_Worker]) -> None:
@@ -229,7 +240,7 @@ def _exit_with_parent(conn: Connection) -> None:
 _ORPHANED_EXIT = 70
 
 
-def _work(job: Job, conn: Connection, log: str, target: Callable[[Job], Run]) -> None:
+def _work(job: Job, conn: Connection, log: str, target: Callable[[Job], Result]) -> None:
     """Worker body: output to the log file, one Run (or one failure) over the pipe."""
     _exit_with_parent(conn)
     with open(log, "w") as handle:
@@ -237,7 +248,7 @@ def _work(job: Job, conn: Connection, log: str, target: Callable[[Job], Run]) ->
         os.dup2(handle.fileno(), 2)
     faulthandler.enable(file=sys.stderr)
     try:
-        run = target(job)
+        run: Result = target(job)
     except Exception as error:
         traceback.print_exc()
         run = Run(job.case.label, job.impl, status=Status.ERROR, error=one_line(error))

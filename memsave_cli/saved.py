@@ -3,8 +3,14 @@
 NOTE [counting saved tensors]: autograd hands every tensor a node saves to the pack hook of
 ``torch.autograd.graph.saved_tensors_hooks``. Several nodes often save views of one storage (an
 in-place ReLU's output is also the next convolution's input), so bytes are counted once per
-distinct storage, and attributed to the innermost module whose forward was running when that
-storage was first saved. A storage that a second module saves too is marked ``shared``.
+distinct storage. Each record names the module that saved it first, and the one it is counted
+at in per-layer tables: the module that produced it, the innermost one whose forward returned
+it (an in-place layer after it takes it over, a parent returning it does not). Storages no
+module returned (a model's input, a mask made inside a layer) go to the
+innermost module whose forward was running when the storage was first saved. Attributing to a
+saver instead would move a storage between layers when only *which* layers keep it changes: with
+stock ReLUs a block's output is kept by its ReLU, with memsave's by the next convolution, and that
+convolution would seem to keep more. A storage that two modules save is marked ``shared``.
 """
 
 from __future__ import annotations
@@ -22,10 +28,12 @@ class SavedStorage:
     """One distinct storage autograd saved for backward."""
 
     nbytes: int
-    module: str
+    module: str  # the innermost module whose forward was running when it was first saved
     module_type: str
     is_parameter: bool
     shared: bool = False
+    producer: str = ""  # the module it is counted at (see NOTE); the saver when none returned it
+    producer_type: str = ""
 
 
 def storage_nbytes(tensor: Tensor) -> int:
@@ -47,6 +55,7 @@ class SavedTensorRecorder:
         self.model = model
         self.records: list[SavedStorage] = []
         self._index: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self._producer: WeakIdKeyDictionary = WeakIdKeyDictionary()  # storage -> (name, type)
         self._stack: list[tuple[str, str]] = [("", "")]
         self._params: WeakIdKeyDictionary = WeakIdKeyDictionary()
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
@@ -101,25 +110,62 @@ class SavedTensorRecorder:
 
     def _leave_module(self, module: nn.Module, args: object, output: object) -> None:
         if len(self._stack) > 1:
-            self._stack.pop()
+            entry = self._stack.pop()
+            if not torch.compiler.is_compiling():  # traced hooks cannot look up weak tables
+                self._claim(output, entry)
+
+    def _claim(self, output: object, entry: tuple[str, str]) -> None:
+        """Make the module ``entry`` the producer of each storage its forward returned, unless an
+        inner module produced it (see NOTE [counting saved tensors])."""
+        for tensor in _tensors(output):
+            key = _storage_key(tensor)
+            if key is None:
+                continue
+            current = self._producer.get(key)
+            if current is not None and _encloses(entry[0], current[0]):
+                continue
+            self._producer[key] = entry
+            position = self._index.get(key)
+            if position is not None:
+                record = self.records[position]
+                record.producer, record.producer_type = entry
 
     def _pack(self, tensor: Tensor) -> Tensor:
         key = _storage_key(tensor)
-        name, type_name = self._stack[-1]
+        saver = self._stack[-1]
         position = self._index.get(key) if key is not None else None
         if position is None:
+            producer = self._producer.get(key, saver) if key is not None else saver
             record = SavedStorage(
                 nbytes=storage_nbytes(tensor),
-                module=name,
-                module_type=type_name,
+                module=saver[0],
+                module_type=saver[1],
                 is_parameter=key is not None and key in self._params,
+                producer=producer[0],
+                producer_type=producer[1],
             )
             if key is not None:
                 self._index[key] = len(self.records)
             self.records.append(record)
-        elif self.records[position].module != name:
+        elif self.records[position].module != saver[0]:
             self.records[position].shared = True
         return tensor
+
+
+def _encloses(outer: str, inner: str) -> bool:
+    """Whether the module named ``outer`` is ``inner`` or contains it (``""`` is the model)."""
+    return outer == inner or outer == "" or inner.startswith(outer + ".")
+
+
+def _tensors(value: object) -> list[Tensor]:
+    """Tensors in a module's output: a tensor, or inside tuples, lists and dicts (model outputs)."""
+    if isinstance(value, Tensor):
+        return [value]
+    if isinstance(value, dict):
+        value = list(value.values())
+    if isinstance(value, list | tuple):
+        return [t for item in value for t in _tensors(item)]
+    return []
 
 
 def _storage_key(tensor: Tensor) -> object | None:

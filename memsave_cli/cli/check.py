@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from enum import Enum
 from pathlib import Path
 from typing import Annotated
 
@@ -12,7 +13,7 @@ from memsave_cli.cli._console import stdout_console
 from memsave_cli.cli._errors import reported_errors
 from memsave_cli.cli._help import DEBUG_HELP, examples
 from memsave_cli.errors import ReportError
-from memsave_cli.render.check import regression_table, summary_line
+from memsave_cli.render.check import check_markdown, regression_table, summary_line
 from memsave_cli.report import Report
 
 FAILED_CHECK_EXIT = 1
@@ -21,7 +22,13 @@ EPILOG = examples(
     "memsave profile torchvision:resnet18 --device meta --json report.json",
     "memsave check report.json --baseline baseline.json --update   # write the baseline",
     "memsave check report.json --baseline baseline.json --tolerance 0.02",
+    'memsave check report.json -b baseline.json --format markdown >> "$GITHUB_STEP_SUMMARY"',
 )
+
+
+class Format(str, Enum):
+    text = "text"
+    markdown = "markdown"
 
 
 def check(
@@ -42,6 +49,12 @@ def check(
     update: Annotated[
         bool, typer.Option("--update", help="Write REPORT as the new baseline instead of checking.")
     ] = False,
+    output_format: Annotated[
+        Format,
+        typer.Option(
+            "--format", help="text: tables for a terminal; markdown: a table for a pull request."
+        ),
+    ] = Format.text,
     debug: Annotated[bool, typer.Option("--debug", help=DEBUG_HELP)] = False,
 ) -> None:
     """Compare every (case, impl) peak and saved bytes of REPORT with BASELINE.
@@ -61,7 +74,13 @@ def check(
                 f"baseline {baseline} does not exist: create it with "
                 f"`memsave check {report} --baseline {baseline} --update`"
             )
-        comparison = compare(current, Report.load(baseline), tolerance=tolerance)
+        previous = Report.load(baseline)
+        comparison = compare(current, previous, tolerance=tolerance)
+    if output_format is Format.markdown:
+        typer.echo(check_markdown(current, previous, comparison, tolerance), nl=False)
+        if not comparison.passed:
+            raise typer.Exit(FAILED_CHECK_EXIT)
+        return
     if comparison.improvements:
         console.print(
             regression_table(comparison.improvements, title="Improved beyond the tolerance")

@@ -84,6 +84,12 @@ def profile(
     attention: AttentionOpt = Attention.auto,
     top: Annotated[int, typer.Option(min=0, help="Layers shown per case (0: none).")] = 5,
     repeat: Annotated[int, typer.Option(min=1, help="Timed repeats (cpu/cuda).")] = 3,
+    threads: Annotated[
+        int | None,
+        typer.Option(
+            min=1, help="CPU threads of timed steps (1 steadies times on a busy machine)."
+        ),
+    ] = None,
     timeout: Annotated[float, typer.Option(min=1, help="Seconds per isolated run.")] = 600.0,
     workers: Annotated[
         int | None, typer.Option(min=1, help="Runs at once (default: cores on meta, else 1).")
@@ -132,6 +138,7 @@ def profile(
                 timeout=timeout,
                 model_kwargs=kwarg or (),
                 workers=workers,
+                threads=threads,
                 on_run=lambda run: bar.advance(f"{run.case}/{run.impl}: {run.status.value}"),
                 on_plan=bar.set_total,
                 inputs=inputs.value,

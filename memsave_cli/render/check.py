@@ -1,11 +1,12 @@
-"""Rich rendering of a baseline comparison: the regressions table and a one-line summary."""
+"""Rendering of a baseline comparison: the regressions table, a one-line summary, Markdown."""
 
 from __future__ import annotations
 
 from rich.table import Table
 
-from memsave_cli.baseline import Comparison, Regression
+from memsave_cli.baseline import METRICS, Comparison, Regression
 from memsave_cli.render.units import format_bytes
+from memsave_cli.report import Report, Run
 
 _METRIC_LABEL = {
     "forward_peak_bytes": "forward peak",
@@ -46,3 +47,48 @@ def summary_line(comparison: Comparison, tolerance: float) -> str:
         )
     count = len(comparison.regressions)
     return f"FAILED: {count} regression{'s' if count != 1 else ''} beyond {tolerance:.0%} of the baseline"
+
+
+def check_markdown(
+    report: Report, baseline: Report, comparison: Comparison, tolerance: float
+) -> str:
+    """The check as Markdown for a pull-request comment or a job summary: the verdict, then
+    every compared value of every run, baseline -> now, regressions in bold."""
+    flagged = {(r.case, r.impl, r.metric): r for r in comparison.regressions}
+    gone = {(r.case, r.impl): r for r in comparison.regressions if r.metric == "run"}
+    lines = [
+        f"### memsave check: {report.model} ({report.device}, {report.dtype}, "
+        f"batch size {report.batch_size or 'default'})",
+        "",
+        ("**" + summary_line(comparison, tolerance) + "**")
+        if not comparison.passed
+        else summary_line(comparison, tolerance),
+        "",
+        "| case | impl | " + " | ".join(_METRIC_LABEL[m] for m in METRICS) + " |",
+        "|---|---|" + "---:|" * len(METRICS),
+    ]
+    for old in baseline.runs:
+        if not old.ok:
+            continue
+        if (old.case, old.impl) in gone:
+            reason = gone[old.case, old.impl].reason.replace("|", "/")
+            lines.append(f"| {old.case} | {old.impl} | **{reason}** |" + " |" * (len(METRICS) - 1))
+            continue
+        new = report.run(old.case, old.impl)
+        cells = [_md_cell(old, new, m, (old.case, old.impl, m) in flagged) for m in METRICS]
+        lines.append(f"| {old.case} | {old.impl} | " + " | ".join(cells) + " |")
+    if comparison.unmatched:
+        lines += ["", f"Not in the baseline (not checked): {', '.join(comparison.unmatched)}"]
+    if comparison.improvements:
+        lines += ["", "Some values shrank beyond the tolerance: consider `memsave check --update`."]
+    return "\n".join(lines) + "\n"
+
+
+def _md_cell(old: Run, new: Run | None, metric: str, regressed: bool) -> str:
+    before = getattr(old, metric)
+    after = getattr(new, metric) if new is not None else None
+    if before is None or after is None:
+        return "-"
+    change = f" ({after / before - 1:+.1%})" if before else ""
+    text = f"{format_bytes(before)} → {format_bytes(after)}{change}"
+    return f"**{text}**" if regressed else text

@@ -40,18 +40,29 @@ def comparison_table(report: Report) -> RenderableType:
     table.add_column("Case", no_wrap=True)
     for case in cases:
         table.add_column(case, justify="right", no_wrap=True)
+    paired = summary.paired_rounds(report) > 0
     for metric, heading in SECTIONS:
         if not summary.has_metric(report, metric):
             continue
         if table.row_count:
             table.add_section()
-        cells = summary.comparison(report, metric)
+        timed = metric == "time_s"
+        cells = summary.time_cells(report) if timed else summary.comparison(report, metric)
         unit, scale = _section_unit(cells.values(), metric)
         table.add_row(Text(f"{heading} [{unit}]", style="bold"), *("" for _ in cases))
         for impl in summary.impls_of(report):
             values = [_cell_text(cells.get((impl, case)), metric, scale) for case in cases]
             table.add_row(summary.IMPL_LABELS.get(impl, impl), *values)
-    return titled(f"{report.model}: memory and time, ratio to {against}", table, _CAPTION)
+    measured = "memory and time" if summary.has_metric(report, "time_s") else "memory"
+    caption = _CAPTION + (_PAIRED_CAPTION if paired else "")
+    return titled(f"{report.model}: {measured}, ratio to {against}", table, caption)
+
+
+_PAIRED_CAPTION = (
+    " Time: median of rounds alternating the implementations; its ratio is the median of "
+    "per-round ratios to PyTorch in the same case, ± half their interquartile range; ? marks a "
+    "ratio whose spread exceeds its difference from 1."
+)
 
 
 def layer_table(report: Report, cases: list[str], top: int) -> RenderableType | None:
@@ -82,7 +93,7 @@ def layer_table(report: Report, cases: list[str], top: int) -> RenderableType | 
         )
     footnote = None
     if any(row.shared for row in rows):
-        footnote = "* also saves a storage another layer saves (counted once, here)"
+        footnote = "* output also kept by another layer (counted once, at the layer producing it)"
     return titled(title, table, footnote)
 
 
@@ -188,7 +199,10 @@ def _cell_text(cell: summary.Cell | None, metric: str, scale: int) -> str:
     if cell.value is None:
         return "-"
     shown = f"{cell.value:.3f}" if metric == "time_s" else format_in(int(cell.value), scale)
-    return f"{shown} ({format_ratio(cell.ratio)})"
+    if cell.spread is None or cell.ratio is None:
+        return f"{shown} ({format_ratio(cell.ratio)})"
+    flag = "" if cell.resolved else "?"
+    return f"{shown} ({format_ratio(cell.ratio)} ±{cell.spread / 2:.2f}{flag})"
 
 
 def _spaced(parts: list[RenderableType]) -> list[RenderableType]:

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from memsave_cli.render.units import format_bytes, format_change, ratio
 from memsave_cli.report import Report, Run
+from memsave_cli.timing import median_iqr, resolved, round_ratios
 
 #: Row labels as the paper prints them; unknown impls show under their own name.
 IMPL_LABELS = {"stock": "PyTorch", "memsave-conv": "+ memsave (conv only)", "memsave": "+ memsave"}
@@ -21,6 +22,12 @@ class Cell:
     value: float | None
     ratio: float | None
     failure: str | None = None  # the run's status when it did not finish
+    spread: float | None = None  # interquartile range of per-round ratios (paired times)
+
+    @property
+    def resolved(self) -> bool:
+        """Whether the ratio differs from 1 by more than its spread (always, without one)."""
+        return self.spread is None or self.ratio is None or resolved(self.ratio, self.spread)
 
 
 @dataclass(frozen=True)
@@ -72,6 +79,27 @@ def comparison(report: Report, metric: str) -> dict[tuple[str, str], Cell]:
         failure = None if run.ok else run.status.value
         cells[run.impl, run.case] = Cell(value, ratio(value, base_value), failure)
     return cells
+
+
+def time_cells(report: Report) -> dict[tuple[str, str], Cell]:
+    """Median seconds per (impl, case). Times taken side by side (NOTE [paired timing]) compare
+    with stock in the same case: the median of per-round ratios, with their IQR."""
+    cells = comparison(report, "time_s")
+    for run in report.runs:
+        base = report.run(run.case, "stock")
+        if not (run.ok and run.times_s and base is not None and base.ok):
+            continue
+        if len(run.times_s) != len(base.times_s):
+            continue
+        ratios = round_ratios(base.times_s, run.times_s)
+        middle, spread = median_iqr(ratios)
+        cells[run.impl, run.case] = Cell(run.time_s, middle, None, None if run is base else spread)
+    return cells
+
+
+def paired_rounds(report: Report) -> int:
+    """Rounds of side-by-side timing behind the times (0 when they were timed apart)."""
+    return max((len(run.times_s) for run in report.runs if run.ok), default=0)
 
 
 def has_metric(report: Report, metric: str) -> bool:
@@ -138,6 +166,12 @@ def provenance(report: Report) -> str:
             "(a GPU adds its CUDA context)."
         )
     if report.device == "cpu":
+        rounds = paired_rounds(report)
+        if rounds:
+            return (
+                "Measured on cpu: tensor accounting on real data; times are medians of "
+                f"{rounds} rounds alternating the implementations in one process per case."
+            )
         return "Measured on cpu: tensor accounting on real data; times are wall-clock medians."
     if report.device.startswith("cuda"):
         return "Measured on cuda: torch.cuda.max_memory_allocated; times from CUDA events."

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import replace
 
 import pytest
@@ -156,3 +157,58 @@ def test_debug_shows_traceback(runner, tmp_path):
     result = runner.invoke(app, ["--debug", "check", missing, "--baseline", missing])
     assert result.exit_code == 2
     assert "Traceback" in result.output and "cannot read report" in result.output
+
+
+def test_markdown_lists_every_value_and_bolds_regressions(runner, paper_report, write_report):
+    baseline = write_report(paper_report, "baseline.json")
+    report = write_report(_grow(paper_report, "input", "memsave", 1.10))
+    args = ["check", str(report), "--baseline", str(baseline), "--format", "markdown"]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 1, result.output
+    lines = result.stdout.splitlines()
+    assert lines[0] == "### memsave check: torchvision:resnet18 (meta, float32, batch size 8)"
+    assert lines[2] == "**FAILED: 3 regressions beyond 5% of the baseline**"
+    assert lines[4] == "| case | impl | forward peak | peak | saved |"
+    rows = [line for line in lines if line.startswith("| ") and "impl" not in line]
+    assert len(rows) == len(paper_report.runs)
+    (grown,) = [row for row in rows if row.startswith("| input | memsave |")]
+    assert grown.count("**") == 6 and grown.count("(+10.0%)") == 3
+    assert all("**" not in row for row in rows if row != grown)
+
+
+def test_markdown_of_a_passing_check(runner, paper_report, write_report):
+    path = write_report(paper_report)
+    args = ["check", str(path), "--baseline", str(path), "--format", "markdown"]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.output
+    assert "ok: 24 values within 5% of the baseline, no regression" in result.stdout
+    assert "| all | stock | 800 MiB → 800 MiB (+0.0%) |" in result.stdout
+
+
+def test_markdown_names_a_failed_run(runner, paper_report, write_report):
+    baseline = write_report(paper_report, "baseline.json")
+    runs = tuple(
+        replace(r, status=Status.OOM, error="out of memory") if r.case == "norm" else r
+        for r in paper_report.runs
+    )
+    report = write_report(paper_report.with_runs(runs))
+    args = ["check", str(report), "--baseline", str(baseline), "--format", "markdown"]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 1, result.output
+    assert "| norm | stock | **oom: out of memory** |" in result.stdout
+
+
+def test_written_reports_are_readable_by_others(runner, paper_report, write_report, tmp_path):
+    """CI uploads reports as another user: they get 0644 under the usual umask, not 0600."""
+    baseline = tmp_path / "written" / "baseline.json"
+    path = write_report(paper_report)
+    old = os.umask(0o022)
+    try:
+        args = ["check", str(path), "-b", str(baseline), "--update"]
+        assert runner.invoke(app, args).exit_code == 0
+        assert baseline.stat().st_mode & 0o777 == 0o644
+        os.umask(0o077)  # and a stricter umask is respected
+        assert runner.invoke(app, args).exit_code == 0
+        assert baseline.stat().st_mode & 0o777 == 0o600
+    finally:
+        os.umask(old)

@@ -45,6 +45,8 @@ def test_options_reach_the_core(runner, fake_profile):
         "5",
         "--timeout",
         "30",
+        "--threads",
+        "1",
         "--kwarg",
         "num_classes=10",
     ]
@@ -60,6 +62,7 @@ def test_options_reach_the_core(runner, fake_profile):
     assert kwargs["device"] == "cpu" and kwargs["dtype"] == "bfloat16" and kwargs["bn_eval"]
     assert kwargs["batch_size"] == 8 and kwargs["input_shape"] == (3, 32, 32)
     assert kwargs["optimizer"] == "adamw" and kwargs["repeat"] == 5 and kwargs["timeout"] == 30
+    assert kwargs["threads"] == 1
     assert kwargs["model_kwargs"] == ["num_classes=10"]
 
 

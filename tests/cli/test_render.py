@@ -55,6 +55,7 @@ def test_profile_view_rows_like_the_paper(paper_report):
         "(0.88)",
     ]
     assert not any(line.strip().startswith("Time") for line in lines)  # not measured on meta
+    assert lines[0] == "torchvision:resnet18: memory, ratio to PyTorch 'all'"  # not "and time"
 
 
 def test_verdicts(paper_report):

@@ -1,0 +1,84 @@
+"""Checks of a whole measurement plan on the meta device, before any worker process starts.
+
+A glob that selects no parameter, or a model whose forward needs inputs memsave would not give
+it, fails every run the same way; found here, it is one line in a second instead of a table of
+identical failures after the workers have started. The model is built once on meta (no memory,
+no data); a check that meta cannot answer is left to the workers.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from memsave_cli.cases import Case, trainable_names
+from memsave_cli.errors import SpecError
+from memsave_cli.inputs import Example, make_example
+from memsave_cli.specs import ModelSpec, build_model
+
+
+def check_plan(
+    spec: ModelSpec,
+    cases: Sequence[Case],
+    *,
+    batch_size: int | None = None,
+    input_shape: Sequence[int] | None = None,
+) -> None:
+    """Raise CaseError or SpecError for what would fail every run of ``spec`` alike."""
+    with torch.device("meta"):
+        model = build_model(spec)
+    for case in cases:
+        trainable_names(model, case)  # raises CaseError: a glob or preset that selects nothing
+    try:
+        with torch.device("meta"):
+            example = make_example(
+                model,
+                spec,
+                batch_size=batch_size,
+                input_shape=input_shape,
+                dtype=torch.float32,
+                device="meta",
+            )
+    except Exception:
+        return  # inputs that only real data can make: the worker says what went wrong
+    check_inputs(model, spec, example)
+
+
+def check_inputs(model: nn.Module, spec: ModelSpec, example: Example) -> None:
+    """Raise SpecError when ``model``'s forward cannot take the inputs made for it."""
+    try:
+        signature = inspect.signature(model.forward)
+    except (TypeError, ValueError):
+        return
+    try:
+        signature.bind(*example.args, **example.kwargs)
+    except TypeError as error:
+        raise SpecError(_inputs_message(model, spec, example, error)) from None
+
+
+def _inputs_message(model: nn.Module, spec: ModelSpec, example: Example, error: TypeError) -> str:
+    given = ", ".join(_describe(t) for t in (*example.args, *example.kwargs.values()))
+    problem = f"{type(model).__name__}.forward() {_reason(error)}; memsave made {given}"
+    if spec.kind in ("module", "file") and spec.attr:
+        return (
+            f"{spec.text}: {problem}. Define {spec.attr}_inputs(batch_size) beside {spec.attr}, "
+            "returning the inputs as a tuple (or a dict of keyword arguments)"
+        )
+    return (
+        f"{spec.text}: {problem}. Wrap the model in a function in a .py file and define "
+        "<function>_inputs(batch_size) beside it, returning the inputs as a tuple"
+    )
+
+
+def _reason(error: TypeError) -> str:
+    """``missing a required argument: 'y'`` as Python words it for ``bind``."""
+    return str(error).strip() or "does not take these inputs"
+
+
+def _describe(value: object) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"one input of shape {tuple(value.shape)}"
+    return type(value).__name__

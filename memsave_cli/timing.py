@@ -1,0 +1,138 @@
+"""Side-by-side timing: stock and memsave steps alternate in one process, ratios taken per round.
+
+NOTE [paired timing]: on a shared CPU, the speed of a step drifts with whatever else runs; two
+separate processes timed one after the other see different machines, and their ratio swings by
+10% between repeats. Alternating the implementations step by step in one worker, the order
+reversed every other round, and taking the median of per-round ratios cancels drift slower than
+a round. The interquartile range (IQR) of the per-round ratios says how far to trust the median:
+a ratio whose IQR exceeds its distance from 1 does not resolve a difference.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
+from functools import partial
+
+import torch
+
+from memsave_cli.measure import Job, Prepared, clear_grads, prepare, train_step
+from memsave_cli.report import Run
+
+#: Rounds run first and discarded (allocator, lazy initialisation, caches).
+WARMUP_ROUNDS = 2
+
+
+def alternate(
+    steps: Mapping[str, Callable[[], float]], rounds: int, warmup: int = WARMUP_ROUNDS
+) -> dict[str, list[float]]:
+    """Seconds of each step per round, in the order of ``steps``, reversed every other round.
+
+    Each step runs once per round and returns its own elapsed seconds; the first ``warmup``
+    rounds are discarded.
+    """
+    times: dict[str, list[float]] = {label: [] for label in steps}
+    order = list(steps.items())
+    for index in range(rounds + warmup):
+        for label, step in order if index % 2 else order[::-1]:
+            elapsed = step()
+            if index >= warmup:
+                times[label].append(elapsed)
+    return times
+
+
+def round_ratios(base_times: Sequence[float], times: Sequence[float]) -> list[float]:
+    """``times / base_times`` of each round."""
+    return [t / b for t, b in zip(times, base_times, strict=True)]
+
+
+def median_iqr(values: Sequence[float]) -> tuple[float, float]:
+    """Median and interquartile range (0 for fewer than two values)."""
+    if len(values) < 2:
+        return statistics.median(values), 0.0
+    first, _, third = statistics.quantiles(values, n=4, method="inclusive")
+    return statistics.median(values), third - first
+
+
+def resolved(ratio: float, iqr: float) -> bool:
+    """Whether a ratio's spread is smaller than its difference from 1 (see NOTE)."""
+    return iqr < abs(ratio - 1)
+
+
+def time_case(job: Job, impls: Sequence[str], threads: int | None = None) -> tuple[Run, ...]:
+    """Worker target: ``job.repeat`` alternated rounds of every implementation of ``job.case``,
+    on ``threads`` intra-op threads (torch's default for None).
+
+    Returns one Run per implementation carrying only its per-round seconds and their median.
+    """
+    if threads is not None:
+        torch.set_num_threads(threads)
+    prepared = {impl: prepare(replace(job, impl=impl)) for impl in impls}
+    times = alternate({impl: _timed(p) for impl, p in prepared.items()}, job.repeat)
+    return tuple(
+        Run(job.case.label, impl, time_s=statistics.median(t), times_s=tuple(t))
+        for impl, t in times.items()
+    )
+
+
+def _timed(prepared: Prepared) -> Callable[[], float]:
+    """One training step, its gradients freed first as in a training loop; returns seconds."""
+
+    def step() -> float:
+        clear_grads(prepared)
+        start = time.perf_counter()
+        train_step(prepared)
+        return time.perf_counter() - start
+
+    return step
+
+
+def time_runs(
+    jobs: Sequence[Job],
+    runs: Sequence[Run],
+    *,
+    timeout: float,
+    threads: int | None = None,
+    on_done: Callable[[Run], None] | None = None,
+) -> tuple[list[Run], list[str]]:
+    """Time every case of ``jobs`` that measured, one worker per case alternating its
+    implementations (``job.repeat`` rounds); ``runs`` with their times, and notes on failures."""
+    from memsave_cli.measure import build_native
+    from memsave_cli.runner import run_jobs
+
+    impls = tuple(dict.fromkeys(job.impl for job in jobs))
+    measured = {(run.case, run.impl) for run in runs if run.ok}
+    cases = {job.case.label: job for job in jobs if (job.case.label, job.impl) in measured}
+    build_native(jobs)
+    results = run_jobs(
+        list(cases.values()),
+        timeout=timeout,
+        workers=1,
+        target=partial(time_case, impls=impls, threads=threads),
+        on_done=None if on_done is None else lambda job, result: on_done(_first(result)),
+    )
+    timed = [run for result in results if isinstance(result, tuple) for run in result]
+    notes = [
+        f"no times for case {result.case}: {result.status.value} ({result.error})"
+        for result in results
+        if isinstance(result, Run)
+    ]
+    return with_times(runs, timed), notes
+
+
+def _first(result: Run | tuple[Run, ...]) -> Run:
+    return result[0] if isinstance(result, tuple) else result
+
+
+def with_times(runs: Sequence[Run], timed: Sequence[Run]) -> list[Run]:
+    """``runs`` with the seconds of the matching (case, impl) run of ``timed``."""
+    found = {(t.case, t.impl): t for t in timed}
+    merged = []
+    for run in runs:
+        times = found.get((run.case, run.impl))
+        if run.ok and times is not None:
+            run = replace(run, time_s=times.time_s, times_s=times.times_s)
+        merged.append(run)
+    return merged

@@ -1,0 +1,80 @@
+"""Bad input that would fail every run alike is one line and exit 2 before any worker starts."""
+
+from __future__ import annotations
+
+import pytest
+
+import memsave_cli.api
+from memsave_cli.cli import app
+
+TWO_INPUTS = """
+import torch
+from torch import nn
+
+
+class Two(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 3), nn.Linear(5, 3)
+
+    def forward(self, x, y):
+        return self.a(x) + self.b(y)
+
+
+def build():
+    return Two()
+
+
+def paired():
+    return Two()
+
+
+def paired_inputs(batch_size):
+    return torch.randn(batch_size, 4), torch.randn(batch_size, 5)
+"""
+
+
+@pytest.fixture
+def no_workers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Starting a worker fails the test: every error here must come before."""
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a worker was started")
+
+    monkeypatch.setattr(memsave_cli.api, "run_jobs", refuse)
+
+
+def one_error_line(result) -> str:
+    assert result.exit_code == 2, result.output
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.output
+    return lines[0]
+
+
+def test_glob_selecting_nothing_is_one_line(runner, no_workers):
+    args = ["profile", "torchvision:resnet18", "--device", "meta", "--trainable", "zzz.*"]
+    line = one_error_line(runner.invoke(app, args))
+    assert "pattern 'zzz.*' selects no parameter; names look like conv1.weight" in line
+
+
+def test_one_bad_glob_among_good_ones(runner, no_workers):
+    args = ["profile", "torchvision:resnet18", "--device", "meta"]
+    line = one_error_line(runner.invoke(app, [*args, "--trainable", "fc.*", "--trainable", "x*"]))
+    assert "pattern 'x*' selects no parameter" in line
+
+
+def test_two_input_model_names_the_inputs_companion(runner, no_workers, tmp_path):
+    path = tmp_path / "two.py"
+    path.write_text(TWO_INPUTS)
+    line = one_error_line(runner.invoke(app, ["profile", f"{path}:build", "--device", "meta"]))
+    assert "Two.forward() missing a required argument: 'y'" in line
+    assert "memsave made one input of shape (64, 4)" in line
+    assert "Define build_inputs(batch_size) beside build" in line
+
+
+def test_two_input_model_with_its_companion_runs(runner, tmp_path):
+    path = tmp_path / "two.py"
+    path.write_text(TWO_INPUTS)
+    args = ["profile", f"{path}:paired", "--device", "meta", "--case", "all", "--batch-size", "2"]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.output

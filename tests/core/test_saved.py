@@ -1,0 +1,81 @@
+"""Saved storages are attributed to the layer that produced them, so that stock and memsave rows
+compare like with like (NOTE [counting saved tensors] in memsave_cli/saved.py)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from memsave_cli.layers.convert import convert
+from memsave_cli.measure import layer_rows
+from memsave_cli.saved import SavedTensorRecorder
+
+
+class Block(nn.Module):
+    """conv -> bn -> in-place ReLU, returned by the block itself."""
+
+    def __init__(self, channels: int) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(channels, channels, 3, padding=1)
+        self.bn = nn.BatchNorm2d(channels)
+        self.relu = nn.ReLU(inplace=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.relu(self.bn(self.conv(x)))
+
+
+def network() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(Block(4), Block(4), nn.Conv2d(4, 2, 1))
+
+
+def rows(model: nn.Module, trainable: str = "") -> dict[str, int]:
+    """Saved bytes per layer in one step; parameters whose name starts with ``trainable`` train
+    (all for ``""``), and the input is differentiable."""
+    for name, param in model.named_parameters():
+        param.requires_grad_(name.startswith(trainable))
+    x = torch.randn(2, 4, 8, 8, device="meta", requires_grad=True)
+    with SavedTensorRecorder(model) as recorder:
+        model(x).sum().backward()
+    return {row.name: row.saved_bytes for row in layer_rows(recorder)}
+
+
+def test_block_output_belongs_to_its_in_place_relu_not_to_the_next_conv() -> None:
+    with torch.device("meta"):
+        model = network()
+    saved = rows(model)
+    activation = 2 * 4 * 8 * 8 * 4
+    # the first block's output (its ReLU's) is kept by that ReLU and by the next conv: ReLU's row
+    assert saved["0.relu"] == activation
+    # the next conv's row holds only its own output (which its BatchNorm keeps), not its input
+    assert saved["1.conv"] == activation
+    # the model's input, which no layer produced, belongs to the conv that saves it
+    assert saved["0.conv"] == 2 * activation
+
+
+def test_a_conv_keeping_the_same_input_reads_the_same() -> None:
+    """Only the last conv trains: it keeps its input, the second block's output, under both
+    implementations. Stock's ReLU keeps that storage too, memsave's a 1-bit mask besides; the
+    storage stays on the ReLU's row, so the conv's row does not change, and the one row that
+    grows is the ReLU's, by the mask it keeps itself."""
+    with torch.device("meta"):
+        stock = rows(network(), trainable="2.")
+        memsave = rows(convert(network()), trainable="2.")
+    activation = 2 * 4 * 8 * 8 * 4
+    assert stock.get("2", 0) == memsave.get("2", 0) == 0
+    assert stock["1.relu"] == activation  # kept by the ReLU and the conv
+    assert memsave["1.relu"] == activation + activation // 32  # kept by the conv; the mask
+    for name in set(stock) | set(memsave):
+        if name != "1.relu":
+            assert memsave.get(name, 0) <= stock.get(name, 0), (name, stock, memsave)
+
+
+def test_shared_when_two_layers_keep_one_storage() -> None:
+    with torch.device("meta"):
+        model = network()
+    model.requires_grad_(True)
+    x = torch.randn(2, 4, 8, 8, device="meta")
+    with SavedTensorRecorder(model) as recorder:
+        model(x)
+    shared = {row.name for row in layer_rows(recorder) if row.shared}
+    assert "0.relu" in shared  # ReLU keeps its output, the next conv its input: one storage

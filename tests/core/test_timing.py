@@ -1,0 +1,105 @@
+"""Paired timing: implementations alternate in one worker; ratios are medians of per-round ratios
+with their interquartile range (NOTE [paired timing] in memsave_cli/timing.py)."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+from rich.console import Console
+
+from memsave_cli.api import profile
+from memsave_cli.render import summary
+from memsave_cli.render.profile import print_profile
+from memsave_cli.report import Report, Run
+from memsave_cli.timing import alternate, median_iqr, resolved, round_ratios
+
+
+def test_alternate_reverses_the_order_every_other_round_and_drops_warmup() -> None:
+    calls: list[str] = []
+
+    def step(label: str):
+        def run() -> float:
+            calls.append(label)
+            return float(len(calls))
+
+        return run
+
+    times = alternate({"a": step("a"), "b": step("b")}, rounds=3, warmup=1)
+    assert calls == ["b", "a", "a", "b", "b", "a", "a", "b"]
+    assert times == {"a": [3.0, 6.0, 7.0], "b": [4.0, 5.0, 8.0]}
+
+
+def test_median_and_interquartile_range() -> None:
+    assert median_iqr([1.0, 2.0, 3.0, 4.0, 5.0]) == (3.0, 2.0)
+    assert median_iqr([1.1]) == (1.1, 0.0)
+    assert round_ratios([2.0, 4.0], [3.0, 2.0]) == [1.5, 0.5]
+    assert resolved(1.10, 0.05) and not resolved(1.03, 0.05)
+
+
+def _report(stock: tuple[float, ...], memsave: tuple[float, ...]) -> Report:
+    def run(impl: str, times: tuple[float, ...]) -> Run:
+        middle = sorted(times)[len(times) // 2]
+        return Run(
+            "input",
+            impl,
+            forward_peak_bytes=1,
+            peak_bytes=1,
+            saved_bytes=1,
+            time_s=middle,
+            times_s=times,
+        )
+
+    runs = (run("stock", stock), run("memsave", memsave))
+    return Report("m:build", "cpu", "float32", 4, False, runs=runs)
+
+
+def _render(report: Report) -> str:
+    console = Console(width=160, record=True, file=io.StringIO(), color_system=None)
+    print_profile(console, report, top=0)
+    return console.export_text()
+
+
+def test_ratio_is_the_median_of_per_round_ratios_not_of_medians() -> None:
+    """Drift: both slow down together in the last rounds; per-round ratios stay at 1.2."""
+    report = _report((1.0, 1.0, 2.0, 2.0, 2.0), (1.2, 1.2, 2.4, 2.4, 2.4))
+    cell = summary.time_cells(report)["memsave", "input"]
+    assert cell.ratio == pytest.approx(1.2) and cell.spread == pytest.approx(0.0)
+    assert "2.400 (1.20 ±0.00)" in _render(report)
+    assert "5 rounds alternating" in _render(report)
+
+
+def test_a_ratio_within_its_spread_is_flagged() -> None:
+    report = _report((1.0, 1.0, 1.0, 1.0), (0.9, 1.1, 1.0, 1.2))
+    cell = summary.time_cells(report)["memsave", "input"]
+    assert cell.ratio == pytest.approx(1.05) and cell.spread == pytest.approx(0.15)
+    assert not cell.resolved and "(1.05 ±0.08?)" in _render(report)
+
+
+def test_profile_on_cpu_times_both_implementations_in_one_worker(tiny_cnn_spec: str) -> None:
+    report = profile(
+        tiny_cnn_spec,
+        cases=("input", "all"),
+        device="cpu",
+        batch_size=2,
+        repeat=3,
+        workers=1,
+        input_shape=(3, 16, 16),
+        threads=1,
+    )
+    assert all(run.ok for run in report.runs), report.runs
+    for run in report.runs:
+        assert len(run.times_s) == 3 and run.time_s == sorted(run.times_s)[1]
+    cell = summary.time_cells(report)["memsave", "all"]
+    assert cell.ratio is not None and cell.spread is not None
+
+
+@pytest.fixture
+def tiny_cnn_spec(tmp_path) -> str:
+    path = tmp_path / "cnn.py"
+    path.write_text(
+        "from torch import nn\n\n\ndef cnn():\n"
+        "    return nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(),"
+        " nn.Flatten(), nn.Linear(4 * 14 * 14, 2))\n"
+    )
+    return f"{path}:cnn"

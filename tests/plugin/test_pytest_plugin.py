@@ -1,0 +1,160 @@
+"""The ``memsave`` pytest fixture, exercised as a user's test suite would use it (pytester)."""
+
+from __future__ import annotations
+
+import sys
+from importlib import metadata
+from pathlib import Path
+
+import pytest
+
+pytest_plugins = ["pytester"]
+
+PLUGIN = "memsave_cli.pytest_plugin"
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def measured_once() -> None:
+    """Measure a small model here first. Runs in this process (``runpytest_inprocess``) unload
+    every module imported during them; torch registers operator libraries once per process, so
+    its modules that the first measurement imports must outlive the first inner run."""
+    from memsave_cli.pytest_plugin import MemsaveFixture
+
+    MemsaveFixture().measure("torchvision:resnet18", batch_size=1)
+
+
+def plugin_args() -> list[str]:
+    """``-p memsave_cli.pytest_plugin`` unless the installed entry point already loads it (loading
+    a plugin twice is an error)."""
+    installed = {ep.value for ep in metadata.entry_points(group="pytest11")}
+    return [] if PLUGIN in installed else ["-p", PLUGIN]
+
+
+def run_suite(pytester: pytest.Pytester, source: str) -> pytest.RunResult:
+    pytester.makepyfile(test_user=source)
+    return pytester.runpytest_inprocess(*plugin_args(), "-p", "no:cacheprovider", "-n", "0")
+
+
+def test_budget_that_fits_passes_and_one_that_does_not_fails_readably(
+    pytester: pytest.Pytester,
+) -> None:
+    result = run_suite(
+        pytester,
+        """
+        def test_fits(memsave):
+            memsave.assert_fits("torchvision:resnet18", budget="300MiB", case="input", batch_size=16)
+
+        def test_too_small(memsave):
+            memsave.assert_fits("torchvision:resnet18", budget="200MiB", case="input", batch_size=16)
+        """,
+    )
+    result.assert_outcomes(passed=1, failed=1)
+    result.stdout.fnmatch_lines(
+        [
+            "E *AssertionError: torchvision:resnet18 needs 221 MiB at its step peak, "
+            "over the budget of 200 MiB by 20.8 MiB",
+            "E *(case input, batch size 16, memsave layers, estimated on meta)",
+            "E *layers keeping the most for backward:",
+            "E *  conv1 (Conv2d): 49.0 MiB",
+        ]
+    )
+    # the failure points at the user's line, not into the plugin
+    assert "pytest_plugin.py" not in result.stdout.str()
+
+
+def test_stock_layers_do_not_fit_where_memsave_layers_do(pytester: pytest.Pytester) -> None:
+    result = run_suite(
+        pytester,
+        """
+        def test_stock(memsave):
+            memsave.assert_fits(
+                "torchvision:resnet18", budget="300MiB", case="input", batch_size=16, impl="stock"
+            )
+        """,
+    )
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["E *AssertionError: torchvision:resnet18 needs 386 MiB *"])
+
+
+def test_assert_saves(pytester: pytest.Pytester) -> None:
+    result = run_suite(
+        pytester,
+        """
+        def test_saves_enough(memsave):
+            stock, memsave_run = memsave.assert_saves(
+                "torchvision:resnet18", at_least=0.4, case="input", batch_size=16
+            )
+            assert memsave_run.peak_bytes < stock.peak_bytes
+
+        def test_saves_too_little(memsave):
+            memsave.assert_saves("torchvision:resnet18", at_least=0.5, case="input", batch_size=16)
+        """,
+    )
+    result.assert_outcomes(passed=1, failed=1)
+    result.stdout.fnmatch_lines(
+        [
+            "E *AssertionError: memsave saves 42.8% of the step peak of torchvision:resnet18, "
+            "expected at least 50% (step peak 386 -> 221 MiB)",
+            "E *layers memsave changes most (saved for backward, PyTorch -> memsave):",
+            "E *  relu (ReLU): 49.0 MiB -> 1.53 MiB",
+        ]
+    )
+
+
+def test_module_objects_and_builders(pytester: pytest.Pytester) -> None:
+    """A model object is measured on a meta copy (it stays on cpu); a top-level builder is a spec,
+    so its ``<builder>_inputs`` companion gives the inputs."""
+    result = run_suite(
+        pytester,
+        """
+        import torch
+        from torch import nn
+
+        class Two(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.a, self.b = nn.Linear(64, 64), nn.Linear(32, 64)
+
+            def forward(self, x, y):
+                return torch.relu(self.a(x) + self.b(y))
+
+        def build():
+            return Two()
+
+        def build_inputs(batch_size):
+            return torch.randn(batch_size, 64), torch.randn(batch_size, 32)
+
+        def test_object(memsave):
+            net = nn.Sequential(nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 10))
+            run = memsave.assert_fits(net, budget="1MiB", batch_size=128)
+            assert net[0].weight.device.type == "cpu"
+            assert run.peak_bytes > 128 * 256 * 4
+
+        def test_builder(memsave):
+            memsave.assert_fits(build, budget="2KiB", batch_size=8)
+        """,
+    )
+    result.assert_outcomes(passed=1, failed=1)
+    result.stdout.fnmatch_lines(["E *AssertionError: build needs * KiB at its step peak, *"])
+
+
+def test_bad_settings_are_errors_not_failures(pytester: pytest.Pytester) -> None:
+    result = run_suite(
+        pytester,
+        """
+        def test_budget(memsave):
+            memsave.assert_fits("torchvision:resnet18", budget="lots")
+        """,
+    )
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["memsave: cannot read memory size 'lots': expected a number*"])
+    assert "budget.py" not in result.stdout.str()
+
+
+def test_entry_point_is_declared() -> None:
+    """``pip install memsave-cli`` registers the plugin with pytest through ``pytest11``."""
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    assert project["project"]["entry-points"]["pytest11"] == {"memsave": PLUGIN}
+    assert PLUGIN in sys.modules or __import__(PLUGIN)
