@@ -1,0 +1,226 @@
+"""RMSNorm that keeps its input in its own dtype and recomputes the float32 part in backward.
+
+NOTE [what RMSNorm keeps]: every RMSNorm in use computes ``r = rsqrt(mean(x32 ** 2) + eps)`` on
+an upcast ``x32 = x.to(float32)`` and scales ``x32 * r`` by a weight, casting back at some point.
+Stock autograd keeps the float32 upcast (twice the input's bytes for bfloat16, by ``pow`` and by
+the product with ``r``) and the normalised tensor (for the weight's gradient). Backward needs only
+``x`` and the per-row ``r``: here forward runs stock's very ops, keeps ``x`` (its own dtype, as a
+view of the caller's tensor), ``r`` and the weight, and backward recomputes ``x32`` and the
+normalised tensor and runs, in stock's order, the backward formula of each op stock recorded
+(``derivatives.yaml``: ``mul``, ``rsqrt``, ``mean``, ``pow``, ``_to_copy``, and the engine's
+``sum_to`` and dtype cast of a broadcast operand's gradient). Gradients are bitwise stock's.
+
+Styles differ only in how the weight scales the normalised tensor (NOTE [RMSNorm styles]).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.autograd import Function
+
+from memsave_cli.layers._backward import forbid_double_backward
+from memsave_cli.layers.registry import drop_in
+
+# NOTE [RMSNorm styles]: with ``h`` the normalised tensor and ``w`` the weight,
+#   llama: w * h.to(x.dtype)                      (LLaMA, Mistral, Phi-3, Qwen2, ...)
+#   olmo:  (w * h).to(x.dtype)                    (OLMo-2 and others casting last)
+#   gemma: (h * (1.0 + w.float())).type_as(x)     (Gemma's zero-centred weight)
+#   t5:    w * h.to(w.dtype) if w is half else w * h, with h = x * r (x not upcast)  (T5)
+#   torch: h.mul(w).contiguous().type_as(x)       (``torch.rms_norm`` on CPU and meta)
+STYLES = ("llama", "olmo", "gemma", "t5", "torch")
+_HALF = (torch.float16, torch.bfloat16)
+
+
+class RMSNormFunction(Function):
+    """RMSNorm of one style keeping ``x``, the per-row ``r`` and the weight (NOTE [what RMSNorm
+    keeps])."""
+
+    @staticmethod
+    def forward(
+        x: Tensor,
+        x_again: Tensor,
+        weight: Tensor | None,
+        eps: float,
+        dims: tuple[int, ...],
+        style: str,
+    ) -> tuple[Tensor, Tensor]:
+        base, r = _normalise(x, eps, dims, style)
+        out = _scale(base * r, weight, x.dtype, style)
+        return out, r
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple, output: tuple[Tensor, Tensor]) -> None:
+        x, _, weight, _, dims, style = inputs
+        ctx.dims, ctx.style = dims, style
+        ctx.mark_non_differentiable(output[1])
+        # Both gradients read ``x`` and ``r``; only the input's reads the weight's values.
+        keep_weight = ctx.needs_input_grad[0] and weight is not None
+        ctx.save_for_backward(x, output[1], weight if keep_weight else None)
+        ctx.weight_shape = None if weight is None else tuple(weight.shape)
+        ctx.weight_dtype = None if weight is None else weight.dtype
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor, _r_grad: None) -> tuple[Tensor | None, ...]:
+        forbid_double_backward("MemSaveRMSNorm")
+        x, r, weight = ctx.saved_tensors
+        x_up = x.to(_opmath(x.dtype))  # Allocation: the float32 upcast stock kept, transient.
+        base = x if ctx.style == "t5" else x_up
+        h = base * r
+        grad_h, grad_weight = _scale_backward(ctx, grad, h, weight, x.dtype)
+        if not ctx.needs_input_grad[0]:
+            return None, None, grad_weight, None, None, None
+        direct, through_pow = _normalise_backward(grad_h, x, x_up, base, r, ctx.dims)
+        if base is x:
+            # NOTE [two edges into x]: both products read ``x`` itself, so stock's engine adds
+            # their gradients into ``x``'s buffer one by one, after any newer consumer's. The
+            # Function takes ``x`` twice to hand each gradient to its own edge, in that order.
+            return direct, through_pow.to(x.dtype), grad_weight, None, None, None
+        # Both read the upcast copy: stock adds them there, in its dtype, then casts once.
+        return direct.add_(through_pow).to(x.dtype), None, grad_weight, None, None, None
+
+
+def _opmath(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _normalise(x: Tensor, eps: float, dims: tuple[int, ...], style: str) -> tuple[Tensor, Tensor]:
+    """``(base, r)``: the tensor ``r`` scales (``x`` upcast, or ``x`` itself for T5) and
+    ``r = rsqrt(mean(x_up ** 2) + eps)``, by stock's ops."""
+    x_up = x.to(_opmath(x.dtype))
+    mean = x_up.pow(2).mean(list(dims), keepdim=True)
+    r = torch.rsqrt(mean.add_(eps) if style == "torch" else mean + eps)
+    return (x if style == "t5" else x_up), r
+
+
+def _scale(h: Tensor, weight: Tensor | None, dtype: torch.dtype, style: str) -> Tensor:
+    """The normalised ``h`` scaled by ``weight`` and cast as ``style`` does (NOTE [RMSNorm styles])."""
+    if style == "llama":
+        return weight * h.to(dtype)
+    if style == "olmo":
+        return (weight * h).to(dtype)
+    if style == "gemma":
+        return (h * (1.0 + weight.float())).to(dtype)
+    if style == "t5":
+        return weight * (h.to(weight.dtype) if weight.dtype in _HALF else h)
+    scaled = h.mul(weight) if weight is not None else h
+    return scaled.contiguous().to(dtype)
+
+
+def _scale_backward(
+    ctx: Any, grad: Tensor, h: Tensor, weight: Tensor | None, dtype: torch.dtype
+) -> tuple[Tensor | None, Tensor | None]:
+    """``(dL/dh, dL/dweight)`` through :func:`_scale`, each ``None`` when not needed."""
+    need_h = ctx.needs_input_grad[0]
+    need_w = ctx.needs_input_grad[2] and ctx.weight_shape is not None
+    w_shape, w_dtype = ctx.weight_shape, ctx.weight_dtype
+    style, grad_h, grad_w = ctx.style, None, None
+    if style == "llama":
+        hb = h.to(dtype)
+        grad_w = _mul_grad(grad, hb, w_shape, w_dtype) if need_w else None
+        grad_h = _mul_grad(grad, weight, hb.shape, hb.dtype).to(h.dtype) if need_h else None
+    elif style in ("olmo", "torch"):
+        if w_shape is None:
+            return grad.to(h.dtype), None
+        grad = grad.to(torch.promote_types(h.dtype, w_dtype))  # the final cast's backward
+        grad_w = _mul_grad(grad, h, w_shape, w_dtype) if need_w else None
+        grad_h = _mul_grad(grad, weight, h.shape, h.dtype) if need_h else None
+    elif style == "gemma":
+        grad = grad.to(torch.float32)  # ``type_as``'s backward
+        # ``1.0 + w.float()`` passes its gradient through; ``float()``'s backward casts back.
+        grad_w = _mul_grad(grad, h, w_shape, torch.float32).to(w_dtype) if need_w else None
+        grad_h = _mul_grad(grad, 1.0 + weight.float(), h.shape, h.dtype) if need_h else None
+    else:  # t5
+        hh = h.to(w_dtype) if w_dtype in _HALF else h
+        grad_w = _mul_grad(grad, hh, w_shape, w_dtype) if need_w else None
+        grad_h = _mul_grad(grad, weight, hh.shape, hh.dtype).to(h.dtype) if need_h else None
+    return grad_h, grad_w
+
+
+def _normalise_backward(
+    grad_h: Tensor, x: Tensor, x_up: Tensor, base: Tensor, r: Tensor, dims: tuple[int, ...]
+) -> tuple[Tensor, Tensor]:
+    """The gradients of ``base`` and ``x_up`` from ``dL/dh`` through ``h = base * r``,
+    ``r = rsqrt(mean(x_up ** 2) + eps)``: the product's (its node is newer, so stock's engine
+    delivers it first) and the one through ``pow``."""
+    direct = _mul_grad(grad_h, r, base.shape, base.dtype)
+    grad_r = _mul_grad(grad_h, base, r.shape, r.dtype)
+    grad_mean = grad_r.mul(-0.5) * r.pow(3)  # rsqrt; ``+ eps`` passes the gradient through
+    count = 1
+    for d in dims:
+        count *= x.shape[d]
+    grad_sq = grad_mean.expand(x_up.shape) / count
+    through_pow = grad_sq * x_up.pow(1.0).mul(2.0)  # pow_backward: grad * (2 * x ** 1)
+    return direct, through_pow
+
+
+def _mul_grad(
+    grad: Tensor, other: Tensor, shape: Sequence[int], dtype: torch.dtype | None
+) -> Tensor:
+    """Gradient of an operand of ``shape`` and ``dtype`` in ``operand * other``: ``grad * other``
+    (``mul_tensor_backward``), summed to the operand's shape and cast to its dtype as the engine
+    does for a broadcast, promoted operand."""
+    return _sum_to(grad * other, shape).to(dtype)
+
+
+def _sum_to(t: Tensor, shape: Sequence[int]) -> Tensor:
+    """``at::sum_to``: ``t`` summed over its broadcast dimensions down to ``shape``."""
+    leading = t.dim() - len(shape)
+    dims = list(range(leading))
+    dims += [i for i in range(leading, t.dim()) if shape[i - leading] == 1 and t.shape[i] != 1]
+    if dims:
+        t = t.sum(dims, keepdim=True)
+    return t.view(tuple(shape)) if leading > 0 else t
+
+
+def rms_norm(
+    x: Tensor, weight: Tensor | None, eps: float, style: str, dims: tuple[int, ...] = (-1,)
+) -> Tensor:
+    """RMSNorm of ``style`` (NOTE [RMSNorm styles]) keeping ``x`` and ``r`` for backward."""
+    dims = tuple(d % x.dim() for d in dims) if x.dim() else dims
+    out, _ = RMSNormFunction.apply(x, x, weight, eps, dims, style)
+    return out
+
+
+def may_record(x: Tensor, weight: Tensor | None) -> bool:
+    """Whether autograd could record this call with plain eager ops (stock otherwise saves
+    nothing, or runs under autocast, whose casts the recorded graph would contain)."""
+    wants = x.requires_grad or (weight is not None and weight.requires_grad)
+    return (
+        wants
+        and torch.is_grad_enabled()
+        and x.dtype.is_floating_point
+        and not x.is_nested
+        and not torch.is_autocast_enabled(x.device.type)
+    )
+
+
+def _composite_on(x: Tensor, weight: Tensor | None) -> bool:
+    """Whether ``torch.rms_norm`` runs its composite form (what the drop-in reproduces) rather
+    than ``_fused_rms_norm``, a kernel that already keeps only the input and ``r``; and whether
+    the composite ends in ``contiguous()`` (not for channels-last inputs)."""
+    if x.dim() in (4, 5) and x.suggest_memory_format() != torch.contiguous_format:
+        return False
+    if weight is not None and weight.dtype != x.dtype:
+        return True
+    key = "CPU" if x.device.type == "cpu" else x.device.type.upper()
+    return key == "META" or not torch._C._dispatch_has_kernel_for_dispatch_key(
+        "aten::_fused_rms_norm", key
+    )
+
+
+@drop_in(nn.RMSNorm)
+class MemSaveRMSNorm(nn.RMSNorm):
+    """``nn.RMSNorm`` keeping its input in its own dtype and ``r`` instead of float32 copies."""
+
+    def forward(self, input: Tensor) -> Tensor:
+        shape = tuple(self.normalized_shape)
+        fits = 0 < len(shape) <= input.dim() and tuple(input.shape[-len(shape) :]) == shape
+        if not (fits and may_record(input, self.weight) and _composite_on(input, self.weight)):
+            return super().forward(input)
+        eps = self.eps if self.eps is not None else torch.finfo(_opmath(input.dtype)).eps
+        dims = tuple(input.dim() - i - 1 for i in range(len(shape)))
+        return rms_norm(input, self.weight, eps, "torch", dims)
