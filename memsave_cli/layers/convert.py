@@ -29,8 +29,8 @@ from memsave_cli.errors import MemsaveError
 
 # Imported for their ``@drop_in`` registrations, so that DROP_INS is complete.
 from memsave_cli.layers import activation, avgpool, batchnorm, conv, dropout, maxpool  # noqa: F401
-from memsave_cli.layers import recognise, rmsnorm  # noqa: F401
 from memsave_cli.layers.activation import MemSaveReLU
+from memsave_cli.layers.recognise import convert_module, stock_class  # registers nn.RMSNorm too
 from memsave_cli.layers.registry import DROP_INS
 
 #: Layer types ``convert`` accepts in ``include``: a stock class, its name, or a family name.
@@ -74,7 +74,7 @@ def convert(
         if drop_in is not None:
             module.__class__ = drop_in
         else:
-            recognise.convert_module(module, norms=nn.RMSNorm in selected, mlps=include is None)
+            convert_module(module, norms=nn.RMSNorm in selected, mlps=include is None)
         if nn.ReLU in selected and _has_activation(module, F.relu):
             module.activation = memsave_relu
     return target
@@ -85,7 +85,7 @@ def revert(model: nn.Module, *, inplace: bool = False) -> nn.Module:
     stock_of = {drop_in: stock for stock, drop_in in DROP_INS.items()}
     target = model if inplace else copy.deepcopy(model)
     for module in target.modules():
-        stock = stock_of.get(type(module)) or recognise.stock_class(type(module))
+        stock = stock_of.get(type(module)) or stock_class(type(module))
         if stock is not None:
             module.__class__ = stock
         if _has_activation(module, memsave_relu):
@@ -101,7 +101,7 @@ def converted_counts(model: nn.Module) -> dict[str, int]:
     stock_of = {drop_in: stock for stock, drop_in in DROP_INS.items()}
     counts: dict[str, int] = {}
     for module in model.modules():
-        stock = stock_of.get(type(module)) or recognise.stock_class(type(module))
+        stock = stock_of.get(type(module)) or stock_class(type(module))
         name = stock.__name__ if stock is not None else None
         if _has_activation(module, memsave_relu):
             name = FUNCTIONAL_RELU

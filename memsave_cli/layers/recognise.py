@@ -302,7 +302,9 @@ def _settings_key(module: nn.Module) -> tuple:
     """What a recipe may depend on: the class, its plain settings, parameter ranks, activation."""
     plain = (bool, int, float, str, type(None))
     settings = tuple(
-        sorted((k, v) for k, v in vars(module).items() if not k.startswith("_") and type(v) in plain)
+        sorted(
+            (k, v) for k, v in vars(module).items() if not k.startswith("_") and type(v) in plain
+        )
     )
     ranks = tuple((n, p.dim()) for n, p in module._parameters.items() if p is not None)
     act = _act(module)
