@@ -140,6 +140,7 @@ def _norm_cases() -> list[_Case]:
         _Case((5, 16), bf16, bf16),
         _Case((3, 9), f16, f16),
         _Case((2, 2, 7), bf16, f32),
+        _Case((3, 7), torch.float64, torch.float64),
     ]
 
 

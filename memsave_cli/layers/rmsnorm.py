@@ -22,7 +22,8 @@ import torch
 from torch import Tensor, nn
 from torch.autograd import Function
 
-from memsave_cli.layers._backward import forbid_double_backward
+from memsave_cli.layers._backward import autocast_on, forbid_double_backward
+from memsave_cli.layers._layout import memory_format
 from memsave_cli.layers.registry import drop_in
 
 # NOTE [RMSNorm styles]: with ``h`` the normalised tensor and ``w`` the weight,
@@ -47,15 +48,16 @@ class RMSNormFunction(Function):
         eps: float,
         dims: tuple[int, ...],
         style: str,
+        upcast: torch.dtype,
     ) -> tuple[Tensor, Tensor]:
-        base, r = _normalise(x, eps, dims, style)
+        base, r = _normalise(x, eps, dims, style, upcast)
         out = _scale(base * r, weight, x.dtype, style)
         return out, r
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple, output: tuple[Tensor, Tensor]) -> None:
-        x, _, weight, _, dims, style = inputs
-        ctx.dims, ctx.style = dims, style
+        x, _, weight, _, dims, style, upcast = inputs
+        ctx.dims, ctx.style, ctx.upcast = dims, style, upcast
         ctx.mark_non_differentiable(output[1])
         # Both gradients read ``x`` and ``r``; only the input's reads the weight's values.
         keep_weight = ctx.needs_input_grad[0] and weight is not None
@@ -67,30 +69,37 @@ class RMSNormFunction(Function):
     def backward(ctx: Any, grad: Tensor, _r_grad: None) -> tuple[Tensor | None, ...]:
         forbid_double_backward("MemSaveRMSNorm")
         x, r, weight = ctx.saved_tensors
-        x_up = x.to(_opmath(x.dtype))  # Allocation: the float32 upcast stock kept, transient.
+        x_up = x.to(ctx.upcast)  # Allocation: the upcast stock kept, transient
         base = x if ctx.style == "t5" else x_up
         h = base * r
         grad_h, grad_weight = _scale_backward(ctx, grad, h, weight, x.dtype)
         if not ctx.needs_input_grad[0]:
-            return None, None, grad_weight, None, None, None
+            return None, None, grad_weight, None, None, None, None
         direct, through_pow = _normalise_backward(grad_h, x, x_up, base, r, ctx.dims)
         if base is x:
             # NOTE [two edges into x]: both products read ``x`` itself, so stock's engine adds
             # their gradients into ``x``'s buffer one by one, after any newer consumer's. The
             # Function takes ``x`` twice to hand each gradient to its own edge, in that order.
-            return direct, through_pow.to(x.dtype), grad_weight, None, None, None
+            return direct, through_pow.to(x.dtype), grad_weight, None, None, None, None
         # Both read the upcast copy: stock adds them there, in its dtype, then casts once.
-        return direct.add_(through_pow).to(x.dtype), None, grad_weight, None, None, None
+        return direct.add_(through_pow).to(x.dtype), None, grad_weight, None, None, None, None
 
 
 def _opmath(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _normalise(x: Tensor, eps: float, dims: tuple[int, ...], style: str) -> tuple[Tensor, Tensor]:
+def _upcast(dtype: torch.dtype, style: str) -> torch.dtype:
+    """``torch.rms_norm`` computes in the input's math type; the other styles in float32."""
+    return _opmath(dtype) if style == "torch" else torch.float32
+
+
+def _normalise(
+    x: Tensor, eps: float, dims: tuple[int, ...], style: str, upcast: torch.dtype
+) -> tuple[Tensor, Tensor]:
     """``(base, r)``: the tensor ``r`` scales (``x`` upcast, or ``x`` itself for T5) and
     ``r = rsqrt(mean(x_up ** 2) + eps)``, by stock's ops."""
-    x_up = x.to(_opmath(x.dtype))
+    x_up = x.to(upcast)
     mean = x_up.pow(2).mean(list(dims), keepdim=True)
     r = torch.rsqrt(mean.add_(eps) if style == "torch" else mean + eps)
     return (x if style == "t5" else x_up), r
@@ -177,11 +186,21 @@ def _sum_to(t: Tensor, shape: Sequence[int]) -> Tensor:
 
 
 def rms_norm(
-    x: Tensor, weight: Tensor | None, eps: float, style: str, dims: tuple[int, ...] = (-1,)
+    x: Tensor,
+    weight: Tensor | None,
+    eps: float,
+    style: str,
+    dims: tuple[int, ...] = (-1,),
+    upcast: torch.dtype | None = None,
 ) -> Tensor:
-    """RMSNorm of ``style`` (NOTE [RMSNorm styles]) keeping ``x`` and ``r`` for backward."""
+    """RMSNorm of ``style`` (NOTE [RMSNorm styles]) keeping ``x`` and ``r`` for backward.
+
+    ``upcast`` is the dtype the statistics are computed in: by default the input's math type for
+    ``torch``, float32 for the others (as their classes write ``x.to(torch.float32)``).
+    """
     dims = tuple(d % x.dim() for d in dims) if x.dim() else dims
-    out, _ = RMSNormFunction.apply(x, x, weight, eps, dims, style)
+    upcast = upcast or _upcast(x.dtype, style)
+    out, _ = RMSNormFunction.apply(x, x, weight, eps, dims, style, upcast)
     return out
 
 
@@ -194,7 +213,7 @@ def may_record(x: Tensor, weight: Tensor | None) -> bool:
         and torch.is_grad_enabled()
         and x.dtype.is_floating_point
         and not x.is_nested
-        and not torch.is_autocast_enabled(x.device.type)
+        and not autocast_on(x.device.type)
     )
 
 
@@ -202,7 +221,7 @@ def _composite_on(x: Tensor, weight: Tensor | None) -> bool:
     """Whether ``torch.rms_norm`` runs its composite form (what the drop-in reproduces) rather
     than ``_fused_rms_norm``, a kernel that already keeps only the input and ``r``; and whether
     the composite ends in ``contiguous()`` (not for channels-last inputs)."""
-    if x.dim() in (4, 5) and x.suggest_memory_format() != torch.contiguous_format:
+    if x.dim() in (4, 5) and memory_format(x) != torch.contiguous_format:
         return False
     if weight is not None and weight.dtype != x.dtype:
         return True
