@@ -49,25 +49,42 @@ class RMSNormFunction(Function):
         dims: tuple[int, ...],
         style: str,
         upcast: torch.dtype,
-    ) -> tuple[Tensor, Tensor]:
+    ) -> tuple[Tensor, Tensor, Tensor]:
         base, r = _normalise(x, eps, dims, style, upcast)
-        out = _scale(base * r, weight, x.dtype, style)
-        return out, r
+        w_dtype = None if weight is None else weight.dtype
+        operand = _weight_operand(base * r, w_dtype, x.dtype, style)
+        out = _scale(operand, weight, x.dtype, style)
+        # Without a weight there is no operand to keep (and ``out`` may be ``operand`` itself).
+        return out, r, operand if weight is not None else r.new_empty(0)
 
     @staticmethod
-    def setup_context(ctx: Any, inputs: tuple, output: tuple[Tensor, Tensor]) -> None:
+    def setup_context(ctx: Any, inputs: tuple, output: tuple[Tensor, Tensor, Tensor]) -> None:
         x, _, weight, _, dims, style, upcast = inputs
+        _, r, operand = output
         ctx.dims, ctx.style, ctx.upcast = dims, style, upcast
-        ctx.mark_non_differentiable(output[1])
-        # Both gradients read ``x`` and ``r``; only the input's reads the weight's values.
-        keep_weight = ctx.needs_input_grad[0] and weight is not None
-        ctx.save_for_backward(x, output[1], weight if keep_weight else None)
+        ctx.mark_non_differentiable(r, operand)
         ctx.weight_shape = None if weight is None else tuple(weight.shape)
         ctx.weight_dtype = None if weight is None else weight.dtype
+        # For the weight alone, stock keeps the tensor the weight multiplies: kept here as well
+        # where it is no larger than the input (then ``x`` and ``r`` would be more).
+        ctx.keeps_operand = (
+            not ctx.needs_input_grad[0]
+            and weight is not None
+            and operand.element_size() <= x.element_size()
+        )
+        if ctx.keeps_operand:
+            ctx.save_for_backward(operand)
+            return
+        # Both gradients read ``x`` and ``r``; only the input's reads the weight's values.
+        keep_weight = ctx.needs_input_grad[0] and weight is not None
+        ctx.save_for_backward(x, r, weight if keep_weight else None)
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor, _r_grad: None) -> tuple[Tensor | None, ...]:
+    def backward(ctx: Any, grad: Tensor, _r_grad: None, _operand_grad: None) -> tuple:
         forbid_double_backward("MemSaveRMSNorm")
+        if ctx.keeps_operand:
+            (operand,) = ctx.saved_tensors
+            return None, None, _weight_grad(ctx, grad, operand), None, None, None, None
         x, r, weight = ctx.saved_tensors
         x_up = x.to(ctx.upcast)  # Allocation: the upcast stock kept, transient
         base = x if ctx.style == "t5" else x_up
@@ -105,47 +122,60 @@ def _normalise(
     return (x if style == "t5" else x_up), r
 
 
-def _scale(h: Tensor, weight: Tensor | None, dtype: torch.dtype, style: str) -> Tensor:
-    """The normalised ``h`` scaled by ``weight`` and cast as ``style`` does (NOTE [RMSNorm styles])."""
+def _weight_operand(
+    h: Tensor, w_dtype: torch.dtype | None, dtype: torch.dtype, style: str
+) -> Tensor:
+    """The tensor ``style`` multiplies by the weight: ``h``, or ``h`` cast (NOTE [RMSNorm styles])."""
     if style == "llama":
-        return weight * h.to(dtype)
+        return h.to(dtype)
+    if style == "t5" and w_dtype in _HALF:
+        return h.to(w_dtype)
+    return h
+
+
+def _scale(operand: Tensor, weight: Tensor | None, dtype: torch.dtype, style: str) -> Tensor:
+    """``operand`` scaled by ``weight`` and cast as ``style`` does (NOTE [RMSNorm styles])."""
+    if style in ("llama", "t5"):
+        return weight * operand
     if style == "olmo":
-        return (weight * h).to(dtype)
+        return (weight * operand).to(dtype)
     if style == "gemma":
-        return (h * (1.0 + weight.float())).to(dtype)
-    if style == "t5":
-        return weight * (h.to(weight.dtype) if weight.dtype in _HALF else h)
-    scaled = h.mul(weight) if weight is not None else h
+        return (operand * (1.0 + weight.float())).to(dtype)
+    scaled = operand.mul(weight) if weight is not None else operand
     return scaled.contiguous().to(dtype)
+
+
+def _weight_grad(ctx: Any, grad: Tensor, operand: Tensor) -> Tensor:
+    """``dL/dweight`` through :func:`_scale` from the output's gradient and the operand."""
+    w_shape, w_dtype = ctx.weight_shape, ctx.weight_dtype
+    if ctx.style in ("olmo", "torch"):
+        grad = grad.to(torch.promote_types(operand.dtype, w_dtype))  # the final cast's backward
+    elif ctx.style == "gemma":
+        grad = grad.to(torch.float32)  # ``type_as``'s backward
+        # ``1.0 + w.float()`` passes its gradient through; ``float()``'s backward casts back.
+        return _mul_grad(grad, operand, w_shape, torch.float32).to(w_dtype)
+    return _mul_grad(grad, operand, w_shape, w_dtype)
 
 
 def _scale_backward(
     ctx: Any, grad: Tensor, h: Tensor, weight: Tensor | None, dtype: torch.dtype
 ) -> tuple[Tensor | None, Tensor | None]:
     """``(dL/dh, dL/dweight)`` through :func:`_scale`, each ``None`` when not needed."""
-    need_h = ctx.needs_input_grad[0]
-    need_w = ctx.needs_input_grad[2] and ctx.weight_shape is not None
-    w_shape, w_dtype = ctx.weight_shape, ctx.weight_dtype
-    style, grad_h, grad_w = ctx.style, None, None
-    if style == "llama":
-        hb = h.to(dtype)
-        grad_w = _mul_grad(grad, hb, w_shape, w_dtype) if need_w else None
-        grad_h = _mul_grad(grad, weight, hb.shape, hb.dtype).to(h.dtype) if need_h else None
-    elif style in ("olmo", "torch"):
-        if w_shape is None:
-            return grad.to(h.dtype), None
-        grad = grad.to(torch.promote_types(h.dtype, w_dtype))  # the final cast's backward
-        grad_w = _mul_grad(grad, h, w_shape, w_dtype) if need_w else None
-        grad_h = _mul_grad(grad, weight, h.shape, h.dtype) if need_h else None
-    elif style == "gemma":
-        grad = grad.to(torch.float32)  # ``type_as``'s backward
-        # ``1.0 + w.float()`` passes its gradient through; ``float()``'s backward casts back.
-        grad_w = _mul_grad(grad, h, w_shape, torch.float32).to(w_dtype) if need_w else None
-        grad_h = _mul_grad(grad, 1.0 + weight.float(), h.shape, h.dtype) if need_h else None
-    else:  # t5
-        hh = h.to(w_dtype) if w_dtype in _HALF else h
-        grad_w = _mul_grad(grad, hh, w_shape, w_dtype) if need_w else None
-        grad_h = _mul_grad(grad, weight, hh.shape, hh.dtype).to(h.dtype) if need_h else None
+    if ctx.weight_shape is None:  # ``torch`` without affine weight: only the final cast
+        return grad.to(h.dtype), None
+    operand = _weight_operand(h, ctx.weight_dtype, dtype, ctx.style)
+    need_w = ctx.needs_input_grad[2]
+    grad_w = _weight_grad(ctx, grad, operand) if need_w else None
+    if not ctx.needs_input_grad[0]:
+        return None, grad_w
+    if ctx.style in ("olmo", "torch"):
+        grad_h = _mul_grad(
+            grad.to(torch.promote_types(h.dtype, weight.dtype)), weight, h.shape, h.dtype
+        )
+    elif ctx.style == "gemma":
+        grad_h = _mul_grad(grad.to(torch.float32), 1.0 + weight.float(), h.shape, h.dtype)
+    else:  # llama, t5: the product's gradient, then the cast's
+        grad_h = _mul_grad(grad, weight, operand.shape, operand.dtype).to(h.dtype)
     return grad_h, grad_w
 
 
@@ -200,7 +230,7 @@ def rms_norm(
     """
     dims = tuple(d % x.dim() for d in dims) if x.dim() else dims
     upcast = upcast or _upcast(x.dtype, style)
-    out, _ = RMSNormFunction.apply(x, x, weight, eps, dims, style, upcast)
+    out, _, _ = RMSNormFunction.apply(x, x, weight, eps, dims, style, upcast)
     return out
 
 
