@@ -1,10 +1,11 @@
 """Forward+backward time of LLaMA-style decoder blocks with memsave's RMSNorm and gated MLP vs stock.
 
-Run: ``python benchmarks/transformer_time.py [--repeats 21] [--threads N]``.
+Run: ``python benchmarks/transformer_time.py [--repeats 21] [--threads N] [--dtype bfloat16]``.
 A two-block LLaMA model (hidden 512, MLP 1376, 8 heads, sdpa attention) built from a config takes
 embeddings as input; stock and converted copies alternate step by step (order flipped every
 round), and the table gives the median time of each and the median of per-round ratios
-memsave/stock, for trainable and frozen weights, in float32 and bfloat16.
+memsave/stock, for trainable and frozen weights. float32 by default: CPU bfloat16 matrix
+products without hardware support take seconds per step and drown the layers' own cost.
 """
 
 from __future__ import annotations
@@ -61,11 +62,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=21)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--dtype", nargs="*", default=["float32"], help="float32, bfloat16")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}, {args.threads} threads, {args.repeats} repeats")
     print(f"{'case':28s} {'stock ms':>9s} {'memsave ms':>11s} {'ratio':>6s}")
-    for dtype in (torch.float32, torch.bfloat16):
+    for dtype in (getattr(torch, name) for name in args.dtype):
         for trainable in (True, False):
             name = f"{str(dtype).removeprefix('torch.')}, {'all' if trainable else 'frozen'}"
             stock, ours, ratio = measure(dtype, trainable, args.repeats)

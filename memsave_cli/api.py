@@ -54,6 +54,8 @@ def profile(
     }
     _check_settings(spec, impls, chosen, settings)
     selected = _select_cases(spec, cases, notes)
+    if "memsave" in impls:
+        notes.extend(_unrecognised_notes(spec))
     jobs = [Job(spec, case, impl, chosen, **settings) for case in selected for impl in impls]
     if not jobs:
         raise MemsaveError("nothing to measure: every case was skipped")
@@ -103,6 +105,19 @@ def _select_cases(spec: ModelSpec, cases: Sequence[str | Case], notes: list[str]
 def _has_norms(spec: ModelSpec) -> bool:
     with torch.device("meta"):
         return has_norm_layers(build_model(spec))
+
+
+def _unrecognised_notes(spec: ModelSpec) -> list[str]:
+    """A note naming the modules that look like RMSNorms or gated MLPs but that memsave leaves
+    stock, because no recipe reproduces them bitwise (NOTE [converting by behaviour])."""
+    from memsave_cli.layers.recognise import unrecognised_counts
+
+    with torch.device("meta"):
+        counts = unrecognised_counts(build_model(spec))
+    if not counts:
+        return []
+    names = ", ".join(f"{name} ({count})" for name, count in sorted(counts.items()))
+    return [f"memsave left stock what it does not reproduce bitwise: {names}"]
 
 
 def _check_settings(spec: ModelSpec, impls: Sequence[str], device: str, settings: dict) -> None:

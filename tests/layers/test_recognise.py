@@ -177,3 +177,35 @@ def test_include_selects_norms_only() -> None:
     """``include="rmsnorm"`` converts RMSNorms, recognised ones too, but no MLP."""
     counts = converted_counts(convert(tiny_model("llama", torch.float32), include="rmsnorm"))
     assert counts == {"LlamaRMSNorm": 5}
+
+
+LOOK_ALIKE_SPEC = """
+import torch
+from torch import nn
+
+
+class OddNorm(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(8))
+        self.eps = 1e-6
+
+    def forward(self, x):
+        return self.weight * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True)) + self.eps
+
+
+def model():
+    return nn.Sequential(nn.Linear(8, 8), OddNorm())
+"""
+
+
+def test_profile_notes_what_stays_stock(tmp_path) -> None:
+    """``memsave profile`` names the look-alikes it leaves stock."""
+    from memsave_cli.api import profile
+
+    path = tmp_path / "look_alike.py"
+    path.write_text(LOOK_ALIKE_SPEC)
+    report = profile(
+        f"{path}:model", cases=["all"], impls=["memsave"], device="meta", input_shape=(8,)
+    )
+    assert "memsave left stock what it does not reproduce bitwise: OddNorm (1)" in report.notes
