@@ -101,3 +101,15 @@ def test_no_grad_runs_stock() -> None:
         out = gated_product(gate, up, "gelu_tanh")
     assert out.grad_fn is None
     assert torch.equal(out.nan_to_num(), (ACTIVATIONS["gelu_tanh"][0](gate) * up).nan_to_num())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+def test_cuda_matches_stock(activation: str) -> None:
+    act = ACTIVATIONS[activation][0]
+    gate, up = (t.cuda() for t in factors((3, 5, 7), torch.bfloat16, "chunks"))
+    grad = torch.randn(3, 5, 7, device="cuda").bfloat16()
+    ref = run(lambda g, u: act(g) * u, gate, up, grad, (True, True))
+    mine = run(lambda g, u: gated_product(g, u, activation), gate, up, grad, (True, True))
+    for a, b in zip([mine["out"], *mine["grads"]], [ref["out"], *ref["grads"]], strict=True):
+        assert_bitwise(a, b)

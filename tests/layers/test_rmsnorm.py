@@ -187,3 +187,19 @@ def test_no_grad_and_revert() -> None:
     reverted = revert(converted)
     assert [type(m) for m in reverted] == [nn.RMSNorm, LlamaRMSNorm]
     assert list(reverted.state_dict()) == list(model.state_dict())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("family", [*HF_NORMS, "torch"])
+def test_cuda_matches_stock(family: str, dtype: torch.dtype) -> None:
+    """On CUDA the same ops run on the device: outputs and gradients are still stock's."""
+    if family == "torch":
+        stock = nn.RMSNorm(7).float()  # a float32 weight: bfloat16 inputs take the composite
+        memsave = convert(stock)
+    else:
+        stock, memsave = hf_pair(HF_NORMS[family], dtype, dtype)
+    stock.cuda(), memsave.cuda()
+    x = special_input((3, 5, 7), dtype, "contiguous").cuda()
+    grad = torch.randn(3, 5, 7, device="cuda").to(dtype)
+    assert_same(run(stock, x, grad, (True, True)), run(memsave, x, grad, (True, True)))
