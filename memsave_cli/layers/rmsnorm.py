@@ -88,8 +88,7 @@ class RMSNormFunction(Function):
         x, r, weight = ctx.saved_tensors
         x_up = x.to(ctx.upcast)  # Allocation: the upcast stock kept, transient
         base = x if ctx.style == "t5" else x_up
-        h = base * r
-        grad_h, grad_weight = _scale_backward(ctx, grad, h, weight, x.dtype)
+        grad_h, grad_weight = _scale_backward(ctx, grad, base, r, weight, x.dtype)
         if not ctx.needs_input_grad[0]:
             return None, None, grad_weight, None, None, None, None
         direct, through_pow = _normalise_backward(grad_h, x, x_up, base, r, ctx.dims)
@@ -158,25 +157,31 @@ def _weight_grad(ctx: Any, grad: Tensor, operand: Tensor) -> Tensor:
 
 
 def _scale_backward(
-    ctx: Any, grad: Tensor, h: Tensor, weight: Tensor | None, dtype: torch.dtype
+    ctx: Any, grad: Tensor, base: Tensor, r: Tensor, weight: Tensor | None, dtype: torch.dtype
 ) -> tuple[Tensor | None, Tensor | None]:
-    """``(dL/dh, dL/dweight)`` through :func:`_scale`, each ``None`` when not needed."""
+    """``(dL/dh, dL/dweight)`` through :func:`_scale` for ``h = base * r``, each ``None`` when
+    not needed; ``h`` itself is recomputed only for the weight's gradient."""
+    h_dtype = torch.promote_types(base.dtype, r.dtype)
     if ctx.weight_shape is None:  # ``torch`` without affine weight: only the final cast
-        return grad.to(h.dtype), None
-    operand = _weight_operand(h, ctx.weight_dtype, dtype, ctx.style)
-    need_w = ctx.needs_input_grad[2]
-    grad_w = _weight_grad(ctx, grad, operand) if need_w else None
+        return grad.to(h_dtype), None
+    grad_w = None
+    if ctx.needs_input_grad[2]:
+        # Allocation: the normalised tensor, transient, only for the weight's gradient.
+        operand = _weight_operand(base * r, ctx.weight_dtype, dtype, ctx.style)
+        grad_w = _weight_grad(ctx, grad, operand)
     if not ctx.needs_input_grad[0]:
         return None, grad_w
     if ctx.style in ("olmo", "torch"):
-        grad_h = _mul_grad(
-            grad.to(torch.promote_types(h.dtype, weight.dtype)), weight, h.shape, h.dtype
-        )
-    elif ctx.style == "gemma":
-        grad_h = _mul_grad(grad.to(torch.float32), 1.0 + weight.float(), h.shape, h.dtype)
-    else:  # llama, t5: the product's gradient, then the cast's
-        grad_h = _mul_grad(grad, weight, operand.shape, operand.dtype).to(h.dtype)
-    return grad_h, grad_w
+        grad = grad.to(torch.promote_types(h_dtype, weight.dtype))  # the final cast's backward
+        return _mul_grad(grad, weight, base.shape, h_dtype), grad_w
+    if ctx.style == "gemma":
+        grad = grad.to(torch.float32)
+        return _mul_grad(grad, 1.0 + weight.float(), base.shape, h_dtype), grad_w
+    # llama, t5: the product's gradient, in the operand's dtype, then the cast's
+    operand_dtype = dtype if ctx.style == "llama" else weight.dtype
+    if ctx.style == "t5" and weight.dtype not in _HALF:
+        operand_dtype = h_dtype
+    return _mul_grad(grad, weight, base.shape, operand_dtype).to(h_dtype), grad_w
 
 
 def _normalise_backward(
