@@ -16,8 +16,8 @@ so a model probes each kind of layer once. Anything else stays stock, and
 A recognised class ``C`` is converted by assigning ``module.__class__`` to ``MemSaveC``, a
 subclass of ``C`` created once per (class, recipe) whose only member is the recipe's ``forward``;
 ``revert`` assigns ``C`` back. As with registered drop-ins, ``__dict__`` is untouched: parameters,
-submodules (LoRA adapters included), hooks and ``state_dict`` keys stay as they were. The created
-classes live in memory only: a converted model deep-copies, but pickles only after ``revert``.
+submodules (LoRA adapters included), hooks and ``state_dict`` keys stay as they were. A created
+class pickles as its stock class and recipe, so converted models save and load whole.
 """
 
 from __future__ import annotations
@@ -275,10 +275,22 @@ def _drop_in_class(stock: type[nn.Module], recipe: Recipe) -> type[nn.Module]:
     if key not in _CLASSES:
         forward = _norm_forward(stock, recipe) if recipe.kind == "rmsnorm" else _mlp_forward(recipe)
         namespace = {"forward": forward, "_memsave_stock": stock, "_memsave_recipe": recipe}
+        namespace["__reduce_ex__"] = _reduce_ex
         namespace["__doc__"] = f"{stock.__name__} recognised as memsave's {recipe}."
         namespace["__module__"] = __name__
         _CLASSES[key] = type(f"MemSave{stock.__name__}", (stock,), namespace)
     return _CLASSES[key]
+
+
+def _reduce_ex(self: nn.Module, protocol: int) -> tuple:
+    """Pickle a recognised module as its stock class and recipe, which rebuild its class."""
+    cls = type(self)
+    return _restore, (cls._memsave_stock, cls._memsave_recipe), self.__dict__
+
+
+def _restore(stock: type[nn.Module], recipe: Recipe) -> nn.Module:
+    """An empty instance of the drop-in class of ``stock`` and ``recipe``, for unpickling."""
+    return object.__new__(_drop_in_class(stock, recipe))
 
 
 def _norm_forward(stock: type[nn.Module], recipe: Recipe) -> Callable:

@@ -209,3 +209,19 @@ def test_profile_notes_what_stays_stock(tmp_path) -> None:
         f"{path}:model", cases=["all"], impls=["memsave"], device="meta", input_shape=(8,)
     )
     assert "memsave left stock what it does not reproduce bitwise: OddNorm (1)" in report.notes
+
+
+def test_converted_model_pickles_and_copies() -> None:
+    """torch.save/torch.load and deepcopy keep the recognised classes and the gradients."""
+    import io
+
+    converted = convert(tiny_model("gemma", torch.float32))
+    buffer = io.BytesIO()
+    torch.save(converted, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    for other in (loaded, copy.deepcopy(converted)):
+        assert [type(m) for m in other.modules()] == [type(m) for m in converted.modules()]
+    ids = torch.randint(3, 50, (2, 5), generator=torch.Generator().manual_seed(2))
+    ref, mine = loss_and_grads(converted, "gemma", ids), loss_and_grads(loaded, "gemma", ids)
+    assert torch.equal(ref[0], mine[0])
