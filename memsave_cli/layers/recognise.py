@@ -232,7 +232,10 @@ def _probe_input(case: _Case, generator: torch.Generator) -> Tensor:
 def _probe_linear(
     fan_in: int, fan_out: int, bias: bool, dtype: torch.dtype, generator: torch.Generator
 ) -> nn.Linear:
-    linear = nn.Linear(fan_in, fan_out, bias=bias, dtype=dtype)
+    # Built on meta, so that its initialisation draws nothing from the global generator.
+    linear = nn.Linear(fan_in, fan_out, bias=bias, dtype=dtype, device="meta").to_empty(
+        device="cpu"
+    )
     with torch.no_grad():
         for p in linear.parameters():
             p.copy_(torch.randn(p.shape, generator=generator) / fan_in**0.5)
