@@ -72,6 +72,8 @@ def profile(
     check_plan(spec, selected, batch_size=batch_size, input_shape=settings["input_shape"])
     for case in selected:
         check_job(Job(spec, case, impls[0], chosen, **settings))
+    if "memsave" in impls:
+        notes.extend(_unrecognised_notes(spec))
     # NOTE [paired timing] in timing.py: on cpu, times come from one worker per case alternating
     # the implementations, not from the memory runs.
     paired = chosen == "cpu" and repeat > 0
@@ -149,6 +151,19 @@ def check_lora_cases(spec: ModelSpec, cases: Sequence[Case]) -> None:
 def _has_norms(spec: ModelSpec) -> bool:
     with torch.device("meta"):
         return has_norm_layers(build_model(spec))
+
+
+def _unrecognised_notes(spec: ModelSpec) -> list[str]:
+    """A note naming the modules that look like RMSNorms or gated MLPs but that memsave leaves
+    stock, because no recipe reproduces them bitwise (NOTE [converting by behaviour])."""
+    from memsave_cli.layers.recognise import unrecognised_counts
+
+    with torch.device("meta"):
+        counts = unrecognised_counts(build_model(spec))
+    if not counts:
+        return []
+    names = ", ".join(f"{name} ({count})" for name, count in sorted(counts.items()))
+    return [f"memsave left stock what it does not reproduce bitwise: {names}"]
 
 
 def _check_settings(spec: ModelSpec, impls: Sequence[str], device: str, settings: dict) -> None:

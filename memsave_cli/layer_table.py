@@ -11,6 +11,7 @@ the weights only (the first trainable layer of a network), or both.
 from __future__ import annotations
 
 import copy
+import functools
 import importlib
 import pkgutil
 from collections.abc import Callable
@@ -61,12 +62,14 @@ class LayerRow:
 
 
 def supported_layers() -> list[type[nn.Module]]:
-    """Stock classes memsave replaces, plus Linear, which memsave keeps because it is optimal."""
+    """Stock classes memsave replaces, plus Linear, which memsave keeps because it is optimal,
+    and examples of the Hugging Face classes memsave recognises by behaviour."""
     from memsave_cli.layers.registry import DROP_INS
 
     _import_layers()
     classes = sorted(DROP_INS, key=lambda cls: cls.__name__)
-    return classes if nn.Linear in DROP_INS else [*classes, nn.Linear]
+    classes = classes if nn.Linear in DROP_INS else [*classes, nn.Linear]
+    return [*classes, *_recognised_examples()]
 
 
 def layer_table(dtype: torch.dtype = torch.float32) -> list[LayerRow]:
@@ -153,6 +156,9 @@ class _Example:
 
 def example_for(cls: type[nn.Module]) -> _Example | None:
     """A small size-preserving instance of ``cls`` and its input shape, None for unknown types."""
+    recognised = _recognised_examples().get(cls)
+    if recognised is not None:
+        return recognised
     name = cls.__name__
     dims = int(name[-2]) if name.endswith("d") and name[-2].isdigit() else 2
     spatial = (8,) * dims
@@ -166,8 +172,8 @@ def example_for(cls: type[nn.Module]) -> _Example | None:
         return _Example(lambda: cls(4), channels_first)
     if name.startswith(("MaxPool", "AvgPool", "AdaptiveAvgPool", "AdaptiveMaxPool")):
         return _Example(lambda: cls(2), channels_first)
-    if name == "Linear":
-        return _Example(lambda: cls(16, 16), lambda b: (b, 8, 16))
+    if name in ("Linear", "RMSNorm"):
+        return _Example(lambda: cls(16, 16) if name == "Linear" else cls(16), _tokens)
     if name in ("Dropout", "AlphaDropout") or name.startswith(("Dropout", "FeatureAlphaDropout")):
         return _Example(lambda: cls(0.5), channels_first)
     try:
@@ -175,6 +181,31 @@ def example_for(cls: type[nn.Module]) -> _Example | None:
     except TypeError:
         return None
     return _Example(cls, channels_first)
+
+
+def _tokens(batch: int) -> tuple[int, ...]:
+    """Input shape of the token-wise layers: ``batch`` sequences of 8 tokens of width 16."""
+    return (batch, 8, 16)
+
+
+@functools.cache
+def _recognised_examples() -> dict[type[nn.Module], _Example]:
+    """Hugging Face classes memsave converts by behaviour (NOTE [converting by behaviour]), one
+    RMSNorm per style and a gated MLP per layout; none without transformers."""
+    try:
+        from transformers import LlamaConfig, Phi3Config
+        from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
+        from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm
+        from transformers.models.phi3.modeling_phi3 import Phi3MLP
+        from transformers.models.t5.modeling_t5 import T5LayerNorm
+    except ImportError:
+        return {}
+    settings = {"hidden_size": 16, "intermediate_size": 32, "num_attention_heads": 4}
+    norms = (LlamaRMSNorm, GemmaRMSNorm, T5LayerNorm)
+    examples = {norm: _Example(functools.partial(norm, 16), _tokens) for norm in norms}
+    examples[LlamaMLP] = _Example(lambda: LlamaMLP(LlamaConfig(**settings)), _tokens)
+    examples[Phi3MLP] = _Example(lambda: Phi3MLP(Phi3Config(**settings)), _tokens)
+    return examples
 
 
 def _modes(cls: type[nn.Module]) -> tuple[str, ...]:

@@ -1,6 +1,7 @@
 """Exact, memory-saving drop-in replacements for stock PyTorch layers, and a converter.
 
-Each ``MemSave*`` class subclasses its stock ``torch.nn`` class and overrides ``forward`` only:
+Each ``MemSave*`` class subclasses its stock ``torch.nn`` class and overrides ``forward`` only
+(Hugging Face RMSNorms and gated MLPs are converted by behaviour, see ``recognise.py``):
 parameters, buffers, ``state_dict`` keys and ``repr`` are the stock ones, outputs and gradients
 equal stock PyTorch's, and autograd keeps only what the requested gradients need.
 """
@@ -40,7 +41,9 @@ from memsave_cli.layers.dropout import (
     MemSaveDropout3d,
 )
 from memsave_cli.layers.maxpool import MemSaveMaxPool1d, MemSaveMaxPool2d, MemSaveMaxPool3d
+from memsave_cli.layers.recognise import unrecognised_counts
 from memsave_cli.layers.registry import DROP_INS
+from memsave_cli.layers.rmsnorm import MemSaveRMSNorm
 
 __all__ = [
     "DROP_INS",
@@ -68,9 +71,11 @@ __all__ = [
     "MemSaveMaxPool1d",
     "MemSaveMaxPool2d",
     "MemSaveMaxPool3d",
+    "MemSaveRMSNorm",
     "MemSaveReLU",
     "MemSaveReLU6",
     "convert",
     "converted_counts",
     "revert",
+    "unrecognised_counts",
 ]

@@ -30,3 +30,12 @@ def forbid_double_backward(layer: str) -> None:
             "tensors a second derivative needs. Use the stock layer there "
             "(memsave_cli.layers.revert) for higher-order gradients."
         )
+
+
+def autocast_on(device_type: str) -> bool:
+    """Whether autocast is enabled for ``device_type`` (False for types autocast does not know,
+    such as ``meta``)."""
+    try:
+        return torch.is_autocast_enabled(device_type)
+    except RuntimeError:
+        return False

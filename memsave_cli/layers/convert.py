@@ -7,6 +7,9 @@ exactly as they were, and a converted model loads a stock checkpoint (and vice v
 modules whose type is exactly a registered stock class are swapped; a subclass may have its own
 ``forward``, which a drop-in would silently bypass.
 
+Modules of other libraries (Hugging Face RMSNorms and gated MLPs) are converted by what they
+compute, not by their class: see NOTE [converting by behaviour] in ``recognise.py``.
+
 NOTE [functional ReLU of Transformer layers]: ``nn.TransformerEncoderLayer`` and
 ``nn.TransformerDecoderLayer`` apply their activation as a plain function (``F.relu`` by
 default), not as a submodule. ``convert`` replaces that ``F.relu`` with ``memsave_relu``, which
@@ -30,6 +33,7 @@ from memsave_cli.errors import MemsaveError
 # Imported for their ``@drop_in`` registrations, so that DROP_INS is complete.
 from memsave_cli.layers import activation, avgpool, batchnorm, conv, dropout, maxpool  # noqa: F401
 from memsave_cli.layers.activation import MemSaveReLU
+from memsave_cli.layers.recognise import convert_module, stock_class  # registers nn.RMSNorm too
 from memsave_cli.layers.registry import DROP_INS
 
 #: Layer types ``convert`` accepts in ``include``: a stock class, its name, or a family name.
@@ -62,6 +66,8 @@ def convert(
     converts ``model`` itself. ``include`` restricts the swap to some stock layer types: classes
     (``nn.Conv2d``), class names (``"Conv2d"``) or families (``"conv"``, ``"batchnorm"``,
     ``"activation"``, ``"dropout"``, ...: the ``memsave_cli.layers`` module defining the drop-in).
+    RMSNorms of other libraries are converted with ``nn.RMSNorm``, their gated MLPs only when
+    ``include`` is None, and only where recognised (NOTE [converting by behaviour]).
     Without ``include``, peft LoRA layers convert too (``lora_layer.py``).
     Models built under ``FakeTensorMode`` cannot be deep-copied: convert them with ``inplace=True``.
     """
@@ -71,6 +77,8 @@ def convert(
         drop_in = selected.get(type(module))
         if drop_in is not None:
             module.__class__ = drop_in
+        else:
+            convert_module(module, norms=nn.RMSNorm in selected, mlps=include is None)
         if nn.ReLU in selected and _has_activation(module, F.relu):
             module.activation = memsave_relu
     if include is None:
@@ -83,7 +91,7 @@ def revert(model: nn.Module, *, inplace: bool = False) -> nn.Module:
     stock_of = {drop_in: stock for stock, drop_in in DROP_INS.items()}
     target = model if inplace else copy.deepcopy(model)
     for module in target.modules():
-        stock = stock_of.get(type(module))
+        stock = stock_of.get(type(module)) or stock_class(type(module))
         if stock is not None:
             module.__class__ = stock
         if _has_activation(module, memsave_relu):
@@ -101,7 +109,7 @@ def converted_counts(model: nn.Module) -> dict[str, int]:
     stock_of = {drop_in: stock for stock, drop_in in DROP_INS.items()}
     counts: dict[str, int] = {}
     for module in model.modules():
-        stock = stock_of.get(type(module))
+        stock = stock_of.get(type(module)) or stock_class(type(module))
         name = stock.__name__ if stock is not None else None
         if _has_activation(module, memsave_relu):
             name = FUNCTIONAL_RELU

@@ -1,0 +1,227 @@
+"""Behaviour-recognised RMSNorms and gated MLPs: whole Hugging Face models bitwise, look-alikes left."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import Tensor, nn
+
+from memsave_cli.layers.convert import convert, converted_counts, revert
+from memsave_cli.layers.recognise import candidate_kind, recognise, unrecognised_counts
+from memsave_cli.saved import SavedTensorRecorder
+
+transformers = pytest.importorskip("transformers")
+
+_DECODER = dict(
+    hidden_size=24,
+    intermediate_size=40,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=50,
+    max_position_embeddings=64,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+#: Tiny configs of families shipped with transformers, with what convert finds in each.
+FAMILIES = {
+    "llama": (_DECODER, {"LlamaMLP": 2, "LlamaRMSNorm": 5}),
+    "mistral": (_DECODER, {"MistralMLP": 2, "MistralRMSNorm": 5}),
+    "phi3": (_DECODER, {"Phi3MLP": 2, "Phi3RMSNorm": 5}),
+    "qwen2": (_DECODER, {"Qwen2MLP": 2, "Qwen2RMSNorm": 5}),
+    "gemma": ({**_DECODER, "head_dim": 6}, {"GemmaMLP": 2, "GemmaRMSNorm": 5}),
+    "olmo2": (_DECODER, {"Olmo2MLP": 2, "Olmo2RMSNorm": 9}),
+    "t5": (
+        dict(d_model=24, d_ff=40, num_layers=2, num_heads=4, d_kv=6, vocab_size=50),
+        {"T5LayerNorm": 12},
+    ),
+}
+
+
+def tiny_model(family: str, dtype: torch.dtype) -> nn.Module:
+    """A randomly initialised two-layer model of ``family``, dropout off, eager attention."""
+    torch.manual_seed(0)
+    settings, _ = FAMILIES[family]
+    config = transformers.AutoConfig.for_model(family, **settings, attn_implementation="eager")
+    for name in ("dropout_rate", "attention_dropout", "resid_pdrop", "embd_pdrop"):
+        if hasattr(config, name):
+            setattr(config, name, 0.0)
+    if family == "t5":
+        model = transformers.T5ForConditionalGeneration(config)
+    else:
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    return model.to(dtype).train()
+
+
+def loss_and_grads(model: nn.Module, family: str, ids: Tensor) -> tuple[Tensor, list, int]:
+    """Loss, every parameter's gradient, and the activation bytes autograd saved."""
+    model.zero_grad()
+    kwargs = {"decoder_input_ids": ids} if family == "t5" else {}
+    with SavedTensorRecorder(model) as recorder:
+        loss = model(input_ids=ids, labels=ids, **kwargs).loss
+    loss.backward()
+    return loss, [p.grad for p in model.parameters()], recorder.activation_bytes
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_whole_model_bitwise(family: str, dtype: torch.dtype) -> None:
+    """Loss and every gradient equal stock's bitwise; less is saved; counts name the layers."""
+    stock = tiny_model(family, dtype)
+    converted = convert(stock)
+    counts = converted_counts(converted)
+    for name, count in FAMILIES[family][1].items():
+        assert counts.get(name) == count, counts
+    assert unrecognised_counts(converted) == {}
+    ids = torch.randint(3, 50, (2, 9), generator=torch.Generator().manual_seed(1))
+    ref, mine = loss_and_grads(stock, family, ids), loss_and_grads(converted, family, ids)
+    assert torch.equal(mine[0], ref[0])
+    for a, b in zip(mine[1], ref[1], strict=True):
+        assert (a is None and b is None) or torch.equal(a, b)
+    assert mine[2] < ref[2]
+
+
+def test_revert_and_checkpoints() -> None:
+    """revert restores the Hugging Face classes; state_dict keys and values are untouched."""
+    stock = tiny_model("phi3", torch.float32)
+    converted = convert(stock)
+    assert list(converted.state_dict()) == list(stock.state_dict())
+    converted.load_state_dict(stock.state_dict())
+    reverted = revert(converted)
+    assert [type(m) for m in reverted.modules()] == [type(m) for m in stock.modules()]
+    assert converted_counts(reverted).get("Phi3MLP") is None
+
+
+def test_meta_model_converts_without_touching_global_rng() -> None:
+    """Probes run on CPU whatever the model's device, and draw from their own generator."""
+    with torch.device("meta"):
+        model = tiny_model("llama", torch.bfloat16)
+    state = torch.get_rng_state()
+    convert(model, inplace=True)
+    assert torch.equal(torch.get_rng_state(), state)
+    assert converted_counts(model)["LlamaRMSNorm"] == 5
+
+
+class EpsOutsideNorm(nn.Module):
+    """Looks like an RMSNorm, but adds eps after the square root."""
+
+    def __init__(self, size: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.variance_epsilon = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        x32 = x.to(torch.float32)
+        scale = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True)) + self.variance_epsilon
+        return self.weight * (x32 * scale).to(x.dtype)
+
+
+class ClampedNorm(EpsOutsideNorm):
+    """An LLaMA RMSNorm with one extra op that only changes large values."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        x32 = x.to(torch.float32).clamp(-1e3, 1e3)
+        variance = x32.pow(2).mean(-1, keepdim=True)
+        return self.weight * (x32 * torch.rsqrt(variance + self.variance_epsilon)).to(x.dtype)
+
+
+class ScaledMLP(nn.Module):
+    """A gated MLP whose product is scaled: structure of LLaMA's, different arithmetic."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate_proj, self.up_proj = nn.Linear(8, 12), nn.Linear(8, 12)
+        self.down_proj, self.act_fn = nn.Linear(12, 8), nn.SiLU()
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x) * 0.5)
+
+
+class ReluMLP(ScaledMLP):
+    """A gated MLP with an activation memsave does not recompute."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.act_fn = nn.ReLU()
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+
+@pytest.mark.parametrize("module", [EpsOutsideNorm(8), ClampedNorm(8), ScaledMLP(), ReluMLP()])
+def test_look_alikes_stay_stock_and_are_reported(module: nn.Module) -> None:
+    """A candidate whose forward differs from every recipe is left alone and named."""
+    model = nn.Sequential(copy.deepcopy(module))
+    assert candidate_kind(model[0]) is not None
+    assert recognise(model[0], candidate_kind(model[0])) is None
+    converted = convert(model)
+    assert type(converted[0]) is type(module)
+    assert unrecognised_counts(converted) == {type(module).__name__: 1}
+    assert converted_counts(converted).get(type(module).__name__) is None
+
+
+def test_multi_argument_forward_is_not_a_candidate() -> None:
+    """A forward taking more than the input may use it differently: never a candidate."""
+
+    class TwoInputs(EpsOutsideNorm):
+        def forward(self, x: Tensor, residual: Tensor | None = None) -> Tensor:
+            return x
+
+    assert candidate_kind(TwoInputs(4)) is None
+
+
+def test_include_selects_norms_only() -> None:
+    """``include="rmsnorm"`` converts RMSNorms, recognised ones too, but no MLP."""
+    counts = converted_counts(convert(tiny_model("llama", torch.float32), include="rmsnorm"))
+    assert counts == {"LlamaRMSNorm": 5}
+
+
+LOOK_ALIKE_SPEC = """
+import torch
+from torch import nn
+
+
+class OddNorm(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(8))
+        self.eps = 1e-6
+
+    def forward(self, x):
+        return self.weight * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True)) + self.eps
+
+
+def model():
+    return nn.Sequential(nn.Linear(8, 8), OddNorm())
+"""
+
+
+def test_profile_notes_what_stays_stock(tmp_path) -> None:
+    """``memsave profile`` names the look-alikes it leaves stock."""
+    from memsave_cli.api import profile
+
+    path = tmp_path / "look_alike.py"
+    path.write_text(LOOK_ALIKE_SPEC)
+    report = profile(
+        f"{path}:model", cases=["all"], impls=["memsave"], device="meta", input_shape=(8,)
+    )
+    assert "memsave left stock what it does not reproduce bitwise: OddNorm (1)" in report.notes
+
+
+def test_converted_model_pickles_and_copies() -> None:
+    """torch.save/torch.load and deepcopy keep the recognised classes and the gradients."""
+    import io
+
+    converted = convert(tiny_model("gemma", torch.float32))
+    buffer = io.BytesIO()
+    torch.save(converted, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    for other in (loaded, copy.deepcopy(converted)):
+        assert [type(m) for m in other.modules()] == [type(m) for m in converted.modules()]
+    ids = torch.randint(3, 50, (2, 5), generator=torch.Generator().manual_seed(2))
+    ref, mine = loss_and_grads(converted, "gemma", ids), loss_and_grads(loaded, "gemma", ids)
+    assert torch.equal(ref[0], mine[0])
