@@ -168,6 +168,23 @@ def test_pooling(data, dims: int, pattern: str, grad_layout: str) -> None:
 
 
 @FUZZ
+@given(data=st.data(), pattern=patterns, grad_layout=grad_layouts)
+def test_rmsnorm(data, pattern: str, grad_layout: str) -> None:
+    x = data.draw(tensors(ndim=data.draw(st.integers(1, 4))))
+    dims = data.draw(st.integers(1, x.dim()))
+    affine = data.draw(st.booleans())
+    eps = data.draw(st.sampled_from([None, 1e-6, 0.1]))
+
+    def build():
+        module = nn.RMSNorm(list(x.shape[x.dim() - dims :]), eps, affine).to(x.dtype)
+        if affine:
+            module.weight.data.normal_(generator=torch.Generator().manual_seed(0))
+        return module
+
+    check(build, x, pattern, grad_layout)
+
+
+@FUZZ
 @given(
     x=tensors(ndim=4),
     p=st.sampled_from([0.0, 0.3, 0.5, 1.0]),

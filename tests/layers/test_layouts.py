@@ -50,6 +50,7 @@ EXAMPLES: dict[type[nn.Module], tuple[Callable[[], nn.Module], list[int]]] = {
     nn.AdaptiveAvgPool1d: (lambda: nn.AdaptiveAvgPool1d(4), [2, 3, 9]),
     nn.AdaptiveAvgPool2d: (lambda: nn.AdaptiveAvgPool2d((3, 4)), [2, 3, 8, 6]),
     nn.AdaptiveAvgPool3d: (lambda: nn.AdaptiveAvgPool3d(3), [2, 3, 4, 6, 5]),
+    nn.RMSNorm: (lambda: nn.RMSNorm([6], eps=1e-5), [2, 3, 8, 6]),
     # p = 0: no random noise, so dropout too must equal stock bit for bit.
     nn.Dropout: (lambda: nn.Dropout(0.0), [2, 3, 8, 6]),
     nn.Dropout1d: (lambda: nn.Dropout1d(0.0), [2, 3, 9]),
