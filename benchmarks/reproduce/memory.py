@@ -53,7 +53,8 @@ def cli_equivalent(
         args += ["--kwarg", f"{key}={value}"]
     if repeat is not None:
         args += ["--repeat", str(repeat)]
-    args += ["--inputs", PAPER_INPUTS]
+    if experiment.spec.startswith("hf:"):  # the only models whose inputs the setting changes
+        args += ["--inputs", PAPER_INPUTS]
     return shlex.join([*args, "--json", f"{experiment.model}.json"])
 
 
