@@ -1,0 +1,61 @@
+"""CUDA implementations of memsave's kernels, written in Triton.
+
+Every kernel runs compiled on CUDA tensors, or in Triton's interpreter (on any device, CPU tensors
+included) while ``TRITON_INTERPRET=1``; the choice is made at each launch (``_launch.py``), so the
+environment variable does not have to be set before anything is imported. Importing this package
+never raises: :func:`available` and :func:`status` say whether the kernels can run here; the
+kernel modules themselves import ``triton``.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+
+
+def available() -> bool:
+    """Whether the Triton kernels can run here: triton imports, and CUDA or the interpreter serves."""
+    return _reason() is None
+
+
+def status() -> str:
+    """One line saying how the Triton kernels run here, or why they cannot."""
+    reason = _reason()
+    if reason is not None:
+        return f"Triton kernels unavailable: {reason}."
+    mode = "interpreted (TRITON_INTERPRET=1)" if interpreting() else "compiled for CUDA"
+    return f"Triton kernels available, {mode} (triton {_triton_version()})."
+
+
+def interpreting() -> bool:
+    """Whether launches go to Triton's interpreter (``TRITON_INTERPRET=1``, read at every call)."""
+    return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "on", "yes")
+
+
+def _reason() -> str | None:
+    """Why the kernels cannot run, or None when they can."""
+    version = _triton_version()
+    if version is None:
+        return (
+            "triton is not importable (it installs with PyTorch's Linux wheels: pip install triton)"
+        )
+    if interpreting():
+        return None
+    import torch
+
+    if not torch.cuda.is_available():
+        return "no CUDA device, and TRITON_INTERPRET=1 is not set to run them in the interpreter"
+    return None
+
+
+@functools.cache
+def _triton_version() -> str | None:
+    """Triton's version, or None when it cannot be imported (checked once)."""
+    if importlib.util.find_spec("triton") is None:
+        return None
+    try:
+        import triton
+    except Exception:  # a broken install counts as "not importable": never raise here
+        return None
+    return str(getattr(triton, "__version__", "unknown"))

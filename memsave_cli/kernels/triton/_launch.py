@@ -1,0 +1,181 @@
+"""Launching the Triton kernels: compiled on CUDA, or in Triton's interpreter, and argument checks.
+
+NOTE [choosing compiled or interpreted at launch]: ``triton.jit`` decides at decoration time,
+from ``TRITON_INTERPRET``, whether a function is compiled or interpreted, so a module imported
+before the variable is set could never be interpreted, and one imported after never compiled.
+:class:`Kernel` keeps the plain function and builds either form on first use, choosing at every
+launch; a test may then set the variable for itself alone (``monkeypatch.setenv``) in a process
+that other tests share. Triton's own ``@triton.jit`` helpers (``tl.sum``, ``tl.randint``) were
+decorated when triton was imported, usually as compiled functions, which the interpreter cannot
+call; for the duration of an interpreted launch, calling one runs its interpreted form instead
+(:func:`_jit_helpers_interpreted`, undone afterwards, including the language patches the
+interpreter applies for it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+from triton.runtime import interpreter
+from triton.runtime.interpreter import InterpretedFunction
+from triton.runtime.jit import JITFunction
+
+from memsave_cli.kernels.triton import interpreting, status
+from memsave_cli.layers._layout import is_dense
+
+#: Elements per program of the elementwise kernels (a multiple of 64: whole 8-byte words of bits).
+BLOCK = 2048
+
+
+class Kernel:
+    """A Triton kernel function, compiled for CUDA tensors or interpreted under
+    ``TRITON_INTERPRET=1`` (NOTE [choosing compiled or interpreted at launch])."""
+
+    def __init__(self, fn: Callable[..., None], do_not_specialize: Sequence[str] = ()) -> None:
+        self.fn = fn
+        self.do_not_specialize = tuple(do_not_specialize)
+        self._compiled: JITFunction | None = None
+        self._interpreted: InterpretedFunction | None = None
+
+    def __getitem__(self, grid: tuple[int, ...]) -> Callable[..., Any]:
+        if interpreting():
+            if self._interpreted is None:
+                self._interpreted = InterpretedFunction(self.fn)
+            return _interpreted_launch(self._interpreted[grid])
+        if self._compiled is None:
+            self._compiled = JITFunction(self.fn, do_not_specialize=self.do_not_specialize)
+        return self._compiled[grid]
+
+
+def kernel(*, do_not_specialize: Sequence[str] = ()) -> Callable[[Callable[..., None]], Kernel]:
+    """Decorator making a :class:`Kernel`; ``do_not_specialize`` names integer arguments that vary
+    from call to call (seeds), so they do not cause recompilation."""
+    return lambda fn: Kernel(fn, do_not_specialize)
+
+
+def _interpreted_launch(launch: Callable[..., Any]) -> Callable[..., Any]:
+    """``launch`` run with triton's compiled helpers interpreted (NOTE above)."""
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        with _jit_helpers_interpreted():
+            return launch(*args, **kwargs)
+
+    return run
+
+
+@contextlib.contextmanager
+def _jit_helpers_interpreted() -> Iterator[None]:
+    """Make calls of compiled ``JITFunction`` helpers run in the interpreter, for a while."""
+    if JITFunction.__call__ is _call_interpreted:  # nested launch: already in place
+        yield
+        return
+    original = JITFunction.__call__
+    JITFunction.__call__ = _call_interpreted
+    try:
+        yield
+    finally:
+        JITFunction.__call__ = original
+
+
+def _call_interpreted(self: JITFunction, *args: Any, **kwargs: Any) -> Any:
+    """``InterpretedFunction.__call__`` for a compiled helper, restoring the language afterwards."""
+    function = _HELPERS.get(self.fn)
+    if function is None:
+        function = _HELPERS[self.fn] = InterpretedFunction(self.fn).rewrite()
+    scope = interpreter._patch_lang(self.fn)
+    try:
+        return function(*args, **kwargs)
+    finally:
+        scope.restore()
+
+
+#: Interpreted (rewritten) forms of triton's compiled helpers, by their Python function.
+_HELPERS: dict[Callable[..., Any], Callable[..., Any]] = {}
+
+
+def grid(numel: int, block: int = BLOCK) -> tuple[int]:
+    """One program per ``block`` elements (at least one, so empty launches stay valid)."""
+    return (max(1, -(-numel // block)),)
+
+
+# -------------------------------------------------------------------------------------------
+# Argument checks (shapes, strides, dtypes and devices only: nothing that synchronises)
+
+
+def check_device(tensor: Tensor, name: str) -> None:
+    """Raise unless ``tensor`` is strided and on a device the kernels run on now: CUDA, or any
+    device while interpreting."""
+    if not isinstance(tensor, Tensor) or tensor.layout != torch.strided:
+        raise ValueError(f"Triton kernels need strided tensors: {name} is {type(tensor).__name__}.")
+    if tensor.device.type != "cuda" and not interpreting():
+        raise ValueError(
+            f"Triton kernels need CUDA tensors unless TRITON_INTERPRET=1: {name} is on "
+            f"{tensor.device} ({status()})"
+        )
+
+
+def check_dense(tensor: Tensor, name: str) -> None:
+    """Raise unless ``tensor`` is dense: a permuted contiguous block, read here in memory order."""
+    check_device(tensor, name)
+    if not is_dense(tensor):
+        raise ValueError(
+            f"Triton kernels need dense tensors: {name} has shape {tuple(tensor.shape)} and "
+            f"strides {tensor.stride()} (call .contiguous())."
+        )
+
+
+def check_like(out: Tensor, like: Tensor, name: str, like_name: str, dtype=None) -> None:
+    """Raise unless ``out`` is dense, of ``dtype`` (default ``like``'s), on ``like``'s device and
+    holds ``like``'s elements in the same memory order."""
+    check_dense(out, name)
+    expected = like.dtype if dtype is None else dtype
+    if out.dtype != expected or out.device != like.device:
+        raise ValueError(
+            f"Mismatch: expected {name} of dtype {expected} on {like.device}, "
+            f"got {out.dtype} on {out.device}."
+        )
+    same_layout = out.shape == like.shape and out.stride() == like.stride()
+    flat_alike = out.numel() == like.numel() and out.is_contiguous() and like.is_contiguous()
+    if not (same_layout or flat_alike):
+        raise ValueError(
+            f"Layout mismatch: {name} (shape {tuple(out.shape)}, strides {out.stride()}) must "
+            f"match {like_name} (shape {tuple(like.shape)}, strides {like.stride()}) element "
+            "for element in memory."
+        )
+
+
+def check_bits(bits: Tensor, numel: int, like: Tensor) -> None:
+    """Raise unless ``bits`` is a contiguous uint8 tensor of ``ceil(numel / 8)`` bytes on
+    ``like``'s device."""
+    check_device(bits, "bits")
+    expected = -(-numel // 8)
+    if (
+        bits.dtype != torch.uint8
+        or bits.numel() != expected
+        or not bits.is_contiguous()
+        or bits.device != like.device
+    ):
+        raise ValueError(
+            f"Packed bits mismatch: expected {expected} contiguous uint8 bytes on {like.device}, "
+            f"got {bits.dtype} of shape {tuple(bits.shape)} on {bits.device}."
+        )
+
+
+def check_dtype(tensor: Tensor, name: str, dtypes: Sequence[torch.dtype]) -> None:
+    """Raise unless ``tensor`` has one of ``dtypes``."""
+    if tensor.dtype not in dtypes:
+        names = ", ".join(str(dtype).removeprefix("torch.") for dtype in dtypes)
+        raise ValueError(f"Dtype mismatch: expected {name} of dtype {names}, got {tensor.dtype}.")
+
+
+#: Integer dtype of each element size: kernels that only move or test bits read floats as these.
+BITS_DTYPE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def as_bits(tensor: Tensor) -> Tensor:
+    """``tensor`` viewed as the signed integers of its element size (bool as uint8)."""
+    return tensor.view(BITS_DTYPE[tensor.element_size()])

@@ -1,0 +1,227 @@
+"""ReLU, LeakyReLU and Hardtanh with their 1-bit masks in one pass, and LeakyReLU's backward.
+
+Each function mirrors the CPU kernel of the same name in ``memsave_cli/layers/native.py``:
+same arguments (outputs are written into ``out``/``bits``), same values bit for bit, same dtypes.
+Tensors are read as flat arrays in memory order: they must be dense, on one device, and tensors
+that correspond element by element must share that order (``out`` may be the input itself, for an
+in-place call); ``bits`` holds ``ceil(numel / 8)`` contiguous uint8 bytes, bits in the order of
+``bitmask.py`` (element ``8 * k + i`` is bit ``i`` of byte ``k``), padding bits zero.
+
+Scalars that must be exact in the element type (a float64 slope, hardtanh's bounds) reach the
+kernels in a small tensor of that type: Triton passes Python floats as float32.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton.language as tl
+from torch import Tensor
+
+from memsave_cli.kernels.triton._launch import (
+    BLOCK,
+    as_bits,
+    check_bits,
+    check_dense,
+    check_dtype,
+    check_like,
+    grid,
+    kernel,
+)
+
+#: Bits of +infinity of each float dtype (NOTE [float classes as integer tests] in ``native.c``).
+_INF_BITS = {torch.float64: 0x7FF0000000000000, torch.float32: 0x7F800000}
+_INF_BITS.update({torch.bfloat16: 0x7F80, torch.float16: 0x7C00})
+#: The float dtypes of the kernels that compute in the element type, as ``native.py`` has them.
+_WIDE = (torch.float32, torch.float64)
+#: Triton's float type of each of those torch dtypes.
+_TL_FLOAT = {torch.float32: tl.float32, torch.float64: tl.float64}
+
+
+def relu_pack(x: Tensor, out: Tensor, bits: Tensor) -> None:
+    """Write ``torch.relu(x)`` to ``out`` and set bit ``i`` of ``bits`` where it is nonzero.
+
+    A ReLU result is NaN, positive or a signed zero (``-0.0`` stays ``-0.0``, NaN payloads are
+    copied), so the bit is set exactly where ``not x <= 0``, where ``threshold_backward`` passes
+    the gradient. Integer tests on the bits, no float arithmetic: float64, float32, bfloat16 and
+    float16 alike, and denormals never flushed. ``native.relu_pack``.
+    """
+    check_dense(x, "x")
+    check_dtype(x, "x", tuple(_INF_BITS))
+    check_like(out, x, "out", "x")
+    check_bits(bits, x.numel(), x)
+    width = 8 * x.element_size()
+    launch = _relu_pack_kernel[grid(x.numel())]
+    launch(
+        as_bits(x),
+        as_bits(out),
+        bits,
+        x.numel(),
+        MAGNITUDE=2 ** (width - 1) - 1,
+        INF=_INF_BITS[x.dtype],
+        BLOCK=BLOCK,
+    )
+
+
+def leaky_pack(x: Tensor, out: Tensor, bits: Tensor, slope: float) -> None:
+    """Write ``leaky_relu(x, slope)`` to ``out`` and set bit ``i`` of ``bits`` where ``x > 0``.
+
+    ``x if x > 0 else x * slope`` with ``slope`` rounded to ``x``'s dtype, as ATen's CPU kernel
+    computes it (NaN takes the multiply). float32 and float64; ``native.leaky_pack``.
+    """
+    _check_wide("leaky_pack", x, out, bits, "x")
+    scalars = _scalars(x, slope)
+    _leaky_pack_kernel[grid(x.numel())](x, out, bits, scalars, x.numel(), BLOCK=BLOCK)
+
+
+def hardtanh_pack(x: Tensor, out: Tensor, bits: Tensor, low: float, high: float) -> bool:
+    """Write ``hardtanh(x, low, high)`` to ``out`` and set bit ``i`` where ``low < x < high``;
+    return whether elements were held.
+
+    As ``native.hardtanh_pack``: elements whose clamp ATen's CPU loops treat inconsistently (NaN,
+    and a zero meeting a zero bound of the other sign) are "held": copied to ``out`` unchanged,
+    and the return value says whether there were any, so that ``F.hardtanh`` over ``out``
+    finishes them as stock would (every other element of ``out`` is already clamped). ``low`` and
+    ``high`` must be representable in ``x.dtype`` (float32 or float64). Returning a Python bool
+    synchronises with the device once.
+    """
+    _check_wide("hardtanh_pack", x, out, bits, "x")
+    programs = grid(x.numel())
+    # Allocation: one flag per program (no atomics), reduced on the device before the one sync.
+    held = torch.zeros(programs[0], dtype=torch.int8, device=x.device)
+    hold_neg_zero = _is_zero(low, 1.0) or _is_zero(high, 1.0)  # -0.0 meets a +0.0 bound
+    hold_pos_zero = _is_zero(low, -1.0) or _is_zero(high, -1.0)  # +0.0 meets a -0.0 bound
+    _hardtanh_pack_kernel[programs](
+        as_bits(x),
+        as_bits(out),
+        bits,
+        _scalars(x, low, high),
+        held,
+        x.numel(),
+        FLOAT=_TL_FLOAT[x.dtype],
+        SIGN=-(2 ** (8 * x.element_size() - 1)),
+        HOLD_NEG_ZERO=hold_neg_zero,
+        HOLD_POS_ZERO=hold_pos_zero,
+        BLOCK=BLOCK,
+    )
+    return bool(held.any())
+
+
+def select_scale(grad: Tensor, bits: Tensor, out: Tensor, slope: float) -> None:
+    """Write ``grad * 1`` where bit ``i`` is set and ``grad * slope`` elsewhere to ``out``.
+
+    One multiply in ``grad``'s dtype by a factor read at run time (so the ``* 1`` is never
+    folded away), ``slope`` rounded to that dtype: the vectorised loop of ATen's CPU
+    ``leaky_relu_backward``. float32 and float64; ``native.select_scale``.
+    """
+    _check_wide("select_scale", grad, out, bits, "grad")
+    scalars = _scalars(grad, slope, 1.0)
+    _select_scale_kernel[grid(grad.numel())](grad, bits, out, scalars, grad.numel(), BLOCK=BLOCK)
+
+
+def _check_wide(name: str, x: Tensor, out: Tensor, bits: Tensor, x_name: str) -> None:
+    """Raise unless ``x`` is a dense float32/float64 tensor, ``out`` is like it and ``bits`` holds
+    one bit per element: the arguments of the kernels that compute in the element type."""
+    check_dense(x, x_name)
+    if x.dtype not in _WIDE:
+        raise ValueError(f"{name} expects float32 or float64, got {x.dtype}.")
+    check_like(out, x, "out", x_name)
+    check_bits(bits, x.numel(), x)
+
+
+def _scalars(like: Tensor, *values: float) -> Tensor:
+    """``values`` rounded to ``like``'s dtype, in a tensor on its device (filled there: no sync)."""
+    scalars = torch.empty(len(values), dtype=like.dtype, device=like.device)
+    for index, value in enumerate(values):
+        scalars[index] = value
+    return scalars
+
+
+def _is_zero(value: float, sign: float) -> bool:
+    """Whether ``value`` is a zero with the sign of ``sign``."""
+    return value == 0.0 and math.copysign(1.0, value) == sign
+
+
+# -------------------------------------------------------------------------------------------
+# Kernels: each program packs BLOCK elements as a (BLOCK // 8, 8) tile, one row per byte.
+
+
+@kernel()
+def _relu_pack_kernel(
+    x_ptr, out_ptr, bits_ptr, n, MAGNITUDE: tl.constexpr, INF: tl.constexpr, BLOCK: tl.constexpr
+):
+    lane = tl.arange(0, 8)
+    rows = tl.program_id(0).to(tl.int64) * (BLOCK // 8) + tl.arange(0, BLOCK // 8)
+    offsets = rows[:, None] * 8 + lane[None, :]
+    inside = offsets < n
+    u = tl.load(x_ptr + offsets, mask=inside, other=0)
+    magnitude = u & MAGNITUDE
+    passes = (u > 0) | (magnitude > INF)  # positive or NaN: not x <= 0
+    zeroed = (u < 0) & (magnitude != 0) & (magnitude <= INF)  # negative non-NaN (not -0.0)
+    tl.store(out_ptr + offsets, tl.where(zeroed, 0, u), mask=inside)
+    byte = tl.sum((passes & inside).to(tl.int32) << lane[None, :], axis=1)
+    tl.store(bits_ptr + rows, byte.to(tl.uint8), mask=rows * 8 < n)
+
+
+@kernel()
+def _leaky_pack_kernel(x_ptr, out_ptr, bits_ptr, scalars_ptr, n, BLOCK: tl.constexpr):
+    lane = tl.arange(0, 8)
+    rows = tl.program_id(0).to(tl.int64) * (BLOCK // 8) + tl.arange(0, BLOCK // 8)
+    offsets = rows[:, None] * 8 + lane[None, :]
+    inside = offsets < n
+    x = tl.load(x_ptr + offsets, mask=inside, other=0)
+    slope = tl.load(scalars_ptr)
+    positive = x > 0
+    tl.store(out_ptr + offsets, tl.where(positive, x, x * slope), mask=inside)
+    byte = tl.sum((positive & inside).to(tl.int32) << lane[None, :], axis=1)
+    tl.store(bits_ptr + rows, byte.to(tl.uint8), mask=rows * 8 < n)
+
+
+@kernel()
+def _hardtanh_pack_kernel(
+    x_ptr,
+    out_ptr,
+    bits_ptr,
+    scalars_ptr,
+    held_ptr,
+    n,
+    FLOAT: tl.constexpr,
+    SIGN: tl.constexpr,
+    HOLD_NEG_ZERO: tl.constexpr,
+    HOLD_POS_ZERO: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    lane = tl.arange(0, 8)
+    rows = tl.program_id(0).to(tl.int64) * (BLOCK // 8) + tl.arange(0, BLOCK // 8)
+    offsets = rows[:, None] * 8 + lane[None, :]
+    inside = offsets < n
+    u = tl.load(x_ptr + offsets, mask=inside, other=0)
+    x = u.to(FLOAT, bitcast=True)
+    low = tl.load(scalars_ptr)
+    high = tl.load(scalars_ptr + 1)
+    hold = x != x  # NaN
+    if HOLD_NEG_ZERO:
+        hold = hold | (u == SIGN)
+    if HOLD_POS_ZERO:
+        hold = hold | (u == 0)
+    clamped = tl.where(x < low, low, tl.where(x > high, high, x))
+    result = tl.where(hold, u, clamped.to(u.dtype, bitcast=True))
+    tl.store(out_ptr + offsets, result, mask=inside)
+    between = (x > low) & (x < high) & inside
+    byte = tl.sum(between.to(tl.int32) << lane[None, :], axis=1)
+    tl.store(bits_ptr + rows, byte.to(tl.uint8), mask=rows * 8 < n)
+    tl.store(held_ptr + tl.program_id(0), tl.max((hold & inside).to(tl.int8), axis=None))
+
+
+@kernel()
+def _select_scale_kernel(grad_ptr, bits_ptr, out_ptr, scalars_ptr, n, BLOCK: tl.constexpr):
+    lane = tl.arange(0, 8)
+    rows = tl.program_id(0).to(tl.int64) * (BLOCK // 8) + tl.arange(0, BLOCK // 8)
+    offsets = rows[:, None] * 8 + lane[None, :]
+    inside = offsets < n
+    byte = tl.load(bits_ptr + rows, mask=rows * 8 < n, other=0).to(tl.int32)
+    set_ = ((byte[:, None] >> lane[None, :]) & 1) != 0
+    grad = tl.load(grad_ptr + offsets, mask=inside, other=0)
+    factor = tl.where(set_, tl.load(scalars_ptr + 1), tl.load(scalars_ptr))
+    tl.store(out_ptr + offsets, grad * factor, mask=inside)
