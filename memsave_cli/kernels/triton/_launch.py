@@ -27,7 +27,8 @@ from triton.runtime.jit import JITFunction
 from memsave_cli.kernels.triton import interpreting, status
 from memsave_cli.layers._layout import is_dense
 
-#: Elements per program of the elementwise kernels (a multiple of 64: whole 8-byte words of bits).
+#: Most elements per program of the elementwise kernels (a power of two, at least 64: whole
+#: 8-byte words of bits per program).
 BLOCK = 2048
 
 
@@ -97,9 +98,15 @@ def _call_interpreted(self: JITFunction, *args: Any, **kwargs: Any) -> Any:
 _HELPERS: dict[Callable[..., Any], Callable[..., Any]] = {}
 
 
-def grid(numel: int, block: int = BLOCK) -> tuple[int]:
-    """One program per ``block`` elements (at least one, so empty launches stay valid)."""
-    return (max(1, -(-numel // block)),)
+def block(numel: int) -> int:
+    """Elements per program for ``numel`` elements: ``BLOCK``, or the power of two >= 64 that
+    covers a smaller tensor (the interpreter's time grows with the block, not the tensor)."""
+    return min(BLOCK, max(64, 1 << max(0, numel - 1).bit_length()))
+
+
+def grid(numel: int) -> tuple[int]:
+    """One program per :func:`block` of elements (at least one: empty launches stay valid)."""
+    return (max(1, -(-numel // block(numel))),)
 
 
 # -------------------------------------------------------------------------------------------

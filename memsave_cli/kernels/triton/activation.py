@@ -20,8 +20,8 @@ import triton.language as tl
 from torch import Tensor
 
 from memsave_cli.kernels.triton._launch import (
-    BLOCK,
     as_bits,
+    block,
     check_bits,
     check_dense,
     check_dtype,
@@ -60,7 +60,7 @@ def relu_pack(x: Tensor, out: Tensor, bits: Tensor) -> None:
         x.numel(),
         MAGNITUDE=2 ** (width - 1) - 1,
         INF=_INF_BITS[x.dtype],
-        BLOCK=BLOCK,
+        BLOCK=block(x.numel()),
     )
 
 
@@ -72,7 +72,7 @@ def leaky_pack(x: Tensor, out: Tensor, bits: Tensor, slope: float) -> None:
     """
     _check_wide("leaky_pack", x, out, bits, "x")
     scalars = _scalars(x, slope)
-    _leaky_pack_kernel[grid(x.numel())](x, out, bits, scalars, x.numel(), BLOCK=BLOCK)
+    _leaky_pack_kernel[grid(x.numel())](x, out, bits, scalars, x.numel(), BLOCK=block(x.numel()))
 
 
 def hardtanh_pack(x: Tensor, out: Tensor, bits: Tensor, low: float, high: float) -> bool:
@@ -103,7 +103,7 @@ def hardtanh_pack(x: Tensor, out: Tensor, bits: Tensor, low: float, high: float)
         SIGN=-(2 ** (8 * x.element_size() - 1)),
         HOLD_NEG_ZERO=hold_neg_zero,
         HOLD_POS_ZERO=hold_pos_zero,
-        BLOCK=BLOCK,
+        BLOCK=block(x.numel()),
     )
     return bool(held.any())
 
@@ -117,7 +117,9 @@ def select_scale(grad: Tensor, bits: Tensor, out: Tensor, slope: float) -> None:
     """
     _check_wide("select_scale", grad, out, bits, "grad")
     scalars = _scalars(grad, slope, 1.0)
-    _select_scale_kernel[grid(grad.numel())](grad, bits, out, scalars, grad.numel(), BLOCK=BLOCK)
+    _select_scale_kernel[grid(grad.numel())](
+        grad, bits, out, scalars, grad.numel(), BLOCK=block(grad.numel())
+    )
 
 
 def _check_wide(name: str, x: Tensor, out: Tensor, bits: Tensor, x_name: str) -> None:

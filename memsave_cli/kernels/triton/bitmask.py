@@ -15,8 +15,8 @@ from torch import Tensor
 
 from memsave_cli.kernels.triton._launch import (
     BITS_DTYPE,
-    BLOCK,
     as_bits,
+    block,
     check_bits,
     check_dense,
     check_like,
@@ -32,7 +32,7 @@ def pack(mask: Tensor) -> Tensor:
     if mask.dtype != torch.bool:
         raise ValueError(f"pack expects a bool mask, got dtype {mask.dtype}.")
     bits = torch.empty(-(-mask.numel() // 8), dtype=torch.uint8, device=mask.device)
-    _pack_kernel[grid(mask.numel())](as_bits(mask), bits, mask.numel(), BLOCK=BLOCK)
+    _pack_kernel[grid(mask.numel())](as_bits(mask), bits, mask.numel(), BLOCK=block(mask.numel()))
     return bits
 
 
@@ -46,7 +46,7 @@ def unpack(bits: Tensor, numel: int, dtype: torch.dtype, invert: bool = False) -
     if out.element_size() not in BITS_DTYPE:
         raise ValueError(f"unpack expects 1, 2, 4 or 8-byte elements, got {dtype}.")
     one = int(torch.ones((), dtype=dtype).view(BITS_DTYPE[out.element_size()]).item())
-    _unpack_kernel[grid(numel)](bits, as_bits(out), numel, one, INVERT=invert, BLOCK=BLOCK)
+    _unpack_kernel[grid(numel)](bits, as_bits(out), numel, one, INVERT=invert, BLOCK=block(numel))
     return out
 
 
@@ -64,7 +64,9 @@ def select_bits(grad: Tensor, bits: Tensor, out: Tensor, *, invert: bool = False
     check_like(out, grad, "out", "grad")
     check_bits(bits, grad.numel(), grad)
     launch = _select_bits_kernel[grid(grad.numel())]
-    launch(as_bits(grad), bits, as_bits(out), grad.numel(), INVERT=invert, BLOCK=BLOCK)
+    launch(
+        as_bits(grad), bits, as_bits(out), grad.numel(), INVERT=invert, BLOCK=block(grad.numel())
+    )
 
 
 # -------------------------------------------------------------------------------------------

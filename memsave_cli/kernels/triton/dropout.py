@@ -1,0 +1,183 @@
+"""Dropout whose noise is regenerated from a seed inside the kernel that applies it.
+
+``dropout_mul`` computes ``out = x * noise`` without the noise ever existing in memory: each
+program draws the random words of its elements (NOTE [the dropout random stream] in
+``philox.py``), decides which to keep, and multiplies. Forward calls it on the input and
+backward on the gradient with the same seed, so they meet the same noise whatever the layouts of
+the two. The noise holds exactly stock's values (NOTE [regenerated dropout masks] in
+``layers/dropout.py``): 0, or ``torch.ones((), dtype).div_(1 - p)`` as stock rounds it, and the
+product is one multiply in the element type as stock's ``input * noise`` computes it (bfloat16
+through float32, rounded to nearest even). The stream differs from the CPU one (a
+``torch.Generator``); a forward and its backward must therefore run on the same kind of device.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import triton.language as tl
+from torch import Tensor
+
+from memsave_cli.kernels.triton._launch import (
+    as_bits,
+    block,
+    check_dense,
+    check_device,
+    grid,
+    kernel,
+)
+from memsave_cli.kernels.triton.philox import KEY_A, KEY_B, ROUND_A, ROUND_B, ROUNDS, keep_count
+
+#: Dimensions the kernel walks after merging those that are contiguous in both tensors.
+_MAX_RANK = 4
+_FLOAT_BITS = {torch.float64: tl.float64, torch.float32: tl.float32, torch.float16: tl.float16}
+_DTYPES = (*_FLOAT_BITS, torch.bfloat16)
+_TL_INT = {2: tl.int16, 4: tl.int32, 8: tl.int64}
+
+
+def dropout_mul(x: Tensor, seed: int, p: float, out: Tensor) -> None:
+    """Write ``x * noise`` to ``out``, ``noise = noise_reference(seed, p, x.shape, x.dtype)``.
+
+    ``x`` may have any strides (an expanded gradient included), ``out`` must be dense, of
+    ``x``'s shape, dtype and device, and may be ``x`` itself (in place). Dtypes float64,
+    float32, float16, bfloat16; ``0 <= p <= 1`` (``p = 1`` gives ``x * 0``, NaN for infinite
+    inputs, as stock's ``input * zeros``); ``0 <= seed < 2**64``.
+    """
+    check_device(x, "x")
+    check_dense(out, "out")
+    if out.shape != x.shape or out.dtype != x.dtype or out.device != x.device:
+        raise ValueError(
+            f"Mismatch: expected out of shape {tuple(x.shape)}, {x.dtype} on {x.device}, got "
+            f"{tuple(out.shape)}, {out.dtype} on {out.device}."
+        )
+    _launch(x, seed, p, out)
+
+
+def dropout_noise(
+    seed: int, p: float, shape: Sequence[int], dtype: torch.dtype, device: torch.device | str
+) -> Tensor:
+    """The noise itself, contiguous: for feature dropout, whose noise ``(N, C, 1, ...)`` is small
+    and broadcast over the input; ``noise_reference`` bit for bit."""
+    # Allocation: the noise, the result.
+    out = torch.empty(tuple(shape), dtype=dtype, device=device)
+    check_device(out, "noise")
+    _launch(None, seed, p, out)
+    return out
+
+
+def _launch(x: Tensor | None, seed: int, p: float, out: Tensor) -> None:
+    """Run the kernel over ``out``'s elements, reading ``x`` (ones where None)."""
+    if out.dtype not in _DTYPES:
+        raise ValueError(f"Dtype mismatch: dropout expects a float dtype, got {out.dtype}.")
+    if not 0 <= int(seed) < 2**64:
+        raise ValueError(f"Expected a seed in [0, 2**64), got {seed}.")
+    if out.numel() == 0:
+        return
+    like = out if x is None else x
+    sizes, (x_strides, out_strides) = _collapse(out.shape, like.stride(), out.stride())
+    if len(sizes) > _MAX_RANK:  # rare: a dense out permuted beyond what merging can flatten
+        flat = torch.empty(out.shape, dtype=out.dtype, device=out.device)
+        _launch(None if x is None else x.contiguous(), seed, p, flat)
+        out.copy_(flat)
+        return
+    pad = _MAX_RANK - len(sizes)
+    sizes, x_strides, out_strides = (
+        [1] * pad + sizes,
+        [0] * pad + x_strides,
+        [0] * pad + out_strides,
+    )
+    bfloat = out.dtype == torch.bfloat16
+    compute = torch.float32 if bfloat else out.dtype
+    scale = torch.ones((), dtype=out.dtype).div_(1.0 - p).to(compute)
+    _dropout_kernel[grid(out.numel())](
+        as_bits(out) if x is None else as_bits(x), as_bits(out), out.numel(),
+        int(seed) & 0xFFFFFFFF, int(seed) >> 32, keep_count(p), int(as_bits(scale).item()),
+        *sizes[1:], *x_strides, *out_strides,
+        RANK=max(1, len(sizes) - pad), HAS_X=x is not None, BFLOAT=bfloat,
+        FLOAT=tl.float32 if bfloat else _FLOAT_BITS[out.dtype],
+        SCALE_BITS=_TL_INT[scale.element_size()],
+        ONE=int(as_bits(torch.ones((), dtype=out.dtype)).item()), BLOCK=block(out.numel()),
+    )  # fmt: skip
+
+
+def _collapse(shape: Sequence[int], *strides: Sequence[int]) -> tuple[list[int], list[list[int]]]:
+    """Sizes and per-tensor strides of ``shape`` with size-1 dimensions dropped and neighbours
+    merged wherever they are contiguous in every tensor (a contiguous pair becomes one dim)."""
+    sizes: list[int] = []
+    merged: list[list[int]] = [[] for _ in strides]
+    for dim, size in enumerate(shape):
+        if size == 1:
+            continue
+        inner = [stride[dim] for stride in strides]
+        if sizes and all(s[-1] == i * size for s, i in zip(merged, inner, strict=True)):
+            sizes[-1] *= size
+            for s, i in zip(merged, inner, strict=True):
+                s[-1] = i
+            continue
+        sizes.append(size)
+        for s, i in zip(merged, inner, strict=True):
+            s.append(i)
+    return sizes, merged
+
+
+@kernel(do_not_specialize=("seed_lo", "seed_hi", "keep"))
+def _dropout_kernel(
+    x_ptr, out_ptr, n, seed_lo, seed_hi, keep, scale_bits,
+    size1, size2, size3, xs0, xs1, xs2, xs3, os0, os1, os2, os3,
+    RANK: tl.constexpr, HAS_X: tl.constexpr, BFLOAT: tl.constexpr, FLOAT: tl.constexpr,
+    SCALE_BITS: tl.constexpr, ONE: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    # Logical (row-major) indices, four per philox counter: a (BLOCK // 4, 4) tile.
+    quads = tl.program_id(0).to(tl.int64) * (BLOCK // 4) + tl.arange(0, BLOCK // 4)
+    lane = tl.arange(0, 4)[None, :]
+    index = quads[:, None] * 4 + lane
+    inside = index < n
+    # philox4x32-10, inline (NOTE [choosing compiled or interpreted at launch] in _launch.py).
+    c0 = quads.to(tl.uint32)
+    c1 = (quads >> 32).to(tl.uint32)
+    c2 = tl.zeros([BLOCK // 4], dtype=tl.uint32)
+    c3 = tl.zeros([BLOCK // 4], dtype=tl.uint32)
+    k0 = seed_lo.to(tl.uint32)
+    k1 = seed_hi.to(tl.uint32)
+    for _ in tl.static_range(ROUNDS):
+        _c0, _c2 = c0, c2
+        c0 = tl.umulhi(ROUND_B, _c2) ^ c1 ^ k0
+        c2 = tl.umulhi(ROUND_A, _c0) ^ c3 ^ k1
+        c1 = tl.mul(ROUND_B, _c2, sanitize_overflow=False)
+        c3 = tl.mul(ROUND_A, _c0, sanitize_overflow=False)
+        k0 = tl.add(k0, KEY_A, sanitize_overflow=False)
+        k1 = tl.add(k1, KEY_B, sanitize_overflow=False)
+    word = tl.where(lane == 0, c0[:, None], c1[:, None])
+    word = tl.where(lane == 2, c2[:, None], word)
+    word = tl.where(lane == 3, c3[:, None], word)
+    kept = word.to(tl.int64) < keep
+    # Memory offsets of the logical indices in each tensor (dims merged on the host).
+    x_offset = (index % size3) * xs3
+    out_offset = (index % size3) * os3
+    if RANK >= 2:
+        x_offset += (index // size3 % size2) * xs2
+        out_offset += (index // size3 % size2) * os2
+    if RANK >= 3:
+        x_offset += (index // (size3 * size2) % size1) * xs1
+        out_offset += (index // (size3 * size2) % size1) * os1
+    if RANK >= 4:
+        x_offset += (index // (size3 * size2 * size1)) * xs0
+        out_offset += (index // (size3 * size2 * size1)) * os0
+    if HAS_X:
+        bits = tl.load(x_ptr + x_offset, mask=inside, other=0)
+    else:
+        bits = tl.full([BLOCK // 4, 4], ONE, dtype=out_ptr.dtype.element_ty)
+    scale = scale_bits.to(tl.int64).to(SCALE_BITS).to(FLOAT, bitcast=True)
+    noise = tl.where(kept, scale, 0.0).to(FLOAT)
+    if BFLOAT:
+        # bfloat16 through float32 (exact), rounded back to nearest even, NaN as c10 writes it.
+        x = (bits.to(tl.int32) << 16).to(tl.float32, bitcast=True)
+        y = (x * noise).to(tl.uint32, bitcast=True)
+        rounded = (y + 0x7FFF + ((y >> 16) & 1)) >> 16
+        nan = (y & 0x7FFFFFFF) > 0x7F800000
+        result = tl.where(nan, 0x7FC0, rounded).to(tl.uint16).to(tl.int16, bitcast=True)
+    else:
+        y = bits.to(FLOAT, bitcast=True) * noise
+        result = y.to(bits.dtype, bitcast=True)
+    tl.store(out_ptr + out_offset, result, mask=inside)
