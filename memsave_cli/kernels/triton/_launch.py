@@ -18,6 +18,7 @@ import contextlib
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+import numpy
 import torch
 from torch import Tensor
 from triton.runtime import interpreter
@@ -62,7 +63,8 @@ def _interpreted_launch(launch: Callable[..., Any]) -> Callable[..., Any]:
     """``launch`` run with triton's compiled helpers interpreted (NOTE above)."""
 
     def run(*args: Any, **kwargs: Any) -> Any:
-        with _jit_helpers_interpreted():
+        # numpy warns of what the GPU does silently (inf * 0, wrapping integer products).
+        with _jit_helpers_interpreted(), numpy.errstate(all="ignore"):
             return launch(*args, **kwargs)
 
     return run

@@ -1,0 +1,211 @@
+"""Triton mask kernels, interpreted on CPU tensors: bitwise equal to stock PyTorch, to the CPU
+kernels of ``native.py`` and to ``bitmask.py``'s packing, for every dtype, odd sizes, dense
+non-contiguous layouts, and NaN, infinities, signed zeros and denormals."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+pytest.importorskip("triton", reason="triton is not installed (it ships with PyTorch on Linux)")
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from triton_cases import (
+    DTYPES,
+    LAYOUTS,
+    SIZES,
+    WIDE,
+    assert_same_bits,
+    assert_same_bytes,
+    garbage_bits,
+    garbage_like,
+    ids,
+    laid_out,
+    memory_order,
+    samples,
+)
+
+from memsave_cli.kernels.triton import activation, bitmask
+from memsave_cli.layers import native
+from memsave_cli.layers.bitmask import layout_of, pack_bits, unpack_as
+
+
+def _numel(layout: str) -> int:
+    return torch.Size(LAYOUTS[layout][0]).numel()
+
+
+requires_native = pytest.mark.skipif(not native.available(), reason=native.status())
+
+
+def _relu(x: Tensor) -> tuple[Tensor, Tensor]:
+    y, bits = garbage_like(x), garbage_bits(x.numel())
+    activation.relu_pack(x, y, bits)
+    return y, bits
+
+
+def _bits_of(mask: Tensor) -> Tensor:
+    """``bitmask.pack_bits`` of a bool mask, in the mask's memory order."""
+    return pack_bits(mask, layout_of(mask))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=ids)
+@pytest.mark.parametrize("numel", SIZES)
+def test_relu_pack_is_stock_relu(dtype: torch.dtype, numel: int) -> None:
+    """Result of ``torch.relu`` (16-bit NaN payloads aside: stock's vector loop rewrites them),
+    bits of ``not x <= 0`` as ``bitmask.pack_bits`` packs them."""
+    x = samples(dtype, numel, seed=numel)
+    y, bits = _relu(x)
+    assert_same_bits(y, torch.relu(x), nan_payloads=x.element_size() > 2)
+    assert_same_bytes(bits, _bits_of(~(x <= 0)))
+
+
+@requires_native
+@pytest.mark.parametrize("dtype", DTYPES, ids=ids)
+@pytest.mark.parametrize("numel", [7, 129, 4099])
+def test_relu_pack_is_native(dtype: torch.dtype, numel: int) -> None:
+    """Bit for bit the CPU kernel, NaN payloads included (both copy NaNs)."""
+    x = samples(dtype, numel, seed=3)
+    y, bits = _relu(x)
+    expected, expected_bits = torch.empty_like(x), garbage_bits(numel)
+    native.relu_pack(x, expected, expected_bits)
+    assert_same_bits(y, expected)
+    assert_same_bytes(bits, expected_bits)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_relu_pack_in_memory_order_and_in_place(layout: str) -> None:
+    """A channels_last or permuted input is read in memory order, also when ``out`` is ``x``."""
+    x = laid_out(samples(torch.float32, _numel(layout), seed=1), layout)
+    assert not x.is_contiguous()
+    expected, expected_bits = torch.relu(x), _bits_of(~(x <= 0))
+    y, bits = _relu(x)
+    assert y.stride() == x.stride()
+    assert_same_bits(y, expected)
+    assert_same_bytes(bits, expected_bits)
+    inplace_bits = garbage_bits(x.numel())
+    activation.relu_pack(x, x, inplace_bits)
+    assert_same_bits(x, expected)
+    assert_same_bytes(inplace_bits, expected_bits)
+
+
+@pytest.mark.parametrize("dtype", WIDE, ids=ids)
+@pytest.mark.parametrize("numel", [1, 7, 65, 4099])
+@pytest.mark.parametrize("slope", [0.01, -0.3])
+def test_leaky_pack_is_stock(dtype: torch.dtype, numel: int, slope: float) -> None:
+    """``F.leaky_relu`` bit for bit (slope rounded to the dtype), bits of ``x > 0``, and the CPU
+    kernel's results."""
+    x = samples(dtype, numel, seed=numel)
+    y, bits = garbage_like(x), garbage_bits(numel)
+    activation.leaky_pack(x, y, bits, slope)
+    assert_same_bits(y, F.leaky_relu(x, slope))
+    assert_same_bytes(bits, _bits_of(x > 0))
+    if native.available():
+        expected, expected_bits = torch.empty_like(x), garbage_bits(numel)
+        native.leaky_pack(x, expected, expected_bits, slope)
+        assert_same_bits(y, expected)
+        assert_same_bytes(bits, expected_bits)
+
+
+#: Bounds of Hardtanh/ReLU6, and signed zero bounds that make the kernel hold zeros.
+BOUNDS = [(-1.0, 1.0), (0.0, 6.0), (-0.0, 0.5), (-2.0, -0.0)]
+
+
+@pytest.mark.parametrize("dtype", WIDE, ids=ids)
+@pytest.mark.parametrize("numel", [7, 129, 4099])
+@pytest.mark.parametrize("bounds", BOUNDS, ids=str)
+def test_hardtanh_pack_is_native_and_finishes_as_stock(
+    dtype: torch.dtype, numel: int, bounds: tuple[float, float]
+) -> None:
+    """The CPU kernel's result, bits and held flag; after stock finishes the held elements (as
+    the layer does), stock's ``F.hardtanh``, NaN payloads aside."""
+    low, high = bounds
+    x = samples(dtype, numel, seed=numel)
+    y, bits = garbage_like(x), garbage_bits(numel)
+    held = activation.hardtanh_pack(x, y, bits, low, high)
+    assert_same_bytes(bits, _bits_of((x > low) & (x < high)))
+    if native.available():
+        expected, expected_bits = torch.empty_like(x), garbage_bits(numel)
+        assert held == native.hardtanh_pack(x, expected, expected_bits, low, high)
+        assert_same_bits(y, expected)
+        assert_same_bytes(bits, expected_bits)
+    raw = x.view(torch.int32 if dtype == torch.float32 else torch.int64)
+    signed_zero = {1.0: raw == torch.iinfo(raw.dtype).min, -1.0: raw == 0}  # bound sign -> x held
+    holds = x.isnan()
+    for bound in bounds:
+        if bound == 0.0:
+            holds |= signed_zero[math.copysign(1.0, bound)]
+    assert held == bool(holds.any())
+    F.hardtanh(y, low, high, inplace=True)
+    assert_same_bits(y, F.hardtanh(x, low, high), nan_payloads=False)
+
+
+def test_hardtanh_pack_holds_nothing_on_plain_numbers() -> None:
+    """Without NaN or a zero meeting a zero bound, nothing is held and the result is final."""
+    x = samples(torch.float32, 1031, seed=5).nan_to_num_(0.5, 2.0, -2.0)
+    y, bits = garbage_like(x), garbage_bits(x.numel())
+    assert not activation.hardtanh_pack(x, y, bits, -1.0, 1.0)
+    assert_same_bits(y, F.hardtanh(x, -1.0, 1.0))
+
+
+def _unpacked(bits: Tensor, like: Tensor, invert: bool = False) -> Tensor:
+    """``bitmask.unpack_as`` of ``bits`` as a 0/1 tensor laid out as ``like``."""
+    return unpack_as(bits, layout_of(like), like.dtype, invert=invert)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=ids)
+@pytest.mark.parametrize("numel", SIZES)
+@pytest.mark.parametrize("invert", [False, True])
+def test_select_bits_is_threshold_backward(dtype: torch.dtype, numel: int, invert: bool) -> None:
+    """``threshold_backward(grad, mask01, 0)`` for the unpacked mask, gradients copied bit for
+    bit (16-bit NaN payloads aside, which stock's vector loop rewrites)."""
+    grad = samples(dtype, numel, seed=numel + 1)
+    bits = bitmask.pack(samples(dtype, numel, seed=numel) > 0)
+    out = garbage_like(grad)
+    bitmask.select_bits(grad, bits, out, invert=invert)
+    mask = _unpacked(bits, grad, invert)
+    expected = torch.ops.aten.threshold_backward(grad, mask, 0)
+    assert_same_bits(out, expected, nan_payloads=grad.element_size() > 2)
+    if native.available():
+        native_out = torch.empty_like(grad)
+        native.select_bits(grad, bits, native_out, invert=invert)
+        assert_same_bits(out, native_out)
+
+
+@pytest.mark.parametrize("dtype", WIDE, ids=ids)
+@pytest.mark.parametrize("numel", [1, 7, 65, 4099])
+def test_select_scale_is_leaky_relu_backward(dtype: torch.dtype, numel: int) -> None:
+    """The vector loop of ``leaky_relu_backward`` for the mask the bits hold, and the CPU kernel."""
+    grad, x = samples(dtype, numel, seed=numel + 1), samples(dtype, numel, seed=numel)
+    bits, out = bitmask.pack(x > 0), garbage_like(grad)
+    activation.select_scale(grad, bits, out, -0.3)
+    expected = torch.ops.aten.leaky_relu_backward(grad, _unpacked(bits, grad), -0.3, False)
+    assert_same_bits(out, expected, nan_payloads=False)  # stock's scalar tail skips the * 1
+    if native.available():
+        native_out = torch.empty_like(grad)
+        native.select_scale(grad, bits, native_out, -0.3)
+        assert_same_bits(out, native_out)
+
+
+@pytest.mark.parametrize("numel", SIZES)
+def test_pack_and_unpack_are_bitmasks(numel: int) -> None:
+    """``pack`` is ``bitmask.pack_bits``; ``unpack`` is ``unpack_as`` in memory order, for the
+    bool, float and integer dtypes, plain and inverted."""
+    mask = samples(torch.float32, numel, seed=numel) > 0
+    bits = bitmask.pack(mask)
+    assert_same_bytes(bits, pack_bits(mask))
+    for dtype in (torch.bool, torch.float32, torch.bfloat16, torch.float64, torch.int64):
+        for invert in (False, True):
+            expected = _unpacked(bits, mask.to(dtype), invert)
+            assert torch.equal(bitmask.unpack(bits, numel, dtype, invert), expected)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_pack_follows_memory_order(layout: str) -> None:
+    """A channels_last or permuted mask packs in memory order, as ``pack_bits`` with its layout."""
+    mask = laid_out(samples(torch.float32, 315, seed=2)[: _numel(layout)] > 0, layout)
+    bits = bitmask.pack(mask)
+    assert_same_bytes(bits, pack_bits(mask, layout_of(mask)))
+    assert_same_bytes(bits, pack_bits(memory_order(mask)))
