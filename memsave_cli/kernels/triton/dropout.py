@@ -19,6 +19,7 @@ import torch
 import triton.language as tl
 from torch import Tensor
 
+from memsave_cli.kernels.triton import philox
 from memsave_cli.kernels.triton._launch import (
     as_bits,
     block,
@@ -27,8 +28,12 @@ from memsave_cli.kernels.triton._launch import (
     grid,
     kernel,
 )
-from memsave_cli.kernels.triton.philox import KEY_A, KEY_B, ROUND_A, ROUND_B, ROUNDS, keep_count
+from memsave_cli.kernels.triton.philox import keep_count
 
+#: The philox constants as the compiled kernel may read them (Triton reads no other globals).
+_ROUND_A, _ROUND_B = tl.constexpr(philox.ROUND_A), tl.constexpr(philox.ROUND_B)
+_KEY_A, _KEY_B = tl.constexpr(philox.KEY_A), tl.constexpr(philox.KEY_B)
+_ROUNDS = tl.constexpr(philox.ROUNDS)
 #: Dimensions the kernel walks after merging those that are contiguous in both tensors.
 _MAX_RANK = 4
 _FLOAT_BITS = {torch.float64: tl.float64, torch.float32: tl.float32, torch.float16: tl.float16}
@@ -140,14 +145,14 @@ def _dropout_kernel(
     c3 = tl.zeros([BLOCK // 4], dtype=tl.uint32)
     k0 = seed_lo.to(tl.uint32)
     k1 = seed_hi.to(tl.uint32)
-    for _ in tl.static_range(ROUNDS):
+    for _ in tl.static_range(_ROUNDS):
         _c0, _c2 = c0, c2
-        c0 = tl.umulhi(ROUND_B, _c2) ^ c1 ^ k0
-        c2 = tl.umulhi(ROUND_A, _c0) ^ c3 ^ k1
-        c1 = tl.mul(ROUND_B, _c2, sanitize_overflow=False)
-        c3 = tl.mul(ROUND_A, _c0, sanitize_overflow=False)
-        k0 = tl.add(k0, KEY_A, sanitize_overflow=False)
-        k1 = tl.add(k1, KEY_B, sanitize_overflow=False)
+        c0 = tl.umulhi(_ROUND_B, _c2) ^ c1 ^ k0
+        c2 = tl.umulhi(_ROUND_A, _c0) ^ c3 ^ k1
+        c1 = tl.mul(_ROUND_B, _c2, sanitize_overflow=False)
+        c3 = tl.mul(_ROUND_A, _c0, sanitize_overflow=False)
+        k0 = tl.add(k0, _KEY_A, sanitize_overflow=False)
+        k1 = tl.add(k1, _KEY_B, sanitize_overflow=False)
     word = tl.where(lane == 0, c0[:, None], c1[:, None])
     word = tl.where(lane == 2, c2[:, None], word)
     word = tl.where(lane == 3, c3[:, None], word)
