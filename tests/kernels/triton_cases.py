@@ -10,7 +10,7 @@ from memsave_cli.layers.bitmask import layout_of
 
 #: Sizes around byte and block boundaries (a block is at most 2048 elements), kept few: every
 #: launch is interpreted.
-SIZES = [0, 1, 7, 8, 63, 65, 129, 1031, 4099]
+SIZES = [0, 1, 7, 63, 65, 4099]
 #: Dtypes of the kernels that only test and move bits, and of those that compute in the type.
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
 WIDE = [torch.float32, torch.float64]

@@ -157,10 +157,14 @@ def _dropout_kernel(
     word = tl.where(lane == 2, c2[:, None], word)
     word = tl.where(lane == 3, c3[:, None], word)
     kept = word.to(tl.int64) < keep
-    # Memory offsets of the logical indices in each tensor (dims merged on the host).
-    x_offset = (index % size3) * xs3
-    out_offset = (index % size3) * os3
-    if RANK >= 2:
+    # Memory offsets of the logical indices in each tensor (dims merged on the host); a
+    # contiguous pair is one dim of stride 1, which the compiler sees (vectorised accesses).
+    if RANK == 1:
+        x_offset = index * xs3
+        out_offset = index * os3
+    else:
+        x_offset = (index % size3) * xs3
+        out_offset = (index % size3) * os3
         x_offset += (index // size3 % size2) * xs2
         out_offset += (index // size3 % size2) * os2
     if RANK >= 3:
