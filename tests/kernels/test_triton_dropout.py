@@ -86,11 +86,14 @@ def test_dropout_edge_probabilities() -> None:
     assert_same_bits(_dropped(x, 1.0), x * torch.zeros(()))
 
 
-@pytest.mark.parametrize("layout", [*LAYOUTS, "expanded", "sliced"])
+@pytest.mark.parametrize("layout", [*LAYOUTS, "expanded", "sliced", "permuted-5d"])
 def test_noise_ignores_layout(layout: str) -> None:
     """The noise follows logical indices: a channels_last, permuted, expanded or sliced input
-    meets the noise of its contiguous copy, written to a contiguous or like-strided ``out``."""
-    if layout == "expanded":
+    meets the noise of its contiguous copy, written to a contiguous or like-strided ``out``
+    (five dimensions that merge nowhere take the row-major detour)."""
+    if layout == "permuted-5d":
+        x = samples(torch.float32, 72, seed=6).view(2, 3, 2, 3, 2).permute(4, 2, 0, 3, 1)
+    elif layout == "expanded":
         x = samples(torch.float32, 35, seed=6).view(5, 1, 7).expand(5, 3, 7)
     elif layout == "sliced":
         x = samples(torch.float32, 140, seed=6).view(5, 28)[:, ::2]

@@ -79,31 +79,35 @@ def _launch(x: Tensor | None, seed: int, p: float, out: Tensor) -> None:
         raise ValueError(f"Expected a seed in [0, 2**64), got {seed}.")
     if out.numel() == 0:
         return
-    like = out if x is None else x
-    sizes, (x_strides, out_strides) = _collapse(out.shape, like.stride(), out.stride())
-    if len(sizes) > _MAX_RANK:  # rare: a dense out permuted beyond what merging can flatten
+    walk = _walk(out if x is None else x, out)
+    if walk is None:  # rare: a dense out permuted beyond what merging can flatten
+        # Deliberate transient: the result in row-major order, then copied into out's layout.
         flat = torch.empty(out.shape, dtype=out.dtype, device=out.device)
         _launch(None if x is None else x.contiguous(), seed, p, flat)
         out.copy_(flat)
         return
-    pad = _MAX_RANK - len(sizes)
-    sizes, x_strides, out_strides = (
-        [1] * pad + sizes,
-        [0] * pad + x_strides,
-        [0] * pad + out_strides,
-    )
     bfloat = out.dtype == torch.bfloat16
-    compute = torch.float32 if bfloat else out.dtype
-    scale = torch.ones((), dtype=out.dtype).div_(1.0 - p).to(compute)
+    # Stock's scale, rounded in the dtype; bfloat16 multiplies in float32, where it is exact.
+    scale = torch.ones((), dtype=out.dtype).div_(1.0 - p).to(torch.float32 if bfloat else out.dtype)
     _dropout_kernel[grid(out.numel())](
         as_bits(out) if x is None else as_bits(x), as_bits(out), out.numel(),
         int(seed) & 0xFFFFFFFF, int(seed) >> 32, keep_count(p), int(as_bits(scale).item()),
-        *sizes[1:], *x_strides, *out_strides,
-        RANK=max(1, len(sizes) - pad), HAS_X=x is not None, BFLOAT=bfloat,
+        *walk, HAS_X=x is not None, BFLOAT=bfloat,
         FLOAT=tl.float32 if bfloat else _FLOAT_BITS[out.dtype],
         SCALE_BITS=_TL_INT[scale.element_size()],
         ONE=int(as_bits(torch.ones((), dtype=out.dtype)).item()), BLOCK=block(out.numel()),
     )  # fmt: skip
+
+
+def _walk(x: Tensor, out: Tensor) -> list[int] | None:
+    """The kernel's layout arguments: sizes 1 to 3 and the strides of ``x`` and of ``out`` over
+    ``_MAX_RANK`` merged dimensions (padded in front), then the rank; None past ``_MAX_RANK``."""
+    sizes, (x_strides, out_strides) = _collapse(out.shape, x.stride(), out.stride())
+    if len(sizes) > _MAX_RANK:
+        return None
+    pad = _MAX_RANK - len(sizes)
+    padded = [1] * pad + sizes
+    return [*padded[1:], *([0] * pad + x_strides), *([0] * pad + out_strides), max(1, len(sizes))]
 
 
 def _collapse(shape: Sequence[int], *strides: Sequence[int]) -> tuple[list[int], list[list[int]]]:
@@ -129,8 +133,8 @@ def _collapse(shape: Sequence[int], *strides: Sequence[int]) -> tuple[list[int],
 @kernel(do_not_specialize=("seed_lo", "seed_hi", "keep"))
 def _dropout_kernel(
     x_ptr, out_ptr, n, seed_lo, seed_hi, keep, scale_bits,
-    size1, size2, size3, xs0, xs1, xs2, xs3, os0, os1, os2, os3,
-    RANK: tl.constexpr, HAS_X: tl.constexpr, BFLOAT: tl.constexpr, FLOAT: tl.constexpr,
+    size1, size2, size3, xs0, xs1, xs2, xs3, os0, os1, os2, os3, RANK: tl.constexpr,
+    HAS_X: tl.constexpr, BFLOAT: tl.constexpr, FLOAT: tl.constexpr,
     SCALE_BITS: tl.constexpr, ONE: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
     # Logical (row-major) indices, four per philox counter: a (BLOCK // 4, 4) tile.
