@@ -9,7 +9,9 @@ that other tests share. Triton's own ``@triton.jit`` helpers (``tl.sum``, ``tl.r
 decorated when triton was imported, usually as compiled functions, which the interpreter cannot
 call; for the duration of an interpreted launch, calling one runs its interpreted form instead
 (:func:`_jit_helpers_interpreted`, undone afterwards, including the language patches the
-interpreter applies for it).
+interpreter applies for it). That patch is process-wide while it lasts and uses the
+interpreter's private ``_patch_lang`` (triton 3.8): interpretation is for tests and debugging,
+one thread at a time, never the CUDA path.
 """
 
 from __future__ import annotations
