@@ -82,7 +82,10 @@ def hardtanh_pack(x: Tensor, out: Tensor, bits: Tensor, low: float, high: float)
     As ``native.hardtanh_pack``: elements whose clamp ATen's CPU loops treat inconsistently (NaN,
     and a zero meeting a zero bound of the other sign) are "held": copied to ``out`` unchanged,
     and the return value says whether there were any, so that ``F.hardtanh`` over ``out``
-    finishes them as stock would (every other element of ``out`` is already clamped). ``low`` and
+    finishes them as stock would (every other element of ``out`` is already clamped). With
+    bounds -0.0 and +0.0 every element is held: each clamp then picks between two zeros, which
+    ATen's vector loop and scalar tail (and the CPU kernel's AVX2 and portable loops) do
+    differently. ``low`` and
     ``high`` must be representable in ``x.dtype`` (float32 or float64). Returning a Python bool
     synchronises with the device once.
     """
@@ -207,6 +210,8 @@ def _hardtanh_pack_kernel(
         hold = hold | (u == SIGN)
     if HOLD_POS_ZERO:
         hold = hold | (u == 0)
+    if HOLD_NEG_ZERO and HOLD_POS_ZERO:  # bounds -0.0 and +0.0: every clamp meets both zeros
+        hold = u == u
     clamped = tl.where(x < low, low, tl.where(x > high, high, x))
     result = tl.where(hold, u, clamped.to(u.dtype, bitcast=True))
     tl.store(out_ptr + offsets, result, mask=inside)
