@@ -23,6 +23,7 @@ from triton_cases import (
     garbage_bits,
     garbage_like,
     ids,
+    interpreted,  # noqa: F401 (autouse: TRITON_INTERPRET=1)
     laid_out,
     memory_order,
     samples,

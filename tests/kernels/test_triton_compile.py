@@ -18,6 +18,7 @@ from triton.backends.compiler import BaseBackend, GPUTarget
 from triton.compiler import ASTSource
 from triton.runtime.interpreter import InterpretedFunction
 from triton.runtime.jit import JITFunction, native_specialize_impl
+from triton_cases import interpreted  # noqa: F401 (autouse: TRITON_INTERPRET=1)
 
 from memsave_cli.kernels.triton import activation, bitmask, dropout, maxpool
 from memsave_cli.kernels.triton._launch import Kernel

@@ -12,7 +12,16 @@ pytest.importorskip("triton", reason="triton is not installed (it ships with PyT
 
 import torch
 import triton.language as tl
-from triton_cases import DTYPES, LAYOUTS, assert_same_bits, garbage_like, ids, laid_out, samples
+from triton_cases import (
+    DTYPES,
+    LAYOUTS,
+    assert_same_bits,
+    garbage_like,
+    ids,
+    interpreted,  # noqa: F401 (autouse: TRITON_INTERPRET=1)
+    laid_out,
+    samples,
+)
 
 from memsave_cli.kernels.triton import dropout, philox
 from memsave_cli.kernels.triton._launch import kernel

@@ -11,7 +11,13 @@ pytest.importorskip("hypothesis", reason="hypothesis is not installed")
 import hypothesis
 import torch
 from torch import Tensor
-from triton_cases import assert_same_bits, assert_same_bytes, garbage_bits, garbage_like
+from triton_cases import (
+    assert_same_bits,
+    assert_same_bytes,
+    garbage_bits,
+    garbage_like,
+    interpreted,  # noqa: F401 (autouse: TRITON_INTERPRET=1)
+)
 
 from memsave_cli.kernels.triton import activation, bitmask
 from memsave_cli.layers import native

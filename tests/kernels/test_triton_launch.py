@@ -8,6 +8,7 @@ import sys
 
 import pytest
 import torch
+from triton_cases import interpreted  # noqa: F401 (autouse: TRITON_INTERPRET=1)
 
 from memsave_cli.kernels import triton as kernels
 

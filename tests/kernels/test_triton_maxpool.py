@@ -9,7 +9,10 @@ pytest.importorskip("triton", reason="triton is not installed (it ships with PyT
 
 import torch
 import torch.nn.functional as F
-from triton_cases import ids
+from triton_cases import (
+    ids,
+    interpreted,  # noqa: F401 (autouse: TRITON_INTERPRET=1)
+)
 
 from memsave_cli.kernels.triton import maxpool
 from memsave_cli.layers import native

@@ -8,6 +8,15 @@ from torch import Tensor
 
 from memsave_cli.layers.bitmask import layout_of
 
+
+@pytest.fixture(autouse=True)
+def interpreted(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``TRITON_INTERPRET=1`` for one test alone, in the modules that import this fixture: the
+    kernels choose compiled or interpreted at every launch (NOTE [choosing compiled or
+    interpreted at launch] in ``_launch.py``), so no other test in the process sees it."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+
 #: Sizes around byte and block boundaries (a block is at most 2048 elements), kept few: every
 #: launch is interpreted.
 SIZES = [0, 1, 7, 63, 65, 4099]
