@@ -88,7 +88,9 @@ def laid_out(
 def _values(shape: list[int], dtype, g: torch.Generator, special: Sequence[float]) -> Tensor:
     x = torch.randn(shape, generator=g, dtype=torch.float64)
     if special and x.numel():
-        picks = torch.randint(0, x.numel(), (max(1, x.numel() // 4),), generator=g)
+        # Distinct positions: an index_put with repeated indices lets parallel threads decide
+        # which value lands, so two calls with one seed could make different inputs.
+        picks = torch.randint(0, x.numel(), (max(1, x.numel() // 4),), generator=g).unique()
         fill = torch.tensor(special, dtype=torch.float64)
         x.view(-1)[picks] = fill[torch.randint(0, len(special), picks.shape, generator=g)]
     return x.to(dtype)
