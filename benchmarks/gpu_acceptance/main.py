@@ -55,6 +55,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, help="rounds per model case (15, quick 10)")
     parser.add_argument("--layer-rounds", type=int, help="rounds per layer (20, quick 10)")
     parser.add_argument("--dtypes", nargs="+", choices=("float32", "bfloat16", "float16"))
+    parser.add_argument("--layers", nargs="+", help="only these layers, e.g. ReLU Conv2d")
     hidden = argparse.SUPPRESS
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help=hidden)
     parser.add_argument("--worker", choices=tuple(WORKER_PARTS), help=hidden)
@@ -92,6 +93,7 @@ def plan_of(args: argparse.Namespace) -> Plan:
         ("rounds", "model_rounds"),
         ("layer_rounds", "layer_rounds"),
         ("parts", "parts"),
+        ("layers", "layers"),
         ("dtypes", "dtypes"),
     ):
         value = getattr(args, option)
