@@ -49,7 +49,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         type=Path,
         help="the JSON of everything (default: DOCS/results/gpu_acceptance.json)",
     )
-    parser.add_argument("--budget", type=float, help="seconds for the whole run (540, quick 240)")
+    parser.add_argument("--budget", type=float, help="seconds for the whole run (500, quick 240)")
     parser.add_argument("--parts", nargs="+", choices=PARTS, help="only these parts")
     parser.add_argument("--models", nargs="+", help="models to time, e.g. resnet101/resnet101")
     parser.add_argument("--rounds", type=int, help="rounds per model case (15, quick 10)")

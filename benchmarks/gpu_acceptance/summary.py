@@ -38,16 +38,22 @@ def summary(cells: Sequence[Cell], parts: Sequence[str], header: str) -> str:
 
 
 def verdict(part: str, cells: Sequence[Cell]) -> str:
-    """PASS/FAIL for checked parts; for measurements, whether anything was measured."""
+    """PASS/FAIL for checked parts, DONE for measurements; PARTIAL when some cells were skipped
+    (out of budget) and the others held."""
     if not cells:
         return "-"
+    skipped = any(c.status is Status.SKIPPED for c in cells)
     if part in CHECKED_PARTS:
         if failed(cells):
             return "FAIL"
-        return "PASS" if any(c.status is Status.PASS for c in cells) else "SKIPPED"
+        if not any(c.status is Status.PASS for c in cells):
+            return "SKIPPED"
+        return "PARTIAL" if skipped else "PASS"
     if any(c.status is Status.ERROR for c in cells):
         return "ERRORS"
-    return "DONE" if any(c.status is Status.MEASURED for c in cells) else "SKIPPED"
+    if not any(c.status is Status.MEASURED for c in cells):
+        return "SKIPPED"
+    return "PARTIAL" if skipped else "DONE"
 
 
 def memory_lines(cells: Sequence[Cell]) -> list[str]:
