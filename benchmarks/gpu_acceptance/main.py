@@ -19,7 +19,7 @@ from benchmarks.gpu_acceptance.budget import Budget, Deadline
 from benchmarks.gpu_acceptance.cells import Cell, Status, failed, progress, write_line
 from benchmarks.gpu_acceptance.device import describe_device
 from benchmarks.gpu_acceptance.isolate import MODULE, run_worker
-from benchmarks.gpu_acceptance.outputs import write_json, write_pages
+from benchmarks.gpu_acceptance.outputs import unpack, write_json, write_pages
 from benchmarks.gpu_acceptance.plan import PARTS, Plan, experiments, full_plan, quick_plan
 from benchmarks.gpu_acceptance.summary import summary
 from benchmarks.reproduce.record import DOCS, relative
@@ -49,6 +49,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         type=Path,
         help="the JSON of everything (default: DOCS/results/gpu_acceptance.json)",
     )
+    parser.add_argument(
+        "--unpack",
+        type=Path,
+        metavar="JSON",
+        help="write the result files and pages of a run's JSON (brought from the GPU machine) "
+        "under --docs, and stop",
+    )
     parser.add_argument("--budget", type=float, help="seconds for the whole run (500, quick 240)")
     parser.add_argument("--parts", nargs="+", choices=PARTS, help="only these parts")
     parser.add_argument("--models", nargs="+", help="models to time, e.g. resnet101/resnet101")
@@ -71,6 +78,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     if args.worker:
         return worker(args)
+    if args.unpack:
+        return unpack_command(args.unpack, args.docs or DOCS)
     if args.device == "cuda" and not torch.cuda.is_available():
         print(NO_DEVICE)
         return 0
@@ -141,9 +150,9 @@ def _part(part, plan, budget, emit, cells, docs, command, isolate) -> dict[str, 
     elif part == "memory":
         return {"memory_reports": memory.run(plan, budget, emit)}
     elif part == "model-time":
-        files = model_time.run(plan, budget, emit, command, docs / "results")
-        pages = write_pages(docs, plan.device) if files else []
-        return {"results": [relative(f) for f in files], "pages": [relative(p) for p in pages]}
+        records = model_time.run(plan, budget, emit, command, docs / "results")
+        pages = write_pages(docs, plan.device) if records else []
+        return {"records": records, "pages": [relative(p) for p in pages]}
     return {}
 
 
@@ -178,6 +187,18 @@ def finish(
     print("\n" + summary(cells, plan.parts, header))
     print(f"\n{'PASS' if passed else 'FAIL'}: JSON {relative(out)}; pages under {relative(docs)}")
     return 0 if passed else 1
+
+
+def unpack_command(path: Path, docs: Path) -> int:
+    """``--unpack``: a run's JSON into result files and pages; exit 2 if it is not one."""
+    try:
+        written = unpack(path, docs)
+    except (OSError, ValueError) as error:
+        print(f"error: cannot unpack {path}: {error}", file=sys.stderr)
+        return 2
+    for written_path in written:
+        print(f"wrote {relative(written_path)}")
+    return 0
 
 
 def worker(args: argparse.Namespace) -> int:

@@ -41,9 +41,10 @@ MIN_CASE_S = 15.0
 
 def run(
     plan: Plan, budget: Budget, emit: Callable[[Cell], None], command: str, root: Path
-) -> list[Path]:
-    """Time every model of the plan while the budget lasts; write and return its result files."""
-    written = []
+) -> dict[str, dict[str, Any]]:
+    """Time every model of the plan while the budget lasts; write its result files under
+    ``root`` and return them by path relative to ``root``."""
+    written: dict[str, dict[str, Any]] = {}
     for experiment in plan.timed:
         start = time.perf_counter()
         record = time_model(experiment, plan, budget, emit)
@@ -56,7 +57,7 @@ def run(
         )
         path = result_path(experiment, root)
         save(path, record)
-        written.append(path)
+        written[path.relative_to(root).as_posix()] = record
     return written
 
 

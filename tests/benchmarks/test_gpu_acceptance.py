@@ -86,6 +86,15 @@ def test_whole_run_on_cpu(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
     summary = capsys.readouterr().out.split("GPU acceptance on cpu:")[-1]
     assert "exactness    PASS" in summary and "memory       PASS" in summary
     assert summary.rstrip().splitlines()[-1].startswith("PASS: JSON")
+    assert set(record["records"]) == {"time/cpu/cnn/resnet18.json"}
+    # Another machine (the one a lent GPU's files come back to) writes the same files and pages.
+    assert (
+        main.main(["--unpack", str(tmp_path / "acceptance.json"), "--docs", str(tmp_path / "b")])
+        == 0
+    )
+    for name in ("results/time/cpu/cnn/resnet18.json", "generated/time-cpu-cnn.md"):
+        assert (tmp_path / "b" / name).read_text() == (tmp_path / "docs" / name).read_text()
+    assert json.loads((tmp_path / "b/results/gpu_acceptance.json").read_text()) == record
 
 
 def test_a_failing_layer_fails_the_run_and_the_others_finish(
@@ -130,7 +139,7 @@ def test_a_spent_budget_skips_with_a_note(tmp_path: Path) -> None:
         (Status.SKIPPED, "time budget spent")
     }
     timed = model_time.run(TINY_PLAN, Budget(0.0), cells.append, "cmd", tmp_path)
-    assert timed == [] and not (tmp_path / "time").exists()
+    assert timed == {} and not (tmp_path / "time").exists()
     assert cells[-1].status is Status.SKIPPED and cells[-1].name == "tiny MLP input"
 
 
@@ -157,6 +166,17 @@ def test_unknown_model_is_one_line_and_exit_2(capsys: pytest.CaptureFixture[str]
     assert main.main(["--device", "cpu", "--models", "resnet1001"]) == 2
     error = capsys.readouterr().err
     assert error.count("\n") == 1 and "unknown model 'resnet1001'" in error
+
+
+def test_unpack_refuses_other_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    other = tmp_path / "report.json"
+    other.write_text(json.dumps({"kind": "memory"}))
+    assert main.main(["--unpack", str(other), "--docs", str(tmp_path)]) == 2
+    assert capsys.readouterr().err.count("\n") == 1
+    escaping = {"kind": "gpu_acceptance", "plan": {"device": "cuda"}, "records": {"../x.json": {}}}
+    other.write_text(json.dumps(escaping))
+    assert main.main(["--unpack", str(other), "--docs", str(tmp_path)]) == 2
+    assert not (tmp_path / "x.json").exists()
 
 
 def test_plans_round_trip_through_json() -> None:
