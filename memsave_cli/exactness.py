@@ -200,6 +200,20 @@ def compare(
     return side_diffs(*sides)
 
 
+def stock_diffs(
+    build: Callable[[], nn.Module],
+    make_inputs: Callable[[], tuple[Sequence[object], dict[str, object]]],
+    pattern: str,
+    seed: int = 0,
+    grad_layout: str = "contiguous",
+) -> list[str]:
+    """Every difference between two runs of stock ``build()`` itself (empty: stock reproduces
+    itself bit for bit). Where it does not (atomic adds in a GPU backward, say), no drop-in can
+    equal it, so a difference from ``compare`` there says nothing about the drop-in."""
+    sides = [run_side(build(), make_inputs, pattern, seed, grad_layout) for _ in range(2)]
+    return side_diffs(*sides)
+
+
 def side_diffs(stock: Side, ours: Side) -> list[str]:
     """The differences between the two sides' errors, outputs, gradients and buffers."""
     if stock.error or ours.error:

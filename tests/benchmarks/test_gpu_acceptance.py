@@ -124,6 +124,20 @@ def test_a_failing_layer_fails_the_run_and_the_others_finish(
     assert cells["LeakyReLU float32"]["status"] == "pass"
 
 
+def test_where_stock_does_not_reproduce_itself_nothing_fails(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A nondeterministic stock kernel (atomic adds on a GPU) is reported apart, not failed."""
+    monkeypatch.setattr(exactness, "compare", lambda *args, **kwargs: ["gradient 0: differs"])
+    monkeypatch.setattr(exactness, "stock_diffs", lambda *args, **kwargs: ["gradient 0: differs"])
+    code, record = run_tiny(tmp_path, replace(TINY_PLAN, parts=("exactness",), layers=("ReLU",)))
+    (cell,) = record["cells"]
+    assert code == 0 and cell["status"] == "skipped"
+    assert (
+        cell["detail"] == "stock does not reproduce itself; 4 where stock does not reproduce itself"
+    )
+
+
 def test_a_memory_difference_beyond_the_tolerance_fails(tmp_path: Path) -> None:
     plan = replace(TINY_PLAN, parts=("memory",), tolerance=-1.0)  # no difference is small enough
     code, record = run_tiny(tmp_path, plan)
