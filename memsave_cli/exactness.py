@@ -186,31 +186,23 @@ def compare(
     pattern: str,
     seed: int = 0,
     grad_layout: str = "contiguous",
+    against: str = "memsave",
 ) -> list[str]:
     """Every difference between ``build()`` and its conversion on the same inputs (empty: exact).
 
     Both modules hold the same parameters and buffers; ``make_inputs`` must return fresh, equal
-    inputs on each call (in-place modules overwrite them).
+    inputs on each call (in-place modules overwrite them). ``against="stock"`` compares with a
+    second stock build instead: where stock does not reproduce itself (atomic adds in a GPU
+    backward, say), no drop-in can equal it, so a difference there says nothing of the drop-in.
     """
     stock = build()
-    converted = convert(copy.deepcopy(stock), inplace=True)
-    if type(converted) is type(stock):
-        return [f"convert() left {type(stock).__name__} stock"]
-    sides = [run_side(m, make_inputs, pattern, seed, grad_layout) for m in (stock, converted)]
-    return side_diffs(*sides)
-
-
-def stock_diffs(
-    build: Callable[[], nn.Module],
-    make_inputs: Callable[[], tuple[Sequence[object], dict[str, object]]],
-    pattern: str,
-    seed: int = 0,
-    grad_layout: str = "contiguous",
-) -> list[str]:
-    """Every difference between two runs of stock ``build()`` itself (empty: stock reproduces
-    itself bit for bit). Where it does not (atomic adds in a GPU backward, say), no drop-in can
-    equal it, so a difference from ``compare`` there says nothing about the drop-in."""
-    sides = [run_side(build(), make_inputs, pattern, seed, grad_layout) for _ in range(2)]
+    if against == "stock":
+        other = build()
+    else:
+        other = convert(copy.deepcopy(stock), inplace=True)
+        if type(other) is type(stock):
+            return [f"convert() left {type(stock).__name__} stock"]
+    sides = [run_side(m, make_inputs, pattern, seed, grad_layout) for m in (stock, other)]
     return side_diffs(*sides)
 
 
