@@ -141,8 +141,18 @@ def run(plan: Plan, docs: Path, out: Path, command: str, isolate: bool = True) -
     return finish(plan, cells, found, budget, docs, out, command)
 
 
-def _part(part, plan, budget, emit, cells, docs, command, isolate) -> dict[str, Any]:
-    """Run one part; what it returns for the record."""
+def _part(
+    part: str,
+    plan: Plan,
+    budget: Budget,
+    emit: Callable[[Cell], None],
+    cells: list[Cell],
+    docs: Path,
+    command: str,
+    isolate: bool,
+) -> dict[str, Any]:
+    """Run one part; what it returns for the record. A worker's cells join ``cells`` directly
+    (the worker printed them as it went)."""
     if part in WORKER_PARTS and isolate:
         cells += run_worker(part, plan, budget.left(part))
     elif part in WORKER_PARTS:
