@@ -255,7 +255,8 @@ def test_command_line_with_worker_interpreters(tmp_path: Path) -> None:
     command = [
         *(sys.executable, "-m", "benchmarks.gpu_acceptance", "--device", "cpu", "--quick"),
         *("--parts", "exactness", "layer-time", "--layers", "ReLU", "Dropout"),
-        *("--dtypes", "float32", "--layer-rounds", "2", "--docs", str(tmp_path / "docs")),
+        *("--dtypes", "float32", "--layer-rounds", "2", "--budget", "1200"),
+        *("--docs", str(tmp_path / "docs")),
     ]
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr
