@@ -11,14 +11,21 @@ a ratio whose IQR exceeds its distance from 1 does not resolve a difference.
 from __future__ import annotations
 
 import statistics
-import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from functools import partial
 
 import torch
 
-from memsave_cli.measure import Job, Prepared, clear_grads, prepare, train_step
+from memsave_cli.measure import (
+    Job,
+    Prepared,
+    _cuda_time,
+    _wall_time,
+    clear_grads,
+    prepare,
+    train_step,
+)
 from memsave_cli.report import Run
 
 #: Rounds run first and discarded (allocator, lazy initialisation, caches).
@@ -63,28 +70,37 @@ def resolved(ratio: float, iqr: float) -> bool:
 
 def time_case(job: Job, impls: Sequence[str], threads: int | None = None) -> tuple[Run, ...]:
     """Worker target: ``job.repeat`` alternated rounds of every implementation of ``job.case``,
-    on ``threads`` intra-op threads (torch's default for None).
+    on ``threads`` intra-op threads (torch's default for None); on cuda each step is timed by
+    CUDA events around its kernels, elsewhere by the wall clock.
 
     Returns one Run per implementation carrying only its per-round seconds and their median.
     """
     if threads is not None:
         torch.set_num_threads(threads)
     prepared = {impl: prepare(replace(job, impl=impl)) for impl in impls}
-    times = alternate({impl: _timed(p) for impl, p in prepared.items()}, job.repeat)
+    timer = step_timer(job.device)
+    times = alternate({impl: _timed(p, timer) for impl, p in prepared.items()}, job.repeat)
     return tuple(
         Run(job.case.label, impl, time_s=statistics.median(t), times_s=tuple(t))
         for impl, t in times.items()
     )
 
 
-def _timed(prepared: Prepared) -> Callable[[], float]:
-    """One training step, its gradients freed first as in a training loop; returns seconds."""
+def step_timer(device: str) -> Callable[[Callable[[], None]], float]:
+    """Seconds of one call of a step on ``device``: CUDA events around its kernels on cuda (the
+    host returns before the kernels end), the wall clock elsewhere."""
+    return _cuda_time if device == "cuda" else _wall_time
+
+
+def _timed(
+    prepared: Prepared, timer: Callable[[Callable[[], None]], float]
+) -> Callable[[], float]:
+    """One training step, its gradients freed first as in a training loop; returns the seconds
+    ``timer`` measured (wall clock, or CUDA events around the step's kernels)."""
 
     def step() -> float:
         clear_grads(prepared)
-        start = time.perf_counter()
-        train_step(prepared)
-        return time.perf_counter() - start
+        return timer(lambda: train_step(prepared))
 
     return step
 

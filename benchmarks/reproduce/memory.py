@@ -70,9 +70,8 @@ def measure_experiment(experiment: Experiment, *, repeat: int = 0, **settings: A
         bn_eval=experiment.bn_eval,
         model_kwargs=dict(experiment.kwargs),
         repeat=repeat,
-        timeout=TIMEOUT_S,
         on_run=lambda run: print(f"  {experiment.key} {run.case}/{run.impl}: {run.status.value}"),
-        **{"inputs": PAPER_INPUTS, **settings},
+        **{"inputs": PAPER_INPUTS, "timeout": TIMEOUT_S, **settings},
     )
 
 

@@ -78,8 +78,9 @@ def seconds_table(records: list[dict[str, Any]]) -> str:
     return table(["Model", "Impl", *cases], body, "ll" + "r" * len(cases))
 
 
-def time_include(table_name: str, device: str) -> str:
-    records = time_records(table_name, device)
+def time_include(table_name: str, device: str, root: Path = RESULTS) -> str:
+    """The page of one table's times on ``device``, from the result files under ``root``."""
+    records = time_records(table_name, device, root)
     if not records:
         command = f"python -m benchmarks.reproduce.timing --table {table_name}"
         if device != "cpu":

@@ -23,9 +23,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-from exact import PATTERNS, compare
 from torch.testing._internal.common_modules import ModuleInfo, module_db
 
+from memsave_cli.exactness import PATTERNS, compare
 from memsave_cli.layers import native, native_ops
 
 DTYPES = (torch.float32, torch.float64)

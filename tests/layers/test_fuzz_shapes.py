@@ -15,9 +15,17 @@ from collections.abc import Callable
 
 import pytest
 import torch
-from exact import LAYOUTS, NOT_NAN, PATTERNS, SPECIAL, compare, laid_out
 from torch import Tensor, nn
 
+from memsave_cli.exactness import (
+    LAYOUTS,
+    NOT_NAN,
+    PATTERNS,
+    SPECIAL,
+    compare,
+    dropout_rule_diffs,
+    laid_out,
+)
 from memsave_cli.layers import convert
 
 hypothesis = pytest.importorskip("hypothesis")
@@ -79,7 +87,7 @@ def test_activations(
         lambda: nn.ReLU6(inplace),
         lambda: nn.Hardtanh(-0.5, 1.5, inplace),
     ]
-    hypothesis.assume(kind < 2 or not x.isnan().any())  # exact.NOT_NAN says why
+    hypothesis.assume(kind < 2 or not x.isnan().any())  # exactness.NOT_NAN says why
     check(builders[kind], x, pattern, grad_layout)
 
 
@@ -199,31 +207,8 @@ def test_dropout_keeps_stock_rule(
     cls = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d)[kind]
     hypothesis.assume(kind != 1 or x.dim() in (2, 3))
     hypothesis.assume(kind != 3 or x.dim() in (4, 5))
-    module = convert(cls(p))
-    torch.manual_seed(seed)
-    leaf = x.detach().clone().requires_grad_(True)
-    y = module(leaf)
-    grad = torch.randn(y.shape, dtype=torch.float64).to(y.dtype)
-    (g,) = torch.autograd.grad(y, leaf, grad)
-    # Stock's noise: 0 where dropped, ``1 / (1 - p)`` rounded in the input's dtype where kept,
-    # laid out like the input (``empty_like``); stock multiplies input and gradient by it.
-    scale = torch.ones_like(x).div_(1.0 - p) if p < 1 else torch.zeros_like(x)
-    zero = torch.zeros_like(x)
-    # The gradient is random and finite, so it shows unambiguously which elements were kept.
-    kept = _bits(g) == _bits(grad * scale)
-    assert torch.equal(kept | (_bits(g) == _bits(grad * zero)), torch.ones_like(kept))
-    noise = torch.empty_like(x).copy_(torch.where(kept, scale, zero))
-    expected = x if p == 0.0 else x * noise  # p = 0: the input itself
-    # NaN compares by value: the NaN a dropped infinity becomes may carry another payload when
-    # the noise's layout differs from the input's (a loop of another kind in reduced precision).
-    torch.testing.assert_close(y, expected, rtol=0, atol=0, equal_nan=True)
-    assert torch.equal(_bits(g), _bits(grad * noise))
-    assert bool(kept.all()) or p > 0.0
-
-
-def _bits(t: Tensor) -> Tensor:
-    kind = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]
-    return t.detach().contiguous().view(kind)
+    diffs = dropout_rule_diffs(convert(cls(p)), x, p, seed)
+    assert not diffs, f"{cls.__name__}({p}) on {tuple(x.shape)} {x.dtype}: " + "; ".join(diffs)
 
 
 def test_keep_rate_is_stock_rate() -> None:

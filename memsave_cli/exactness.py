@@ -1,8 +1,10 @@
 """Run a stock module and its memsave conversion side by side and say where they differ.
 
-Shared by the ``module_db`` worker and the shape fuzz tests: both build two identical modules
-and two identical inputs, run forward and backward on each, and compare every output, gradient
-and buffer bit for bit (NaN payloads and signed zeros included) and by layout.
+The oracle behind memsave's exactness claim, shared by the layer tests (``module_db``, layouts,
+shape fuzzing) and the GPU acceptance run (``benchmarks.gpu_acceptance``): both build two identical
+modules and two identical inputs on one device, run forward and backward on each, and compare
+every output, gradient and buffer bit for bit (NaN payloads and signed zeros included) and by
+layout. ``EXAMPLES`` gives each drop-in a typical instance and input shape.
 """
 
 from __future__ import annotations
@@ -45,14 +47,12 @@ def bitwise_diff(name: str, stock: object, ours: object) -> str | None:
     if _layout(stock) != _layout(ours):
         return f"{name}: strides {stock.stride()} vs {ours.stride()}"
     if stock.is_complex() or stock.dtype == torch.bool:
-        same = torch.equal(stock, ours)
+        left, right = stock.detach(), ours.detach()
     else:
-        kind = _AS_INT[stock.element_size()]
-        same = torch.equal(stock.detach().view(kind), ours.detach().view(kind))
-    if same:
+        left, right = _bits(stock), _bits(ours)
+    if torch.equal(left, right):
         return None
-    differs = (stock.detach().view(kind) != ours.detach().view(kind)).nonzero()[0].tolist()
-    where = tuple(differs)
+    where = tuple((left != right).nonzero()[0].tolist())
     return f"{name}: differs first at {where}: {stock[where].item()!r} vs {ours[where].item()!r}"
 
 
@@ -62,11 +62,13 @@ def laid_out(
     layout: str,
     g: torch.Generator,
     special: Sequence[float] = (),
+    device: torch.device | str = "cpu",
 ) -> Tensor:
-    """A random tensor of ``shape`` whose strides follow ``layout`` (where the shape allows it),
-    with values drawn from ``special`` (e.g. ``SPECIAL``) in about a quarter of its elements."""
+    """A random tensor of ``shape`` on ``device`` whose strides follow ``layout`` (where the shape
+    allows it), with values drawn from ``special`` (e.g. ``SPECIAL``) in about a quarter of its
+    elements. Values are drawn on the CPU from ``g``, so every device sees the same numbers."""
     shape = list(shape)
-    make = lambda s: _values(s, dtype, g, special)  # noqa: E731
+    make = lambda s: _values(s, dtype, g, special).to(device)  # noqa: E731
     n = len(shape)
     if layout == "sliced" and n:
         return make([*shape[:-1], 2 * shape[-1]])[..., ::2]
@@ -86,10 +88,52 @@ def laid_out(
 def _values(shape: list[int], dtype, g: torch.Generator, special: Sequence[float]) -> Tensor:
     x = torch.randn(shape, generator=g, dtype=torch.float64)
     if special and x.numel():
-        picks = torch.randint(0, x.numel(), (max(1, x.numel() // 4),), generator=g)
+        # Distinct positions: an index_put with repeated indices lets parallel threads decide
+        # which value lands, so two calls with one seed could make different inputs.
+        picks = torch.randint(0, x.numel(), (max(1, x.numel() // 4),), generator=g).unique()
         fill = torch.tensor(special, dtype=torch.float64)
         x.view(-1)[picks] = fill[torch.randint(0, len(special), picks.shape, generator=g)]
     return x.to(dtype)
+
+
+def _eval(module: nn.Module) -> nn.Module:
+    """``module`` in eval mode with non-trivial running statistics."""
+    module.running_mean.normal_()
+    module.running_var.uniform_(0.5, 2.0)
+    return module.eval()
+
+
+#: Stock class -> (a typical instance, an input shape for it). Every drop-in needs an entry.
+EXAMPLES: dict[type[nn.Module], tuple[Callable[[], nn.Module], list[int]]] = {
+    nn.ReLU: (nn.ReLU, [2, 3, 8, 6]),
+    nn.LeakyReLU: (lambda: nn.LeakyReLU(0.1), [2, 3, 8, 6]),
+    nn.ReLU6: (nn.ReLU6, [2, 3, 8, 6]),
+    nn.Hardtanh: (lambda: nn.Hardtanh(-0.5, 0.5), [2, 3, 8, 6]),
+    nn.BatchNorm1d: (lambda: _eval(nn.BatchNorm1d(3)), [4, 3, 7]),
+    nn.BatchNorm2d: (lambda: _eval(nn.BatchNorm2d(3)), [2, 3, 8, 6]),
+    nn.BatchNorm3d: (lambda: _eval(nn.BatchNorm3d(3)), [2, 3, 4, 6, 5]),
+    nn.Conv1d: (lambda: nn.Conv1d(3, 4, 3), [2, 3, 9]),
+    nn.Conv2d: (lambda: nn.Conv2d(3, 4, 3, padding=1), [2, 3, 8, 6]),
+    nn.Conv3d: (lambda: nn.Conv3d(3, 4, 3), [2, 3, 4, 6, 5]),
+    nn.ConvTranspose1d: (lambda: nn.ConvTranspose1d(3, 4, 3, stride=2), [2, 3, 9]),
+    nn.ConvTranspose2d: (lambda: nn.ConvTranspose2d(3, 4, 2, stride=2), [2, 3, 8, 6]),
+    nn.ConvTranspose3d: (lambda: nn.ConvTranspose3d(3, 4, 3), [2, 3, 4, 6, 5]),
+    nn.MaxPool1d: (lambda: nn.MaxPool1d(3, 2, 1), [2, 3, 9]),
+    nn.MaxPool2d: (lambda: nn.MaxPool2d(2), [2, 3, 8, 6]),
+    nn.MaxPool3d: (lambda: nn.MaxPool3d(2), [2, 3, 4, 6, 5]),
+    nn.AvgPool1d: (lambda: nn.AvgPool1d(3, 2, 1), [2, 3, 9]),
+    nn.AvgPool2d: (lambda: nn.AvgPool2d(3, 2, 1), [2, 3, 8, 6]),
+    nn.AvgPool3d: (lambda: nn.AvgPool3d(2), [2, 3, 4, 6, 5]),
+    nn.AdaptiveAvgPool1d: (lambda: nn.AdaptiveAvgPool1d(4), [2, 3, 9]),
+    nn.AdaptiveAvgPool2d: (lambda: nn.AdaptiveAvgPool2d((3, 4)), [2, 3, 8, 6]),
+    nn.AdaptiveAvgPool3d: (lambda: nn.AdaptiveAvgPool3d(3), [2, 3, 4, 6, 5]),
+    nn.RMSNorm: (lambda: nn.RMSNorm([6], eps=1e-5), [2, 3, 8, 6]),
+    # p = 0: no random noise, so dropout too must equal stock bit for bit.
+    nn.Dropout: (lambda: nn.Dropout(0.0), [2, 3, 8, 6]),
+    nn.Dropout1d: (lambda: nn.Dropout1d(0.0), [2, 3, 9]),
+    nn.Dropout2d: (lambda: nn.Dropout2d(0.0), [2, 3, 8, 6]),
+    nn.Dropout3d: (lambda: nn.Dropout3d(0.0), [2, 3, 4, 6, 5]),
+}
 
 
 @dataclass
@@ -127,7 +171,8 @@ def run_side(
         if differentiable and wrt:
             generator = torch.Generator().manual_seed(seed)
             grad_outputs = [
-                laid_out(o.shape, o.dtype, grad_layout, generator) for o in differentiable
+                laid_out(o.shape, o.dtype, grad_layout, generator, device=o.device)
+                for o in differentiable
             ]
             grads = list(torch.autograd.grad(differentiable, wrt, grad_outputs, allow_unused=True))
     except Exception as error:  # compared by type with the other side
@@ -141,17 +186,23 @@ def compare(
     pattern: str,
     seed: int = 0,
     grad_layout: str = "contiguous",
+    against: str = "memsave",
 ) -> list[str]:
     """Every difference between ``build()`` and its conversion on the same inputs (empty: exact).
 
     Both modules hold the same parameters and buffers; ``make_inputs`` must return fresh, equal
-    inputs on each call (in-place modules overwrite them).
+    inputs on each call (in-place modules overwrite them). ``against="stock"`` compares with a
+    second stock build instead: where stock does not reproduce itself (atomic adds in a GPU
+    backward, say), no drop-in can equal it, so a difference there says nothing of the drop-in.
     """
     stock = build()
-    converted = convert(copy.deepcopy(stock), inplace=True)
-    if type(converted) is type(stock):
-        return [f"convert() left {type(stock).__name__} stock"]
-    sides = [run_side(m, make_inputs, pattern, seed, grad_layout) for m in (stock, converted)]
+    if against == "stock":
+        other = build()
+    else:
+        other = convert(copy.deepcopy(stock), inplace=True)
+        if type(other) is type(stock):
+            return [f"convert() left {type(stock).__name__} stock"]
+    sides = [run_side(m, make_inputs, pattern, seed, grad_layout) for m in (stock, other)]
     return side_diffs(*sides)
 
 
@@ -169,6 +220,45 @@ def side_diffs(stock: Side, ours: Side) -> list[str]:
     for name, buffer in stock.module.named_buffers():
         diffs.append(bitwise_diff(f"buffer {name}", buffer, buffers.get(name)))
     return [d for d in diffs if d is not None]
+
+
+def dropout_rule_diffs(module: nn.Module, x: Tensor, p: float, seed: int) -> list[str]:
+    """How a converted dropout ``module`` with probability ``p`` breaks stock's rule on ``x``
+    (empty: it keeps it). Dropout draws its own noise, so it cannot equal stock bit for bit;
+    instead every output element must be 0 or the input times stock's scale, and the gradient
+    must pass exactly where the output kept its element, scaled by the same factor."""
+    torch.manual_seed(seed)
+    leaf = x.detach().clone().requires_grad_(True)
+    y = module(leaf)
+    grad = torch.randn(y.shape, dtype=torch.float64).to(y.dtype).to(y.device)
+    (g,) = torch.autograd.grad(y, leaf, grad)
+    # Stock's noise: 0 where dropped, ``1 / (1 - p)`` rounded in the input's dtype where kept,
+    # laid out like the input (``empty_like``); stock multiplies input and gradient by it.
+    scale = torch.ones_like(x).div_(1.0 - p) if p < 1 else torch.zeros_like(x)
+    zero = torch.zeros_like(x)
+    # The gradient is random and finite, so it shows unambiguously which elements were kept.
+    kept = _bits(g) == _bits(grad * scale)
+    if not bool((kept | (_bits(g) == _bits(grad * zero))).all()):
+        return ["gradient: an element neither kept with stock's scale nor dropped"]
+    noise = torch.empty_like(x).copy_(torch.where(kept, scale, zero))
+    expected = x if p == 0.0 else x * noise  # p = 0: the input itself
+    diffs = []
+    # NaN compares by value: the NaN a dropped infinity becomes may carry another payload when
+    # the noise's layout differs from the input's (a loop of another kind in reduced precision).
+    try:
+        torch.testing.assert_close(y, expected, rtol=0, atol=0, equal_nan=True)
+    except AssertionError as error:
+        diffs.append(f"output: {str(error).strip().splitlines()[0]}")
+    if not torch.equal(_bits(g), _bits(grad * noise)):
+        diffs.append("gradient: not the output gradient times the kept elements' noise")
+    if p == 0.0 and not bool(kept.all()):
+        diffs.append("p = 0 dropped elements")
+    return diffs
+
+
+def _bits(t: Tensor) -> Tensor:
+    """``t``'s bits as integers of its element size (NaN payloads and signs of zeros compare)."""
+    return t.detach().contiguous().view(_AS_INT[t.element_size()])
 
 
 def _layout(t: Tensor) -> tuple[int, ...]:
