@@ -53,10 +53,14 @@ LINEAR: tuple[type[nn.Module], ...] = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3
 class ScriptTransformer(nn.Module):
     """The script's ``TorchTransformer``: ``nn.Transformer`` with defaults, then a linear head."""
 
-    def __init__(self, classes: int = SCRIPT_CLASSES) -> None:
+    def __init__(
+        self, classes: int = SCRIPT_CLASSES, width: int = TRANSFORMER_WIDTH, layers: int = 6
+    ) -> None:
         super().__init__()
-        self.transformer = nn.Transformer(d_model=TRANSFORMER_WIDTH, batch_first=True)
-        self.pred = nn.Linear(TRANSFORMER_WIDTH, classes)
+        self.transformer = nn.Transformer(
+            d_model=width, num_encoder_layers=layers, num_decoder_layers=layers, batch_first=True
+        )
+        self.pred = nn.Linear(width, classes)
 
     def forward(self, x: Tensor, y: Tensor, *originals: Tensor) -> Tensor:
         out = self.transformer.decoder(x, self.transformer.encoder(x))
