@@ -19,6 +19,7 @@ from torch import nn
 
 from memsave_cli.cases import Case
 from memsave_cli.errors import SpecError
+from memsave_cli.quick_import import import_torchvision
 from memsave_cli.specs import ModelSpec, companion_inputs
 
 BATCH_SIZE = 64
@@ -177,7 +178,7 @@ def _torchvision_family(spec: ModelSpec) -> str | None:
     """images | video | flow | segmentation | detection, from the builder's module; None otherwise."""
     if spec.kind != "torchvision":
         return None
-    import torchvision
+    torchvision = import_torchvision()  # NOTE [torchvision without dynamo]
 
     module = torchvision.models.get_model_builder(spec.target).__module__
     for part, family in (

@@ -97,9 +97,9 @@ def build_native(jobs: Sequence[Job]) -> None:
     worker loads them from the cache instead of compiling them (about 20 s the first time)
     inside its measured step. Failures are left for the layers to report and fall back from."""
     if any(job.device == "cpu" and job.impl != "stock" for job in jobs):
-        from memsave_cli.layers import native_ops
+        from memsave_cli.kernels import autograd_ops
 
-        native_ops.available()
+        autograd_ops.available()
 
 
 def check_job(job: Job) -> None:

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 
 def build_on_default_device(build: Callable[[], Any]) -> Any:
@@ -18,13 +19,57 @@ def build_on_default_device(build: Callable[[], Any]) -> Any:
     does) fails. The retry builds on the CPU but moves each parameter and buffer to meta the moment it
     is registered: the arithmetic sees real numbers, while weights never take real memory.
     """
-    try:
+    if torch.get_default_device().type != "meta":
         return build()
+    try:
+        with _FillsSkipped():
+            return build()
     except (NotImplementedError, RuntimeError) as error:
-        if torch.get_default_device().type != "meta" or "meta" not in str(error):
+        if "meta" not in str(error):
             raise
     with _registered_on_meta():
         return build()
+
+
+#: In-place fills that initialisers call; on a meta tensor there is nothing to fill.
+_FILLS = frozenset(
+    getattr(torch.Tensor, name)
+    for name in (
+        "normal_",
+        "uniform_",
+        "trunc_normal_",
+        "erfinv_",
+        "clamp_",
+        "exponential_",
+        "log_normal_",
+        "cauchy_",
+        "geometric_",
+        "random_",
+        "bernoulli_",
+        "fill_",
+        "zero_",
+    )
+    if hasattr(torch.Tensor, name)
+)
+
+
+class _FillsSkipped(TorchFunctionMode):
+    """Initialisers' fills of meta tensors return the tensor untouched.
+
+    A meta tensor has no values, so a fill changes nothing but costs time: some (``normal_``,
+    ``erfinv_``) run Python decompositions that import TorchDynamo, a second or more per build.
+    """
+
+    def __torch_function__(
+        self,
+        func: Callable[..., Any],
+        types: Sequence[type],
+        args: Sequence[Any] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        if func in _FILLS and args and isinstance(args[0], torch.Tensor) and args[0].is_meta:
+            return args[0]
+        return func(*args, **(kwargs or {}))
 
 
 @contextlib.contextmanager

@@ -27,6 +27,7 @@ from torch import nn
 from memsave_cli import hf
 from memsave_cli.errors import MemsaveError, SpecError, describe
 from memsave_cli.meta_build import build_on_default_device
+from memsave_cli.quick_import import import_torchvision
 
 FORMS = (
     "torchvision:<name>, <module.path>:<callable>, <path/to/file.py>:<callable> "
@@ -174,7 +175,7 @@ def _looks_like_file(target: str) -> bool:
 
 
 def _torchvision_names() -> list[str]:
-    import torchvision
+    torchvision = import_torchvision()  # NOTE [torchvision without dynamo]
 
     return torchvision.models.list_models()
 
@@ -189,7 +190,7 @@ def _check_torchvision_name(name: str) -> None:
 
 
 def _build_torchvision(spec: ModelSpec) -> nn.Module:
-    import torchvision
+    torchvision = import_torchvision()  # NOTE [torchvision without dynamo]
 
     _check_torchvision_name(spec.target)
     kwargs = dict(spec.kwargs)

@@ -14,6 +14,13 @@ NOTE [sharded tensors]: a DTensor is a wrapper whose own storage stands for the 
 memory this process holds is its local shard, so the tracker counts ``_local_tensor``'s storage.
 FSDP2 frees and re-allocates its all-gather buffers with ``UntypedStorage.resize_``, which no
 dispatch mode sees; while a tracker is active, resizes of storages on its device are followed.
+
+NOTE [kernel temporaries]: a few kernels allocate a buffer of their own and free it before they
+return, so no op reports it, yet the caching allocator's peak includes it. Softmax and
+log-softmax copy a non-contiguous input to a contiguous one first (``input_.contiguous()`` in
+``host_softmax``, CUDA and CPU alike); a cross-entropy over logits permuted to (B, V, L), as
+many training scripts write it, peaks with that copy, the logits and the output all live. The
+tracker counts such a buffer for the duration of the op (``_temporary_bytes``).
 """
 
 from __future__ import annotations
@@ -128,7 +135,30 @@ class MemoryTracker(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        out = func(*args, **kwargs)
+        temporary = self._hold(func, args)
+        try:
+            out = func(*args, **kwargs)
+            self._count_outputs(func, out, args, kwargs)
+        finally:
+            if temporary is not None:  # the kernel frees it once its outputs exist
+                self._release(id(temporary), temporary)
+        return out
+
+    def _hold(self, func, args: tuple) -> _Entry | None:
+        """Count the temporary buffer ``func`` allocates inside the call, if any (see NOTE
+        [kernel temporaries])."""
+        nbytes = _temporary_bytes(func, args)
+        if nbytes == 0 or (self.device_type and args[0].device.type != self.device_type):
+            return None
+        entry = _Entry(round_bytes(nbytes), nbytes)
+        self._live[id(entry)] = entry
+        self._grow(entry.nbytes)
+        if self.observer is not None:
+            self.observer.allocated(entry.token, nbytes)
+        return entry
+
+    def _count_outputs(self, func, out: object, args: tuple, kwargs: dict) -> None:
+        """Count each storage ``out`` holds that is new: not known, not a view of an input."""
         inputs: set[int] | None = None
         for tensor in _outputs(out):
             storage = _storage(tensor)
@@ -146,7 +176,6 @@ class MemoryTracker(TorchDispatchMode):
                 if id(storage) in inputs:  # a view of an input nobody registered: not new memory
                     continue
             self._add(storage)
-        return out
 
     def _count(self, tensor: Tensor) -> None:
         storage = _storage(tensor)
@@ -213,6 +242,16 @@ def _install_resize_hook() -> None:
 
 
 _ALIASING: dict[object, bool] = {}
+_CONTIGUOUS_INPUT = (torch.ops.aten._softmax.default, torch.ops.aten._log_softmax.default)
+
+
+def _temporary_bytes(func, args: tuple) -> int:
+    """Bytes ``func`` allocates and frees within the call (see NOTE [kernel temporaries])."""
+    if func in _CONTIGUOUS_INPUT:
+        first = args[0]
+        if isinstance(first, Tensor) and not first.is_contiguous():
+            return first.numel() * first.element_size()
+    return 0
 
 
 def _may_alias(func) -> bool:

@@ -25,11 +25,11 @@ def _print_version(value: bool) -> None:
     if value:
         import torch
 
-        from memsave_cli.layers import native, native_ops
+        from memsave_cli.kernels import autograd_ops, native
 
         typer.echo(f"memsave {__version__}")
         typer.echo(f"torch {torch.__version__}; {native.status()}")
-        typer.echo(native_ops.status(build=False))
+        typer.echo(autograd_ops.status(build=False))
         raise typer.Exit()
 
 

@@ -27,10 +27,10 @@ from torch import Tensor, nn
 from torch.autograd import Function
 from torch.utils._python_dispatch import _disable_current_modes
 
-from memsave_cli.layers import native, native_ops
+from memsave_cli.kernels import autograd_ops, native
+from memsave_cli.kernels._layout import is_dense
+from memsave_cli.kernels.bitmask import compare, layout_of, pack_bits, packed_numel, unpack_as
 from memsave_cli.layers._backward import forbid_double_backward
-from memsave_cli.layers._layout import is_dense
-from memsave_cli.layers.bitmask import compare, layout_of, pack_bits, packed_numel, unpack_as
 from memsave_cli.layers.registry import drop_in
 
 
@@ -276,7 +276,7 @@ def _activate(
     its bits), so an in-place call on a view computes out of place and copies the result back;
     ``saves_result`` keeps the bits those of the in-place call, so gradients are the same.
 
-    ``operator`` is ``(kind, *values)`` for the native operator (``native_ops.activation``; a
+    ``operator`` is ``(kind, *values)`` for the native operator (``autograd_ops.activation``; a
     Hardtanh's kernel bounds are added here), which replaces ``function`` where it can (NOTE
     [why the eager CPU path is an operator]).
     """
@@ -285,10 +285,10 @@ def _activate(
     if inplace and x._base is not None:
         # Allocation: the out-of-place result, freed once copied into the view.
         return x.copy_(function.apply(x, *args, False, True)[0])
-    if operator is not None and fused_ready(x) and native_ops.available():
+    if operator is not None and fused_ready(x) and autograd_ops.available():
         kind, *values = operator
-        bounds = _eager_kernel_bounds(x.dtype, *values) if kind == native_ops.HARDTANH else ()
-        return native_ops.activation(x, kind, *values, *bounds, inplace=inplace)
+        bounds = _eager_kernel_bounds(x.dtype, *values) if kind == autograd_ops.HARDTANH else ()
+        return autograd_ops.activation(x, kind, *values, *bounds, inplace=inplace)
     return function.apply(x, *args, inplace, inplace)[0]
 
 
@@ -355,7 +355,7 @@ class MemSaveReLU(nn.ReLU):
 
     def forward(self, input: Tensor) -> Tensor:
         return _activate(
-            _ReLUFunction, F.relu, input, inplace=self.inplace, operator=(native_ops.RELU,)
+            _ReLUFunction, F.relu, input, inplace=self.inplace, operator=(autograd_ops.RELU,)
         )
 
 
@@ -366,7 +366,7 @@ class MemSaveLeakyReLU(nn.LeakyReLU):
     def forward(self, input: Tensor) -> Tensor:
         slope = self.negative_slope
         # In place with a negative slope, stock's backward raises its error: the Function's does.
-        operator = None if self.inplace and slope < 0 else (native_ops.LEAKY_RELU, slope)
+        operator = None if self.inplace and slope < 0 else (autograd_ops.LEAKY_RELU, slope)
         return _activate(
             _LeakyReLUFunction, F.leaky_relu, input, slope, inplace=self.inplace, operator=operator
         )
@@ -377,7 +377,7 @@ def _hardtanh(module: nn.Hardtanh, input: Tensor) -> Tensor:
     if module.min_val > module.max_val:
         raise ValueError("min_val cannot be greater than max_val")
     bounds = (module.min_val, module.max_val)
-    operator = (native_ops.HARDTANH, *bounds)
+    operator = (autograd_ops.HARDTANH, *bounds)
     return _activate(
         _HardtanhFunction, F.hardtanh, input, *bounds, inplace=module.inplace, operator=operator
     )

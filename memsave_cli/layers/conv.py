@@ -23,9 +23,9 @@ from torch._prims_common import (
 )
 from torch.amp.autocast_mode import is_autocast_available
 
-from memsave_cli.layers import native_ops
+from memsave_cli.kernels import autograd_ops
+from memsave_cli.kernels._layout import is_dense, memory_format
 from memsave_cli.layers._backward import forbid_double_backward, shape_only
-from memsave_cli.layers._layout import is_dense, memory_format
 from memsave_cli.layers.registry import drop_in
 
 Conv = nn.Conv1d | nn.Conv2d | nn.Conv3d
@@ -294,19 +294,19 @@ def _convolve(x: Tensor, weight: Tensor, bias: Tensor | None, *params: object) -
 
 def _apply(x: Tensor, weight: Tensor, bias: Tensor | None, *params: object) -> Tensor:
     """``_ConvFunction``, or on eager CPU tensors its C++ twin, the native operator (NOTE [why
-    the eager CPU path is an operator] in ``native_ops.cpp``), given the stand-ins up front."""
+    the eager CPU path is an operator] in ``autograd_ops.cpp``), given the stand-ins up front."""
     eager = type(x) is Tensor and type(weight) in (Tensor, nn.Parameter)
     dense_stand_ins = x.device.type in _DENSE_STAND_IN_DEVICES
     if not (eager and dense_stand_ins and not torch.compiler.is_compiling()):
         return _ConvFunction.apply(x, weight, bias, *params)
-    operators = native_ops.operators()
+    operators = autograd_ops.operators()
     if operators is None:
         return _ConvFunction.apply(x, weight, bias, *params)
     return _by_operator(operators, x, weight, bias, params)
 
 
 def _by_operator(
-    operators: native_ops.Operators, x: Tensor, weight: Tensor, bias: Tensor | None, params: tuple
+    operators: autograd_ops.Operators, x: Tensor, weight: Tensor, bias: Tensor | None, params: tuple
 ) -> Tensor:
     """The native convolution operator, with the stand-ins of what it does not save."""
     x_stand_in = None if weight.requires_grad else _cached_stand_in(x, x)
@@ -338,7 +338,7 @@ def _operator_forward(
         and not torch.is_autocast_enabled("cpu")
         and not torch.compiler.is_compiling()
     )
-    operators = native_ops.operators() if common else None
+    operators = autograd_ops.operators() if common else None
     if operators is None or not (need_x or need_weight or _bias_trains(module)):
         return None
     m = module

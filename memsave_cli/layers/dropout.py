@@ -28,7 +28,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor, nn
 
-from memsave_cli.layers import native_ops
+from memsave_cli.kernels import autograd_ops
 from memsave_cli.layers._backward import forbid_double_backward
 from memsave_cli.layers.registry import drop_in
 
@@ -271,7 +271,7 @@ def _operator_dropout(
     input: Tensor, p: float, inplace: bool, feature_dims: int | None
 ) -> Tensor | None:
     """Dropout by the native operator (NOTE [why the eager CPU path is an operator] in
-    ``native_ops.cpp``), which draws the seed and builds the noise with the same calls as this
+    ``autograd_ops.cpp``), which draws the seed and builds the noise with the same calls as this
     module, else None. It serves ``0 < p < 1`` and a plain CPU floating-point input that
     requires grad, with ``feature_dims`` dimensions for feature dropout, outside tracing.
 
@@ -290,7 +290,7 @@ def _operator_dropout(
         and (feature_dims is None or input.dim() == feature_dims >= 2)
         and not torch.compiler.is_compiling()
     )
-    operators = native_ops.operators() if ready else None
+    operators = autograd_ops.operators() if ready else None
     if operators is None:
         return None
     if feature_dims is None:

@@ -22,8 +22,8 @@ import torch
 from torch import Tensor, nn
 from torch.autograd import Function
 
+from memsave_cli.kernels._layout import memory_format
 from memsave_cli.layers._backward import autocast_on, forbid_double_backward
-from memsave_cli.layers._layout import memory_format
 from memsave_cli.layers.registry import drop_in
 
 # NOTE [RMSNorm styles]: with ``h`` the normalised tensor and ``w`` the weight,

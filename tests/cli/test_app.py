@@ -12,7 +12,7 @@ from memsave_cli import __version__
 from memsave_cli.cli import app
 from memsave_cli.cli._errors import reported_errors
 from memsave_cli.errors import MemsaveError
-from memsave_cli.layers import native, native_ops
+from memsave_cli.kernels import autograd_ops, native
 
 COMMANDS = ("profile", "check", "fit", "probe", "layers")
 
@@ -23,7 +23,7 @@ def test_version(runner):
     first, second, third = result.output.strip().splitlines()
     assert first == f"memsave {__version__}"
     assert second == f"torch {torch.__version__}; {native.status()}"
-    assert third == native_ops.status(build=False)
+    assert third == autograd_ops.status(build=False)
     assert third.startswith("native operators: ")
 
 

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 
 import memsave_cli.api
@@ -78,3 +81,28 @@ def test_two_input_model_with_its_companion_runs(runner, tmp_path):
     args = ["profile", f"{path}:paired", "--device", "meta", "--case", "all", "--batch-size", "2"]
     result = runner.invoke(app, args)
     assert result.exit_code == 0, result.output
+
+
+CHECK_WITHOUT_DYNAMO = """
+import sys
+from memsave_cli.errors import CaseError
+from memsave_cli.api import profile
+from memsave_cli.cases import resolve_case
+try:
+    profile("torchvision:resnet18", cases=[resolve_case("custom", trainable=["zzz.*"])], device="meta")
+except CaseError:
+    pass
+print("dynamo" if "torch._dynamo" in sys.modules else "no dynamo")
+import torch._dynamo.config  # the real package, once the stand-ins are gone
+print(sys.modules["torchvision.ops.roi_align"].is_compile_supported("cpu"))
+"""
+
+
+def test_checks_never_import_dynamo():
+    """NOTE [torchvision without dynamo]: the checks import torchvision and build on meta without
+    TorchDynamo (a second or more), and dynamo still imports for real afterwards."""
+    done = subprocess.run(
+        [sys.executable, "-c", CHECK_WITHOUT_DYNAMO], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["no", "dynamo", "True"], done.stdout

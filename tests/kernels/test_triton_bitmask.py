@@ -29,9 +29,9 @@ from triton_cases import (
     samples,
 )
 
+from memsave_cli.kernels import native
+from memsave_cli.kernels.bitmask import layout_of, pack_bits, unpack_as
 from memsave_cli.kernels.triton import activation, bitmask
-from memsave_cli.layers import native
-from memsave_cli.layers.bitmask import layout_of, pack_bits, unpack_as
 
 
 def _numel(layout: str) -> int:

@@ -19,8 +19,8 @@ from triton_cases import (
     interpreted,  # noqa: F401 (autouse: TRITON_INTERPRET=1)
 )
 
+from memsave_cli.kernels import native
 from memsave_cli.kernels.triton import activation, bitmask
-from memsave_cli.layers import native
 
 st = hypothesis.strategies
 #: Deterministic and small: every example is a few interpreted launches.

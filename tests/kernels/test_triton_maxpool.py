@@ -14,8 +14,8 @@ from triton_cases import (
     interpreted,  # noqa: F401 (autouse: TRITON_INTERPRET=1)
 )
 
+from memsave_cli.kernels import native
 from memsave_cli.kernels.triton import maxpool
-from memsave_cli.layers import native
 from memsave_cli.layers.maxpool import IndexMaps, _reravel
 
 

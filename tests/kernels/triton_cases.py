@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import Tensor
 
-from memsave_cli.layers.bitmask import layout_of
+from memsave_cli.kernels.bitmask import layout_of
 
 
 @pytest.fixture(autouse=True)

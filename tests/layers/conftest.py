@@ -6,7 +6,7 @@ from collections.abc import Callable
 
 import pytest
 
-from memsave_cli.layers import native, native_ops
+from memsave_cli.kernels import autograd_ops, native
 
 
 @pytest.fixture(params=["native", "torch"])
@@ -29,9 +29,9 @@ def activation_paths(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyP
     elif not native.available():
         pytest.skip(native.status())
     elif request.param == "functions":
-        monkeypatch.setattr(native_ops, "operators", lambda: None)
-    elif not native_ops.available():
-        pytest.skip(native_ops.status())
+        monkeypatch.setattr(autograd_ops, "operators", lambda: None)
+    elif not autograd_ops.available():
+        pytest.skip(autograd_ops.status())
     return request.param
 
 
@@ -40,9 +40,9 @@ def operator_paths(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPat
     """Run a test with the C++ autograd operators (where built) and with the Python Functions
     they replace on eager CPU tensors."""
     if request.param == "functions":
-        monkeypatch.setattr(native_ops, "operators", lambda: None)
-    elif not native_ops.available():
-        pytest.skip(native_ops.status())
+        monkeypatch.setattr(autograd_ops, "operators", lambda: None)
+    elif not autograd_ops.available():
+        pytest.skip(autograd_ops.status())
     return request.param
 
 

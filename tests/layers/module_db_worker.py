@@ -26,7 +26,7 @@ import torch
 from torch.testing._internal.common_modules import ModuleInfo, module_db
 
 from memsave_cli.exactness import PATTERNS, compare
-from memsave_cli.layers import native, native_ops
+from memsave_cli.kernels import autograd_ops, native
 
 DTYPES = (torch.float32, torch.float64)
 #: The eager CPU code paths of the drop-ins (the layer tests' fixtures name the same three).
@@ -41,15 +41,15 @@ def entry(name: str) -> ModuleInfo:
 @contextlib.contextmanager
 def code_path(path: str) -> Iterator[None]:
     """Run the drop-ins on one eager CPU path: C++ operators, Python Functions or torch ops."""
-    saved = native.available, native_ops.operators
+    saved = native.available, autograd_ops.operators
     if path != "operators":
-        native_ops.operators = lambda: None
+        autograd_ops.operators = lambda: None
     if path == "torch":
         native.available = lambda: False
     try:
         yield
     finally:
-        native.available, native_ops.operators = saved
+        native.available, autograd_ops.operators = saved
 
 
 def samples(info: ModuleInfo) -> Iterator[tuple[str, object, object]]:

@@ -11,7 +11,9 @@ import torch
 from torch import Tensor, nn
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
-from memsave_cli.layers import bitmask, convert, native, native_ops
+from memsave_cli.kernels import autograd_ops, bitmask, native
+from memsave_cli.kernels.bitmask import packed_numel
+from memsave_cli.layers import convert
 from memsave_cli.layers.activation import (
     MemSaveHardtanh,
     MemSaveLeakyReLU,
@@ -19,7 +21,6 @@ from memsave_cli.layers.activation import (
     MemSaveReLU6,
     kernel_bounds,
 )
-from memsave_cli.layers.bitmask import packed_numel
 from memsave_cli.layers.registry import DROP_INS
 from memsave_cli.saved import SavedTensorRecorder
 
@@ -188,7 +189,7 @@ def test_dense_cpu_tensors_take_the_fused_kernels(
 ) -> None:
     """Without the operators, forward packs with one native pass and backward selects with
     another."""
-    monkeypatch.setattr(native_ops, "operators", lambda: None)
+    monkeypatch.setattr(autograd_ops, "operators", lambda: None)
     kernels = ("relu_pack", "leaky_pack", "hardtanh_pack", "select_bits", "select_scale")
     used = native_calls(*kernels)
     x = _input(dtype, case, "channels_last")
@@ -199,7 +200,7 @@ def test_dense_cpu_tensors_take_the_fused_kernels(
     assert used == [pack, select]
 
 
-@pytest.mark.skipif(not native_ops.available(), reason=native_ops.status())
+@pytest.mark.skipif(not autograd_ops.available(), reason=autograd_ops.status())
 @pytest.mark.parametrize("inplace", [False, True], ids=lambda flag: f"inplace={flag}")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
 @pytest.mark.parametrize("case", CASES, ids=lambda case: case.name)

@@ -11,7 +11,7 @@ from torch import Tensor, nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.testing import assert_close
 
-from memsave_cli.layers import native_ops
+from memsave_cli.kernels import autograd_ops
 from memsave_cli.layers.dropout import (
     MemSaveDropout,
     MemSaveDropout1d,
@@ -257,7 +257,7 @@ def test_double_backward_raises_naming_the_layer(operator_paths: str) -> None:
         torch.autograd.grad(MemSaveDropout(0.5)(x).sum(), x, create_graph=True)
 
 
-@pytest.mark.skipif(not native_ops.available(), reason=native_ops.status(build=False))
+@pytest.mark.skipif(not autograd_ops.available(), reason=autograd_ops.status(build=False))
 @pytest.mark.parametrize("inplace", [False, True], ids=lambda flag: f"inplace={flag}")
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
 @pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
@@ -280,7 +280,7 @@ def test_operator_and_function_draw_the_same_mask(
         return output, leaf.grad, torch.rand(3), node.name()
 
     *operator_run, operator_node = run()
-    monkeypatch.setattr(native_ops, "operators", lambda: None)
+    monkeypatch.setattr(autograd_ops, "operators", lambda: None)
     *function_run, function_node = run()
     assert "MemSaveDropout" in operator_node and "MemSaveDropout" not in function_node
     assert_close(operator_run, function_run, atol=0, rtol=0)

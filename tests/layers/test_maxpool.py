@@ -11,7 +11,8 @@ from torch import Tensor, nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.testing import assert_close
 
-from memsave_cli.layers import maxpool, native
+from memsave_cli.kernels import native
+from memsave_cli.layers import maxpool
 from memsave_cli.layers.maxpool import (
     MemSaveMaxPool1d,
     MemSaveMaxPool2d,

@@ -27,8 +27,8 @@ from triton.runtime import interpreter
 from triton.runtime.interpreter import InterpretedFunction
 from triton.runtime.jit import JITFunction
 
+from memsave_cli.kernels._layout import is_dense
 from memsave_cli.kernels.triton import interpreting, status
-from memsave_cli.layers._layout import is_dense
 
 #: Most elements per program of the elementwise kernels (a power of two, at least 64: whole
 #: 8-byte words of bits per program).

@@ -1,6 +1,6 @@
 """ReLU, LeakyReLU and Hardtanh with their 1-bit masks in one pass, and LeakyReLU's backward.
 
-Each function mirrors the CPU kernel of the same name in ``memsave_cli/layers/native.py``:
+Each function mirrors the CPU kernel of the same name in ``memsave_cli/kernels/native.py``:
 same arguments (outputs are written into ``out``/``bits``), same values bit for bit, same dtypes.
 Tensors are read as flat arrays in memory order: they must be dense, on one device, and tensors
 that correspond element by element must share that order (``out`` may be the input itself, for an

@@ -11,7 +11,7 @@
 // only (the Python modules decide); tracing, fake tensors, the meta device and other devices keep
 // the Python Functions.
 //
-// Compiled on first use against the installed torch (native_ops.py) and linked to the library
+// Compiled on first use against the installed torch (autograd_ops.py) and linked to the library
 // built from native.c, whose exported kernels it calls.
 
 #include <ATen/ATen.h>

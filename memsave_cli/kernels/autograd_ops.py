@@ -1,6 +1,6 @@
 """C++ autograd operators: the eager CPU path of the activations, convolutions and dropout.
 
-See NOTE [why the eager CPU path is an operator] in ``native_ops.cpp``. The source is compiled
+See NOTE [why the eager CPU path is an operator] in ``autograd_ops.cpp``. The source is compiled
 on first use, like ``native.c`` (NOTE [building the native kernels]), with the C++ compiler
 (``$CXX``, else ``c++``, ``g++`` or ``clang++``) against the installed torch's headers, and linked
 to the kernels' library; the cache key adds the torch version and location. Without a C++
@@ -20,10 +20,10 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from memsave_cli.layers import native_library
+from memsave_cli.kernels import build as builder
 
 #: The C++ source compiled on first use.
-SOURCE = Path(__file__).with_name("native_ops.cpp")
+SOURCE = Path(__file__).with_name("autograd_ops.cpp")
 
 #: ``kind`` argument of the activation operator (``Kind`` in the C++ source).
 RELU, LEAKY_RELU, HARDTANH = 0, 1, 2
@@ -45,29 +45,29 @@ def _load() -> tuple[Operators | None, str]:
     """The operators' namespace and a status line, or ``None`` and why not."""
     if os.environ.get("MEMSAVE_NATIVE_OPS", "").strip() == "0":
         return None, "native operators: disabled by MEMSAVE_NATIVE_OPS=0"
-    kernels = native_library.loaded()
+    kernels = builder.loaded()
     if kernels.path is None:
         return None, "native operators: need the native kernels, unavailable"
     try:
-        path = native_library.build(_recipe(kernels.path))
+        path = builder.build(_recipe(kernels.path))
         torch.ops.load_library(str(path))
         namespace = torch.ops.memsave_native
         operators = Operators(
             namespace.activation.default, namespace.convolution.default, namespace.dropout.default
         )
-    except native_library._Unavailable as error:
+    except builder._Unavailable as error:
         return None, f"native operators: {error}"
     except Exception as error:  # any failure means the Python Functions, never an exception
         return None, f"native operators: {type(error).__name__}: {error}"
     return operators, f"native operators: loaded from {path}"
 
 
-def _recipe(kernels: Path) -> native_library.Recipe:
+def _recipe(kernels: Path) -> builder.Recipe:
     """How to build the operators against this torch and the kernels' library at ``kernels``."""
     root = Path(torch.__file__).parent
     include, lib = root / "include", root / "lib"
     if not (include / "ATen" / "ATen.h").is_file():
-        raise native_library._Unavailable(f"torch C++ headers not found under {include}")
+        raise builder._Unavailable(f"torch C++ headers not found under {include}")
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
     flags = (
         "-O2",
@@ -81,7 +81,7 @@ def _recipe(kernels: Path) -> native_library.Recipe:
     link = (f"-L{lib}", "-ltorch", "-ltorch_cpu", "-lc10", str(kernels), f"-Wl,-rpath,{lib}")
     key = f"{torch.__version__}:{root}".encode()
     compilers = ("c++", "g++", "clang++")
-    return native_library.Recipe(
+    return builder.Recipe(
         "memsave_native_ops_", (SOURCE,), "CXX", compilers, flags, link, key
     )
 
@@ -113,12 +113,12 @@ def status(*, build: bool = True) -> str:
     """
     if build or _LOADED:
         return _loaded()[1]
-    kernels = native_library.loaded()
+    kernels = builder.loaded()
     if kernels.path is None or os.environ.get("MEMSAVE_NATIVE_OPS", "").strip() == "0":
         return _loaded()[1]  # unavailable either way, and nothing to compile
     try:
-        cached = native_library.cached(_recipe(kernels.path))
-    except native_library._Unavailable as error:
+        cached = builder.cached(_recipe(kernels.path))
+    except builder._Unavailable as error:
         return f"native operators: {error}"
     if cached is None:
         return "native operators: not built yet (compiled on first use, about 20 s)"

@@ -1,4 +1,4 @@
-"""The C++ autograd operators (``native_ops``): loading, fallbacks, and their own contract.
+"""The C++ autograd operators (``autograd_ops``): loading, fallbacks, and their own contract.
 
 The activation tests run every drop-in through the operators too (``activation_paths``); these
 tests cover what only the operators have.
@@ -16,17 +16,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from memsave_cli.layers import MemSaveLeakyReLU, MemSaveReLU, native, native_library, native_ops
+from memsave_cli.kernels import autograd_ops, build, native
+from memsave_cli.layers import MemSaveLeakyReLU, MemSaveReLU
 
 requires_operators = pytest.mark.skipif(
-    not native_ops.available(), reason=native_ops.status(build=False)
+    not autograd_ops.available(), reason=autograd_ops.status(build=False)
 )
 
 
 def _has_cxx_compiler() -> bool:
     try:
-        native_library._compiler("CXX", ("c++", "g++", "clang++"))
-    except native_library._Unavailable:
+        build._compiler("CXX", ("c++", "g++", "clang++"))
+    except build._Unavailable:
         return False
     return True
 
@@ -37,22 +38,23 @@ def test_available_where_a_cxx_compiler_is() -> None:
         pytest.skip("disabled, or no native kernels here")
     if not _has_cxx_compiler():
         pytest.skip("no C++ compiler here")
-    assert native_ops.available(), native_ops.status()
-    path = Path(native_ops.status().removeprefix("native operators: loaded from "))
-    assert path.is_file() and path.name.startswith("memsave_native_ops_"), native_ops.status()
-    assert native_ops.status(build=False) == native_ops.status()
+    assert autograd_ops.available(), autograd_ops.status()
+    path = Path(autograd_ops.status().removeprefix("native operators: loaded from "))
+    assert path.is_file() and path.name.startswith("memsave_native_ops_"), autograd_ops.status()
+    assert autograd_ops.status(build=False) == autograd_ops.status()
 
 
 def test_disabled_by_environment() -> None:
     """MEMSAVE_NATIVE_OPS=0 (in a fresh process) leaves the Python Functions, still exact."""
     code = (
         "import torch\n"
-        "from memsave_cli.layers import MemSaveReLU, native_ops\n"
+        "from memsave_cli.layers import MemSaveReLU\n"
+        "from memsave_cli.kernels import autograd_ops\n"
         "x = torch.randn(64, requires_grad=True)\n"
         "y = MemSaveReLU()(x)\n"
         "y.backward(torch.ones_like(y))\n"
         "assert torch.equal(x.grad, (x > 0).float()), x.grad\n"
-        "print(native_ops.available()); print(native_ops.status()); print(y.grad_fn.name())\n"
+        "print(autograd_ops.available()); print(autograd_ops.status()); print(y.grad_fn.name())\n"
     )
     env = {**os.environ, "MEMSAVE_NATIVE_OPS": "0"}
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
@@ -66,7 +68,7 @@ def test_disabled_by_environment() -> None:
 def fresh_operators(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
     """Forget this process's operators (never reloaded: the compiler is broken, or nothing is
     built) and point the cache at an empty directory."""
-    monkeypatch.setattr(native_ops, "_LOADED", [])
+    monkeypatch.setattr(autograd_ops, "_LOADED", [])
     monkeypatch.setenv("MEMSAVE_CACHE_DIR", str(tmp_path))
     monkeypatch.delenv("MEMSAVE_NATIVE_OPS", raising=False)
     return tmp_path
@@ -91,25 +93,25 @@ def test_broken_cxx_compiler_falls_back_to_the_functions(
     F.relu(stock_input).sum().backward()
     y = MemSaveReLU()(memsave_input)
     y.sum().backward()
-    assert not native_ops.available()
-    assert native_ops.status().startswith(f"native operators: {reason}"), native_ops.status()
-    assert "\n" not in native_ops.status()
+    assert not autograd_ops.available()
+    assert autograd_ops.status().startswith(f"native operators: {reason}"), autograd_ops.status()
+    assert "\n" not in autograd_ops.status()
     assert capfd.readouterr() == ("", "")
     assert "MemSaveActivation" not in y.grad_fn.name()
     torch.testing.assert_close(memsave_input.grad, stock_input.grad, rtol=0, atol=0)
     with pytest.raises(RuntimeError, match=reason):
-        native_ops.activation(x, native_ops.RELU, inplace=False)
+        autograd_ops.activation(x, autograd_ops.RELU, inplace=False)
 
 
 @pytest.mark.skipif(not native.available(), reason=native.status())
 def test_status_without_building_says_when_nothing_is_built(fresh_operators: Path) -> None:
     if not _has_cxx_compiler():
         pytest.skip("no C++ compiler here")
-    assert native_ops.status(build=False) == (
+    assert autograd_ops.status(build=False) == (
         "native operators: not built yet (compiled on first use, about 20 s)"
     )
     assert list(fresh_operators.iterdir()) == []  # nothing was compiled
-    assert native_ops._LOADED == []
+    assert autograd_ops._LOADED == []
 
 
 @requires_operators
@@ -118,10 +120,10 @@ def test_operator_rejects_what_it_does_not_serve(dtype: torch.dtype) -> None:
     """The layers send only dense float32/float64 CPU tensors; anything else is refused."""
     x = torch.ones(4, dtype=dtype)
     with pytest.raises(RuntimeError, match="expected float32 or float64"):
-        native_ops.activation(x, native_ops.RELU, inplace=False)
+        autograd_ops.activation(x, autograd_ops.RELU, inplace=False)
     strided = torch.ones(4, 4)[:, ::2]
     with pytest.raises(RuntimeError, match="expected a dense tensor"):
-        native_ops.activation(strided, native_ops.RELU, inplace=False)
+        autograd_ops.activation(strided, autograd_ops.RELU, inplace=False)
 
 
 @requires_operators

@@ -8,7 +8,7 @@ be dense CPU tensors (contiguous in some memory format), and tensors that corres
 element must share that order. Misuse raises ``ValueError``; calling a kernel while
 :func:`available` is False raises ``RuntimeError`` with :func:`status`.
 
-Building and loading the library is ``native_library.py``'s.
+Building and loading the library is ``build.py``'s.
 
 NOTE [NaN payloads in 16-bit types]: for float32 and float64 the results are bitwise those of
 ``torch.relu`` and ``threshold_backward``, NaN payloads included. For bfloat16 and float16 the
@@ -27,8 +27,8 @@ import struct
 import torch
 from torch import Tensor
 
-from memsave_cli.layers import native_library
-from memsave_cli.layers._layout import is_dense
+from memsave_cli.kernels import build
+from memsave_cli.kernels._layout import is_dense
 
 #: Bits of +infinity for each supported float dtype (NOTE [float classes as integer tests] in C).
 _INF_BITS = {
@@ -45,12 +45,12 @@ _OFFSET_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64)
 
 def available() -> bool:
     """Whether the native kernels are compiled and loaded (compiling them on the first call)."""
-    return native_library.loaded().library is not None
+    return build.loaded().library is not None
 
 
 def status() -> str:
     """One line saying where the kernels were loaded from, or why they are unavailable."""
-    return native_library.loaded().status
+    return build.loaded().status
 
 
 def flushes_denormals() -> bool:
@@ -59,7 +59,7 @@ def flushes_denormals() -> bool:
     Stock kernels then flush denormal results and compare denormals as zero; these kernels never
     do, so callers wanting stock's results there should take the torch path.
     """
-    library = native_library.loaded().library
+    library = build.loaded().library
     if library is None:
         raise RuntimeError(f"Native kernels are unavailable: {status()}")
     return bool(library.memsave_flushes_denormals())
@@ -67,7 +67,7 @@ def flushes_denormals() -> bool:
 
 def _call(name: str, *args: int) -> None:
     """Call the exported C function ``name``; its status code says whether arguments were valid."""
-    library = native_library.loaded().library
+    library = build.loaded().library
     if library is None:
         raise RuntimeError(f"Native kernels are unavailable: {status()}")
     if getattr(library, name)(*args) != 0:

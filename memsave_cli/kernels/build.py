@@ -4,7 +4,7 @@ NOTE [building the native kernels]: ``native.c`` is plain C, compiled on first u
 system compiler (``$CC``, else ``cc``, ``gcc`` or ``clang``) into a shared library named after a
 hash of the source, flags, compiler and platform, in ``$MEMSAVE_CACHE_DIR``,
 ``$XDG_CACHE_HOME/memsave`` or ``~/.cache/memsave`` (a fresh temporary directory when that is not
-writable). The compiler writes a temporary file that ``os.replace`` renames into place, so no
+writable; one that is unsafe is refused, NOTE [a safe library cache] in ``_cache.py``). The compiler writes a temporary file that ``os.replace`` renames into place, so no
 process ever loads a half-written library, and a lock file beside it makes processes that need
 the same library at once (pytest-xdist workers) wait for the first to compile it. Any
 failure (``MEMSAVE_NATIVE=0``, no compiler, a compile or load error) leaves ``native.available()``
@@ -31,6 +31,8 @@ from pathlib import Path
 
 import torch
 
+from memsave_cli.kernels import _cache
+
 #: The C source compiled on first use.
 SOURCE = Path(__file__).with_name("native.c")
 #: Compiler flags (portable: no ``-march=native``; AVX2 loops are chosen at run time).
@@ -56,8 +58,8 @@ _SIGNATURES = {
 }
 
 
-class _Unavailable(Exception):
-    """Why the native kernels cannot be used; the message becomes :func:`status`."""
+#: Why the native kernels cannot be used; the message becomes ``native.status()``.
+_Unavailable = _cache.Unavailable
 
 
 @dataclass(frozen=True)
@@ -130,13 +132,13 @@ def build(recipe: Recipe, root: Path | None = None) -> Path:
             raise _Unavailable(f"source not found: {source}")
     compiler = _compiler(recipe.compiler_variable, recipe.compilers)
     name = _file_name(recipe, compiler)
-    for directory in [root] if root is not None else _cache_dirs():
-        if (directory / name).is_file():
-            return directory / name
-    directory = root if root is not None else _writable_cache_dir()
-    with _exclusive(directory / f"{name}.lock"):
-        if not (directory / name).is_file():  # else another process built it meanwhile
-            _compile(compiler, recipe, directory / name)
+    directory = root if root is not None else _cache.writable()
+    _cache.check(directory)  # NOTE [a safe library cache]
+    if not (directory / name).is_file():
+        with _exclusive(directory / f"{name}.lock"):
+            if not (directory / name).is_file():  # else another process built it meanwhile
+                _compile(compiler, recipe, directory / name)
+    _cache.check(directory / name)
     return directory / name
 
 
@@ -164,9 +166,7 @@ def _exclusive(lock: Path) -> Iterator[None]:
 
 def cached(recipe: Recipe) -> Path | None:
     """Where the library ``recipe`` builds is cached, or None; compiles nothing."""
-    name = _file_name(recipe, _compiler(recipe.compiler_variable, recipe.compilers))
-    found = [directory / name for directory in _cache_dirs() if (directory / name).is_file()]
-    return found[0] if found else None
+    return _cache.existing(_file_name(recipe, _compiler(recipe.compiler_variable, recipe.compilers)))
 
 
 def _file_name(recipe: Recipe, compiler: list[str]) -> str:
@@ -204,28 +204,6 @@ def _suffix() -> str:
     return ".dll" if os.name == "nt" else ".so"
 
 
-def _cache_dirs() -> list[Path]:
-    """Where a compiled library is looked for, by precedence (NOTE [building the native kernels])."""
-    if os.environ.get("MEMSAVE_CACHE_DIR"):
-        return [Path(os.environ["MEMSAVE_CACHE_DIR"])]
-    if os.environ.get("XDG_CACHE_HOME"):
-        return [Path(os.environ["XDG_CACHE_HOME"]) / "memsave"]
-    home = os.path.expanduser("~")
-    return [] if home.startswith("~") else [Path(home) / ".cache" / "memsave"]  # no home: none
-
-
-def _writable_cache_dir() -> Path:
-    """The configured cache directory, created if needed, or a fresh temporary one."""
-    for directory in _cache_dirs():
-        try:
-            directory.mkdir(parents=True, exist_ok=True)
-        except OSError:
-            continue
-        if os.access(directory, os.W_OK | os.X_OK):
-            return directory
-    return Path(tempfile.mkdtemp(prefix="memsave-native-"))
-
-
 def _compile(compiler: list[str], recipe: Recipe, target: Path) -> None:
     """Compile ``recipe`` to ``target`` through a temporary file renamed into place."""
     handle, temporary = tempfile.mkstemp(dir=target.parent, prefix=f"{target.name}.", suffix=".tmp")
@@ -247,6 +225,7 @@ def _compile(compiler: list[str], recipe: Recipe, target: Path) -> None:
             raise _Unavailable(
                 f"compile failed ({compiler[0]} exited with {result.returncode}): {reason}"
             )
+        os.chmod(temporary, 0o700)  # whatever the umask: only this user may write it
         os.replace(temporary, target)
     except subprocess.TimeoutExpired as error:
         raise _Unavailable(f"compile timed out after {_COMPILE_TIMEOUT_S} s") from error

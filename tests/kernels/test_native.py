@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from memsave_cli.layers import native, native_library
+from memsave_cli.kernels import build, native
 from memsave_cli.layers.maxpool import IndexMaps, _reravel
 
 DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
@@ -115,8 +115,8 @@ def assert_same_bytes(actual: Tensor, expected: Tensor) -> None:
 
 def _has_compiler() -> bool:
     try:
-        native_library._compiler()
-    except native_library._Unavailable:
+        build._compiler()
+    except build._Unavailable:
         return False
     return True
 
@@ -135,7 +135,7 @@ def test_available_where_a_compiler_is() -> None:
 def test_disabled_by_environment() -> None:
     """MEMSAVE_NATIVE=0 (in a fresh process) leaves the kernels unavailable and says so."""
     code = (
-        "from memsave_cli.layers import native; print(native.available()); print(native.status())"
+        "from memsave_cli.kernels import native; print(native.available()); print(native.status())"
     )
     env = {**os.environ, "MEMSAVE_NATIVE": "0"}
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
@@ -149,7 +149,7 @@ def test_disabled_by_environment() -> None:
 @pytest.fixture
 def fresh_load(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
     """Load the kernels again under the test's environment and an empty cache directory."""
-    monkeypatch.setattr(native_library, "_LOADED", None)
+    monkeypatch.setattr(build, "_LOADED", None)
     monkeypatch.setenv("MEMSAVE_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.delenv("MEMSAVE_NATIVE", raising=False)
     return tmp_path
@@ -182,16 +182,16 @@ def test_concurrent_builds_share_one_library(
 ) -> None:
     """Builds racing into one cache directory compile once and all end with the same library."""
     compiles: list[Path] = []
-    compile_ = native_library._compile
+    compile_ = build._compile
 
     def counted(compiler, recipe, target: Path) -> None:
         compiles.append(target)
         compile_(compiler, recipe, target)
 
-    monkeypatch.setattr(native_library, "_compile", counted)
+    monkeypatch.setattr(build, "_compile", counted)
     paths: list[Path] = []
     builders = [
-        threading.Thread(target=lambda: paths.append(native_library._build())) for _ in range(3)
+        threading.Thread(target=lambda: paths.append(build._build())) for _ in range(3)
     ]
     for builder in builders:
         builder.start()
@@ -203,8 +203,8 @@ def test_concurrent_builds_share_one_library(
     left = sorted(p.name for p in path.parent.iterdir())
     assert left == [path.name, f"{path.name}.lock"]  # no temporary left
     modified = path.stat().st_mtime_ns
-    assert native_library._build() == path and path.stat().st_mtime_ns == modified  # cached
-    assert native_library._bind(path).memsave_isa() in (b"avx2", b"generic")
+    assert build._build() == path and path.stat().st_mtime_ns == modified  # cached
+    assert build._bind(path).memsave_isa() in (b"avx2", b"generic")
 
 
 @requires_native
@@ -497,7 +497,7 @@ def other_library(monkeypatch: pytest.MonkeyPatch):
     """Swap in another build or thread backend for one test."""
 
     def use(library) -> None:
-        monkeypatch.setattr(native_library, "_LOADED", native_library._Loaded(library, "test"))
+        monkeypatch.setattr(build, "_LOADED", build._Loaded(library, "test"))
 
     return use
 
@@ -565,7 +565,7 @@ def test_max_pool2_matches_aten(threads: int) -> None:
 @requires_native
 def test_portable_build(tmp_path: Path, other_library) -> None:
     """The loops compiled without AVX2 (all a non-x86 CPU gets) agree with torch too."""
-    library = native_library._bind(native_library._build(("-DMEMSAVE_GENERIC",), tmp_path))
+    library = build._bind(build._build(("-DMEMSAVE_GENERIC",), tmp_path))
     assert library.memsave_isa() == b"generic"
     other_library(library)
     _check_all_bit_kernels(threads=2)
@@ -575,7 +575,7 @@ def test_portable_build(tmp_path: Path, other_library) -> None:
 @requires_native
 def test_own_thread_pool(other_library) -> None:
     """Without torch's OpenMP runtime the kernels run on their own worker threads."""
-    library = native_library._bind(native_library._build())
+    library = build._bind(build._build())
     library.memsave_use_openmp(None)
     other_library(library)
     for threads in (2, 3):  # above 2**20 elements, so that sleeping workers are woken

@@ -10,8 +10,8 @@ import torch
 from torch import Tensor
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
-from memsave_cli.layers import bitmask
-from memsave_cli.layers.bitmask import (
+from memsave_cli.kernels import bitmask
+from memsave_cli.kernels.bitmask import (
     BitLayout,
     compare,
     layout_of,

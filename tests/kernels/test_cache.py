@@ -1,0 +1,104 @@
+"""Safety of the compiled-library cache (NOTE [a safe library cache] in ``kernels/_cache.py``)."""
+
+from __future__ import annotations
+
+import os
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from memsave_cli.kernels import _cache, build, native
+
+posix_only = pytest.mark.skipif(not hasattr(os, "getuid"), reason="POSIX owners and modes")
+
+
+#: Tests that compile into a fresh cache need what the default cache needed: a compiler.
+requires_compiler = pytest.mark.skipif(not native.available(), reason=native.status())
+
+
+@pytest.fixture
+def cache_dir(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
+    """A not-yet-existing cache directory, with the kernels to be loaded afresh."""
+    monkeypatch.setattr(build, "_LOADED", None)
+    monkeypatch.delenv("MEMSAVE_NATIVE", raising=False)
+    directory = tmp_path / "nested" / "cache"
+    monkeypatch.setenv("MEMSAVE_CACHE_DIR", str(directory))
+    return directory
+
+
+@posix_only
+@requires_compiler
+def test_cache_is_created_private(cache_dir: Path) -> None:
+    """A fresh cache directory is 0700 and ours, and the library in it only we may write."""
+    old = os.umask(0o002)  # a permissive umask must not leak into the cache
+    try:
+        assert native.available(), native.status()
+    finally:
+        os.umask(old)
+    info = cache_dir.stat()
+    assert stat.S_IMODE(info.st_mode) == 0o700 and info.st_uid == os.getuid()
+    (library,) = cache_dir.glob("memsave_native_*.so")
+    assert stat.S_IMODE(library.stat().st_mode) & 0o022 == 0
+
+
+@posix_only
+@pytest.mark.parametrize("mode", [0o770, 0o707, 0o777], ids=oct)
+def test_cache_writable_by_others_is_refused(cache_dir: Path, mode: int) -> None:
+    """A group- or world-writable cache directory loads nothing: one line, then the fallback."""
+    cache_dir.mkdir(parents=True)
+    cache_dir.chmod(mode)
+    assert not native.available()
+    status = native.status()
+    assert "\n" not in status
+    assert status.startswith(f"native kernels: cache directory {cache_dir} is writable by group")
+    assert f"mode {mode:o}" in status
+    assert list(cache_dir.iterdir()) == []  # nothing compiled or loaded there
+
+
+@posix_only
+@requires_compiler
+def test_planted_library_writable_by_others_is_refused(cache_dir: Path) -> None:
+    """A library made writable by others in a private cache is refused as well."""
+    assert native.available(), native.status()
+    (library,) = cache_dir.glob("memsave_native_*.so")
+    library.chmod(0o666)
+    build._LOADED = None
+    assert not native.available()
+    assert native.status().startswith(f"native kernels: cached library {library} is writable")
+
+
+@posix_only
+def test_cache_of_another_user_is_refused(cache_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A cache directory that belongs to someone else is refused, naming both owners."""
+    cache_dir.mkdir(parents=True, mode=0o700)
+    monkeypatch.setattr(os, "getuid", lambda: os.stat(cache_dir).st_uid + 1)
+    with pytest.raises(_cache.Unavailable, match=r"belongs to uid \d+, not to this user"):
+        _cache.writable()
+    with pytest.raises(_cache.Unavailable, match="refusing to load compiled kernels"):
+        _cache.existing("memsave_native_x.so")
+
+
+@posix_only
+def test_refused_cache_leaves_layers_exact(tmp_path: Path) -> None:
+    """In a fresh process with an unsafe cache the layers run their reference path, exactly."""
+    unsafe = tmp_path / "unsafe"
+    unsafe.mkdir(mode=0o777)
+    unsafe.chmod(0o777)
+    code = (
+        "import torch\n"
+        "from memsave_cli.kernels import native\n"
+        "from memsave_cli.layers import MemSaveReLU\n"
+        "x = torch.randn(4, 9, requires_grad=True)\n"
+        "y = MemSaveReLU()(x); y.sum().backward()\n"
+        "assert torch.equal(y, torch.relu(x)) and torch.equal(x.grad, (x > 0).float())\n"
+        "print(native.status())\n"
+    )
+    env = {**os.environ, "MEMSAVE_CACHE_DIR": str(unsafe), "PYTHONPATH": os.getcwd()}
+    env.pop("MEMSAVE_NATIVE", None)
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert result.returncode == 0, result.stderr
+    assert "is writable by group or others" in result.stdout
+    assert list(unsafe.iterdir()) == []
