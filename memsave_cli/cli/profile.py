@@ -83,7 +83,14 @@ def profile(
     inputs: InputsOpt = Inputs.auto,
     attention: AttentionOpt = Attention.auto,
     top: Annotated[int, typer.Option(min=0, help="Layers shown per case (0: none).")] = 5,
-    repeat: Annotated[int, typer.Option(min=1, help="Timed repeats (cpu/cuda).")] = 3,
+    repeat: Annotated[
+        int,
+        typer.Option(
+            min=1,
+            help="Timed steps per implementation (cpu/cuda); on cpu at least, in alternating "
+            "rounds until each has run 10 s.",
+        ),
+    ] = 3,
     threads: Annotated[
         int | None,
         typer.Option(

@@ -60,8 +60,8 @@ def comparison_table(report: Report) -> RenderableType:
 
 _PAIRED_CAPTION = (
     " Time: median of rounds alternating the implementations; its ratio is the median of "
-    "per-round ratios to PyTorch in the same case, ± half their interquartile range; ? marks a "
-    "ratio whose spread exceeds its difference from 1."
+    "ratios to PyTorch in the same case over pairs of rounds (one in each order), ± half their "
+    "interquartile range; ? marks a ratio whose spread exceeds its difference from 1."
 )
 
 
