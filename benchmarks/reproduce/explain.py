@@ -156,6 +156,16 @@ VARIANTS = (
         script="script_t5",
     ),
     Variant(
+        "t5-paper-script-train-mode",
+        "llm",
+        "t5_h768",
+        (("pretrained_mode", False),),
+        "The paper's script with today's T5 attention and the model in training mode (dropout "
+        "active, as memsave's own rows run it): what eval mode, in which the script measured, "
+        "leaves out.",
+        script="script_t5",
+    ),
+    Variant(
         "fasterrcnn-paper-script",
         "cnn",
         "fasterrcnn_resnet50_fpn",
