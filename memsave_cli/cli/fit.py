@@ -6,7 +6,7 @@ from typing import Annotated
 
 import typer
 
-from memsave_cli.cli._console import human_console, write_output
+from memsave_cli.cli._console import check_writable, human_console, write_output
 from memsave_cli.cli._errors import reported_errors
 from memsave_cli.cli._help import DEBUG_HELP, examples
 from memsave_cli.cli._options import (
@@ -85,6 +85,7 @@ def fit(
     Searches on the meta device by default: exact tensor accounting, no memory needed, no GPU.
     """
     with reported_errors(ctx, debug):
+        check_writable(json=json_path)
         from memsave_cli.fit import fit as fit_core
         from memsave_cli.render.fit import fit_view
 

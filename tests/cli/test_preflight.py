@@ -106,3 +106,35 @@ def test_checks_never_import_dynamo():
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["no", "dynamo", "True"], done.stdout
+
+
+@pytest.mark.parametrize(
+    ("command", "expected"),
+    [
+        (["profile", "torchvision:resnet18", "--device", "meta", "--json", "{dir}"], "is a folder"),
+        (["profile", "torchvision:resnet18", "--csv", "{file}/r.csv"], "is a file, not a folder"),
+        (["fit", "torchvision:resnet18", "--budget", "1GiB", "--json", "{dir}"], "is a folder"),
+        (["layers", "--json", "{file}/sub/layers.json"], "is a file, not a folder"),
+    ],
+    ids=["profile-json", "profile-csv", "fit-json", "layers-json"],
+)
+def test_unwritable_output_is_one_line_before_any_work(
+    runner, no_workers, tmp_path, monkeypatch, command, expected
+):
+    import memsave_cli.layer_table
+
+    monkeypatch.setattr(memsave_cli.layer_table, "layer_table", lambda *a: pytest.fail("worked"))
+    (tmp_path / "file").write_text("")
+    args = [a.format(dir=tmp_path, file=tmp_path / "file") for a in command]
+    line = one_error_line(runner.invoke(app, args))
+    assert expected in line and ("--json" in line or "--csv" in line)
+
+
+def test_output_folder_without_permission(runner, no_workers, tmp_path, monkeypatch):
+    """As root every folder is writable, so the permission is denied by os.access here."""
+    import os
+
+    monkeypatch.setattr(os, "access", lambda path, mode: False)
+    args = ["profile", "torchvision:resnet18", "--json", str(tmp_path / "new" / "r.json")]
+    line = one_error_line(runner.invoke(app, args))
+    assert f"cannot create files in {tmp_path} (no permission)" in line
