@@ -6,7 +6,7 @@ from typing import Annotated
 
 import typer
 
-from memsave_cli.cli._console import human_console, write_output
+from memsave_cli.cli._console import check_writable, human_console, write_output
 from memsave_cli.cli._errors import reported_errors
 from memsave_cli.cli._help import DEBUG_HELP, examples
 from memsave_cli.cli._options import (
@@ -91,6 +91,7 @@ def fit(
     """
     with reported_errors(ctx, debug):
         ranks = parse_ranks(fsdp)
+        check_writable(json=json_path)
         from memsave_cli.fit import fit as fit_core
         from memsave_cli.render.fit import fit_view
 

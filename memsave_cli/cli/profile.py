@@ -6,7 +6,7 @@ from typing import Annotated
 
 import typer
 
-from memsave_cli.cli._console import STDOUT, human_console, write_output
+from memsave_cli.cli._console import STDOUT, check_writable, human_console, write_output
 from memsave_cli.cli._errors import USAGE_EXIT, reported_errors
 from memsave_cli.cli._help import DEBUG_HELP, examples
 from memsave_cli.cli._options import (
@@ -125,6 +125,7 @@ def profile(
         ranks = parse_ranks(fsdp)
         if json_path == STDOUT and csv_path == STDOUT:
             raise typer.BadParameter("only one of --json and --csv can write to stdout (-)")
+        check_writable(json=json_path, csv=csv_path)
         from memsave_cli.api import profile as profile_core
         from memsave_cli.render.csv import report_csv
         from memsave_cli.render.profile import print_profile

@@ -7,6 +7,7 @@ from importlib import metadata
 from pathlib import Path
 
 import pytest
+import torch
 
 pytest_plugins = ["pytester"]
 
@@ -245,3 +246,21 @@ def test_entry_point_is_declared() -> None:
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())
     assert project["project"]["entry-points"]["pytest11"] == {"memsave": PLUGIN}
     assert PLUGIN in sys.modules or __import__(PLUGIN)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_budget_measured_on_cuda(pytester: pytest.Pytester) -> None:
+    """device="cuda" measures a spec in its own worker, as memsave profile does."""
+    result = run_suite(
+        pytester,
+        """
+        def test_cuda(memsave):
+            run = memsave.assert_fits(
+                "torchvision:resnet18", budget="1MiB", case="input", batch_size=16, device="cuda"
+            )
+        """,
+    )
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(
+        ["E *(case input, batch size 16, memsave layers, measured on cuda)"]
+    )
