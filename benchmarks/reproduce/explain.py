@@ -166,6 +166,34 @@ VARIANTS = (
         script="script_t5",
     ),
     Variant(
+        "llama3-paper-script",
+        "llm",
+        "llama3_8b",
+        (),
+        "Does the paper's measurement script explain its LLaMA-3 rows? As for the Transformer: "
+        "the float32 logits the model returned then, their cross-entropy permuted to (B, V, L) "
+        "inside the measured region, and the script's `requires_grad` (the LM head, skipped by "
+        "name, trains in every case).",
+        script="script_llama3",
+    ),
+    Variant(
+        "mistral-paper-script",
+        "llm",
+        "mistral_7b",
+        (),
+        "Does the paper's measurement script explain its Mistral rows? (As for LLaMA-3.)",
+        script="script_mistral",
+    ),
+    Variant(
+        "phi3-paper-script",
+        "llm",
+        "phi3_4b",
+        (("attn_implementation", "eager"),),
+        "Does the paper's measurement script, with the eager attention of its time, explain its "
+        "Phi-3 rows? (As for LLaMA-3.)",
+        script="script_phi3",
+    ),
+    Variant(
         "fasterrcnn-paper-script",
         "cnn",
         "fasterrcnn_resnet50_fpn",
