@@ -87,10 +87,14 @@ class ScriptLanguageModel(nn.Module):
 
     def forward(self, x: Tensor, y: Tensor, *originals: Tensor) -> Tensor:
         x = x.to(self.model.dtype)
-        kwargs = {"decoder_inputs_embeds": x} if self.model.config.is_encoder_decoder else {}
+        # the script passed use_cache=False; a causal LM given it on meta inspects position values,
+        # and its cache would only hold the keys and values that attention keeps for backward
+        kwargs: dict[str, Any] = {}
+        if self.model.config.is_encoder_decoder:
+            kwargs = {"decoder_inputs_embeds": x, "use_cache": False}
         # the causal LMs of the paper's transformers upcast their logits in the forward, so the
         # low-precision logits die before the loss
-        logits = self.model(inputs_embeds=x, use_cache=False, **kwargs).logits.float()
+        logits = self.model(inputs_embeds=x, **kwargs).logits.float()
         return F.cross_entropy(logits.permute(0, 2, 1), y)
 
 
