@@ -118,8 +118,11 @@ def script_t5_inputs(batch_size: int) -> tuple[Tensor, ...]:
     return _script_hf_inputs("t5-base", batch_size)
 
 
-def script_llama3(attn_implementation: str | None = None) -> nn.Module:
-    """LLaMA-3-8B (``configs/meta-llama-3-8b``) as the paper's script measured it."""
+def script_llama3(attn_implementation: str | None = None, repeat_kv: bool = False) -> nn.Module:
+    """LLaMA-3-8B (``configs/meta-llama-3-8b``) as the paper's script measured it; ``repeat_kv``: see
+    ``repeat_kv_heads``."""
+    if repeat_kv:
+        repeat_kv_heads()
     return _script_hf("meta-llama-3-8b", attn_implementation)
 
 
@@ -127,8 +130,11 @@ def script_llama3_inputs(batch_size: int) -> tuple[Tensor, ...]:
     return _script_hf_inputs("meta-llama-3-8b", batch_size)
 
 
-def script_mistral(attn_implementation: str | None = None) -> nn.Module:
-    """Mistral-7B (``configs/mistral-7b-v0.1``) as the paper's script measured it."""
+def script_mistral(attn_implementation: str | None = None, repeat_kv: bool = False) -> nn.Module:
+    """Mistral-7B (``configs/mistral-7b-v0.1``) as the paper's script measured it; ``repeat_kv``: see
+    ``repeat_kv_heads``."""
+    if repeat_kv:
+        repeat_kv_heads()
     return _script_hf("mistral-7b-v0.1", attn_implementation)
 
 
@@ -143,6 +149,18 @@ def script_phi3(attn_implementation: str | None = None) -> nn.Module:
 
 def script_phi3_inputs(batch_size: int) -> tuple[Tensor, ...]:
     return _script_hf_inputs("phi-3-mini-4k", batch_size)
+
+
+def repeat_kv_heads() -> None:
+    """Repeat key and value heads to the query heads before attention, in this process.
+
+    Today's transformers hands grouped-query attention to SDPA with fewer key and value heads; its
+    releases of the paper's time repeated them first, and SDPA kept the repeated copies for
+    backward (each (B, H, L, d) instead of (B, H_kv, L, d)).
+    """
+    from transformers.integrations import sdpa_attention
+
+    sdpa_attention.use_gqa_in_sdpa = lambda *args, **kwargs: False
 
 
 def _script_hf(
