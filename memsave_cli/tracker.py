@@ -10,6 +10,11 @@ storage is rounded up to the CUDA caching allocator's 512-byte granularity, so t
 what ``torch.cuda.memory_allocated`` would count for the same tensors; they depend only on
 shapes and dtypes, so a meta run and a cpu run give identical counts.
 
+NOTE [sharded tensors]: a DTensor is a wrapper whose own storage stands for the whole tensor; the
+memory this process holds is its local shard, so the tracker counts ``_local_tensor``'s storage.
+FSDP2 frees and re-allocates its all-gather buffers with ``UntypedStorage.resize_``, which no
+dispatch mode sees; while a tracker is active, resizes of storages on its device are followed.
+
 NOTE [kernel temporaries]: a few kernels allocate a buffer of their own and free it before they
 return, so no op reports it, yet the caching allocator's peak includes it. Softmax and
 log-softmax copy a non-contiguous input to a contiguous one first (``input_.contiguous()`` in
@@ -99,6 +104,25 @@ class MemoryTracker(TorchDispatchMode):
         params = list(module.parameters())
         grads = [p.grad for p in params if p.grad is not None]
         return self.track(params, list(module.buffers()), grads)
+
+    def __enter__(self) -> MemoryTracker:
+        _RESIZE_WATCHERS.append(self)
+        _install_resize_hook()
+        return super().__enter__()
+
+    def __exit__(self, *exc: object) -> None:
+        _RESIZE_WATCHERS.remove(self)
+        super().__exit__(*exc)
+
+    def resized(self, storage: torch.UntypedStorage) -> None:
+        """Follow ``storage``'s new size (NOTE [sharded tensors]); an unknown one is counted now."""
+        if self._wrong_device(storage):
+            return
+        entry = self._live.get(id(storage))
+        if entry is None:
+            self._add(storage)
+        else:
+            self._resize(entry, storage)
 
     def reset_peak(self) -> int:
         """Start a new peak from what is live now (as ``torch.cuda.reset_peak_memory_stats``)."""
@@ -199,6 +223,24 @@ class MemoryTracker(TorchDispatchMode):
                 self.observer.freed(entry.token)
 
 
+_RESIZE_WATCHERS: list[MemoryTracker] = []
+_ORIGINAL_RESIZE = torch.UntypedStorage.resize_
+
+
+def _install_resize_hook() -> None:
+    """Replace ``UntypedStorage.resize_`` (once) by a version that tells active trackers."""
+    if torch.UntypedStorage.resize_ is not _ORIGINAL_RESIZE:
+        return
+
+    def resize_(storage: torch.UntypedStorage, nbytes: int) -> torch.UntypedStorage:
+        result = _ORIGINAL_RESIZE(storage, nbytes)
+        for tracker in _RESIZE_WATCHERS:
+            tracker.resized(storage)
+        return result
+
+    torch.UntypedStorage.resize_ = resize_  # type: ignore[method-assign]
+
+
 _ALIASING: dict[object, bool] = {}
 _CONTIGUOUS_INPUT = (torch.ops.aten._softmax.default, torch.ops.aten._log_softmax.default)
 
@@ -244,7 +286,10 @@ def _tensors(tree: object) -> Iterator[Tensor]:
 
 
 def _storage(tensor: Tensor) -> torch.UntypedStorage | None:
-    """The storage behind ``tensor``, or None for layouts without one (sparse, nested)."""
+    """The storage behind ``tensor`` (a DTensor's local shard), or None for layouts without one."""
+    local = getattr(tensor, "_local_tensor", None)  # NOTE [sharded tensors]
+    if isinstance(local, Tensor):
+        tensor = local
     try:
         return tensor.untyped_storage()
     except (RuntimeError, NotImplementedError):
