@@ -1,8 +1,8 @@
 """One rank of a gloo job on localhost, started by the distributed tests (one process per rank).
 
-    python dist_worker.py SCENARIO RANK WORLD_SIZE PORT OUT
+    python dist_worker.py SCENARIO RANK WORLD_SIZE RENDEZVOUS OUT
 
-Each scenario writes its result to ``OUT`` (``torch.save``); the test compares the ranks' files.
+``RENDEZVOUS`` is a file the ranks meet through (it must not exist yet). Each scenario writes its result to ``OUT`` (``torch.save``); the test compares the ranks' files.
 """
 
 from __future__ import annotations
@@ -119,9 +119,9 @@ SCENARIOS: dict[str, Callable[[int, int], object]] = {
 }
 
 
-def main(scenario: str, rank: str, world_size: str, port: str, out: str) -> None:
+def main(scenario: str, rank: str, world_size: str, rendezvous: str, out: str) -> None:
     dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=int(rank), world_size=int(world_size)
+        "gloo", init_method=f"file://{rendezvous}", rank=int(rank), world_size=int(world_size)
     )
     try:
         result = SCENARIOS[scenario](int(rank), int(world_size))
