@@ -90,6 +90,39 @@ def check_world_size(world_size: object) -> int:
     return world_size
 
 
+def sharded_device(device: str, world_size: object, reshard: bool, notes: list[str]) -> str:
+    """``meta``, where a per-rank estimate runs, with a note that every number is one rank's;
+    FsdpError for a world size, device or ``reshard`` setting the estimate cannot honour."""
+    if world_size is None:
+        raise FsdpError("--no-reshard applies to sharded runs: add --fsdp N or drop --no-reshard")
+    ranks = check_world_size(world_size)
+    if device not in ("auto", "meta"):
+        raise _not_on(device)
+    after = "resharded" if reshard else "kept (--no-reshard)"
+    notes.append(
+        f"one rank of {ranks} under FSDP2 (fully_shard on a fake process group, on meta): "
+        f"every number is per rank; parameters {after} after forward"
+    )
+    return "meta"
+
+
+def check_job_device(device: str, world_size: object) -> None:
+    """FsdpError unless a sharded job runs on meta (an estimate) or on cpu inside a running
+    process group of its size (real ranks, as the validation test runs them)."""
+    import torch.distributed as dist
+
+    check_world_size(world_size)
+    if device != "meta" and not (device == MESH_DEVICE and dist.is_initialized()):
+        raise _not_on(device)
+
+
+def _not_on(device: str) -> FsdpError:
+    return FsdpError(
+        f"--fsdp estimates one rank of N on meta, which --device {device} cannot: "
+        "use --device meta (or auto)"
+    )
+
+
 @contextlib.contextmanager
 def world(world_size: int) -> Iterator[World]:
     """The initialised process group when there is one (real ranks; it must have

@@ -127,9 +127,7 @@ def check_job(job: Job) -> None:
     if job.repeat < 0:
         raise MemsaveError(f"repeat must be 0 (memory only) or more, got {job.repeat}")
     if job.fsdp is not None:
-        fsdp.check_world_size(job.fsdp)
-        if job.device == "cuda":
-            raise MemsaveError("--fsdp estimates on meta (one rank of N): use --device meta")
+        fsdp.check_job_device(job.device, job.fsdp)
 
 
 def _ranks(job: Job) -> contextlib.AbstractContextManager[fsdp.World | None]:

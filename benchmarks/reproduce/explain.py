@@ -166,6 +166,53 @@ VARIANTS = (
         script="script_t5",
     ),
     Variant(
+        "llama3-paper-script",
+        "llm",
+        "llama3_8b",
+        (),
+        "Does the paper's measurement script explain its LLaMA-3 rows? As for the Transformer: "
+        "the float32 logits the model returned then, their cross-entropy permuted to (B, V, L) "
+        "inside the measured region, and the script's `requires_grad` (the LM head, skipped by "
+        "name, trains in every case).",
+        script="script_llama3",
+    ),
+    Variant(
+        "llama3-paper-script-repeat-kv",
+        "llm",
+        "llama3_8b",
+        (("repeat_kv", True),),
+        "The paper's script with LLaMA-3's key and value heads repeated to its 32 query heads "
+        "before attention, as the transformers releases of the paper's time did, so that "
+        "attention keeps the repeated copies (today SDPA takes the 8 key and value heads).",
+        script="script_llama3",
+    ),
+    Variant(
+        "mistral-paper-script",
+        "llm",
+        "mistral_7b",
+        (),
+        "Does the paper's measurement script explain its Mistral rows? (As for LLaMA-3.)",
+        script="script_mistral",
+    ),
+    Variant(
+        "mistral-paper-script-repeat-kv",
+        "llm",
+        "mistral_7b",
+        (("repeat_kv", True),),
+        "The paper's script with Mistral's 8 key and value heads repeated to its 32 query heads "
+        "before attention, as for LLaMA-3.",
+        script="script_mistral",
+    ),
+    Variant(
+        "phi3-paper-script",
+        "llm",
+        "phi3_4b",
+        (("attn_implementation", "eager"),),
+        "Does the paper's measurement script, with the eager attention of its time, explain its "
+        "Phi-3 rows? (As for LLaMA-3.)",
+        script="script_phi3",
+    ),
+    Variant(
         "fasterrcnn-paper-script",
         "cnn",
         "fasterrcnn_resnet50_fpn",

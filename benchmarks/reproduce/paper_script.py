@@ -2,13 +2,14 @@
 
 NOTE [the paper's script]: the published transformer rows are ``torch.cuda.max_memory_allocated()``
 of the authors' script (memsave_torch, ``experiments/util``), which differs from a plain forward in
-three ways that change the numbers:
+four ways that change the numbers:
 
 - **the measured region** holds the input twice (the script keeps its input and label tensors
   on the device and measures on clones) and ends with the loss: ``CrossEntropyLoss`` of the
   logits permuted to (B, V, L), whose log-softmax on a GPU first copies the non-contiguous
   logits. The vanilla Transformer predicts 5000 classes (the script's ``num_classes``), T5 its
-  32128-token vocabulary; the model returns no loss of its own.
+  32128-token vocabulary; the model returns no loss of its own, and float32 logits (as the
+  causal LMs of the transformers releases of the paper's time did).
 - **which parameters train**: the script walks the *leaf* modules (those without children) and
   sets ``requires_grad`` of linear, convolution, norm and embedding layers by case; parameters
   of other modules keep their default, trainable. ``nn.MultiheadAttention`` owns its input
@@ -18,10 +19,12 @@ three ways that change the numbers:
   by name, and ``surgical`` trains the first quarter of the leaf modules with parameters.
 - **the cases**: ``all`` trains linear and norm layers; ``input`` only the input; ``norm`` the
   norm layers; ``surgical`` the first quarter (counting layer ``i`` from 0 while ``i <= n / 4``).
+- **the mode**: ``from_pretrained`` returns a Hugging Face model in eval mode and the script never
+  calls ``train()``, so T5 ran without dropout; the vanilla Transformer, built directly, trained.
 
 ``script_cases`` turns these rules into memsave ``custom`` cases over the built model, so a
-profile measures exactly the script's selection; ``script_transformer`` and ``script_t5`` are
-the script's models with its loss inside the forward.
+profile measures exactly the script's selection; the ``script_*`` factories are the script's
+models with its loss inside the forward, each with its ``*_inputs`` companion.
 """
 
 from __future__ import annotations
@@ -45,7 +48,7 @@ SEQUENCE_LENGTH = 256
 TRANSFORMER_WIDTH = 2048
 #: ``num_classes`` of the script's transformer configuration: the vanilla Transformer's vocabulary.
 SCRIPT_CLASSES = 5000
-T5_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "t5-base"
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 #: The leaf layers the script sorts by type; any other leaf layer with parameters stops it.
 LINEAR: tuple[type[nn.Module], ...] = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)
 
@@ -84,9 +87,15 @@ class ScriptLanguageModel(nn.Module):
 
     def forward(self, x: Tensor, y: Tensor, *originals: Tensor) -> Tensor:
         x = x.to(self.model.dtype)
-        kwargs = {"decoder_inputs_embeds": x} if self.model.config.is_encoder_decoder else {}
-        out = self.model(inputs_embeds=x, use_cache=False, **kwargs)
-        return F.cross_entropy(out.logits.permute(0, 2, 1), y)
+        # the script passed use_cache=False; a causal LM given it on meta inspects position values,
+        # and its cache would only hold the keys and values that attention keeps for backward
+        kwargs: dict[str, Any] = {}
+        if self.model.config.is_encoder_decoder:
+            kwargs = {"decoder_inputs_embeds": x, "use_cache": False}
+        # the causal LMs of the paper's transformers upcast their logits in the forward, so the
+        # low-precision logits die before the loss
+        logits = self.model(inputs_embeds=x, **kwargs).logits.float()
+        return F.cross_entropy(logits.permute(0, 2, 1), y)
 
 
 def script_transformer(classes: int = SCRIPT_CLASSES) -> nn.Module:
@@ -102,16 +111,73 @@ def script_transformer_inputs(batch_size: int) -> tuple[Tensor, ...]:
 
 def script_t5(attn_implementation: str | None = None, pretrained_mode: bool = True) -> nn.Module:
     """T5-base (``configs/t5-base``) as the paper's script measured it (see NOTE)."""
-    from memsave_cli import hf
-
-    kwargs = () if attn_implementation is None else (("attn_implementation", attn_implementation),)
-    model = hf.build(f"hf:{T5_CONFIG}", str(T5_CONFIG), kwargs)
-    return ScriptLanguageModel(model, pretrained_mode)
+    return _script_hf("t5-base", attn_implementation, pretrained_mode)
 
 
 def script_t5_inputs(batch_size: int) -> tuple[Tensor, ...]:
-    config = json.loads((T5_CONFIG / "config.json").read_text())
-    x = torch.rand(batch_size, SEQUENCE_LENGTH, config["d_model"])
+    return _script_hf_inputs("t5-base", batch_size)
+
+
+def script_llama3(attn_implementation: str | None = None, repeat_kv: bool = False) -> nn.Module:
+    """LLaMA-3-8B (``configs/meta-llama-3-8b``) as the paper's script measured it; ``repeat_kv``: see
+    ``repeat_kv_heads``."""
+    if repeat_kv:
+        repeat_kv_heads()
+    return _script_hf("meta-llama-3-8b", attn_implementation)
+
+
+def script_llama3_inputs(batch_size: int) -> tuple[Tensor, ...]:
+    return _script_hf_inputs("meta-llama-3-8b", batch_size)
+
+
+def script_mistral(attn_implementation: str | None = None, repeat_kv: bool = False) -> nn.Module:
+    """Mistral-7B (``configs/mistral-7b-v0.1``) as the paper's script measured it; ``repeat_kv``: see
+    ``repeat_kv_heads``."""
+    if repeat_kv:
+        repeat_kv_heads()
+    return _script_hf("mistral-7b-v0.1", attn_implementation)
+
+
+def script_mistral_inputs(batch_size: int) -> tuple[Tensor, ...]:
+    return _script_hf_inputs("mistral-7b-v0.1", batch_size)
+
+
+def script_phi3(attn_implementation: str | None = None) -> nn.Module:
+    """Phi-3-mini-4k (``configs/phi-3-mini-4k``) as the paper's script measured it."""
+    return _script_hf("phi-3-mini-4k", attn_implementation)
+
+
+def script_phi3_inputs(batch_size: int) -> tuple[Tensor, ...]:
+    return _script_hf_inputs("phi-3-mini-4k", batch_size)
+
+
+def repeat_kv_heads() -> None:
+    """Repeat key and value heads to the query heads before attention, in this process.
+
+    Today's transformers hands grouped-query attention to SDPA with fewer key and value heads; its
+    releases of the paper's time repeated them first, and SDPA kept the repeated copies for
+    backward (each (B, H, L, d) instead of (B, H_kv, L, d)).
+    """
+    from transformers.integrations import sdpa_attention
+
+    sdpa_attention.use_gqa_in_sdpa = lambda *args, **kwargs: False
+
+
+def _script_hf(
+    name: str, attn_implementation: str | None, pretrained_mode: bool = True
+) -> nn.Module:
+    from memsave_cli import hf
+
+    target = CONFIGS / name
+    kwargs = () if attn_implementation is None else (("attn_implementation", attn_implementation),)
+    return ScriptLanguageModel(hf.build(f"hf:{target}", str(target), kwargs), pretrained_mode)
+
+
+def _script_hf_inputs(name: str, batch_size: int) -> tuple[Tensor, ...]:
+    """Embeddings (B, 256, H) and labels over the vocabulary: clones first, then originals."""
+    config = json.loads((CONFIGS / name / "config.json").read_text())
+    width = config.get("d_model") or config["hidden_size"]
+    x = torch.rand(batch_size, SEQUENCE_LENGTH, width)
     y = torch.randint(config["vocab_size"], (batch_size, SEQUENCE_LENGTH))
     return x.clone(), y.clone(), x, y
 

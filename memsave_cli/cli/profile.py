@@ -15,6 +15,7 @@ from memsave_cli.cli._options import (
     CasesOpt,
     Device,
     Dtype,
+    FsdpOpt,
     Impl,
     InputGradOpt,
     Inputs,
@@ -26,10 +27,11 @@ from memsave_cli.cli._options import (
     LoraTargetsOpt,
     ModelArg,
     Optimizer,
+    ReshardOpt,
     TrainableOpt,
     impl_names,
 )
-from memsave_cli.cli._parse import parse_shape, select_cases
+from memsave_cli.cli._parse import parse_ranks, parse_shape, select_cases
 from memsave_cli.cli._progress import progress_bar
 
 EPILOG = examples(
@@ -39,6 +41,7 @@ EPILOG = examples(
     "memsave profile mymodels.py:build --kwarg width=64 --input-shape 3,64,64",
     "memsave profile hf:./llama-config --dtype bfloat16 --batch-size 8 --json report.json",
     "memsave profile torchvision:resnet50 --case lora --lora-rank 8 --batch-size 16",
+    "memsave profile hf:configs/meta-llama-3-8b --case lora --dtype bfloat16 --fsdp 4",
 )
 
 
@@ -109,6 +112,8 @@ def profile(
         str | None,
         typer.Option("--csv", metavar="PATH", help="Write the runs as CSV (- for stdout)."),
     ] = None,
+    fsdp: FsdpOpt = None,
+    reshard: ReshardOpt = True,
     debug: Annotated[bool, typer.Option("--debug", help=DEBUG_HELP)] = False,
 ) -> None:
     """Measure peak memory (and time, on cpu/cuda) of MODEL with stock and memsave layers.
@@ -117,6 +122,7 @@ def profile(
     shows, the layers whose saved tensors change most, a verdict per case, and failed runs.
     """
     with reported_errors(ctx, debug):
+        ranks = parse_ranks(fsdp)
         if json_path == STDOUT and csv_path == STDOUT:
             raise typer.BadParameter("only one of --json and --csv can write to stdout (-)")
         check_writable(json=json_path, csv=csv_path)
@@ -151,6 +157,8 @@ def profile(
                 on_plan=bar.set_total,
                 inputs=inputs.value,
                 attention=attention.value,
+                fsdp=ranks,
+                reshard=reshard,
             )
         print_profile(human_console(json_path, csv_path), report, top=top)
         if json_path is not None:

@@ -55,6 +55,8 @@ def comparison_table(report: Report) -> RenderableType:
             table.add_row(summary.IMPL_LABELS.get(impl, impl), *values)
     measured = "memory and time" if summary.has_metric(report, "time_s") else "memory"
     caption = _CAPTION + (_PAIRED_CAPTION if paired else "")
+    if report.fsdp is not None:
+        measured += f" per rank of {report.fsdp} (FSDP2)"
     return titled(f"{report.model}: {measured}, ratio to {against}", table, caption)
 
 
