@@ -168,3 +168,10 @@ def test_hub_id_in_the_local_cache_is_built_from_it(tmp_path, monkeypatch):
     with torch.device("meta"):
         model = build_model(parse_spec("hf:some-org/tiny"))
     assert type(model).__name__ == "GPT2LMHeadModel" and model.config.n_embd == 8
+
+
+def test_input_shape_the_forward_cannot_take_is_one_line(runner, no_workers):
+    args = ["profile", "torchvision:resnet18", "--device", "meta", "--input-shape", "4,32,32"]
+    line = one_error_line(runner.invoke(app, args))
+    assert "torchvision:resnet18: the forward fails on one input of shape (64, 4, 32, 32)" in line
+    assert line.endswith("check --input-shape (one sample, without the batch dimension)")
