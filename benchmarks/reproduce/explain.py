@@ -3,7 +3,7 @@
 Each variant reruns one paper model with one setting changed and writes
 ``docs/results/explain/<name>.json``; the docs show it beside the paper's row and our main one.
 
-    python -m benchmarks.reproduce.explain [--name transformer-no-attention-dropout ...]
+    python -m benchmarks.reproduce.explain [--name transformer-no-attention-dropout ...] [--device meta]
 """
 
 from __future__ import annotations
@@ -140,7 +140,7 @@ VARIANTS = (
         "t5_h768",
         (("attn_implementation", "eager"),),
         "Does the paper's measurement script explain its T5 rows? Measured as the script did "
-        "(as for the Transformer; embeddings, tied to the LM head, train in no case), with the "
+        "(as for the Transformer; embeddings train only in `surgical`), with the "
         "model in eval mode as `from_pretrained` returns it (no dropout: the script never called "
         "`train()`) and eager attention, the only one T5 had in the transformers releases of the "
         "paper's time, which keeps the (B, 12, 256, 256) attention weights.",
@@ -334,8 +334,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     names = [v.name for v in VARIANTS]
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--name", nargs="*", default=names, choices=names)
+    parser.add_argument(
+        "--device", choices=("meta", "cpu"), help="only the variants measured on this device"
+    )
     args = parser.parse_args(argv)
-    run([v for v in VARIANTS if v.name in args.name])
+    chosen = [v for v in VARIANTS if v.name in args.name]
+    run([v for v in chosen if args.device in (None, v.experiment().device)])
 
 
 if __name__ == "__main__":
