@@ -19,9 +19,12 @@ for a dense input, its memory order. Forward ops come in pairs: ``*_pack`` retur
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.utils._python_dispatch import _disable_current_modes
 
 from memsave_cli.kernels import native
 from memsave_cli.kernels import triton as triton_kernels
@@ -210,17 +213,21 @@ def _register_pack(kind: str, params: tuple[str, ...]) -> tuple:
     return ops, getattr(torch.ops.memsave, f"{kind}_pack_").default
 
 
-def _register_select(name: str, slope: bool) -> object:
-    """Define ``memsave::{name}(grad, bits, order, out_strides[, slope])`` -> the input gradient."""
-    tail = ", float slope" if slope else ""
+def _register_select(name: str) -> object:
+    """Define ``memsave::{name}(grad, bits, order, saved_strides, grad_first | slope)``: the
+    input gradient, laid out as stock's backward kernel lays it out for ``grad`` and a saved
+    tensor of ``saved_strides`` (NOTE [gradient layout] in the layer)."""
+    last = "bool grad_first" if name == "select_bits" else "float slope"
     library.define(
-        f"{name}(Tensor grad, Tensor bits, SymInt[] order, SymInt[] out_strides{tail}) -> Tensor"
+        f"{name}(Tensor grad, Tensor bits, SymInt[] order, SymInt[] saved_strides, {last}) -> Tensor"
     )
 
     def implement(select):
-        def run(grad, bits, order, out_strides, *maybe_slope):
-            factor = maybe_slope[0] if slope else None
-            return select(grad, bits, list(order), list(out_strides), factor)
+        def run(grad, bits, order, saved_strides, last):
+            grad_first, slope = (last, None) if name == "select_bits" else (False, last)
+            shape, strides = tuple(grad.shape), tuple(grad.stride())
+            out = stock_gradient_strides(shape, strides, tuple(saved_strides), grad_first)
+            return select(grad, bits, list(order), list(out), slope)
 
         return run
 
@@ -228,16 +235,38 @@ def _register_select(name: str, slope: bool) -> object:
     library.impl(name, implement(_cuda_select), "CUDA")
     library.impl(name, implement(reference_select), "CompositeExplicitAutograd")
 
-    def fake(grad, bits, order, out_strides, *maybe_slope):
-        return grad.new_empty_strided(grad.shape, out_strides)
+    def fake(grad, bits, order, saved_strides, last):
+        # Stock's layout rule on data-free stand-ins (symbolic strides welcome).
+        saved = grad.new_empty_strided(grad.shape, saved_strides)
+        grad_first = name == "select_bits" and last
+        return torch.mul(grad, saved) if grad_first else torch.mul(saved, grad)
 
     torch.library.register_fake(f"memsave::{name}", fake, lib=library)
     return getattr(torch.ops.memsave, name).default
+
+
+@functools.lru_cache(maxsize=512)
+def stock_gradient_strides(
+    shape: tuple[int, ...], grad: tuple[int, ...], saved: tuple[int, ...], grad_first: bool
+) -> tuple[int, ...]:
+    """Strides of a stock backward kernel's result for a gradient and a saved tensor of these
+    strides, the gradient first (``hardtanh_backward``) or second (``threshold_backward``,
+    ``leaky_relu_backward``); memoised per geometry.
+
+    The layout depends only on the operand order TensorIterator sees, so a structured binary op
+    with the same order stands in on meta (``hardtanh_backward`` has no structured meta kernel of
+    its own, and its generic one lays results out unlike the CPU kernel).
+    """
+    # Outside any dispatch mode: a memory tracker must not count these stand-ins.
+    with _disable_current_modes():
+        grad_t, saved_t = (torch.empty_strided(shape, s, device="meta") for s in (grad, saved))
+        first, second = (grad_t, saved_t) if grad_first else (saved_t, grad_t)
+        return torch.mul(first, second).stride()
 
 
 library = torch.library.Library("memsave", "FRAGMENT")
 relu_pack, relu_pack_ = _register_pack(_RELU, ())
 leaky_pack, leaky_pack_ = _register_pack(_LEAKY, ("slope",))
 hardtanh_pack, hardtanh_pack_ = _register_pack(_HARDTANH, ("min_val", "max_val", "low", "high"))
-select_bits = _register_select("select_bits", slope=False)
-select_scale = _register_select("select_scale", slope=True)
+select_bits = _register_select("select_bits")
+select_scale = _register_select("select_scale")

@@ -25,7 +25,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.autograd import Function
-from torch.utils._python_dispatch import _disable_current_modes
 
 from memsave_cli.kernels import activation as ops
 from memsave_cli.kernels import autograd_ops, native
@@ -118,52 +117,23 @@ def _save_bits(
 
 def _select(ctx, grad: Tensor, kernel: str, slope: float | None = None) -> Tensor:
     """The input gradient from the saved bits by the op of ``kernel`` (``select_scale`` for
-    LeakyReLU, else ``select_bits``), laid out as stock's backward ``kernel`` lays it out."""
-    (bits,) = ctx.saved_tensors
-    order, strides = ctx.layout.order, _gradient_strides(ctx, grad, kernel)
-    if slope is None:
-        return ops.select_bits(grad, bits, order, strides)
-    return ops.select_scale(grad, bits, order, strides, slope)
-
-
-def _gradient_strides(ctx, grad: Tensor, kernel: str) -> tuple[int, ...]:
-    """Strides of the input gradient: those stock's backward ``kernel`` gives it for eager tensors,
-    else (traced, fake) those of a tensor laid out in the bits' order.
+    LeakyReLU, else ``select_bits``).
 
     NOTE [gradient layout]: stock's backward kernel lays its result out from ``grad`` and the
     tensor it saved (TensorIterator's rule, in which the operand order differs per kernel:
     ``threshold_backward`` and ``leaky_relu_backward`` put the saved tensor first,
     ``hardtanh_backward`` the gradient); the bits follow the input's memory order instead. For
     most inputs they agree. Where they do not (an expanded or oddly strided input, a gradient laid
-    out unlike the input) the values are the same but a layout unlike stock's would change how
-    later kernels (an expand's sum, a convolution) round, so the gradient takes stock's layout.
+    out unlike the input, a map of 1 x 1 pixels) the values are the same but a layout unlike
+    stock's would change how later kernels (an expand's sum, a convolution, a batch norm) round,
+    so the ops take the strides of the tensor stock saves and give the gradient stock's layout.
     The C++ operator does the same.
     """
-    if type(grad) is Tensor and not torch.compiler.is_compiling():
-        return _stock_gradient_strides(kernel, tuple(grad.shape), grad.stride(), ctx.saved_strides)
-    shape, strides, step = ctx.layout.shape, [0] * grad.dim(), 1
-    for dim in reversed(ctx.layout.order):
-        strides[dim] = step
-        step = step * shape[dim]
-    return tuple(strides)
-
-
-@functools.lru_cache(maxsize=512)
-def _stock_gradient_strides(
-    kernel: str, shape: tuple[int, ...], grad: tuple[int, ...], saved: tuple[int, ...]
-) -> tuple[int, ...]:
-    """Strides of stock's backward ``kernel`` result for a gradient and a saved tensor of these
-    strides (memoised per geometry).
-
-    The layout depends only on the operand order TensorIterator sees, so a structured binary op
-    with the same order stands in on meta (``hardtanh_backward`` has no structured meta kernel of
-    its own, and its generic one lays results out unlike the CPU kernel).
-    """
-    # Outside any dispatch mode: a memory tracker must not count these stand-ins.
-    with _disable_current_modes():
-        grad_t, saved_t = (torch.empty_strided(shape, s, device="meta") for s in (grad, saved))
-        first, second = (grad_t, saved_t) if kernel == "hardtanh" else (saved_t, grad_t)
-        return torch.mul(first, second).stride()
+    (bits,) = ctx.saved_tensors
+    order, saved = ctx.layout.order, ctx.saved_strides
+    if slope is None:
+        return ops.select_bits(grad, bits, order, saved, kernel == "hardtanh")
+    return ops.select_scale(grad, bits, order, saved, slope)
 
 
 def fused_ready(t: Tensor) -> bool:

@@ -64,17 +64,22 @@ def test_pack_matches_reference(kind: str, dtype: torch.dtype, layout: str, inpl
 @pytest.mark.parametrize("grad_layout", LAYOUTS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16], ids=str)
 def test_select_matches_reference(dtype: torch.dtype, grad_layout: str, slope: float | None) -> None:
-    """The backward ops on bits of a contiguous input, for gradients in every layout, into a
-    contiguous and a channels-last result."""
+    """The backward ops on bits of a contiguous input, for gradients in every layout and saved
+    tensors laid out contiguous or channels-last (which decide the result's layout)."""
     if slope is not None and dtype == torch.bfloat16:
         pytest.skip("LeakyReLU's reference is stock's own kernel; covered by the layer tests")
     bits = ops.relu_pack(_input(dtype, "contiguous", seed=1), [0, 1, 2, 3])[1]
     grad = _input(dtype, grad_layout, seed=2)
-    for out_strides in ([105, 35, 7, 1], [105, 1, 21, 3]):
-        args = (grad, bits, [0, 1, 2, 3], out_strides)
-        expected = ops.reference_select(*args, slope)
-        actual = ops.select_bits(*args) if slope is None else ops.select_scale(*args, slope)
-        _assert_bitwise(actual, expected)
+    for saved in ((105, 35, 7, 1), (105, 1, 21, 3)):  # contiguous, channels-last
+        for grad_first in (False, True) if slope is None else (False,):
+            strides = ops.stock_gradient_strides((2, 3, 5, 7), grad.stride(), saved, grad_first)
+            expected = ops.reference_select(grad, bits, [0, 1, 2, 3], list(strides), slope)
+            args = (grad, bits, [0, 1, 2, 3], list(saved))
+            if slope is None:
+                actual = ops.select_bits(*args, grad_first)
+            else:
+                actual = ops.select_scale(*args, slope)
+            _assert_bitwise(actual, expected)
 
 
 def test_native_kernels_serve_dense_inputs(native_spy: list[str]) -> None:
@@ -119,6 +124,6 @@ def test_opcheck(name: str) -> None:
         "relu_pack": (x, order),
         "leaky_pack_": (x.clone(), order, 0.1),
         "hardtanh_pack": (x, order, *PACKS["hardtanh"]),
-        "select_bits": (x, ops.relu_pack(x, order)[1], order, list(x.stride())),
+        "select_bits": (x, ops.relu_pack(x, order)[1], order, list(x.stride()), False),
     }[name]
     torch.library.opcheck(getattr(torch.ops.memsave, name).default, args)
