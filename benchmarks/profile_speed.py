@@ -2,10 +2,13 @@
 
 Targets: the paper's 4 cases x stock/memsave of ResNet-101 (batch 64, each run in its own worker
 process) in at most 15 s on a 2-core machine, where one fresh interpreter per measurement costs
-40 s or more (``--interpreters`` times that alternative too); and the tracker adding at most 10% to
-a real cpu training step of a small model (``--overhead``).
+40 s or more (``--interpreters`` times that alternative too); the tracker adding at most 10% to
+a real cpu training step of a small model (``--overhead``); and bad input (a glob selecting
+nothing, a model whose forward takes two inputs) answered with one line and exit 2 in under 5 s,
+the minimum of ``--checks`` runs of the command as a user types it.
 
     python benchmarks/profile_speed.py [--model torchvision:resnet101] [--interpreters] [--overhead]
+        [--checks 5]
 """
 
 from __future__ import annotations
@@ -15,7 +18,9 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 GIB = 2**30
 
@@ -110,6 +115,59 @@ def tracker_overhead(model: str, batch_size: int, steps: int, threads: int) -> f
     return result
 
 
+TWO_INPUTS = """
+from torch import nn
+
+
+class Two(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 3), nn.Linear(5, 3)
+
+    def forward(self, x, y):
+        return self.a(x) + self.b(y)
+
+
+def build():
+    return Two()
+"""
+
+
+def checks(runs: int) -> float:
+    """Seconds until ``memsave profile`` rejects bad input: minimum and median of ``runs``."""
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / "two.py"
+        path.write_text(TWO_INPUTS)
+        commands = {
+            "glob selecting nothing": ["torchvision:resnet18", "--trainable", "zzz.*"],
+            "two-input model": [f"{path}:build"],
+        }
+        print(f"\nbad input, {runs} runs each (goal: one line, exit 2, under 5 s):")
+        worst = 0.0
+        for label, args in commands.items():
+            seconds = []
+            for _ in range(runs):
+                command = [
+                    sys.executable,
+                    "-m",
+                    "memsave_cli",
+                    "profile",
+                    *args,
+                    "--device",
+                    "meta",
+                ]
+                start = time.perf_counter()
+                done = subprocess.run(command, capture_output=True, text=True)
+                seconds.append(time.perf_counter() - start)
+                lines = done.stderr.strip().splitlines()
+                assert done.returncode == 2 and len(lines) == 1, (done.returncode, done.stderr)
+            print(
+                f"  {label:<24} min {min(seconds):.2f} s, median {statistics.median(seconds):.2f} s"
+            )
+            worst = max(worst, min(seconds))
+    return worst
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="torchvision:resnet101")
@@ -120,6 +178,7 @@ def main() -> None:
     parser.add_argument("--overhead-batch-size", type=int, default=8)
     parser.add_argument("--overhead-steps", type=int, default=10)
     parser.add_argument("--overhead-threads", type=int, default=1)
+    parser.add_argument("--checks", type=int, default=0, help="runs of each bad-input command")
     args = parser.parse_args()
     print(f"{args.model}, batch {args.batch_size}, device meta, {os.cpu_count()} cores\n")
     isolated(args.model, args.batch_size)
@@ -132,6 +191,8 @@ def main() -> None:
             args.overhead_steps,
             args.overhead_threads,
         )
+    if args.checks:
+        checks(args.checks)
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ import torch
 
 from memsave_cli.cases import PAPER_CASES, Case, has_norm_layers, resolve_case
 from memsave_cli.errors import MemsaveError
+from memsave_cli.fsdp import sharded_device
 from memsave_cli.lora import LoraSettings, apply_lora
 from memsave_cli.measure import DEVICES, NEEDS_REAL_DATA, Job, check_job
 from memsave_cli.preflight import check_plan
@@ -39,6 +40,8 @@ def profile(
     inputs: str = "auto",
     attention: str = "auto",
     threads: int | None = None,
+    fsdp: int | None = None,
+    reshard: bool = True,
 ) -> Report:
     """Measure ``model`` (a spec such as ``"torchvision:resnet101"``) for every case x impl.
 
@@ -50,13 +53,14 @@ def profile(
     (``auto``: token ids and labels, embeddings where the case differentiates the input;
     ``embeds``: embeddings in every case, as the paper did); ``attention`` forces one attention
     kernel (``auto``: the one a CUDA device picks). Case ``"lora"`` adds peft LoRA adapters with
-    ``lora`` settings (default ``lora_settings()``). Settings that cannot work raise MemsaveError
+    ``lora`` settings (default ``lora_settings()``). ``fsdp=N`` estimates one rank of N under FSDP2
+    on meta (``reshard``: FSDP2's ``reshard_after_forward``). Settings that cannot work raise MemsaveError
     before any worker starts (checked on meta: globs that select nothing, inputs the forward
     cannot take); a failing run is a Run with a status.
     """
     spec = parse_spec(model, model_kwargs)
     notes: list[str] = []
-    chosen = resolve_device(device, notes)
+    chosen = resolve_device(device, notes, fsdp, reshard)
     settings = {
         "dtype": dtype,
         "batch_size": batch_size,
@@ -66,6 +70,8 @@ def profile(
         "repeat": repeat,
         "inputs": inputs,
         "attention": attention,
+        "fsdp": fsdp,
+        "reshard": reshard,
     }
     _check_settings(spec, impls, chosen, settings)
     selected = _select_cases(spec, cases, notes, lora)
@@ -98,11 +104,18 @@ def profile(
         notes=tuple(notes),
         inputs=inputs,
         attention=attention,
+        fsdp=fsdp,
+        reshard=reshard,
     )
 
 
-def resolve_device(device: str, notes: list[str]) -> str:
-    """``auto`` -> ``cuda`` when a CUDA device is available, else ``meta`` (noted either way)."""
+def resolve_device(
+    device: str, notes: list[str], fsdp: int | None = None, reshard: bool = True
+) -> str:
+    """``auto`` -> ``cuda`` when a CUDA device is available, else ``meta`` (noted either way);
+    with ``fsdp``, the meta device of a per-rank estimate (``memsave_cli.fsdp``)."""
+    if fsdp is not None or not reshard:
+        return sharded_device(device, fsdp, reshard, notes)
     if device == "auto":
         if torch.cuda.is_available():
             notes.append("device auto: measuring on cuda")

@@ -57,10 +57,16 @@ class FitResult:
     rows: tuple[FitRow, ...]
     notes: tuple[str, ...] = ()
     max_batch_size: int = MAX_BATCH_SIZE
+    fsdp: int | None = None  # ranks of an FSDP2 estimate: peaks and budget are one rank's
+    reshard: bool = True
 
     def to_json(self) -> str:
-        """The rows as a JSON list of ``{case, impl, batch_size, peak_bytes}``."""
-        return json.dumps([asdict(row) for row in self.rows], indent=2)
+        """The rows as a JSON list of ``{case, impl, batch_size, peak_bytes}``; an FSDP2
+        estimate adds ``per_rank_of`` and ``reshard_after_forward`` to each."""
+        sharded = {} if self.fsdp is None else {"per_rank_of": self.fsdp}
+        if sharded:
+            sharded["reshard_after_forward"] = self.reshard
+        return json.dumps([asdict(row) | sharded for row in self.rows], indent=2)
 
 
 def fit(
@@ -78,30 +84,36 @@ def fit(
     max_batch_size: int = MAX_BATCH_SIZE,
     timeout: float = 600.0,
     on_measure: Callable[[Job, Run], None] | None = None,
+    fsdp: int | None = None,
+    reshard: bool = True,
 ) -> FitResult:
     """Find, per case and implementation, the largest batch size whose step peak fits ``budget``.
 
     The peak is ``peak_bytes``: forward, backward and (with ``optimizer``) the optimizer step.
     On meta the measurements run in this process; on cpu and cuda each runs in its own worker.
-    ``device="auto"`` is cuda when available, else meta.
+    ``device="auto"`` is cuda when available, else meta. ``fsdp=N`` fits one rank of N under
+    FSDP2 (``memsave_cli.fsdp``): the batch size is per rank, the budget one rank's memory.
     """
     budget_bytes = parse_bytes(budget) if isinstance(budget, str) else int(budget)
     if budget_bytes < 1 or max_batch_size < 1:
         raise FitError("budget and maximum batch size must be positive")
     spec = parse_spec(model, model_kwargs)
     notes: list[str] = []
-    device = resolve_device(device, notes)
+    device = resolve_device(device, notes, fsdp, reshard)
     chosen, skipped = _cases(spec, cases)
     notes.extend(skipped)
     settings = {"dtype": dtype, "input_shape": _shape(input_shape), "bn_eval": bn_eval}
     settings |= {"optimizer": optimizer, "repeat": 1, "per_layer": False}
+    settings |= {"fsdp": fsdp, "reshard": reshard}
     jobs = {(c, i): Job(spec, c, i, device, **settings) for c in chosen for i in impls}
     searches = {key: largest_fitting(budget_bytes, max_batch_size) for key in jobs}
     answers = run_searches(searches, jobs, _measurer(device, timeout), on_measure)
     rows = tuple(
         FitRow(case.label, impl, batch, peak) for (case, impl), (batch, peak) in answers.items()
     )
-    return FitResult(spec.text, device, budget_bytes, rows, tuple(notes), max_batch_size)
+    return FitResult(
+        spec.text, device, budget_bytes, rows, tuple(notes), max_batch_size, fsdp, reshard
+    )
 
 
 def largest_fitting(budget: int, max_batch_size: int = MAX_BATCH_SIZE) -> Search:

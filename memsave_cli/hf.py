@@ -32,6 +32,26 @@ def check_target(text: str, target: str) -> None:
         raise SpecError(f"{text}: no config.json in '{target}'")
     if not path.exists() and target.startswith((".", "/", "~")):
         raise SpecError(f"{text}: no such directory '{target}'")
+    if not path.exists() and cached_config(target) is None:
+        raise SpecError(
+            f"{text}: '{target}' is neither a directory nor in the local Hugging Face cache, and "
+            f"memsave never downloads; give a directory with a config.json, or fetch it once "
+            f"with: huggingface-cli download {target} config.json"
+        )
+
+
+def cached_config(repo_id: str) -> str | None:
+    """The path of ``repo_id``'s config.json in the local Hugging Face cache, or None; never
+    touches the network (a hub id is resolved offline, in milliseconds)."""
+    try:
+        from huggingface_hub import try_to_load_from_cache
+    except ImportError:
+        return None
+    try:
+        found = try_to_load_from_cache(repo_id, "config.json")
+    except ValueError:  # not a valid repository id
+        return None
+    return found if isinstance(found, str) else None
 
 
 def build(text: str, target: str, kwargs: Sequence[tuple[str, object]]) -> nn.Module:
@@ -40,7 +60,10 @@ def build(text: str, target: str, kwargs: Sequence[tuple[str, object]]) -> nn.Mo
     transformers = _import_transformers(text)
     try:
         config, unused = transformers.AutoConfig.from_pretrained(
-            target, return_unused_kwargs=True, **dict(kwargs)
+            target,
+            return_unused_kwargs=True,
+            local_files_only=not Path(target).expanduser().exists(),  # a hub id: the cache only
+            **dict(kwargs),
         )
     except (OSError, ValueError) as error:
         raise SpecError(

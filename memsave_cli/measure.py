@@ -8,7 +8,8 @@ its states and the measured step is the second, so both peaks include the states
 later step of a training loop. cuda reads the caching allocator's statistics; cpu and meta count
 live storages exactly (``memsave_cli.tracker``), so their numbers agree with each other to the byte.
 Times are medians of ``repeat`` untracked steps taken after the measured one (which warms up);
-``repeat=0`` measures memory only.
+``repeat=0`` measures memory only. With ``fsdp=N`` the run is one rank of N under FSDP2
+(NOTE [estimating a rank] in ``memsave_cli.fsdp``): every number is that rank's.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from dataclasses import dataclass, replace
 import torch
 from torch import nn
 
+from memsave_cli import fsdp
 from memsave_cli.cases import Case, apply_case
 from memsave_cli.errors import MemsaveError, NeedsRealDataError
 from memsave_cli.inputs import INPUTS, Example, feeds_embeddings, loss_of, make_example
@@ -59,6 +61,8 @@ class Job:
     per_layer: bool = True
     inputs: str = "auto"  # language models: "auto" | "tokens" | "embeds" (memsave_cli.inputs)
     attention: str = "auto"  # "auto" (as CUDA picks) | "math" | "flash" | "efficient"
+    fsdp: int | None = None  # ranks FSDP2 shards the model over; None: one unsharded process
+    reshard: bool = True  # FSDP2's reshard_after_forward
 
 
 @dataclass
@@ -79,10 +83,11 @@ def measure(job: Job, model: nn.Module | None = None) -> Run:
     """
     check_job(job)
     try:
-        prepared = prepare(job, model)
-        if job.device == "cuda":
-            return _measure_cuda(job, prepared)
-        return _measure_tracked(job, prepared)
+        with _ranks(job) as world:
+            prepared = prepare(job, model, world)
+            if job.device == "cuda":
+                return _measure_cuda(job, prepared)
+            return _measure_tracked(job, prepared, world)
     except (torch.OutOfMemoryError, MemoryError) as error:
         return Run(job.case.label, job.impl, status=Status.OOM, error=one_line(error))
 
@@ -121,11 +126,18 @@ def check_job(job: Job) -> None:
         )
     if job.repeat < 0:
         raise MemsaveError(f"repeat must be 0 (memory only) or more, got {job.repeat}")
+    if job.fsdp is not None:
+        fsdp.check_job_device(job.device, job.fsdp)
 
 
-def prepare(job: Job, model: nn.Module | None = None) -> Prepared:
+def _ranks(job: Job) -> contextlib.AbstractContextManager[fsdp.World | None]:
+    """The FSDP2 world of a sharded job (memsave_cli.fsdp), nothing for an unsharded one."""
+    return fsdp.world(job.fsdp) if job.fsdp is not None else contextlib.nullcontext()
+
+
+def prepare(job: Job, model: nn.Module | None = None, world: fsdp.World | None = None) -> Prepared:
     """Build the model on the job's device in its dtype (or take ``model``), convert it, set
-    modes, case and inputs."""
+    modes and case, shard it over ``world``'s ranks, make inputs and the optimizer."""
     device, dtype = torch.device(job.device), DTYPES[job.dtype]
     if model is None:
         with torch.device(device), _default_dtype(dtype):
@@ -141,6 +153,8 @@ def prepare(job: Job, model: nn.Module | None = None) -> Prepared:
             if isinstance(module, nn.modules.batchnorm._BatchNorm):
                 module.eval()
     apply_case(model, job.case)
+    if world is not None:
+        model = world.shard(model, job.reshard)
     example = make_example(
         model,
         job.spec,
@@ -204,8 +218,13 @@ def clear_grads(prepared: Prepared) -> None:
         tensor.grad = None
 
 
-def _measure_tracked(job: Job, prepared: Prepared) -> Run:
+def _measure_tracked(job: Job, prepared: Prepared, world: fsdp.World | None = None) -> Run:
     """cpu and meta: exact tensor accounting for one step, then (cpu) untracked timed steps."""
+    with world.active() if world is not None else contextlib.nullcontext():
+        return _measure_tracked_step(job, prepared)
+
+
+def _measure_tracked_step(job: Job, prepared: Prepared) -> Run:
     tracker = MemoryTracker(job.device)
     tracker.track_module(prepared.model)
     tracker.track(prepared.example.args, prepared.example.kwargs)

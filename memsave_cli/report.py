@@ -74,6 +74,8 @@ class Report:
     notes: tuple[str, ...] = field(default=())
     inputs: str = "auto"  # language models: auto (by case), tokens or embeds
     attention: str = "auto"  # attention kernel: auto (as the device picks) or the one forced
+    fsdp: int | None = None  # ranks of an FSDP2 estimate: every number is one rank's
+    reshard: bool = True  # FSDP2's reshard_after_forward in that estimate
 
     def run(self, case: str, impl: str) -> Run | None:
         """The run of ``case`` and ``impl``, or None when there is none."""

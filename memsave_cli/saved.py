@@ -140,7 +140,7 @@ class SavedTensorRecorder:
                 nbytes=storage_nbytes(tensor),
                 module=saver[0],
                 module_type=saver[1],
-                is_parameter=key is not None and key in self._params,
+                is_parameter=(key is not None and key in self._params) or _is_parameter(tensor),
                 producer=producer[0],
                 producer_type=producer[1],
             )
@@ -150,6 +150,12 @@ class SavedTensorRecorder:
         elif self.records[position].module != saver[0]:
             self.records[position].shared = True
         return tensor
+
+
+def _is_parameter(tensor: Tensor) -> bool:
+    """A parameter (or a view of one) the model did not hold on entry: FSDP2's unsharded
+    parameters appear only when it all-gathers them."""
+    return isinstance(tensor, nn.Parameter) or isinstance(tensor._base, nn.Parameter)
 
 
 def _encloses(outer: str, inner: str) -> bool:

@@ -1,17 +1,25 @@
-"""Side-by-side timing: stock and memsave steps alternate in one process, ratios taken per round.
+"""Side-by-side timing: stock and memsave steps alternate in one process, ratios taken per pair.
 
 NOTE [paired timing]: on a shared CPU, the speed of a step drifts with whatever else runs; two
 separate processes timed one after the other see different machines, and their ratio swings by
 10% between repeats. Alternating the implementations step by step in one worker, the order
-reversed every other round, and taking the median of per-round ratios cancels drift slower than
-a round. The interquartile range (IQR) of the per-round ratios says how far to trust the median:
-a ratio whose IQR exceeds its distance from 1 does not resolve a difference.
+reversed every other round, and taking the median of ratios within the worker cancels drift
+slower than a round. A ratio is taken over each pair of rounds (one in each order, so that whatever the step
+run second gains from the first cancels too); the interquartile range (IQR) of those ratios says
+how far to trust their median: a ratio whose IQR exceeds its distance from 1 does not resolve a
+difference. ``memsave profile`` goes on past ``repeat`` rounds, a pair at a time, until each
+implementation has run ``MIN_SECONDS`` (small models get many rounds, large ones ``repeat``
+made even), and garbage is collected between rounds,
+outside the timed steps. ``torch.utils.benchmark`` times one statement at a time (its
+``blocked_autorange`` runs a block of the same statement), so it cannot alternate two steps.
 """
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import statistics
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import replace
 from functools import partial
 
@@ -31,28 +39,77 @@ from memsave_cli.report import Run
 #: Rounds run first and discarded (allocator, lazy initialisation, caches).
 WARMUP_ROUNDS = 2
 
+#: Timed seconds each implementation runs at least, when ``repeat`` rounds take less.
+MIN_SECONDS = 10.0
+
+#: Rounds never exceed this, however fast a step.
+MAX_ROUNDS = 40
+
 
 def alternate(
-    steps: Mapping[str, Callable[[], float]], rounds: int, warmup: int = WARMUP_ROUNDS
+    steps: Mapping[str, Callable[[], float]],
+    rounds: int,
+    warmup: int = WARMUP_ROUNDS,
+    *,
+    min_seconds: float = 0.0,
+    max_rounds: int = MAX_ROUNDS,
 ) -> dict[str, list[float]]:
     """Seconds of each step per round, in the order of ``steps``, reversed every other round.
 
     Each step runs once per round and returns its own elapsed seconds; the first ``warmup``
-    rounds are discarded.
+    rounds are discarded. With ``min_seconds``, rounds go on after ``rounds`` to complete a pair
+    and, a pair at a time, while a step has run less than ``min_seconds`` in all, up to
+    ``max_rounds``; garbage is collected between rounds, never during a step.
     """
     times: dict[str, list[float]] = {label: [] for label in steps}
     order = list(steps.items())
-    for index in range(rounds + warmup):
-        for label, step in order if index % 2 else order[::-1]:
-            elapsed = step()
-            if index >= warmup:
-                times[label].append(elapsed)
+    index = 0
+    with _collection_between_rounds():
+        while index < rounds + warmup or _more(times, min_seconds, max_rounds, index - warmup):
+            for label, step in order if index % 2 else order[::-1]:
+                elapsed = step()
+                if index >= warmup:
+                    times[label].append(elapsed)
+            gc.collect(1)  # the young generations: milliseconds, where a full pass takes 0.1 s
+            index += 1
     return times
+
+
+@contextlib.contextmanager
+def _collection_between_rounds() -> Iterator[None]:
+    """Python's cyclic garbage collector off while steps run, so that no collection pauses a
+    timed step; one full collection first, and the collector as it was afterwards."""
+    enabled = gc.isenabled()
+    gc.collect()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def _more(times: Mapping[str, list[float]], min_seconds: float, max_rounds: int, done: int) -> bool:
+    """Whether another round is due: to finish a pair, or while a step has run too briefly."""
+    if min_seconds <= 0 or done >= max_rounds:
+        return False
+    return done % 2 == 1 or min(sum(t) for t in times.values()) < min_seconds
 
 
 def round_ratios(base_times: Sequence[float], times: Sequence[float]) -> list[float]:
     """``times / base_times`` of each round."""
     return [t / b for t, b in zip(times, base_times, strict=True)]
+
+
+def pair_ratios(base_times: Sequence[float], times: Sequence[float]) -> list[float]:
+    """``times / base_times`` over each pair of consecutive rounds, one in each order (see NOTE);
+    per round when there are fewer than two rounds. An odd last round is left out."""
+    if len(times) != len(base_times):
+        raise ValueError(f"Length mismatch: {len(base_times)} base rounds, {len(times)} rounds.")
+    if len(times) < 2:
+        return round_ratios(base_times, times)
+    pairs = range(0, len(times) - 1, 2)
+    return [(times[i] + times[i + 1]) / (base_times[i] + base_times[i + 1]) for i in pairs]
 
 
 def median_iqr(values: Sequence[float]) -> tuple[float, float]:
@@ -68,10 +125,13 @@ def resolved(ratio: float, iqr: float) -> bool:
     return iqr < abs(ratio - 1)
 
 
-def time_case(job: Job, impls: Sequence[str], threads: int | None = None) -> tuple[Run, ...]:
-    """Worker target: ``job.repeat`` alternated rounds of every implementation of ``job.case``,
-    on ``threads`` intra-op threads (torch's default for None); on cuda each step is timed by
-    CUDA events around its kernels, elsewhere by the wall clock.
+def time_case(
+    job: Job, impls: Sequence[str], threads: int | None = None, min_seconds: float = 0.0
+) -> tuple[Run, ...]:
+    """Worker target: alternated rounds of every implementation of ``job.case`` (``job.repeat``
+    rounds, or pairs of rounds until each step has run ``min_seconds``), on ``threads``
+    intra-op threads (torch's default for None); on cuda each step is timed by CUDA events
+    around its kernels, elsewhere by the wall clock.
 
     Returns one Run per implementation carrying only its per-round seconds and their median.
     """
@@ -79,7 +139,8 @@ def time_case(job: Job, impls: Sequence[str], threads: int | None = None) -> tup
         torch.set_num_threads(threads)
     prepared = {impl: prepare(replace(job, impl=impl)) for impl in impls}
     timer = step_timer(job.device)
-    times = alternate({impl: _timed(p, timer) for impl, p in prepared.items()}, job.repeat)
+    steps = {impl: _timed(p, timer) for impl, p in prepared.items()}
+    times = alternate(steps, job.repeat, min_seconds=min_seconds)
     return tuple(
         Run(job.case.label, impl, time_s=statistics.median(t), times_s=tuple(t))
         for impl, t in times.items()
@@ -92,9 +153,7 @@ def step_timer(device: str) -> Callable[[Callable[[], None]], float]:
     return _cuda_time if device == "cuda" else _wall_time
 
 
-def _timed(
-    prepared: Prepared, timer: Callable[[Callable[[], None]], float]
-) -> Callable[[], float]:
+def _timed(prepared: Prepared, timer: Callable[[Callable[[], None]], float]) -> Callable[[], float]:
     """One training step, its gradients freed first as in a training loop; returns the seconds
     ``timer`` measured (wall clock, or CUDA events around the step's kernels)."""
 
@@ -112,9 +171,11 @@ def time_runs(
     timeout: float,
     threads: int | None = None,
     on_done: Callable[[Run], None] | None = None,
+    min_seconds: float = MIN_SECONDS,
 ) -> tuple[list[Run], list[str]]:
     """Time every case of ``jobs`` that measured, one worker per case alternating its
-    implementations (``job.repeat`` rounds); ``runs`` with their times, and notes on failures."""
+    implementations (at least ``job.repeat`` rounds, in pairs until each has run ``min_seconds``);
+    ``runs`` with their times, and notes on failures."""
     from memsave_cli.measure import build_native
     from memsave_cli.runner import run_jobs
 
@@ -126,7 +187,7 @@ def time_runs(
         list(cases.values()),
         timeout=timeout,
         workers=1,
-        target=partial(time_case, impls=impls, threads=threads),
+        target=partial(time_case, impls=impls, threads=threads, min_seconds=min_seconds),
         on_done=None if on_done is None else lambda job, result: on_done(_first(result)),
     )
     timed = [run for result in results if isinstance(result, tuple) for run in result]

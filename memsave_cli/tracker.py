@@ -9,6 +9,18 @@ before the mode is entered (parameters, buffers, inputs) are registered with ``t
 storage is rounded up to the CUDA caching allocator's 512-byte granularity, so the numbers are
 what ``torch.cuda.memory_allocated`` would count for the same tensors; they depend only on
 shapes and dtypes, so a meta run and a cpu run give identical counts.
+
+NOTE [sharded tensors]: a DTensor is a wrapper whose own storage stands for the whole tensor; the
+memory this process holds is its local shard, so the tracker counts ``_local_tensor``'s storage.
+FSDP2 frees and re-allocates its all-gather buffers with ``UntypedStorage.resize_``, which no
+dispatch mode sees; while a tracker is active, resizes of storages on its device are followed.
+
+NOTE [kernel temporaries]: a few kernels allocate a buffer of their own and free it before they
+return, so no op reports it, yet the caching allocator's peak includes it. Softmax and
+log-softmax copy a non-contiguous input to a contiguous one first (``input_.contiguous()`` in
+``host_softmax``, CUDA and CPU alike); a cross-entropy over logits permuted to (B, V, L), as
+many training scripts write it, peaks with that copy, the logits and the output all live. The
+tracker counts such a buffer for the duration of the op (``_temporary_bytes``).
 """
 
 from __future__ import annotations
@@ -93,6 +105,25 @@ class MemoryTracker(TorchDispatchMode):
         grads = [p.grad for p in params if p.grad is not None]
         return self.track(params, list(module.buffers()), grads)
 
+    def __enter__(self) -> MemoryTracker:
+        _RESIZE_WATCHERS.append(self)
+        _install_resize_hook()
+        return super().__enter__()
+
+    def __exit__(self, *exc: object) -> None:
+        _RESIZE_WATCHERS.remove(self)
+        super().__exit__(*exc)
+
+    def resized(self, storage: torch.UntypedStorage) -> None:
+        """Follow ``storage``'s new size (NOTE [sharded tensors]); an unknown one is counted now."""
+        if self._wrong_device(storage):
+            return
+        entry = self._live.get(id(storage))
+        if entry is None:
+            self._add(storage)
+        else:
+            self._resize(entry, storage)
+
     def reset_peak(self) -> int:
         """Start a new peak from what is live now (as ``torch.cuda.reset_peak_memory_stats``)."""
         self.peak_bytes = self.current_bytes
@@ -104,7 +135,30 @@ class MemoryTracker(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        out = func(*args, **kwargs)
+        temporary = self._hold(func, args)
+        try:
+            out = func(*args, **kwargs)
+            self._count_outputs(func, out, args, kwargs)
+        finally:
+            if temporary is not None:  # the kernel frees it once its outputs exist
+                self._release(id(temporary), temporary)
+        return out
+
+    def _hold(self, func, args: tuple) -> _Entry | None:
+        """Count the temporary buffer ``func`` allocates inside the call, if any (see NOTE
+        [kernel temporaries])."""
+        nbytes = _temporary_bytes(func, args)
+        if nbytes == 0 or (self.device_type and args[0].device.type != self.device_type):
+            return None
+        entry = _Entry(round_bytes(nbytes), nbytes)
+        self._live[id(entry)] = entry
+        self._grow(entry.nbytes)
+        if self.observer is not None:
+            self.observer.allocated(entry.token, nbytes)
+        return entry
+
+    def _count_outputs(self, func, out: object, args: tuple, kwargs: dict) -> None:
+        """Count each storage ``out`` holds that is new: not known, not a view of an input."""
         inputs: set[int] | None = None
         for tensor in _outputs(out):
             storage = _storage(tensor)
@@ -122,7 +176,6 @@ class MemoryTracker(TorchDispatchMode):
                 if id(storage) in inputs:  # a view of an input nobody registered: not new memory
                     continue
             self._add(storage)
-        return out
 
     def _count(self, tensor: Tensor) -> None:
         storage = _storage(tensor)
@@ -170,7 +223,35 @@ class MemoryTracker(TorchDispatchMode):
                 self.observer.freed(entry.token)
 
 
+_RESIZE_WATCHERS: list[MemoryTracker] = []
+_ORIGINAL_RESIZE = torch.UntypedStorage.resize_
+
+
+def _install_resize_hook() -> None:
+    """Replace ``UntypedStorage.resize_`` (once) by a version that tells active trackers."""
+    if torch.UntypedStorage.resize_ is not _ORIGINAL_RESIZE:
+        return
+
+    def resize_(storage: torch.UntypedStorage, nbytes: int) -> torch.UntypedStorage:
+        result = _ORIGINAL_RESIZE(storage, nbytes)
+        for tracker in _RESIZE_WATCHERS:
+            tracker.resized(storage)
+        return result
+
+    torch.UntypedStorage.resize_ = resize_  # type: ignore[method-assign]
+
+
 _ALIASING: dict[object, bool] = {}
+_CONTIGUOUS_INPUT = (torch.ops.aten._softmax.default, torch.ops.aten._log_softmax.default)
+
+
+def _temporary_bytes(func, args: tuple) -> int:
+    """Bytes ``func`` allocates and frees within the call (see NOTE [kernel temporaries])."""
+    if func in _CONTIGUOUS_INPUT:
+        first = args[0]
+        if isinstance(first, Tensor) and not first.is_contiguous():
+            return first.numel() * first.element_size()
+    return 0
 
 
 def _may_alias(func) -> bool:
@@ -205,7 +286,10 @@ def _tensors(tree: object) -> Iterator[Tensor]:
 
 
 def _storage(tensor: Tensor) -> torch.UntypedStorage | None:
-    """The storage behind ``tensor``, or None for layouts without one (sparse, nested)."""
+    """The storage behind ``tensor`` (a DTensor's local shard), or None for layouts without one."""
+    local = getattr(tensor, "_local_tensor", None)  # NOTE [sharded tensors]
+    if isinstance(local, Tensor):
+        tensor = local
     try:
         return tensor.untyped_storage()
     except (RuntimeError, NotImplementedError):

@@ -3,7 +3,7 @@
 Each variant reruns one paper model with one setting changed and writes
 ``docs/results/explain/<name>.json``; the docs show it beside the paper's row and our main one.
 
-    python -m benchmarks.reproduce.explain [--name transformer-no-attention-dropout ...]
+    python -m benchmarks.reproduce.explain [--name transformer-no-attention-dropout ...] [--device meta]
 """
 
 from __future__ import annotations
@@ -15,9 +15,10 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from benchmarks.reproduce import paper_script
 from benchmarks.reproduce.experiments import Experiment, memory_experiments
 from benchmarks.reproduce.markdown import code, gib, provenance, table, with_ratio
-from benchmarks.reproduce.memory import measure_experiment, record_of
+from benchmarks.reproduce.memory import TIMEOUT_S, measure_experiment, record_of
 from benchmarks.reproduce.memory import result_path as main_result_path
 from benchmarks.reproduce.paper import load_paper
 from benchmarks.reproduce.record import RESULTS, command_line, load, relative, save
@@ -36,15 +37,29 @@ class Variant:
     kwargs: tuple[tuple[str, object], ...]
     question: str
     settings: tuple[tuple[str, str], ...] = ()  # memsave_cli.api.profile settings, e.g. attention
+    script: str | None = None  # a factory of benchmarks.reproduce.paper_script: its model and cases
+    metric: str = "forward_peak_bytes"  # or "peak_bytes": the peak through the backward
+    changes: tuple[tuple[str, object], ...] = ()  # Experiment fields, e.g. another spec
 
     def experiment(self) -> Experiment:
         base = next(
             e for e in memory_experiments() if e.table == self.table and e.model == self.model
         )
-        return replace(base, kwargs=self.kwargs, title=f"{base.title}, {self.describe()}")
+        changes = dict(self.changes)
+        if self.script:
+            changes["spec"] = f"{paper_script.__name__}:{self.script}"
+        title = f"{base.title}, {self.describe()}"
+        return replace(base, kwargs=self.kwargs, title=title, **changes)
 
     def describe(self) -> str:
-        return ", ".join(f"{key}={value}" for key, value in (*self.kwargs, *self.settings))
+        pairs = [f"{key}={value}" for key, value in (*self.kwargs, *self.settings)]
+        extra = ["the paper's script"] if self.script else []
+        spec = dict(self.changes).get("spec")
+        if isinstance(spec, str):
+            extra.append(spec.rpartition(":")[2])
+        if self.metric == "peak_bytes":
+            extra.append("peak through backward")
+        return ", ".join([*extra, *pairs])
 
     @property
     def path(self) -> Path:
@@ -107,6 +122,119 @@ VARIANTS = (
         "default) instead of the paper's embeddings? The model's own loss upcasts the logits.",
         (("inputs", "auto"),),
     ),
+    Variant(
+        "transformer-paper-script",
+        "llm",
+        "transformer_h2048",
+        (),
+        "Does the paper's measurement script explain its Transformer rows? Measured as the script "
+        "did (NOTE [the paper's script] in `benchmarks/reproduce/paper_script.py`): input and "
+        "labels on the device twice, the cross-entropy over 5000 classes of the logits permuted "
+        "to (B, V, L) inside the measured region, and `requires_grad` set on leaf modules only, "
+        "so that the input projections of `nn.MultiheadAttention` train in every case.",
+        script="script_transformer",
+    ),
+    Variant(
+        "t5-paper-script",
+        "llm",
+        "t5_h768",
+        (("attn_implementation", "eager"),),
+        "Does the paper's measurement script explain its T5 rows? Measured as the script did "
+        "(as for the Transformer; embeddings, tied to the LM head, train in no case), with the "
+        "model in eval mode as `from_pretrained` returns it (no dropout: the script never called "
+        "`train()`) and eager attention, the only one T5 had in the transformers releases of the "
+        "paper's time, which keeps the (B, 12, 256, 256) attention weights.",
+        script="script_t5",
+    ),
+    Variant(
+        "t5-paper-script-sdpa",
+        "llm",
+        "t5_h768",
+        (),
+        "The paper's script with today's T5 attention (scaled dot-product attention, the "
+        "memory-efficient kernel on a GPU): what the eager attention weights add to its rows.",
+        script="script_t5",
+    ),
+    Variant(
+        "t5-paper-script-train-mode",
+        "llm",
+        "t5_h768",
+        (("pretrained_mode", False),),
+        "The paper's script with today's T5 attention and the model in training mode (dropout "
+        "active, as memsave's own rows run it): what eval mode, in which the script measured, "
+        "leaves out.",
+        script="script_t5",
+    ),
+    Variant(
+        "llama3-paper-script",
+        "llm",
+        "llama3_8b",
+        (),
+        "Does the paper's measurement script explain its LLaMA-3 rows? As for the Transformer: "
+        "the float32 logits the model returned then, their cross-entropy permuted to (B, V, L) "
+        "inside the measured region, and the script's `requires_grad` (the LM head, skipped by "
+        "name, trains in every case).",
+        script="script_llama3",
+    ),
+    Variant(
+        "llama3-paper-script-repeat-kv",
+        "llm",
+        "llama3_8b",
+        (("repeat_kv", True),),
+        "The paper's script with LLaMA-3's key and value heads repeated to its 32 query heads "
+        "before attention, as the transformers releases of the paper's time did, so that "
+        "attention keeps the repeated copies (today SDPA takes the 8 key and value heads).",
+        script="script_llama3",
+    ),
+    Variant(
+        "mistral-paper-script",
+        "llm",
+        "mistral_7b",
+        (),
+        "Does the paper's measurement script explain its Mistral rows? (As for LLaMA-3.)",
+        script="script_mistral",
+    ),
+    Variant(
+        "mistral-paper-script-repeat-kv",
+        "llm",
+        "mistral_7b",
+        (("repeat_kv", True),),
+        "The paper's script with Mistral's 8 key and value heads repeated to its 32 query heads "
+        "before attention, as for LLaMA-3.",
+        script="script_mistral",
+    ),
+    Variant(
+        "phi3-paper-script",
+        "llm",
+        "phi3_4b",
+        (("attn_implementation", "eager"),),
+        "Does the paper's measurement script, with the eager attention of its time, explain its "
+        "Phi-3 rows? (As for LLaMA-3.)",
+        script="script_phi3",
+    ),
+    Variant(
+        "fasterrcnn-paper-script",
+        "cnn",
+        "fasterrcnn_resnet50_fpn",
+        (("name", "fasterrcnn_resnet50_fpn"),),
+        "Does the paper's measurement script explain its Faster R-CNN rows? Its code builds "
+        "`fasterrcnn_resnet50_fpn_v2` and runs the backward inside the measured region "
+        "(`benchmarks/fidelity.py`, NOTE [the paper's harness]); the peak is then the one "
+        "through the backward, and the same in every case for stock layers.",
+        changes=(("spec", "benchmarks.fidelity:detector"), ("batch_size", 4)),
+        metric="peak_bytes",
+    ),
+    Variant(
+        "ssdlite-paper-script",
+        "cnn",
+        "ssdlite320_mobilenet_v3_large",
+        (("name", "ssdlite320_mobilenet_v3_large"),),
+        "Does the paper's measurement script explain its SSDLite rows? As for Faster R-CNN: "
+        "the backward inside the measured region, and the full-width MobileNetV3 tail that "
+        "SSDLite's default pretrained backbone selects (`benchmarks/fidelity.py`).",
+        changes=(("spec", "benchmarks.fidelity:detector"), ("batch_size", 4)),
+        metric="peak_bytes",
+    ),
 )
 
 
@@ -114,12 +242,34 @@ def run(variants: Sequence[Variant]) -> None:
     for variant in variants:
         start = time.perf_counter()
         experiment = variant.experiment()
-        report = measure_experiment(experiment, **dict(variant.settings))
+        if variant.script:
+            report = paper_script.profile_script(
+                experiment.spec, dict(experiment.kwargs), **_script_settings(experiment, variant)
+            )
+        else:
+            report = measure_experiment(experiment, **dict(variant.settings))
         command = command_line(MODULE, ["--name", variant.name])
         record = record_of(experiment, report, command, time.perf_counter() - start)
         record.update(kind="explain", question=variant.question, base=variant.model)
+        record.update(metric=variant.metric)
+        if variant.script:  # custom cases over hundreds of names have no short CLI call
+            record.update(cli=None)
         save(variant.path, record)
         print(f"{variant.name} -> {relative(variant.path)}")
+
+
+def _script_settings(experiment: Experiment, variant: Variant) -> dict[str, Any]:
+    """``profile`` settings of a script variant: the experiment's, without the paper's inputs
+    (the script's model takes its own)."""
+    return {
+        "impls": experiment.impls,
+        "device": experiment.device,
+        "batch_size": experiment.batch_size,
+        "dtype": experiment.dtype,
+        "repeat": 0,
+        "timeout": TIMEOUT_S,
+        **dict(variant.settings),
+    }
 
 
 def variant_include(variant: Variant) -> str:
@@ -131,7 +281,7 @@ def variant_include(variant: Variant) -> str:
     rows = [_paper_row(variant)]
     if main.is_file():
         rows += _our_rows("ours", load(main))
-    rows += _our_rows(f"ours, {variant.describe()}", record)
+    rows += _our_rows(f"ours, {variant.describe()}", record, variant.metric)
     headers = ["", "Impl", *PAPER_CASES]
     failed = [
         f"- {r['case']}/{r['impl']}: {code(r['error'] or r['status'])}"
@@ -162,13 +312,15 @@ def _paper_row(variant: Variant) -> list[str]:
     return ["paper", "stock / memsave", *cells]
 
 
-def _our_rows(label: str, record: dict[str, Any]) -> list[list[str]]:
+def _our_rows(
+    label: str, record: dict[str, Any], metric: str = "forward_peak_bytes"
+) -> list[list[str]]:
     runs = {(r["case"], r["impl"]): r for r in record["report"]["runs"]}
-    stock_all = (runs.get(("all", "stock")) or {}).get("forward_peak_bytes")
+    stock_all = (runs.get(("all", "stock")) or {}).get(metric)
     cells = []
     for case in PAPER_CASES:
-        stock = (runs.get((case, "stock")) or {}).get("forward_peak_bytes")
-        mine = (runs.get((case, "memsave")) or {}).get("forward_peak_bytes")
+        stock = (runs.get((case, "stock")) or {}).get(metric)
+        mine = (runs.get((case, "memsave")) or {}).get(metric)
         ratio = mine / stock_all if mine and stock_all else None
         cells.append(f"{gib(stock)} / {with_ratio(gib(mine), ratio)}")
     return [[label, "stock / memsave", *cells]]
@@ -182,8 +334,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     names = [v.name for v in VARIANTS]
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--name", nargs="*", default=names, choices=names)
+    parser.add_argument(
+        "--device", choices=("meta", "cpu"), help="only the variants measured on this device"
+    )
     args = parser.parse_args(argv)
-    run([v for v in VARIANTS if v.name in args.name])
+    chosen = [v for v in VARIANTS if v.name in args.name]
+    run([v for v in chosen if args.device in (None, v.experiment().device)])
 
 
 if __name__ == "__main__":

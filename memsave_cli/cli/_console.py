@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
 from rich.console import Console
 
+from memsave_cli.errors import MemsaveError
 from memsave_cli.report import write_atomic
 
 #: The path that means "standard output" for --json and --csv.
@@ -35,3 +37,33 @@ def write_output(path: str, text: str) -> None:
         sys.stdout.flush()
         return
     write_atomic(Path(path), text if text.endswith("\n") else text + "\n")
+
+
+def check_writable(**outputs: str | Path | None) -> None:
+    """Raise MemsaveError now, before any work, for an output path that could not be written
+    afterwards; ``outputs`` maps option names (``json``, ``csv``, ``plot``) to paths.
+
+    Files are written through a temporary file beside them (``write_atomic``), so the folder must
+    take new files even where the file exists; missing folders are created, so the nearest
+    existing one is checked.
+    """
+    for option, path in outputs.items():
+        if path is None or str(path) == STDOUT:
+            continue
+        flag, target = f"--{option.replace('_', '-')}", Path(path)
+        if target.is_dir():
+            raise MemsaveError(f"{flag} {path}: is a folder; give a file, e.g. {target / 'out'}")
+        folder = _nearest_existing(target.parent)
+        if not folder.is_dir():
+            raise MemsaveError(f"{flag} {path}: {folder} is a file, not a folder")
+        if not os.access(folder, os.W_OK | os.X_OK):
+            raise MemsaveError(f"{flag} {path}: cannot create files in {folder} (no permission)")
+        if target.exists() and not os.access(target, os.W_OK):
+            raise MemsaveError(f"{flag} {path}: the file exists and is not writable")
+
+
+def _nearest_existing(folder: Path) -> Path:
+    """``folder`` or its nearest ancestor that exists (as a file or a folder)."""
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    return folder

@@ -140,3 +140,22 @@ AttentionOpt = Annotated[
         "or efficient."
     ),
 ]
+FsdpOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--fsdp",
+        metavar="N",
+        help="Estimate one rank of N under FSDP2 (fully_shard on a fake process group, on meta): "
+        "parameters, gradients and optimizer state sharded, all-gathers counted; every number "
+        "is per rank.",
+        show_default=False,
+    ),
+]
+ReshardOpt = Annotated[
+    bool,
+    typer.Option(
+        "--reshard/--no-reshard",
+        help="With --fsdp: free all-gathered parameters after forward (FSDP2's "
+        "reshard_after_forward).",
+    ),
+]

@@ -8,6 +8,8 @@ from typing import TYPE_CHECKING
 
 import typer
 
+from memsave_cli.errors import MemsaveError
+
 if TYPE_CHECKING:
     from memsave_cli.cases import Case
     from memsave_cli.cli._options import LoraOptions
@@ -73,3 +75,15 @@ def parse_shape(text: str | None) -> tuple[int, ...] | None:
             param_hint="'--input-shape'",
         )
     return tuple(int(p) for p in parts)
+
+
+def parse_ranks(text: str | None) -> int | None:
+    """``--fsdp N``: a positive number of ranks (None without the option), or one line why not."""
+    if text is None:
+        return None
+    value = text.strip()
+    if not value.isdigit() or int(value) < 1:
+        raise MemsaveError(
+            f"--fsdp takes a number of ranks, a positive integer such as 4; got {text!r}"
+        )
+    return int(value)

@@ -6,13 +6,14 @@ from typing import Annotated
 
 import typer
 
-from memsave_cli.cli._console import human_console, write_output
+from memsave_cli.cli._console import check_writable, human_console, write_output
 from memsave_cli.cli._errors import reported_errors
 from memsave_cli.cli._help import DEBUG_HELP, examples
 from memsave_cli.cli._options import (
     CasesOpt,
     Device,
     Dtype,
+    FsdpOpt,
     Impl,
     InputGradOpt,
     LoraAlphaOpt,
@@ -22,16 +23,18 @@ from memsave_cli.cli._options import (
     LoraTargetsOpt,
     ModelArg,
     Optimizer,
+    ReshardOpt,
     TrainableOpt,
     impl_names,
 )
-from memsave_cli.cli._parse import parse_shape, select_cases
+from memsave_cli.cli._parse import parse_ranks, parse_shape, select_cases
 from memsave_cli.cli._progress import progress_bar
 
 EPILOG = examples(
     "memsave fit torchvision:resnet101 --budget 24GiB",
     "memsave fit torchvision:resnet50 --budget 8GB --case input --optimizer adam",
     "memsave fit mymodels.py:build --budget 1.5e9 --trainable 'head.*' --json fit.json",
+    "memsave fit hf:configs/meta-llama-3-8b --budget 24GiB --case lora --dtype bfloat16 --fsdp 4",
 )
 
 
@@ -78,6 +81,8 @@ def fit(
         str | None,
         typer.Option("--json", metavar="PATH", help="Write rows as JSON (- for stdout)."),
     ] = None,
+    fsdp: FsdpOpt = None,
+    reshard: ReshardOpt = True,
     debug: Annotated[bool, typer.Option("--debug", help=DEBUG_HELP)] = False,
 ) -> None:
     """Find the largest batch size whose training-step peak fits BUDGET, per case and impl.
@@ -85,6 +90,8 @@ def fit(
     Searches on the meta device by default: exact tensor accounting, no memory needed, no GPU.
     """
     with reported_errors(ctx, debug):
+        ranks = parse_ranks(fsdp)
+        check_writable(json=json_path)
         from memsave_cli.fit import fit as fit_core
         from memsave_cli.render.fit import fit_view
 
@@ -107,6 +114,8 @@ def fit(
                 model_kwargs=kwarg or (),
                 max_batch_size=max_batch_size,
                 timeout=timeout,
+                fsdp=ranks,
+                reshard=reshard,
                 on_measure=lambda job, run: bar.advance(
                     f"{job.case.label}/{job.impl} batch {job.batch_size}"
                 ),

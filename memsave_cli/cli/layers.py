@@ -6,7 +6,7 @@ from typing import Annotated
 
 import typer
 
-from memsave_cli.cli._console import human_console, write_output
+from memsave_cli.cli._console import check_writable, human_console, write_output
 from memsave_cli.cli._errors import reported_errors
 from memsave_cli.cli._help import DEBUG_HELP, examples
 from memsave_cli.cli._options import Dtype, torch_dtype
@@ -33,6 +33,7 @@ def layers(
     differentiability; the numbers are measured, not written down.
     """
     with reported_errors(ctx, debug):
+        check_writable(json=json_path)
         from memsave_cli.layer_table import layer_table
         from memsave_cli.render.layers import layers_json, layers_table
 

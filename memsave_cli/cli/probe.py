@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from memsave_cli.cli._console import human_console, write_output
+from memsave_cli.cli._console import check_writable, human_console, write_output
 from memsave_cli.cli._errors import USAGE_EXIT, reported_errors
 from memsave_cli.cli._help import DEBUG_HELP, examples
 from memsave_cli.cli._progress import progress_bar
@@ -76,6 +76,7 @@ def probe(
     weight needs one; memsave keeps just that one.
     """
     with reported_errors(ctx, debug):
+        check_writable(json=json_path, plot=plot)
         from memsave_cli import probe as core
         from memsave_cli.render.probe import plot_probe, probe_table
 

@@ -6,7 +6,7 @@ from typing import Annotated
 
 import typer
 
-from memsave_cli.cli._console import STDOUT, human_console, write_output
+from memsave_cli.cli._console import STDOUT, check_writable, human_console, write_output
 from memsave_cli.cli._errors import USAGE_EXIT, reported_errors
 from memsave_cli.cli._help import DEBUG_HELP, examples
 from memsave_cli.cli._options import (
@@ -15,6 +15,7 @@ from memsave_cli.cli._options import (
     CasesOpt,
     Device,
     Dtype,
+    FsdpOpt,
     Impl,
     InputGradOpt,
     Inputs,
@@ -26,10 +27,11 @@ from memsave_cli.cli._options import (
     LoraTargetsOpt,
     ModelArg,
     Optimizer,
+    ReshardOpt,
     TrainableOpt,
     impl_names,
 )
-from memsave_cli.cli._parse import parse_shape, select_cases
+from memsave_cli.cli._parse import parse_ranks, parse_shape, select_cases
 from memsave_cli.cli._progress import progress_bar
 
 EPILOG = examples(
@@ -39,6 +41,7 @@ EPILOG = examples(
     "memsave profile mymodels.py:build --kwarg width=64 --input-shape 3,64,64",
     "memsave profile hf:./llama-config --dtype bfloat16 --batch-size 8 --json report.json",
     "memsave profile torchvision:resnet50 --case lora --lora-rank 8 --batch-size 16",
+    "memsave profile hf:configs/meta-llama-3-8b --case lora --dtype bfloat16 --fsdp 4",
 )
 
 
@@ -83,7 +86,14 @@ def profile(
     inputs: InputsOpt = Inputs.auto,
     attention: AttentionOpt = Attention.auto,
     top: Annotated[int, typer.Option(min=0, help="Layers shown per case (0: none).")] = 5,
-    repeat: Annotated[int, typer.Option(min=1, help="Timed repeats (cpu/cuda).")] = 3,
+    repeat: Annotated[
+        int,
+        typer.Option(
+            min=1,
+            help="Timed steps per implementation (cpu/cuda); on cpu at least, in alternating "
+            "rounds until each has run 10 s.",
+        ),
+    ] = 3,
     threads: Annotated[
         int | None,
         typer.Option(
@@ -102,6 +112,8 @@ def profile(
         str | None,
         typer.Option("--csv", metavar="PATH", help="Write the runs as CSV (- for stdout)."),
     ] = None,
+    fsdp: FsdpOpt = None,
+    reshard: ReshardOpt = True,
     debug: Annotated[bool, typer.Option("--debug", help=DEBUG_HELP)] = False,
 ) -> None:
     """Measure peak memory (and time, on cpu/cuda) of MODEL with stock and memsave layers.
@@ -110,8 +122,10 @@ def profile(
     shows, the layers whose saved tensors change most, a verdict per case, and failed runs.
     """
     with reported_errors(ctx, debug):
+        ranks = parse_ranks(fsdp)
         if json_path == STDOUT and csv_path == STDOUT:
             raise typer.BadParameter("only one of --json and --csv can write to stdout (-)")
+        check_writable(json=json_path, csv=csv_path)
         from memsave_cli.api import profile as profile_core
         from memsave_cli.render.csv import report_csv
         from memsave_cli.render.profile import print_profile
@@ -143,6 +157,8 @@ def profile(
                 on_plan=bar.set_total,
                 inputs=inputs.value,
                 attention=attention.value,
+                fsdp=ranks,
+                reshard=reshard,
             )
         print_profile(human_console(json_path, csv_path), report, top=top)
         if json_path is not None:

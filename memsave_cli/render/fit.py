@@ -13,8 +13,9 @@ from memsave_cli.render.units import format_bytes
 
 def fit_view(result: FitResult) -> Group:
     """A heading that names the budget, and the table below it."""
+    ranks = "" if result.fsdp is None else f" per rank of {result.fsdp} (FSDP2)"
     heading = Text(
-        f"{result.model}: largest batch size within {format_bytes(result.budget_bytes)} "
+        f"{result.model}: largest batch size{ranks} within {format_bytes(result.budget_bytes)} "
         f"(peak of a training step, on {result.device})",
         style="italic",
     )

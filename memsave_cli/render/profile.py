@@ -55,13 +55,15 @@ def comparison_table(report: Report) -> RenderableType:
             table.add_row(summary.IMPL_LABELS.get(impl, impl), *values)
     measured = "memory and time" if summary.has_metric(report, "time_s") else "memory"
     caption = _CAPTION + (_PAIRED_CAPTION if paired else "")
+    if report.fsdp is not None:
+        measured += f" per rank of {report.fsdp} (FSDP2)"
     return titled(f"{report.model}: {measured}, ratio to {against}", table, caption)
 
 
 _PAIRED_CAPTION = (
     " Time: median of rounds alternating the implementations; its ratio is the median of "
-    "per-round ratios to PyTorch in the same case, ± half their interquartile range; ? marks a "
-    "ratio whose spread exceeds its difference from 1."
+    "ratios to PyTorch in the same case over pairs of rounds (one in each order), ± half their "
+    "interquartile range; ? marks a ratio whose spread exceeds its difference from 1."
 )
 
 

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from memsave_cli.render.units import format_bytes, format_change, ratio
 from memsave_cli.report import Report, Run
-from memsave_cli.timing import median_iqr, resolved, round_ratios
+from memsave_cli.timing import median_iqr, pair_ratios, resolved
 
 #: Row labels as the paper prints them; unknown impls show under their own name.
 IMPL_LABELS = {"stock": "PyTorch", "memsave-conv": "+ memsave (conv only)", "memsave": "+ memsave"}
@@ -83,7 +83,7 @@ def comparison(report: Report, metric: str) -> dict[tuple[str, str], Cell]:
 
 def time_cells(report: Report) -> dict[tuple[str, str], Cell]:
     """Median seconds per (impl, case). Times taken side by side (NOTE [paired timing]) compare
-    with stock in the same case: the median of per-round ratios, with their IQR."""
+    with stock in the same case: the median of ratios over pairs of rounds, with their IQR."""
     cells = comparison(report, "time_s")
     for run in report.runs:
         base = report.run(run.case, "stock")
@@ -91,7 +91,7 @@ def time_cells(report: Report) -> dict[tuple[str, str], Cell]:
             continue
         if len(run.times_s) != len(base.times_s):
             continue
-        ratios = round_ratios(base.times_s, run.times_s)
+        ratios = pair_ratios(base.times_s, run.times_s)
         middle, spread = median_iqr(ratios)
         cells[run.impl, run.case] = Cell(run.time_s, middle, None, None if run is base else spread)
     return cells

@@ -89,7 +89,7 @@ def test_workflow_commands_run(tmp_path: Path) -> None:
         done = _run(command, repo, env)
         assert done.returncode == 0, f"{command}\n{done.stdout}\n{done.stderr}"
         outputs.append(done.stdout)
-    assert "2 passed" in outputs[2]  # the test file's budgets hold
+    assert "3 passed" in outputs[2]  # the test file's budgets hold
     summary = (tmp_path / "summary.md").read_text()
     assert summary.startswith(
         "### memsave check: torchvision:resnet18 (meta, float32, batch size 8)"

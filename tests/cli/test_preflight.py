@@ -106,3 +106,72 @@ def test_checks_never_import_dynamo():
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["no", "dynamo", "True"], done.stdout
+
+
+@pytest.mark.parametrize(
+    ("command", "expected"),
+    [
+        (["profile", "torchvision:resnet18", "--device", "meta", "--json", "{dir}"], "is a folder"),
+        (["profile", "torchvision:resnet18", "--csv", "{file}/r.csv"], "is a file, not a folder"),
+        (["fit", "torchvision:resnet18", "--budget", "1GiB", "--json", "{dir}"], "is a folder"),
+        (["layers", "--json", "{file}/sub/layers.json"], "is a file, not a folder"),
+    ],
+    ids=["profile-json", "profile-csv", "fit-json", "layers-json"],
+)
+def test_unwritable_output_is_one_line_before_any_work(
+    runner, no_workers, tmp_path, monkeypatch, command, expected
+):
+    import memsave_cli.layer_table
+
+    monkeypatch.setattr(memsave_cli.layer_table, "layer_table", lambda *a: pytest.fail("worked"))
+    (tmp_path / "file").write_text("")
+    args = [a.format(dir=tmp_path, file=tmp_path / "file") for a in command]
+    line = one_error_line(runner.invoke(app, args))
+    assert expected in line and ("--json" in line or "--csv" in line)
+
+
+def test_output_folder_without_permission(runner, no_workers, tmp_path, monkeypatch):
+    """As root every folder is writable, so the permission is denied by os.access here."""
+    import os
+
+    monkeypatch.setattr(os, "access", lambda path, mode: False)
+    args = ["profile", "torchvision:resnet18", "--json", str(tmp_path / "new" / "r.json")]
+    line = one_error_line(runner.invoke(app, args))
+    assert f"cannot create files in {tmp_path} (no permission)" in line
+
+
+def test_hub_id_outside_the_local_cache_is_one_line_without_network(
+    runner, no_workers, tmp_path, monkeypatch
+):
+    pytest.importorskip("transformers")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(tmp_path))
+    line = one_error_line(runner.invoke(app, ["profile", "hf:some-org/some-model"]))
+    assert "'some-org/some-model' is neither a directory nor in the local Hugging Face cache" in line
+    assert "huggingface-cli download some-org/some-model config.json" in line
+
+
+def test_hub_id_in_the_local_cache_is_built_from_it(tmp_path, monkeypatch):
+    pytest.importorskip("transformers")
+    from memsave_cli.specs import build_model, parse_spec
+
+    snapshot = tmp_path / "models--some-org--tiny" / "snapshots" / "0123abcd"
+    snapshot.mkdir(parents=True)
+    (tmp_path / "models--some-org--tiny" / "refs").mkdir()
+    (tmp_path / "models--some-org--tiny" / "refs" / "main").write_text("0123abcd")
+    config = '{"model_type": "gpt2", "n_layer": 1, "n_embd": 8, "n_head": 2, "vocab_size": 16}'
+    (snapshot / "config.json").write_text(config)
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(tmp_path))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    import torch
+
+    with torch.device("meta"):
+        model = build_model(parse_spec("hf:some-org/tiny"))
+    assert type(model).__name__ == "GPT2LMHeadModel" and model.config.n_embd == 8
+
+
+def test_input_shape_the_forward_cannot_take_is_one_line(runner, no_workers):
+    args = ["profile", "torchvision:resnet18", "--device", "meta", "--input-shape", "4,32,32"]
+    line = one_error_line(runner.invoke(app, args))
+    assert "torchvision:resnet18: the forward fails on one input of shape (64, 4, 32, 32)" in line
+    assert line.endswith("check --input-shape (one sample, without the batch dimension)")

@@ -271,3 +271,17 @@ def test_observer_sees_allocations_and_frees_in_order() -> None:
     tokens = [token for _, token, _ in log.events]
     assert tokens[0] == tokens[2] and tokens[1] == tokens[3] == tokens[4] == tokens[5]
     assert tokens[0] != tokens[1]
+
+
+@pytest.mark.parametrize("device", ["cpu", "meta"])
+@pytest.mark.parametrize("op", [torch.log_softmax, torch.softmax])
+def test_softmax_of_a_permuted_input_peaks_with_its_contiguous_copy(op, device: str) -> None:
+    logits = torch.randn(4, 50, 30, device=device).permute(0, 2, 1)  # (B, V, L), not contiguous
+    tracker = MemoryTracker(device)
+    tracker.track(logits)
+    with tracker:
+        out = op(logits, dim=1)
+        assert tracker.current_bytes == 2 * rounded((4, 30, 50))  # the copy is freed again
+        assert tracker.peak_bytes == 3 * rounded((4, 30, 50))  # logits, copy and output at once
+        contiguous = op(out, dim=1)
+    assert contiguous.is_contiguous() and tracker.peak_bytes == 3 * rounded((4, 30, 50))

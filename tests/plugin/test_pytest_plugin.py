@@ -7,6 +7,7 @@ from importlib import metadata
 from pathlib import Path
 
 import pytest
+import torch
 
 pytest_plugins = ["pytester"]
 
@@ -60,7 +61,7 @@ def test_budget_that_fits_passes_and_one_that_does_not_fails_readably(
         ]
     )
     # the failure points at the user's line, not into the plugin
-    assert "pytest_plugin.py" not in result.stdout.str()
+    assert "memsave_cli/" not in result.stdout.str()  # no frame of memsave's own files
 
 
 def test_stock_layers_do_not_fit_where_memsave_layers_do(pytester: pytest.Pytester) -> None:
@@ -152,9 +153,114 @@ def test_bad_settings_are_errors_not_failures(pytester: pytest.Pytester) -> None
     assert "budget.py" not in result.stdout.str()
 
 
+def test_marker_checks_the_budget_before_the_body(pytester: pytest.Pytester) -> None:
+    result = run_suite(
+        pytester,
+        """
+        import pytest
+
+        BODY_RAN = []
+
+        @pytest.mark.memsave_budget("torchvision:resnet18", budget="300MiB", case="input",
+                                    batch_size=16)
+        def test_fits():
+            BODY_RAN.append(True)
+
+        @pytest.mark.memsave_budget("torchvision:resnet18", at_least=0.5, case="input",
+                                    batch_size=16)
+        def test_saves_too_little():
+            BODY_RAN.append(True)
+
+        def test_body_ran_once():
+            assert BODY_RAN == [True]
+        """,
+    )
+    result.assert_outcomes(passed=2, failed=1)
+    result.stdout.fnmatch_lines(
+        [
+            "*memsave_budget: memsave saves 42.8% of the step peak of torchvision:resnet18, "
+            "expected at least 50% (step peak 386 -> 221 MiB)",
+        ]
+    )
+    assert "memsave_cli/" not in result.stdout.str()  # no frame of memsave's own files
+
+
+def test_marker_is_declared_for_strict_suites(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(
+        test_user="""
+        import pytest
+
+        @pytest.mark.memsave_budget("torchvision:resnet18")
+        def test_no_budget():
+            pass
+        """
+    )
+    result = pytester.runpytest_inprocess(
+        *plugin_args(), "-p", "no:cacheprovider", "-n", "0", "--strict-markers"
+    )
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["*memsave_budget needs budget= (e.g. '1.5GiB') or at_least=*"])
+
+
+def test_profile_options_reach_the_measurement(pytester: pytest.Pytester) -> None:
+    """Globs, the input's gradient, dtype and the optimizer change the peak as in memsave profile;
+    a glob selecting nothing and an unknown option are one line each."""
+    result = run_suite(
+        pytester,
+        """
+        def test_options(memsave):
+            fc = memsave.measure("torchvision:resnet18", trainable="fc.*", batch_size=4)
+            assert fc.case == "fc.*"
+            grad = memsave.measure(
+                "torchvision:resnet18", trainable="fc.*", input_grad=True, batch_size=4
+            )
+            assert grad.case == "fc.*+input" and grad.saved_bytes > fc.saved_bytes
+            half = memsave.measure("torchvision:resnet18", case="all", dtype="bfloat16",
+                                   batch_size=4)
+            full = memsave.measure("torchvision:resnet18", case="all", batch_size=4)
+            assert half.param_bytes < 0.51 * full.param_bytes
+            adam = memsave.measure("torchvision:resnet18", case="all", optimizer="adam",
+                                   batch_size=4)
+            assert adam.peak_bytes > full.peak_bytes
+
+        def test_glob_selecting_nothing(memsave):
+            memsave.assert_fits("torchvision:resnet18", budget="1GiB", trainable="zzz.*")
+
+        def test_unknown_option(memsave):
+            memsave.assert_fits("torchvision:resnet18", budget="1GiB", batchsize=4)
+        """,
+    )
+    result.assert_outcomes(passed=1, failed=2)
+    result.stdout.fnmatch_lines(
+        [
+            "*memsave: pattern 'zzz.*' selects no parameter; names look like conv1.weight*",
+            "*memsave: unknown setting 'batchsize': expected one of *batch_size*",
+        ]
+    )
+    assert "During handling" not in result.stdout.str()
+
+
 def test_entry_point_is_declared() -> None:
     """``pip install memsave-cli`` registers the plugin with pytest through ``pytest11``."""
     tomllib = pytest.importorskip("tomllib")  # Python 3.11+
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())
     assert project["project"]["entry-points"]["pytest11"] == {"memsave": PLUGIN}
     assert PLUGIN in sys.modules or __import__(PLUGIN)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_budget_measured_on_cuda(pytester: pytest.Pytester) -> None:
+    """device="cuda" measures a spec in its own worker, as memsave profile does."""
+    result = run_suite(
+        pytester,
+        """
+        def test_cuda(memsave):
+            run = memsave.assert_fits(
+                "torchvision:resnet18", budget="1MiB", case="input", batch_size=16, device="cuda"
+            )
+        """,
+    )
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(
+        ["E *(case input, batch size 16, memsave layers, measured on cuda)"]
+    )

@@ -1,0 +1,169 @@
+"""One rank of N under FSDP2: the model sharded by ``fully_shard`` as PyTorch's engine shards it.
+
+NOTE [estimating a rank]: an estimate runs rank 0 of ``N`` in this process, on the meta device.
+A fake process group (``torch.distributed``'s ``fake`` backend: collectives that move no data)
+and a cpu device mesh of ``N`` ranks let ``fully_shard`` shard every parameter into a DTensor
+whose local shard is 1/N of it, and allocate its all-gather, reduce-scatter and gradient
+buffers as in a real job. Two things keep it on meta, where every other memsave estimate runs
+(stock and memsave layers, attention and dropout as on CUDA): ``fully_shard`` is applied to
+meta parameters, which FSDP2 supports for deferred initialisation, and FSDP2's refusal to
+*train* meta parameters is lifted while the step runs; and the buffers FSDP2 allocates on its
+mesh's device (cpu) are allocated on meta instead (``_CpuAsMeta``). The tracker counts each
+DTensor by its local shard and follows the storage resizes by which FSDP2 frees and re-allocates
+unsharded parameters (NOTE [sharded tensors]). When a real process group is initialised (a
+training job, the validation test), it is used as it is, on real tensors.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_map
+
+from memsave_cli.errors import MemsaveError
+
+#: The device type of FSDP2's mesh: collectives on cpu need no accelerator.
+MESH_DEVICE = "cpu"
+_META = torch.device("meta")
+
+
+class FsdpError(MemsaveError):
+    """A sharded run cannot be set up (a bad world size, a process group of another size)."""
+
+
+@dataclass
+class World:
+    """The mesh of ``size`` ranks this process plays one of; ``estimate``: a fake group on meta."""
+
+    size: int
+    mesh: object  # torch.distributed.device_mesh.DeviceMesh
+    estimate: bool
+
+    def shard(self, model: nn.Module, reshard_after_forward: bool = True) -> nn.Module:
+        """``fully_shard`` each unit of ``model`` (``shard_units``), then the root."""
+        from torch.distributed.fsdp import fully_shard
+
+        for unit in shard_units(model):
+            fully_shard(unit, mesh=self.mesh, reshard_after_forward=reshard_after_forward)
+        fully_shard(model, mesh=self.mesh, reshard_after_forward=reshard_after_forward)
+        return model
+
+    @contextlib.contextmanager
+    def active(self) -> Iterator[None]:
+        """Where the sharded model steps: for an estimate, with meta parameters allowed and
+        FSDP2's buffers on meta (NOTE [estimating a rank]); for real ranks, as it is."""
+        if not self.estimate:
+            yield
+            return
+        from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+
+        validate = FSDPParamGroup._validate_no_meta_params
+        FSDPParamGroup._validate_no_meta_params = lambda group: None  # type: ignore[method-assign]
+        try:
+            with _CpuAsMeta():
+                yield
+        finally:
+            FSDPParamGroup._validate_no_meta_params = validate  # type: ignore[method-assign]
+
+
+class _CpuAsMeta(TorchDispatchMode):
+    """Every op asked to allocate on cpu allocates on meta instead (FSDP2's mesh device)."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        args, kwargs = tree_map(_to_meta, (args, kwargs or {}))
+        return func(*args, **kwargs)
+
+
+def _to_meta(value: object) -> object:
+    return _META if isinstance(value, torch.device) and value.type == MESH_DEVICE else value
+
+
+def check_world_size(world_size: object) -> int:
+    """``world_size`` as a positive int, or FsdpError saying what would be right."""
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise FsdpError(f"--fsdp takes a number of ranks, a positive integer; got {world_size!r}")
+    return world_size
+
+
+def sharded_device(device: str, world_size: object, reshard: bool, notes: list[str]) -> str:
+    """``meta``, where a per-rank estimate runs, with a note that every number is one rank's;
+    FsdpError for a world size, device or ``reshard`` setting the estimate cannot honour."""
+    if world_size is None:
+        raise FsdpError("--no-reshard applies to sharded runs: add --fsdp N or drop --no-reshard")
+    ranks = check_world_size(world_size)
+    if device not in ("auto", "meta"):
+        raise _not_on(device)
+    after = "resharded" if reshard else "kept (--no-reshard)"
+    notes.append(
+        f"one rank of {ranks} under FSDP2 (fully_shard on a fake process group, on meta): "
+        f"every number is per rank; parameters {after} after forward"
+    )
+    return "meta"
+
+
+def check_job_device(device: str, world_size: object) -> None:
+    """FsdpError unless a sharded job runs on meta (an estimate) or on cpu inside a running
+    process group of its size (real ranks, as the validation test runs them)."""
+    import torch.distributed as dist
+
+    check_world_size(world_size)
+    if device != "meta" and not (device == MESH_DEVICE and dist.is_initialized()):
+        raise _not_on(device)
+
+
+def _not_on(device: str) -> FsdpError:
+    return FsdpError(
+        f"--fsdp estimates one rank of N on meta, which --device {device} cannot: "
+        "use --device meta (or auto)"
+    )
+
+
+@contextlib.contextmanager
+def world(world_size: int) -> Iterator[World]:
+    """The initialised process group when there is one (real ranks; it must have
+    ``world_size`` ranks), else a fake group of that size, destroyed on exit (an estimate)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    check_world_size(world_size)
+    if dist.is_initialized():
+        if dist.get_world_size() != world_size:
+            raise FsdpError(
+                f"a process group of {dist.get_world_size()} ranks is running; "
+                f"cannot shard over {world_size}"
+            )
+        yield World(world_size, init_device_mesh(MESH_DEVICE, (world_size,)), estimate=False)
+        return
+    from torch._C._distributed_c10d import FakeStore
+    from torch.testing._internal.distributed import fake_pg  # noqa: F401  (registers "fake")
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    try:
+        yield World(world_size, init_device_mesh(MESH_DEVICE, (world_size,)), estimate=True)
+    finally:
+        dist.destroy_process_group()
+
+
+def shard_units(model: nn.Module) -> list[nn.Module]:
+    """The modules to shard one by one, outermost first: a Hugging Face model's blocks (the
+    classes its ``_no_split_modules`` names), else the members of every outermost
+    ``nn.Sequential`` or ``nn.ModuleList`` that hold parameters (a ResNet's bottlenecks)."""
+    names = set(getattr(model, "_no_split_modules", None) or ())
+    if names:
+        return [m for m in model.modules() if type(m).__name__ in names]
+    units: list[nn.Module] = []
+    _collect_units(model, units)
+    return units
+
+
+def _collect_units(module: nn.Module, units: list[nn.Module]) -> None:
+    for child in module.children():
+        if isinstance(child, nn.Sequential | nn.ModuleList):
+            units.extend(m for m in child.children() if any(True for _ in m.parameters()))
+        else:
+            _collect_units(child, units)

@@ -1,0 +1,116 @@
+"""One training step of a test's model, measured by the core of ``memsave profile``."""
+
+from __future__ import annotations
+
+import copy
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from memsave_cli.cases import Case, trainable_names
+from memsave_cli.errors import MemsaveError
+from memsave_cli.pytest_plugin._settings import Settings
+from memsave_cli.report import Run
+from memsave_cli.specs import ModelSpec, parse_spec
+
+ModelLike = str | nn.Module | Callable[[], nn.Module]
+
+
+def measure_model(model: ModelLike, impl: str, chosen: Settings) -> Run:
+    """Measure in this process on meta; a spec elsewhere runs in a worker, as ``profile`` does.
+
+    Settings that would fail alike for every run (a glob selecting nothing, inputs the forward
+    cannot take) raise MemsaveError before anything is measured.
+    """
+    from memsave_cli.measure import Job, measure
+
+    case = chosen.resolved_case()
+    if isinstance(model, str) and chosen.device != "meta":
+        return _in_worker(model, case, impl, chosen)
+    spec, built = _resolve(model, chosen)
+    job = Job(spec, case, impl, chosen.device, **chosen.job_settings())
+    if built is None:
+        from memsave_cli.preflight import check_plan
+
+        check_plan(spec, [case], batch_size=chosen.batch_size, input_shape=chosen.input_shape)
+    else:
+        trainable_names(built, case)  # raises CaseError: a glob that selects nothing
+    return measure(job, built)
+
+
+def _in_worker(model: str, case: Case, impl: str, chosen: Settings) -> Run:
+    """A spec on cuda or cpu: measured in its own worker process (no other test's tensors)."""
+    from memsave_cli.api import profile
+
+    settings = chosen.job_settings()
+    report = profile(
+        model,
+        cases=(case,),
+        impls=(impl,),
+        device=chosen.device,
+        timeout=chosen.timeout,
+        model_kwargs=dict(chosen.kwargs or {}),
+        **settings,
+    )
+    return report.runs[0]
+
+
+def _resolve(model: ModelLike, chosen: Settings) -> tuple[ModelSpec, nn.Module | None]:
+    """A spec to build from, or a spec naming ``model`` and a copy of it on the device."""
+    if isinstance(model, str):
+        return parse_spec(model, dict(chosen.kwargs or {})), None
+    if isinstance(model, nn.Module):
+        return _object_spec(model), _copy_to(model, torch.device(chosen.device))
+    if callable(model):
+        importable = _importable_name(model)
+        if importable is not None:  # a top-level builder: its <name>_inputs companion applies
+            return parse_spec(importable, dict(chosen.kwargs or {})), None
+        from memsave_cli.meta_build import build_on_default_device
+
+        with torch.device(chosen.device):
+            built = build_on_default_device(lambda: model(**dict(chosen.kwargs or {})))
+        if not isinstance(built, nn.Module):
+            raise MemsaveError(
+                f"{name_of(model)} returned {type(built).__name__}, not an nn.Module"
+            )
+        return _object_spec(built), built
+    raise MemsaveError(
+        f"cannot measure {type(model).__name__}: expected a spec string such as "
+        "'torchvision:resnet18', an nn.Module or a function building one"
+    )
+
+
+def _object_spec(model: nn.Module) -> ModelSpec:
+    """A spec that names a model object (its inputs are guessed from its first layer)."""
+    return ModelSpec(f"{type(model).__name__} model", "object", type(model).__name__, None)
+
+
+def _copy_to(model: nn.Module, device: torch.device) -> nn.Module:
+    """A copy of ``model`` whose parameters and buffers live on ``device``; on meta the copy
+    takes no memory, since tensors are never copied on the model's own device first."""
+    memo: dict[int, Any] = {}
+    for param in model.parameters():
+        memo[id(param)] = nn.Parameter(param.detach().to(device), param.requires_grad)
+    for buffer in model.buffers():
+        memo[id(buffer)] = buffer.detach().to(device)
+    return copy.deepcopy(model, memo)
+
+
+def _importable_name(factory: Callable[..., Any]) -> str | None:
+    """``module:function`` when ``factory`` is a top-level function of an importable module."""
+    module, qualname = getattr(factory, "__module__", None), getattr(factory, "__qualname__", "")
+    if not module or module == "__main__" or "<" in qualname or not inspect.isfunction(factory):
+        return None
+    return f"{module}:{qualname}"
+
+
+def name_of(model: object) -> str:
+    """How messages name ``model``: its spec, ``Net model`` or the builder's name."""
+    if isinstance(model, str):
+        return model
+    if isinstance(model, nn.Module):
+        return f"{type(model).__name__} model"
+    return getattr(model, "__qualname__", type(model).__name__)

@@ -1,0 +1,101 @@
+"""What a budget depends on: the options of ``memsave profile``, as keyword arguments of a test."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, fields
+from typing import Any
+
+from memsave_cli.cases import Case, resolve_case
+from memsave_cli.errors import MemsaveError
+
+
+@dataclass(frozen=True)
+class Settings:
+    """How a model is measured: ``memsave profile``'s options, by the names of its flags.
+
+    ``case`` is a case name (default ``all``, or ``custom`` when ``trainable`` globs are given);
+    ``kwargs`` are model keyword arguments of a spec string (``--kwarg``).
+    """
+
+    case: str | None = None
+    trainable: str | Sequence[str] = ()
+    input_grad: bool | None = None
+    batch_size: int | None = None
+    input_shape: tuple[int, ...] | None = None
+    dtype: str = "float32"
+    device: str = "meta"
+    bn_eval: bool = False
+    optimizer: str | None = None
+    inputs: str = "auto"
+    attention: str = "auto"
+    lora_rank: int | None = None
+    lora_alpha: float | None = None
+    lora_dropout: float | None = None
+    lora_targets: str | None = None
+    timeout: float = 600.0
+    kwargs: Mapping[str, object] | None = None
+
+    @classmethod
+    def of(cls, given: Mapping[str, Any]) -> Settings:
+        """Settings from a test's keyword arguments; an unknown one is an error naming the known."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(given) - known)
+        if unknown:
+            raise MemsaveError(
+                f"unknown setting {', '.join(map(repr, unknown))}: expected one of "
+                f"{', '.join(sorted(known))} (the options of memsave profile)"
+            )
+        values = dict(given)
+        if values.get("input_shape") is not None:
+            values["input_shape"] = tuple(int(n) for n in values["input_shape"])
+        return cls(**values)
+
+    @property
+    def patterns(self) -> tuple[str, ...]:
+        return (self.trainable,) if isinstance(self.trainable, str) else tuple(self.trainable)
+
+    def resolved_case(self) -> Case:
+        """The case to measure, checked (raises CaseError as ``memsave profile`` would)."""
+        name = self.case or ("custom" if self.patterns else "all")
+        lora = {
+            key: value
+            for key, value in (
+                ("rank", self.lora_rank),
+                ("alpha", self.lora_alpha),
+                ("dropout", self.lora_dropout),
+                ("targets", self.lora_targets),
+            )
+            if value is not None
+        }
+        settings = None
+        if name.strip().lower() == "lora":
+            from memsave_cli.lora import lora_settings
+
+            settings = lora_settings(**lora)
+        elif lora:
+            raise MemsaveError(f"lora_* settings need case='lora', not case={name!r}")
+        return resolve_case(
+            name, trainable=self.patterns, input_grad=self.input_grad, lora=settings
+        )
+
+    def job_settings(self) -> dict[str, Any]:
+        """Keyword arguments of a ``measure.Job`` (memory only: ``repeat=0``)."""
+        return {
+            "dtype": self.dtype,
+            "batch_size": self.batch_size,
+            "input_shape": self.input_shape,
+            "bn_eval": self.bn_eval,
+            "optimizer": self.optimizer,
+            "inputs": self.inputs,
+            "attention": self.attention,
+            "repeat": 0,
+        }
+
+    def describe(self, impl: str) -> str:
+        """``case input, batch size 16, memsave layers, estimated on meta``."""
+        parts = [f"case {self.resolved_case().label}"]
+        parts.append(f"batch size {self.batch_size or 'default'}")
+        parts.append("stock PyTorch layers" if impl == "stock" else f"{impl} layers")
+        parts.append("estimated on meta" if self.device == "meta" else f"measured on {self.device}")
+        return ", ".join(parts)

@@ -1,0 +1,82 @@
+"""``memsave profile/fit --fsdp N``: per-rank reports, and one line with exit 2 for what cannot work."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from dist_models import INPUT_SHAPE
+from typer.testing import CliRunner
+
+from memsave_cli.cli import app
+
+MODEL = f"{Path(__file__).with_name('dist_models.py')}:small_cnn"
+SHAPE = ",".join(map(str, INPUT_SHAPE))
+
+
+@pytest.fixture(autouse=True)
+def pinned_terminal(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("COLUMNS", "160")
+    monkeypatch.setenv("NO_COLOR", "1")
+
+
+@pytest.fixture
+def no_measurement(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fail the test if a worker starts or a measurement runs."""
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise AssertionError("a measurement started")
+
+    monkeypatch.setattr("memsave_cli.runner._Worker.start", refuse)
+    monkeypatch.setattr("memsave_cli.fit.measure", refuse)
+
+
+@pytest.mark.parametrize("command", ["profile", "fit"])
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--fsdp", "0"], "--fsdp takes a number of ranks, a positive integer such as 4; got '0'"),
+        (["--fsdp", "-1"], "got '-1'"),
+        (["--fsdp", "2.5"], "got '2.5'"),
+        (["--fsdp", "four"], "got 'four'"),
+        (["--fsdp", "2", "--device", "cpu"], "which --device cpu cannot: use --device meta"),
+        (["--fsdp", "2", "--device", "cuda"], "which --device cuda cannot: use --device meta"),
+        (["--no-reshard"], "--no-reshard applies to sharded runs: add --fsdp N"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2(
+    runner: CliRunner, no_measurement: None, command: str, args: list[str], message: str
+) -> None:
+    budget = ["--budget", "1GiB"] if command == "fit" else []
+    result = runner.invoke(app, [command, MODEL, "--input-shape", SHAPE, *budget, *args])
+    assert result.exit_code == 2, result.output
+    lines = result.output.strip().splitlines()
+    assert lines == [f"error: {lines[0].removeprefix('error: ')}"], result.output
+    assert message in lines[0]
+
+
+@pytest.fixture
+def runner() -> CliRunner:
+    return CliRunner()
+
+
+def test_profile_reports_per_rank(runner: CliRunner, tmp_path: Path) -> None:
+    path = tmp_path / "report.json"
+    args = ["profile", MODEL, "--input-shape", SHAPE, "--batch-size", "4", "--case", "all"]
+    result = runner.invoke(app, [*args, "--fsdp", "2", "--no-reshard", "--json", str(path)])
+    assert result.exit_code == 0, result.output
+    assert "memory per rank of 2 (FSDP2)" in result.output
+    report = json.loads(path.read_text())
+    assert (report["fsdp"], report["reshard"], report["device"]) == (2, False, "meta")
+    assert any("every number is per rank" in note for note in report["notes"])
+    assert all(run["status"] == "ok" for run in report["runs"])
+
+
+def test_fit_rows_say_per_rank(runner: CliRunner) -> None:
+    args = ["fit", MODEL, "--input-shape", SHAPE, "--budget", "4MiB", "--case", "all"]
+    result = runner.invoke(app, [*args, "--impl", "stock", "--fsdp", "2", "--json", "-"])
+    assert result.exit_code == 0, result.output
+    (row,) = json.loads(result.stdout[result.stdout.index("[") :])
+    assert row["per_rank_of"] == 2 and row["reshard_after_forward"] is True
+    assert 0 < row["peak_bytes"] <= 4 * 2**20 and row["batch_size"] > 0
