@@ -140,7 +140,7 @@ VARIANTS = (
         "t5_h768",
         (("attn_implementation", "eager"),),
         "Does the paper's measurement script explain its T5 rows? Measured as the script did "
-        "(as for the Transformer; embeddings, tied to the LM head, train in no case), with the "
+        "(as for the Transformer; embeddings train only in `surgical`), with the "
         "model in eval mode as `from_pretrained` returns it (no dropout: the script never called "
         "`train()`) and eager attention, the only one T5 had in the transformers releases of the "
         "paper's time, which keeps the (B, 12, 256, 256) attention weights.",
