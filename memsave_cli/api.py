@@ -80,7 +80,7 @@ def profile(
         check_job(Job(spec, case, impls[0], chosen, **settings))
     if "memsave" in impls:
         notes.extend(_unrecognised_notes(spec))
-    # NOTE [paired timing] in timing.py: on cpu, times come from one worker per case alternating
+    # NOTE [paired timing] in timing.py: on cpu, times come from one worker per model alternating
     # the implementations, not from the memory runs.
     paired = chosen == "cpu" and repeat > 0
     memory = settings | {"repeat": 0} if paired else settings

@@ -1,9 +1,10 @@
 """Checks of a whole measurement plan on the meta device, before any worker process starts.
 
-A glob that selects no parameter, or a model whose forward needs inputs memsave would not give
-it, fails every run the same way; found here, it is one line in a second instead of a table of
-identical failures after the workers have started. The model is built once on meta (no memory,
-no data); a check that meta cannot answer is left to the workers.
+A glob that selects no parameter, a model whose forward needs inputs memsave would not give it,
+or inputs of the wrong shape fail every run the same way; found here, it is one line in a second
+instead of a table of identical failures after the workers have started. The model is built once
+on meta (no memory, no data) and runs one forward there; a check that meta cannot answer (a
+model computing with tensor values) is left to the workers.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import torch
 from torch import nn
 
 from memsave_cli.cases import Case, trainable_names
-from memsave_cli.errors import SpecError
+from memsave_cli.errors import SpecError, describe
 from memsave_cli.inputs import Example, make_example
 from memsave_cli.specs import ModelSpec, build_model
 
@@ -45,6 +46,7 @@ def check_plan(
     except Exception:
         return  # inputs that only real data can make: the worker says what went wrong
     check_inputs(model, spec, example)
+    check_forward(model, spec, example, input_shape is not None)
 
 
 def check_inputs(model: nn.Module, spec: ModelSpec, example: Example) -> None:
@@ -57,6 +59,34 @@ def check_inputs(model: nn.Module, spec: ModelSpec, example: Example) -> None:
         signature.bind(*example.args, **example.kwargs)
     except TypeError as error:
         raise SpecError(_inputs_message(model, spec, example, error)) from None
+
+
+#: Words of errors that only meta tensors cause (no data, no kernel); such a forward is left to
+#: the workers, which measure the model on cpu where meta cannot (see measure._meta_errors).
+_META_ONLY = ("meta", "no data", "data-dependent", "data dependent")
+
+
+def check_forward(model: nn.Module, spec: ModelSpec, example: Example, shape_given: bool) -> None:
+    """Raise SpecError when the stock forward fails on meta with the inputs made for it, for a
+    reason real data would not change (a shape or channel mismatch, say)."""
+    try:
+        with torch.no_grad(), torch.device("meta"):
+            model(*example.args, **example.kwargs)
+    except (RuntimeError, ValueError, TypeError, IndexError) as error:
+        if any(word in str(error).lower() for word in _META_ONLY):
+            return
+        given = ", ".join(_describe(t) for t in (*example.args, *example.kwargs.values()))
+        if shape_given:
+            hint = "check --input-shape (one sample, without the batch dimension)"
+        elif spec.kind in ("module", "file") and spec.attr:
+            hint = (
+                f"give --input-shape, or define {spec.attr}_inputs(batch_size) beside {spec.attr}"
+            )
+        else:
+            hint = "give --input-shape (one sample, without the batch dimension)"
+        raise SpecError(
+            f"{spec.text}: the forward fails on {given} ({describe(error)}); {hint}"
+        ) from None
 
 
 def _inputs_message(model: nn.Module, spec: ModelSpec, example: Example, error: TypeError) -> str:

@@ -2,16 +2,16 @@
 
 NOTE [paired timing]: on a shared CPU, the speed of a step drifts with whatever else runs; two
 separate processes timed one after the other see different machines, and their ratio swings by
-10% between repeats. Alternating the implementations step by step in one worker, the order
-reversed every other round, and taking the median of ratios within the worker cancels drift
-slower than a round. A ratio is taken over each pair of rounds (one in each order, so that whatever the step
-run second gains from the first cancels too); the interquartile range (IQR) of those ratios says
-how far to trust their median: a ratio whose IQR exceeds its distance from 1 does not resolve a
+10% between repeats. So one worker per model times every case, alternating the implementations
+step by step, the order reversed every other round. A ratio is taken over each pair of rounds
+(one in each order, so that whatever the step run second gains from the first cancels too); the
+median of those ratios cancels drift slower than a round, and their interquartile range (IQR)
+says how far to trust it: a ratio whose IQR exceeds its distance from 1 does not resolve a
 difference. ``memsave profile`` goes on past ``repeat`` rounds, a pair at a time, until each
 implementation has run ``MIN_SECONDS`` (small models get many rounds, large ones ``repeat``
-made even), and garbage is collected between rounds,
-outside the timed steps. ``torch.utils.benchmark`` times one statement at a time (its
-``blocked_autorange`` runs a block of the same statement), so it cannot alternate two steps.
+made even); Python's garbage collector runs between rounds, never during a step.
+``torch.utils.benchmark`` times one statement at a time (its ``blocked_autorange`` runs a block
+of the same statement), so it cannot alternate two steps.
 """
 
 from __future__ import annotations
@@ -31,10 +31,11 @@ from memsave_cli.measure import (
     _cuda_time,
     _wall_time,
     clear_grads,
+    one_line,
     prepare,
     train_step,
 )
-from memsave_cli.report import Run
+from memsave_cli.report import Run, Status
 
 #: Rounds run first and discarded (allocator, lazy initialisation, caches).
 WARMUP_ROUNDS = 2
@@ -164,6 +165,28 @@ def _timed(prepared: Prepared, timer: Callable[[Callable[[], None]], float]) -> 
     return step
 
 
+def time_cases(
+    job: Job,
+    cases: Sequence[Job],
+    impls: Sequence[str],
+    threads: int | None = None,
+    min_seconds: float = 0.0,
+) -> tuple[Run, ...]:
+    """Worker target: ``time_case`` for each of ``cases`` (one model), one after the other in this
+    one worker; ``job`` is the first of them (a worker is handed one job). A case that fails is a
+    Run with its status, and the next case is timed all the same."""
+    runs: list[Run] = []
+    for each in cases:
+        try:
+            runs.extend(time_case(each, impls, threads, min_seconds))
+        except (torch.OutOfMemoryError, MemoryError) as error:
+            runs.append(Run(each.case.label, impls[0], status=Status.OOM, error=one_line(error)))
+        except Exception as error:  # reported as the case's outcome, as a worker would
+            runs.append(Run(each.case.label, impls[0], status=Status.ERROR, error=one_line(error)))
+        gc.collect()  # the case's models go before the next case's are built
+    return tuple(runs)
+
+
 def time_runs(
     jobs: Sequence[Job],
     runs: Sequence[Run],
@@ -173,34 +196,47 @@ def time_runs(
     on_done: Callable[[Run], None] | None = None,
     min_seconds: float = MIN_SECONDS,
 ) -> tuple[list[Run], list[str]]:
-    """Time every case of ``jobs`` that measured, one worker per case alternating its
-    implementations (at least ``job.repeat`` rounds, in pairs until each has run ``min_seconds``);
-    ``runs`` with their times, and notes on failures."""
+    """Time every case of ``jobs`` that measured, in one worker for the model, each case
+    alternating its implementations (at least ``job.repeat`` rounds, in pairs until each has run
+    ``min_seconds``; ``timeout`` seconds per case); ``runs`` with their times, and notes on
+    failures."""
     from memsave_cli.measure import build_native
     from memsave_cli.runner import run_jobs
 
     impls = tuple(dict.fromkeys(job.impl for job in jobs))
     measured = {(run.case, run.impl) for run in runs if run.ok}
-    cases = {job.case.label: job for job in jobs if (job.case.label, job.impl) in measured}
-    build_native(jobs)
-    results = run_jobs(
-        list(cases.values()),
-        timeout=timeout,
-        workers=1,
-        target=partial(time_case, impls=impls, threads=threads, min_seconds=min_seconds),
-        on_done=None if on_done is None else lambda job, result: on_done(_first(result)),
+    cases = list(
+        {job.case.label: job for job in jobs if (job.case.label, job.impl) in measured}.values()
     )
-    timed = [run for result in results if isinstance(result, tuple) for run in result]
+    if not cases:
+        return list(runs), []
+    build_native(jobs)
+    target = partial(
+        time_cases, cases=tuple(cases), impls=impls, threads=threads, min_seconds=min_seconds
+    )
+    (result,) = run_jobs(
+        cases[:1],
+        timeout=timeout * len(cases),
+        workers=1,
+        target=target,
+        on_done=None if on_done is None else lambda job, result: _each_case(result, on_done),
+    )
+    if isinstance(result, Run):  # the worker itself failed: no case has times
+        return list(runs), [f"no times: {result.status.value} ({result.error})"]
     notes = [
-        f"no times for case {result.case}: {result.status.value} ({result.error})"
-        for result in results
-        if isinstance(result, Run)
+        f"no times for case {r.case}: {r.status.value} ({r.error})" for r in result if not r.ok
     ]
-    return with_times(runs, timed), notes
+    return with_times(runs, [r for r in result if r.ok]), notes
 
 
-def _first(result: Run | tuple[Run, ...]) -> Run:
-    return result[0] if isinstance(result, tuple) else result
+def _each_case(result: Run | tuple[Run, ...], on_done: Callable[[Run], None]) -> None:
+    """``on_done`` once per case of a timing worker's result (progress counts cases)."""
+    for run in {run.case: run for run in _runs(result)}.values():
+        on_done(run)
+
+
+def _runs(result: Run | tuple[Run, ...]) -> tuple[Run, ...]:
+    return result if isinstance(result, tuple) else (result,)
 
 
 def with_times(runs: Sequence[Run], timed: Sequence[Run]) -> list[Run]:

@@ -44,7 +44,7 @@ STEPS: dict[str, Callable[[Sequence[str]], None]] = {
 
 #: What ``--quick`` leaves out, and the arguments it gives the steps it keeps.
 QUICK_SKIPS = ("figures", "timing")
-QUICK_ARGS = {"memory": ["--device", "meta"]}
+QUICK_ARGS = {"memory": ["--device", "meta"], "explain": ["--device", "meta"]}
 
 
 def run_steps(names: Sequence[str], step_args: dict[str, list[str]] | None = None) -> list[str]:

@@ -14,9 +14,11 @@ four ways that change the numbers:
   sets ``requires_grad`` of linear, convolution, norm and embedding layers by case; parameters
   of other modules keep their default, trainable. ``nn.MultiheadAttention`` owns its input
   projection (``in_proj_weight``, ``in_proj_bias``) but has a child (``out_proj``), so the input
-  projections of the vanilla Transformer train in every case. Embeddings train in no case (T5's
-  shared embedding, tied to its LM head, and its relative position bias), the LM head is skipped
-  by name, and ``surgical`` trains the first quarter of the leaf modules with parameters.
+  projections of the vanilla Transformer train in every case. Outside ``surgical`` embeddings
+  are frozen (T5's shared embedding, tied to its LM head, and its relative position bias) and
+  the LM head is skipped by name (an untied head trains). ``surgical`` trains the first quarter
+  of all leaf modules with parameters, embeddings and head included: T5's first relative
+  position bias trains, its shared embedding ends frozen (tied to the head, a later layer).
 - **the cases**: ``all`` trains linear and norm layers; ``input`` only the input; ``norm`` the
   norm layers; ``surgical`` the first quarter (counting layer ``i`` from 0 while ``i <= n / 4``).
 - **the mode**: ``from_pretrained`` returns a Hugging Face model in eval mode and the script never

@@ -25,79 +25,55 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.autograd import Function
-from torch.utils._python_dispatch import _disable_current_modes
 
+from memsave_cli.kernels import activation as ops
 from memsave_cli.kernels import autograd_ops, native
 from memsave_cli.kernels._layout import is_dense
-from memsave_cli.kernels.bitmask import compare, layout_of, pack_bits, packed_numel, unpack_as
+from memsave_cli.kernels.bitmask import layout_of
 from memsave_cli.layers._backward import forbid_double_backward
 from memsave_cli.layers.registry import drop_in
 
 
 class _ReLUFunction(Function):
-    """ReLU keeping one bit per element, set where the gradient passes (``result <= 0`` is false).
-
-    A ReLU result is NaN, positive or a signed zero, so ``result != 0`` (a bool conversion, twice
-    as fast as a comparison on CPU) is exactly ``not result <= 0``.
-    """
+    """ReLU keeping one bit per element, set where the gradient passes (``result <= 0`` is false)."""
 
     @staticmethod
     def forward(ctx, x: Tensor, inplace: bool, saves_result: bool) -> tuple[Tensor, Tensor]:
-        if fused_ready(x):
-            y = x if inplace else torch.empty_like(x)
-            bits = _empty_bits(x)
-            native.relu_pack(x, y, bits)
-            return _save_bits(ctx, x, y, bits, inplace, saved=y)
-        y = _output(torch.relu_(x) if inplace else torch.relu(x), x, inplace)
-        bits = pack_bits(y.bool(), layout_of(x), scratch=True)
-        return _save_bits(ctx, x, y, bits, inplace, saved=y)
+        order = layout_of(x).order
+        y, bits = (x, ops.relu_pack_(x, order)) if inplace else ops.relu_pack(x, order)
+        return _save_bits(ctx, x, y, bits, inplace, saved=y.stride())
 
     @staticmethod
     def backward(ctx, grad: Tensor, _bits_grad: None) -> tuple[Tensor | None, None, None]:
         forbid_double_backward("MemSaveReLU")
         if not ctx.needs_input_grad[0]:
             return None, None, None
-        return _pass_where_set(ctx, grad, "relu"), None, None
+        return _select(ctx, grad, "relu"), None, None
 
 
 class _LeakyReLUFunction(Function):
-    """LeakyReLU keeping one bit per element, set where ``saved > 0`` passes the gradient unscaled."""
+    """LeakyReLU keeping one bit per element, set where ``x > 0`` passes the gradient unscaled
+    (``saved > 0`` for the tensor stock saves: the same unless stock's backward raises)."""
 
     @staticmethod
     def forward(
         ctx, x: Tensor, slope: float, inplace: bool, saves_result: bool
     ) -> tuple[Tensor, Tensor]:
         ctx.slope, ctx.saves_result = slope, saves_result
-        # ``result > 0`` is ``x > 0`` unless the slope is negative (NOTE [which bit each
-        # activation keeps]); the fused kernel computes the result and ``x > 0`` in one pass.
-        if fused_ready(x) and not (saves_result and slope < 0):
-            y, bits = x if inplace else torch.empty_like(x), _empty_bits(x)
-            native.leaky_pack(x, y, bits, slope)
-            return _save_bits(ctx, x, y, bits, inplace, saved=y if saves_result else x)
-        y = _output(F.leaky_relu(x, slope, inplace), x, inplace)
-        positive = compare(y if saves_result else x, "gt", 0.0)
-        bits = pack_bits(positive, layout_of(x), scratch=True)
-        return _save_bits(ctx, x, y, bits, inplace, saved=y if saves_result else x)
+        order = layout_of(x).order
+        y, bits = (
+            (x, ops.leaky_pack_(x, order, slope)) if inplace else ops.leaky_pack(x, order, slope)
+        )
+        return _save_bits(ctx, x, y, bits, inplace, saved=(y if saves_result else x).stride())
 
     @staticmethod
     def backward(ctx, grad: Tensor, _bits_grad: None) -> tuple[Tensor | None, None, None, None]:
         forbid_double_backward("MemSaveLeakyReLU")
         if not ctx.needs_input_grad[0]:
             return None, None, None, None
-        (bits,) = ctx.saved_tensors
-        stock_error = ctx.saves_result and ctx.slope < 0
-        if not stock_error and _fused_like_input(ctx, grad):
-            # Deliberate: the gradient itself, in ``grad``'s layout as stock's kernel lays it out.
-            grad_input = torch.empty_like(grad)
-            native.select_scale(grad, bits, grad_input, ctx.slope)
-            return grad_input, None, None, None
-        positive = _unpack(ctx, grad, invert=False)
-        # ``self_is_result`` as stock passes it: in place with a negative slope raises stock's error.
-        out = _gradient_buffer(ctx, grad, positive, "leaky_relu")
-        grad_input = torch.ops.aten.leaky_relu_backward.grad_input(
-            grad, positive, ctx.slope, ctx.saves_result, grad_input=out
-        )
-        return grad_input, None, None, None
+        if ctx.saves_result and ctx.slope < 0:  # stock's backward raises its error: so does this
+            torch.ops.aten.leaky_relu_backward(grad, grad, ctx.slope, True)
+        return _select(ctx, grad, "leaky_relu", ctx.slope), None, None, None
 
 
 class _HardtanhFunction(Function):
@@ -111,56 +87,27 @@ class _HardtanhFunction(Function):
     def forward(
         ctx, x: Tensor, min_val: float, max_val: float, inplace: bool, saves_result: bool
     ) -> tuple[Tensor, Tensor]:
-        if fused_ready(x):
-            y, bits = x if inplace else torch.empty_like(x), _empty_bits(x)
-            low, high = kernel_bounds(x.dtype, min_val, max_val)
-            if native.hardtanh_pack(x, y, bits, low, high):
-                F.hardtanh(y, min_val, max_val, inplace=True)  # stock finishes the held elements
-            return _save_bits(ctx, x, y, bits, inplace, saved=x)
-        bits = pack_bits(_hardtanh_keep(x, min_val, max_val), layout_of(x), scratch=True)
-        strides = x.stride()  # stock saves the input (a copy, in place): before it is overwritten
-        y = _output(F.hardtanh(x, min_val, max_val, inplace), x, inplace)
-        return _save_bits(ctx, x, y, bits, inplace, saved=strides)
+        order = layout_of(x).order
+        args = (order, min_val, max_val, *kernel_bounds(x.dtype, min_val, max_val))
+        y, bits = (x, ops.hardtanh_pack_(x, *args)) if inplace else ops.hardtanh_pack(x, *args)
+        return _save_bits(ctx, x, y, bits, inplace, saved=x.stride())
 
     @staticmethod
     def backward(ctx, grad: Tensor, _bits_grad: None) -> tuple[Tensor | None, ...]:
         forbid_double_backward("MemSaveHardtanh/MemSaveReLU6")
         if not ctx.needs_input_grad[0]:
             return None, None, None, None, None
-        return _pass_where_set(ctx, grad, "hardtanh"), None, None, None, None
-
-
-def _hardtanh_keep(x: Tensor, min_val: float, max_val: float) -> Tensor:
-    """Bool mask of the elements whose gradient stock ``hardtanh_backward`` passes.
-
-    NOTE [NaN in hardtanh_backward]: the kernel's formula blocks ``x <= min or x >= max`` and so
-    passes NaN; its vectorised CPU loop passes ``min < x < max`` instead and so blocks NaN. Only
-    the scalar tail of each CPU loop (the last elements, or every element when the input and
-    gradient layouts differ) follows the formula. The mask follows the vectorised loop on CPU and
-    the formula elsewhere (CUDA); the two agree on every number.
-    """
-    low, high = kernel_bounds(x.dtype, min_val, max_val)
-    # Allocation: two bool masks of input size, combined in place into the first.
-    if x.device.type == "cpu":
-        return compare(x, "gt", low).logical_and_(compare(x, "lt", high))
-    return compare(x, "le", low).logical_or_(compare(x, "ge", high)).logical_not_()
-
-
-def _output(y: Tensor, x: Tensor, inplace: bool) -> Tensor:
-    """The tensor a Function returns: in place, the input object itself (equal to ``y``), which
-    ``torch.compile`` requires of an input named by ``mark_dirty``."""
-    return x if inplace else y
+        return _select(ctx, grad, "hardtanh"), None, None, None, None
 
 
 def _save_bits(
-    ctx, x: Tensor, y: Tensor, bits: Tensor, inplace: bool, saved: Tensor | tuple[int, ...]
+    ctx, x: Tensor, y: Tensor, bits: Tensor, inplace: bool, saved: tuple[int, ...]
 ) -> tuple[Tensor, Tensor]:
     """Save only the packed bits (in place, marking the input dirty as stock in-place ops do) and
-    return the Function's outputs, the result and its bits. ``saved`` is the tensor stock would
-    save (or its strides): its layout decides the layout of stock's input gradient."""
+    return the Function's outputs, the result and its bits. ``saved`` are the strides of the
+    tensor stock would save: with the gradient's they decide the layout of stock's gradient."""
     ctx.layout = layout_of(x)
-    ctx.strides = x.stride()
-    ctx.saved_strides = saved if isinstance(saved, tuple) else saved.stride()
+    ctx.saved_strides = saved
     if inplace:
         ctx.mark_dirty(x)
     ctx.mark_non_differentiable(bits)
@@ -168,96 +115,41 @@ def _save_bits(
     return y, bits
 
 
-def _pass_where_set(ctx, grad: Tensor, kernel: str) -> Tensor:
-    """``grad`` where the saved bit is set, else 0: stock's ``threshold_backward`` on the mask,
-    laid out as stock's backward ``kernel`` lays out its result."""
-    (bits,) = ctx.saved_tensors
-    if _fused_like_input(ctx, grad):
-        # Deliberate: the gradient itself, in ``grad``'s layout as stock's kernel lays it out.
-        grad_input = torch.empty_like(grad)
-        native.select_bits(grad, bits, grad_input)
-        return grad_input
-    keep = _unpack(ctx, grad, invert=False)
-    # Written over ``keep`` where the layouts agree: the only tensor of input size backward allocates.
-    out = _gradient_buffer(ctx, grad, keep, kernel)
-    return torch.ops.aten.threshold_backward.grad_input(grad, keep, 0, grad_input=out)
-
-
-def _gradient_buffer(ctx, grad: Tensor, mask: Tensor, kernel: str) -> Tensor:
-    """Where backward writes the input gradient: over the unpacked ``mask`` when stock's kernel
-    would lay the gradient out as the mask is laid out, else a fresh tensor in stock's layout.
+def _select(ctx, grad: Tensor, kernel: str, slope: float | None = None) -> Tensor:
+    """The input gradient from the saved bits by the op of ``kernel`` (``select_scale`` for
+    LeakyReLU, else ``select_bits``).
 
     NOTE [gradient layout]: stock's backward kernel lays its result out from ``grad`` and the
     tensor it saved (TensorIterator's rule, in which the operand order differs per kernel:
     ``threshold_backward`` and ``leaky_relu_backward`` put the saved tensor first,
-    ``hardtanh_backward`` the gradient); the
-    mask follows the input's memory order instead. For most inputs they agree. Where they do not
-    (an expanded or oddly strided input, a gradient laid out unlike the input) the values are the
-    same but a layout unlike stock's would change how later kernels (an expand's sum, a
-    convolution) round, so the gradient takes stock's layout. The C++ operator does the same.
+    ``hardtanh_backward`` the gradient); the bits follow the input's memory order instead. For
+    most inputs they agree. Where they do not (an expanded or oddly strided input, a gradient laid
+    out unlike the input, a map of 1 x 1 pixels) the values are the same but a layout unlike
+    stock's would change how later kernels (an expand's sum, a convolution, a batch norm) round,
+    so the ops take the strides of the tensor stock saves and give the gradient stock's layout.
+    The C++ operator does the same.
     """
-    if type(grad) is not Tensor or torch.compiler.is_compiling():
-        return mask
-    strides = _stock_gradient_strides(kernel, tuple(grad.shape), grad.stride(), ctx.saved_strides)
-    if strides == mask.stride():
-        return mask
-    # Allocation: the gradient in stock's layout; the mask is freed when backward returns.
-    return torch.empty_strided(grad.shape, strides, dtype=grad.dtype)
-
-
-@functools.lru_cache(maxsize=512)
-def _stock_gradient_strides(
-    kernel: str, shape: tuple[int, ...], grad: tuple[int, ...], saved: tuple[int, ...]
-) -> tuple[int, ...]:
-    """Strides of stock's backward ``kernel`` result for a gradient and a saved tensor of these
-    strides (memoised per geometry).
-
-    The layout depends only on the operand order TensorIterator sees, so a structured binary op
-    with the same order stands in on meta (``hardtanh_backward`` has no structured meta kernel of
-    its own, and its generic one lays results out unlike the CPU kernel).
-    """
-    # Outside any dispatch mode: a memory tracker must not count these stand-ins.
-    with _disable_current_modes():
-        grad_t, saved_t = (torch.empty_strided(shape, s, device="meta") for s in (grad, saved))
-        first, second = (grad_t, saved_t) if kernel == "hardtanh" else (saved_t, grad_t)
-        return torch.mul(first, second).stride()
-
-
-#: Dtypes the fused kernels serve. The stock bfloat16/float16 CPU kernels rewrite NaN payloads
-#: in their vectorised loops only, which no single kernel can follow (NOTE in ``native.py``).
-_FUSED_DTYPES = (torch.float32, torch.float64)
+    (bits,) = ctx.saved_tensors
+    order, saved = ctx.layout.order, ctx.saved_strides
+    if slope is None:
+        return ops.select_bits(grad, bits, order, saved, kernel == "hardtanh")
+    return ops.select_scale(grad, bits, order, saved, slope)
 
 
 def fused_ready(t: Tensor) -> bool:
-    """Whether ``t`` takes the fused native kernels: a dense float32/float64 CPU tensor in eager
-    mode (not fake, not traced) with the kernels built, and denormals not flushed (stock kernels
-    would then compare denormals as zero; the fused ones never do)."""
+    """Whether ``t`` takes the C++ operator (NOTE [why the eager CPU path is an operator] in
+    ``autograd_ops.cpp``): a dense float32/float64 CPU tensor in eager mode (not fake, not
+    traced) with the kernels built, and denormals not flushed (stock kernels would then compare
+    denormals as zero; the fused ones never do)."""
     return (
         type(t) is Tensor
         and t.device.type == "cpu"
-        and t.dtype in _FUSED_DTYPES
+        and t.dtype in ops.FUSED_DTYPES
         and not torch.compiler.is_compiling()
         and is_dense(t)
         and native.available()
         and not native.flushes_denormals()
     )
-
-
-def _fused_like_input(ctx, grad: Tensor) -> bool:
-    """Whether backward's fused kernel serves ``grad``: laid out exactly like the input, whose
-    memory order the bits follow."""
-    return grad.stride() == ctx.strides and fused_ready(grad)
-
-
-def _empty_bits(x: Tensor) -> Tensor:
-    """An uninitialised buffer for one packed bit per element of ``x``."""
-    return torch.empty(packed_numel(x.numel()), dtype=torch.uint8)
-
-
-def _unpack(ctx, grad: Tensor, *, invert: bool) -> Tensor:
-    """The saved bits as a 0/1 tensor of ``grad``'s dtype (``invert``: 1 where a bit is clear)."""
-    (bits,) = ctx.saved_tensors
-    return unpack_as(bits, ctx.layout, grad.dtype, invert=invert)
 
 
 def _activate(

@@ -170,7 +170,7 @@ def provenance(report: Report) -> str:
         if rounds:
             return (
                 "Measured on cpu: tensor accounting on real data; times are medians of "
-                f"{rounds} rounds alternating the implementations in one process per case."
+                f"{rounds} rounds alternating the implementations in one process."
             )
         return "Measured on cpu: tensor accounting on real data; times are wall-clock medians."
     if report.device.startswith("cuda"):

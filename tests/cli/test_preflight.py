@@ -168,3 +168,21 @@ def test_hub_id_in_the_local_cache_is_built_from_it(tmp_path, monkeypatch):
     with torch.device("meta"):
         model = build_model(parse_spec("hf:some-org/tiny"))
     assert type(model).__name__ == "GPT2LMHeadModel" and model.config.n_embd == 8
+
+
+def test_input_shape_the_forward_cannot_take_is_one_line(runner, no_workers):
+    args = ["profile", "torchvision:resnet18", "--device", "meta", "--input-shape", "4,32,32"]
+    line = one_error_line(runner.invoke(app, args))
+    assert "torchvision:resnet18: the forward fails on one input of shape (64, 4, 32, 32)" in line
+    assert line.endswith("check --input-shape (one sample, without the batch dimension)")
+
+
+def test_fit_checks_the_plan_before_measuring(runner, tmp_path, monkeypatch):
+    import memsave_cli.fit
+
+    monkeypatch.setattr(memsave_cli.fit, "run_searches", lambda *a: pytest.fail("measured"))
+    path = tmp_path / "two.py"
+    path.write_text(TWO_INPUTS)
+    line = one_error_line(runner.invoke(app, ["fit", f"{path}:build", "--budget", "1GiB"]))
+    assert "Two.forward() missing a required argument: 'y'" in line
+    assert "Define build_inputs(batch_size) beside build" in line

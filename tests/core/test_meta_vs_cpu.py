@@ -1,7 +1,7 @@
 """A second opinion on the meta estimate: a real CPU step of the same model saves the same tensors.
 
 Totals can agree by luck; here every saved storage is compared, per layer, by shape, dtype and
-bytes. Attention runs the same kernel on both sides (``math``): on meta ``auto`` counts the CUDA
+bytes, and then the forward and step peaks of the tracker on both devices. Attention runs the same kernel on both sides (``math``): on meta ``auto`` counts the CUDA
 kernel, which a CPU does not have. Stock dropout runs CUDA's fused kernel on both sides (the CPU
 has it too, though ``F.dropout`` does not pick it there).
 """
@@ -15,7 +15,7 @@ import torch
 
 from memsave_cli import meta_dropout
 from memsave_cli.cases import resolve_case
-from memsave_cli.measure import Job, prepare, train_step
+from memsave_cli.measure import Job, measure, prepare, train_step
 from memsave_cli.meta_attention import attention_kernels
 from memsave_cli.meta_dropout import dropout_as_on_cuda
 from memsave_cli.saved import SavedTensorRecorder
@@ -71,12 +71,28 @@ def assert_same_saved(spec: str, case: str, **settings: object) -> list[Saved]:
     return meta
 
 
+def assert_same_peaks(spec: str, case: str, **settings: object) -> None:
+    """Meta and cpu reach the same forward and step peaks (temporaries of kernels included)."""
+    runs = {
+        device: measure(
+            Job(parse_spec(spec), resolve_case(case), "stock", device, repeat=0, **settings)
+        )
+        for device in ("meta", "cpu")
+    }
+    assert runs["meta"].ok and runs["cpu"].ok, (runs["meta"].error, runs["cpu"].error)
+    assert runs["meta"].forward_peak_bytes == runs["cpu"].forward_peak_bytes
+    assert runs["meta"].peak_bytes == runs["cpu"].peak_bytes
+
+
 @pytest.mark.parametrize("case", ["all", "input", "surgical"])
 def test_cnn(case: str) -> None:
     saved = assert_same_saved(
         "torchvision:resnet18", case, batch_size=2, input_shape=(3, 32, 32), dtype="float32"
     )
     assert any(layer.startswith("layer1") for layer, *_ in saved)
+    assert_same_peaks(
+        "torchvision:resnet18", case, batch_size=2, input_shape=(3, 32, 32), dtype="float32"
+    )
 
 
 @pytest.mark.parametrize("case", ["all", "input", "norm"])
@@ -88,6 +104,7 @@ def test_transformer_with_dropout(case: str) -> None:
     assert sum(shape == (3, 4, 12, 12) for _, shape, *_ in saved) >= 2
     # nn.Dropout keeps CUDA's 1-byte mask
     assert any("dropout" in layer and dtype == torch.bool for layer, _, dtype, _ in saved)
+    assert_same_peaks("fixtures_tracker:small_transformer", case, batch_size=3, attention="math")
 
 
 @pytest.mark.parametrize(
@@ -105,9 +122,9 @@ def test_llama_style_model(tmp_path: Path, case: str, inputs: str) -> None:
         max_position_embeddings=64,
         architectures=["LlamaForCausalLM"],
     ).save_pretrained(tmp_path)
-    saved = assert_same_saved(
-        f"hf:{tmp_path}", case, batch_size=2, input_shape=(20,), attention="math", inputs=inputs
-    )
+    settings = {"batch_size": 2, "input_shape": (20,), "attention": "math", "inputs": inputs}
+    saved = assert_same_saved(f"hf:{tmp_path}", case, **settings)
+    assert_same_peaks(f"hf:{tmp_path}", case, **settings)
     if inputs == "auto" and case == "all":  # token ids and the model's own loss: float32 logits
         logits = [s for s in saved if s[1][-1:] == (300,) and s[3] >= 2 * 20 * 300 * 4]
         assert logits and all(dtype == torch.float32 for _, _, dtype, _ in logits)

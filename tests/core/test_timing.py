@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import statistics
+from dataclasses import replace
 
 import pytest
 from rich.console import Console
@@ -13,7 +14,14 @@ from memsave_cli.api import profile
 from memsave_cli.render import summary
 from memsave_cli.render.profile import print_profile
 from memsave_cli.report import Report, Run
-from memsave_cli.timing import alternate, median_iqr, pair_ratios, resolved, round_ratios
+from memsave_cli.timing import (
+    alternate,
+    median_iqr,
+    pair_ratios,
+    resolved,
+    round_ratios,
+    time_cases,
+)
 
 
 def test_alternate_reverses_the_order_every_other_round_and_drops_warmup() -> None:
@@ -96,7 +104,17 @@ def test_a_ratio_within_its_spread_is_flagged() -> None:
     assert not cell.resolved and "(1.10 ±0.08?)" in _render(report)
 
 
-def test_profile_on_cpu_times_both_implementations_in_one_worker(tiny_cnn_spec: str) -> None:
+def test_profile_on_cpu_times_every_case_in_one_worker(tiny_cnn_spec: str, monkeypatch) -> None:
+    import memsave_cli.runner
+
+    started: list[int] = []
+    run_jobs = memsave_cli.runner.run_jobs
+
+    def counted(jobs, **kwargs):
+        started.append(len(jobs))
+        return run_jobs(jobs, **kwargs)
+
+    monkeypatch.setattr(memsave_cli.runner, "run_jobs", counted)
     report = profile(
         tiny_cnn_spec,
         cases=("input", "all"),
@@ -113,6 +131,30 @@ def test_profile_on_cpu_times_both_implementations_in_one_worker(tiny_cnn_spec: 
         assert rounds >= 4 and rounds % 2 == 0 and run.time_s == statistics.median(run.times_s)
     cell = summary.time_cells(report)["memsave", "all"]
     assert cell.ratio is not None and cell.spread is not None
+    assert started[-1] == 1  # the timing worker: one for both cases
+
+
+def test_a_failing_case_leaves_the_others_timed(tiny_cnn_spec: str) -> None:
+    from memsave_cli.cases import resolve_case
+    from memsave_cli.measure import Job
+    from memsave_cli.specs import parse_spec
+
+    def job(spec: str, case: str) -> Job:
+        return Job(
+            parse_spec(spec),
+            resolve_case(case),
+            "stock",
+            "cpu",
+            batch_size=2,
+            input_shape=(3, 16, 16),
+            repeat=2,
+        )
+
+    failing = replace(job(tiny_cnn_spec, "all"), input_shape=(5, 16, 16))  # 3 channels
+    runs = time_cases(failing, [failing, job(tiny_cnn_spec, "input")], ("stock", "memsave"))
+    assert [(r.case, r.ok) for r in runs] == [("all", False), ("input", True), ("input", True)]
+    assert runs[0].status.value == "error" and "channels" in runs[0].error
+    assert len(runs[1].times_s) == len(runs[2].times_s) == 2
 
 
 @pytest.fixture

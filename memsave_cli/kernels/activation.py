@@ -1,0 +1,272 @@
+"""Packed 1-bit masks of ReLU, LeakyReLU and Hardtanh, and their backward, as custom ops.
+
+NOTE [one op, every way it runs]: each kernel is a ``torch.library`` custom op in the ``memsave``
+namespace, registered here with all of its implementations side by side:
+
+- CPU: the fused C kernels (``native.py``) where they serve (dense float32/float64 tensors laid out
+  in the bit order, denormals not flushed), else the reference;
+- CUDA: the Triton kernels (``triton/activation.py``, ``triton/bitmask.py``) where they serve
+  (registered only when triton imports), else the reference;
+- fake (meta, ``FakeTensorMode``, ``torch.compile``): the same outputs without data, so estimates
+  and compiled graphs see the bytes eager saves;
+- reference: plain torch operations (``bitmask.py`` packing and the ATen kernels), every device.
+
+All of them give the same bytes. The layers call the op and never choose an implementation.
+Bits follow ``order``, the input's dimensions from outermost to innermost (``bitmask.layout_of``):
+for a dense input, its memory order. Forward ops come in pairs: ``*_pack`` returns a new result,
+``*_pack_`` writes it over ``x``; both return the bits.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.utils._python_dispatch import _disable_current_modes
+
+from memsave_cli.kernels import native
+from memsave_cli.kernels import triton as triton_kernels
+from memsave_cli.kernels.bitmask import BitLayout, compare, pack_bits, packed_numel, unpack_as
+
+#: Dtypes the fused kernels serve (NOTE [NaN payloads in 16-bit types] in ``native.py``).
+FUSED_DTYPES = (torch.float32, torch.float64)
+_RELU, _LEAKY, _HARDTANH = "relu", "leaky", "hardtanh"
+
+
+# -------------------------------------------------------------------------------------------
+# Reference: plain torch, every device
+
+
+def reference_pack(
+    kind: str, x: Tensor, inplace: bool, order: list[int], args: tuple[float, ...]
+) -> tuple[Tensor, Tensor]:
+    """``(result, bits)`` of activation ``kind`` with plain torch: the bits are set where stock's
+    backward passes the gradient (NOTE [which bit each activation keeps] in the layer)."""
+    layout = BitLayout(tuple(x.shape), tuple(order))
+    if kind == _RELU:
+        y = stock_result(kind, x, inplace, args)
+        return y, pack_bits(y.bool(), layout, scratch=True)
+    # Taken before an in-place update overwrites the input.
+    keep = compare(x, "gt", 0.0) if kind == _LEAKY else hardtanh_keep(x, *args[2:])
+    return stock_result(kind, x, inplace, args), pack_bits(keep, layout, scratch=True)
+
+
+def stock_result(kind: str, x: Tensor, inplace: bool, args: tuple[float, ...]) -> Tensor:
+    """The stock activation ``kind`` of ``x``: its values, and its layout, which the fake
+    implementations give their results."""
+    if kind == _RELU:
+        return torch.relu_(x) if inplace else torch.relu(x)
+    if kind == _LEAKY:
+        return F.leaky_relu(x, args[0], inplace)
+    return F.hardtanh(x, args[0], args[1], inplace)
+
+
+def hardtanh_keep(x: Tensor, low: float, high: float) -> Tensor:
+    """Bool mask of the elements whose gradient stock ``hardtanh_backward`` passes.
+
+    NOTE [NaN in hardtanh_backward]: the kernel's formula blocks ``x <= min or x >= max`` and so
+    passes NaN; its vectorised CPU loop passes ``min < x < max`` instead and so blocks NaN. Only
+    the scalar tail of each CPU loop (the last elements, or every element when the input and
+    gradient layouts differ) follows the formula. The mask follows the vectorised loop on CPU and
+    the formula elsewhere (CUDA); the two agree on every number.
+    """
+    # Allocation: two bool masks of input size, combined in place into the first.
+    if x.device.type == "cpu":
+        return compare(x, "gt", low).logical_and_(compare(x, "lt", high))
+    return compare(x, "le", low).logical_or_(compare(x, "ge", high)).logical_not_()
+
+
+def reference_select(
+    grad: Tensor, bits: Tensor, order: list[int], out_strides: list[int], slope: float | None
+) -> Tensor:
+    """Stock's backward kernel on the unpacked mask: ``threshold_backward`` (``slope`` None) or
+    ``leaky_relu_backward``, its result laid out with ``out_strides``."""
+    keep = unpack_as(bits, BitLayout(tuple(grad.shape), tuple(order)), grad.dtype)
+    # Written over ``keep`` where the layouts agree: then the only tensor of input size here.
+    out = keep
+    if tuple(keep.stride()) != tuple(out_strides):
+        # Allocation: the gradient in the layout asked for; the mask is freed on return.
+        out = torch.empty_strided(grad.shape, out_strides, dtype=grad.dtype, device=grad.device)
+    if slope is None:
+        return torch.ops.aten.threshold_backward.grad_input(grad, keep, 0, grad_input=out)
+    return torch.ops.aten.leaky_relu_backward.grad_input(grad, keep, slope, False, grad_input=out)
+
+
+# -------------------------------------------------------------------------------------------
+# Fused kernels: native C on CPU, Triton on CUDA
+
+
+def _follows(t: Tensor, order: list[int]) -> bool:
+    """Whether ``t`` is dense with its memory order ``order``: the kernels read it flat."""
+    return t.permute(order).is_contiguous()
+
+
+def _native_serves(t: Tensor, order: list[int]) -> bool:
+    """Whether the C kernels serve ``t`` (their results are stock's bit for bit only there)."""
+    return (
+        t.dtype in FUSED_DTYPES
+        and _follows(t, order)
+        and native.available()
+        and not native.flushes_denormals()
+    )
+
+
+def _triton_serves(t: Tensor, order: list[int]) -> bool:
+    """Whether the Triton kernels serve ``t``: those of ``native_serves``, on a device they run on."""
+    return t.dtype in FUSED_DTYPES and _follows(t, order) and triton_kernels.available()
+
+
+def fused_pack(
+    kernels, kind: str, x: Tensor, inplace: bool, args: tuple[float, ...]
+) -> tuple[Tensor, Tensor]:
+    """``reference_pack`` by the fused kernels of ``kernels`` (``native`` or the Triton module):
+    one pass reading ``x`` writes the result and the bits."""
+    y = x if inplace else torch.empty_like(x)
+    bits = torch.empty(packed_numel(x.numel()), dtype=torch.uint8, device=x.device)
+    if kind == _RELU:
+        kernels.relu_pack(x, y, bits)
+    elif kind == _LEAKY:
+        kernels.leaky_pack(x, y, bits, args[0])
+    elif kernels.hardtanh_pack(x, y, bits, args[2], args[3]):
+        F.hardtanh(y, args[0], args[1], inplace=True)  # stock finishes the held elements
+    return y, bits
+
+
+def _cpu_pack(kind, x, inplace, order, args) -> tuple[Tensor, Tensor]:
+    if _native_serves(x, order):
+        return fused_pack(native, kind, x, inplace, args)
+    return reference_pack(kind, x, inplace, order, args)
+
+
+def _cuda_pack(kind, x, inplace, order, args) -> tuple[Tensor, Tensor]:
+    # Hardtanh stays on the reference: on CUDA stock passes NaN's gradient (NOTE [NaN in
+    # hardtanh_backward]), the Triton kernel follows the CPU's vectorised loop.
+    if kind != _HARDTANH and _triton_serves(x, order):
+        from memsave_cli.kernels.triton import activation
+
+        return fused_pack(activation, kind, x, inplace, args)
+    return reference_pack(kind, x, inplace, order, args)
+
+
+def _cpu_select(grad, bits, order, out_strides, slope) -> Tensor:
+    out = torch.empty_strided(grad.shape, out_strides, dtype=grad.dtype)
+    if not (_native_serves(grad, order) and _follows(out, order)):
+        return reference_select(grad, bits, order, out_strides, slope)
+    if slope is None:
+        native.select_bits(grad, bits, out)
+    else:
+        native.select_scale(grad, bits, out, slope)
+    return out
+
+
+def _cuda_select(grad, bits, order, out_strides, slope) -> Tensor:
+    out = torch.empty_strided(grad.shape, out_strides, dtype=grad.dtype, device=grad.device)
+    if not (_triton_serves(grad, order) and _follows(out, order)):
+        return reference_select(grad, bits, order, out_strides, slope)
+    from memsave_cli.kernels.triton import activation, bitmask
+
+    if slope is None:
+        bitmask.select_bits(grad, bits, out)
+    else:
+        activation.select_scale(grad, bits, out, slope)
+    return out
+
+
+# -------------------------------------------------------------------------------------------
+# The ops
+
+
+def _fake_bits(x: Tensor) -> Tensor:
+    return x.new_empty(packed_numel(x.numel()), dtype=torch.uint8)
+
+
+def _register_pack(kind: str, params: tuple[str, ...]) -> tuple:
+    """Define ``memsave::{kind}_pack`` and ``memsave::{kind}_pack_`` (in place) with arguments
+    ``(x, order, *params)``, every implementation registered (NOTE [one op, every way it runs])."""
+    arguments = ", ".join(f"float {name}" for name in params)
+    schema_tail = f"SymInt[] order{', ' + arguments if params else ''}"
+    library.define(f"{kind}_pack(Tensor x, {schema_tail}) -> (Tensor, Tensor)")
+    library.define(f"{kind}_pack_(Tensor(a!) x, {schema_tail}) -> Tensor")
+    for inplace, name in ((False, f"{kind}_pack"), (True, f"{kind}_pack_")):
+
+        def implement(pack, inplace=inplace):
+            def run(x: Tensor, order: list[int], *args: float):
+                y, bits = pack(kind, x, inplace, list(order), args)
+                return bits if inplace else (y, bits)
+
+            return run
+
+        library.impl(name, implement(_cpu_pack), "CPU")
+        library.impl(name, implement(_cuda_pack), "CUDA")
+        library.impl(name, implement(reference_pack), "CompositeExplicitAutograd")
+
+        def fake(x: Tensor, order: list[int], *args: float, inplace=inplace):
+            if inplace:
+                return _fake_bits(x)
+            # Stock's own op on the fake input: the result takes exactly stock's layout.
+            return stock_result(kind, x, False, args), _fake_bits(x)
+
+        torch.library.register_fake(f"memsave::{name}", fake, lib=library)
+    ops = getattr(torch.ops.memsave, f"{kind}_pack").default
+    return ops, getattr(torch.ops.memsave, f"{kind}_pack_").default
+
+
+def _register_select(name: str) -> object:
+    """Define ``memsave::{name}(grad, bits, order, saved_strides, grad_first | slope)``: the
+    input gradient, laid out as stock's backward kernel lays it out for ``grad`` and a saved
+    tensor of ``saved_strides`` (NOTE [gradient layout] in the layer)."""
+    last = "bool grad_first" if name == "select_bits" else "float slope"
+    library.define(
+        f"{name}(Tensor grad, Tensor bits, SymInt[] order, SymInt[] saved_strides, {last}) -> Tensor"
+    )
+
+    def implement(select):
+        def run(grad, bits, order, saved_strides, last):
+            grad_first, slope = (last, None) if name == "select_bits" else (False, last)
+            shape, strides = tuple(grad.shape), tuple(grad.stride())
+            out = stock_gradient_strides(shape, strides, tuple(saved_strides), grad_first)
+            return select(grad, bits, list(order), list(out), slope)
+
+        return run
+
+    library.impl(name, implement(_cpu_select), "CPU")
+    library.impl(name, implement(_cuda_select), "CUDA")
+    library.impl(name, implement(reference_select), "CompositeExplicitAutograd")
+
+    def fake(grad, bits, order, saved_strides, last):
+        # Stock's layout rule on data-free stand-ins (symbolic strides welcome).
+        saved = grad.new_empty_strided(grad.shape, saved_strides)
+        grad_first = name == "select_bits" and last
+        return torch.mul(grad, saved) if grad_first else torch.mul(saved, grad)
+
+    torch.library.register_fake(f"memsave::{name}", fake, lib=library)
+    return getattr(torch.ops.memsave, name).default
+
+
+@functools.lru_cache(maxsize=512)
+def stock_gradient_strides(
+    shape: tuple[int, ...], grad: tuple[int, ...], saved: tuple[int, ...], grad_first: bool
+) -> tuple[int, ...]:
+    """Strides of a stock backward kernel's result for a gradient and a saved tensor of these
+    strides, the gradient first (``hardtanh_backward``) or second (``threshold_backward``,
+    ``leaky_relu_backward``); memoised per geometry.
+
+    The layout depends only on the operand order TensorIterator sees, so a structured binary op
+    with the same order stands in on meta (``hardtanh_backward`` has no structured meta kernel of
+    its own, and its generic one lays results out unlike the CPU kernel).
+    """
+    # Outside any dispatch mode: a memory tracker must not count these stand-ins.
+    with _disable_current_modes():
+        grad_t, saved_t = (torch.empty_strided(shape, s, device="meta") for s in (grad, saved))
+        first, second = (grad_t, saved_t) if grad_first else (saved_t, grad_t)
+        return torch.mul(first, second).stride()
+
+
+library = torch.library.Library("memsave", "FRAGMENT")
+relu_pack, relu_pack_ = _register_pack(_RELU, ())
+leaky_pack, leaky_pack_ = _register_pack(_LEAKY, ("slope",))
+hardtanh_pack, hardtanh_pack_ = _register_pack(_HARDTANH, ("min_val", "max_val", "low", "high"))
+select_bits = _register_select("select_bits")
+select_scale = _register_select("select_scale")

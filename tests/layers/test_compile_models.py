@@ -1,0 +1,92 @@
+"""``torch.compile(convert(model))`` on CPU: ResNet-18 and a tiny LLaMA give stock's gradients.
+
+Both sides are compiled with the same backend, so what is compared is what the drop-ins change:
+inductor may fuse and round stock's own graph differently from eager. It fuses stock's RMSNorm
+backward into one kernel whose sums round otherwise than the drop-in's recomputation (and than
+eager stock), so the LLaMA is compared bitwise under ``aot_eager`` (dynamo and AOTAutograd as
+inductor runs them, ATen kernels as eager) and to rounding under inductor.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+import torchvision
+from torch import Tensor, nn
+
+from memsave_cli.layers import convert, converted_counts
+
+#: Inductor's C++ code generation takes most of a minute per model on two cores.
+pytestmark = pytest.mark.slow
+
+
+def _gradients(model: nn.Module, loss: Callable[[nn.Module], Tensor]) -> list[Tensor]:
+    """Loss, then the gradient of every parameter that requires one, in registration order."""
+    model.zero_grad(set_to_none=True)
+    value = loss(model)
+    value.backward()
+    grads = [p.grad for p in model.parameters() if p.requires_grad]
+    return [value.detach(), *grads]
+
+
+def _assert_bitwise(mine: list[Tensor], stock: list[Tensor]) -> None:
+    assert len(mine) == len(stock)
+    for index, (a, b) in enumerate(zip(mine, stock, strict=True)):
+        assert a is not None and b is not None, f"gradient {index} missing"
+        assert torch.equal(a, b), f"gradient {index} differs: max {(a - b).abs().max()}, " + str(
+            [int(torch.equal(c, d)) for c, d in zip(mine, stock, strict=True)]
+        )
+
+
+def _compiled_pair(
+    build: Callable[[], nn.Module], frozen: float = 0.0, backend: str = "inductor"
+) -> tuple[nn.Module, nn.Module, nn.Module]:
+    """Stock and converted copies of one model with the same weights, the first ``frozen``
+    fraction of their parameters frozen, each compiled."""
+    torch.manual_seed(0)
+    stock = build()
+    parameters = list(stock.parameters())
+    for p in parameters[: int(frozen * len(parameters))]:
+        p.requires_grad_(False)
+    memsave = convert(stock)  # a copy: the stock model stays as it is
+    torch._dynamo.reset()
+    compiled = (torch.compile(model, backend=backend) for model in (stock, memsave))
+    return *compiled, memsave
+
+
+def test_resnet18() -> None:
+    """ResNet-18 (BatchNorm in training mode: two images, one would leave 1x1 maps of one value
+    per channel), first half of its parameters frozen."""
+    build = lambda: torchvision.models.resnet18(weights=None)  # noqa: E731
+    stock, memsave, converted = _compiled_pair(build, frozen=0.5)
+    assert converted_counts(converted)["ReLU"] > 0
+    x = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(1))
+    results = [_gradients(model, lambda m: m(x).square().sum()) for model in (stock, memsave)]
+    _assert_bitwise(results[1], results[0])
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_tiny_llama(backend: str) -> None:
+    """A two-layer LLaMA from a tiny config (RMSNorm and gated MLP converted), all trainable."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        vocab_size=61,
+        hidden_size=48,
+        intermediate_size=83,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
+    build = lambda: transformers.LlamaForCausalLM(config)  # noqa: E731
+    stock, memsave, converted = _compiled_pair(build, backend=backend)
+    assert converted_counts(converted).get("LlamaRMSNorm", 0) == 5
+    ids = torch.randint(0, 61, (2, 17), generator=torch.Generator().manual_seed(2))
+    loss = lambda m: m(input_ids=ids, labels=ids).loss  # noqa: E731
+    results = [_gradients(model, loss) for model in (stock, memsave)]
+    if backend == "inductor":
+        torch.testing.assert_close(results[1], results[0], rtol=1e-5, atol=1e-6)
+    else:
+        _assert_bitwise(results[1], results[0])
