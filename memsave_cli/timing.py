@@ -2,16 +2,16 @@
 
 NOTE [paired timing]: on a shared CPU, the speed of a step drifts with whatever else runs; two
 separate processes timed one after the other see different machines, and their ratio swings by
-10% between repeats. Alternating the implementations step by step in one worker, the order
-reversed every other round, and taking the median of ratios within the worker cancels drift
-slower than a round. A ratio is taken over each pair of rounds (one in each order, so that whatever the step
-run second gains from the first cancels too); the interquartile range (IQR) of those ratios says
-how far to trust their median: a ratio whose IQR exceeds its distance from 1 does not resolve a
+10% between repeats. So one worker per model times every case, alternating the implementations
+step by step, the order reversed every other round. A ratio is taken over each pair of rounds
+(one in each order, so that whatever the step run second gains from the first cancels too); the
+median of those ratios cancels drift slower than a round, and their interquartile range (IQR)
+says how far to trust it: a ratio whose IQR exceeds its distance from 1 does not resolve a
 difference. ``memsave profile`` goes on past ``repeat`` rounds, a pair at a time, until each
 implementation has run ``MIN_SECONDS`` (small models get many rounds, large ones ``repeat``
-made even), and garbage is collected between rounds,
-outside the timed steps. ``torch.utils.benchmark`` times one statement at a time (its
-``blocked_autorange`` runs a block of the same statement), so it cannot alternate two steps.
+made even); Python's garbage collector runs between rounds, never during a step.
+``torch.utils.benchmark`` times one statement at a time (its ``blocked_autorange`` runs a block
+of the same statement), so it cannot alternate two steps.
 """
 
 from __future__ import annotations
