@@ -198,8 +198,8 @@ def time_runs(
 ) -> tuple[list[Run], list[str]]:
     """Time every case of ``jobs`` that measured, in one worker for the model, each case
     alternating its implementations (at least ``job.repeat`` rounds, in pairs until each has run
-    ``min_seconds``; ``timeout`` seconds per case); ``runs`` with their times, and notes on
-    failures."""
+    ``min_seconds``; ``timeout`` seconds per case and implementation, as for one isolated run);
+    ``runs`` with their times, and notes on failures."""
     from memsave_cli.measure import build_native
     from memsave_cli.runner import run_jobs
 
@@ -216,7 +216,7 @@ def time_runs(
     )
     (result,) = run_jobs(
         cases[:1],
-        timeout=timeout * len(cases),
+        timeout=timeout * len(cases) * len(impls),  # the limit of one run per case and impl
         workers=1,
         target=target,
         on_done=None if on_done is None else lambda job, result: _each_case(result, on_done),

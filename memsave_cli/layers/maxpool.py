@@ -38,6 +38,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn.modules.utils import _pair, _single, _triple
 
+from memsave_cli.kernels import maxpool as offset_ops
 from memsave_cli.kernels import native
 from memsave_cli.kernels._layout import memory_format
 from memsave_cli.layers._backward import forbid_double_backward, shape_only
@@ -150,47 +151,15 @@ class IndexMaps:
 
     def to_offsets(self, indices: Tensor, out: Tensor) -> Tensor:
         """Write the window offsets of ATen's flat argmax ``indices`` (consumed) into ``out``."""
-        inner = self._fused_inner(indices, out)
-        if inner and self.plane == self.in_shape:
-            native.to_offsets(indices, self.starts.view(-1), inner, self.inverse, out)
-            return out
+        starts = self.starts
         if self.plane != self.in_shape:
-            indices = _reravel(indices, self.in_shape, self.plane)
-        distances = indices.sub_(self.plane_starts)
-        inverse = self.inverse.expand(*distances.shape[:-1], self.inverse.numel())
-        return torch.gather(inverse, -1, distances, out=out)
+            indices, starts = _reravel(indices, self.in_shape, self.plane), self.plane_starts
+        offset_ops.to_offsets(indices, starts, self.inverse, out)
+        return out
 
     def to_indices(self, offsets: Tensor) -> Tensor:
         """ATen's flat int64 argmax indices back from window ``offsets``, in their layout."""
-        inner = self._fused_inner(offsets)
-        if inner:
-            # Deliberate transient: the int64 indices ATen's backward kernel reads.
-            indices = torch.empty_like(offsets, dtype=torch.int64)
-            native.to_indices(offsets, self.table, self.starts.view(-1), inner, indices)
-            return indices
-        # Deliberate transients: offsets widened to int64 (the lookup's index type), then the
-        # int64 indices ATen's backward kernel reads. The lookup is elementwise, so it runs over
-        # the elements in memory order and the result takes the offsets' strides.
-        wide = offsets.long()
-        if not _is_dense(wide):
-            wide = wide.contiguous()
-        flat = wide.as_strided((wide.numel(),), (1,))
-        indices = torch.index_select(self.table, 0, flat).as_strided(wide.shape, wide.stride())
-        return indices.add_(self.starts)
-
-    def _fused_inner(self, *blocks: Tensor) -> int:
-        """How many consecutive elements of ``blocks`` share one window start (channels-last
-        blocks: C; contiguous: 1) when the native kernels can convert them, else 0."""
-        first = blocks[0]
-        if not (_is_chunked(first) and _is_dense(first) and native.available()):
-            return 0
-        if all([b.is_contiguous() for b in blocks]):
-            return 1
-        if all([b.stride() == first.stride() for b in blocks]) and first.dim() >= 3:
-            channels = first.shape[1]
-            if first.stride(1) == 1 and first.stride(-1) == channels:
-                return channels
-        return 0
+        return offset_ops.to_indices(offsets, self.table, self.starts)
 
 
 @functools.lru_cache(maxsize=32)
@@ -202,14 +171,6 @@ def index_maps(in_shape, out_shape, options, device: torch.device, cache: bool) 
     """:class:`IndexMaps` for one pooling, memoised where ``cache`` (real CPU tensors, eager)."""
     key = (tuple(in_shape), tuple(out_shape), tuple(options), device)
     return _cached_maps(*key) if cache else IndexMaps(*key)
-
-
-def _is_dense(tensor: Tensor) -> bool:
-    """Whether ``tensor`` is contiguous in the standard or a channels-last memory format."""
-    channels_last = {4: torch.channels_last, 5: torch.channels_last_3d}.get(tensor.dim())
-    return tensor.is_contiguous() or (
-        channels_last is not None and tensor.is_contiguous(memory_format=channels_last)
-    )
 
 
 def _is_chunked(tensor: Tensor) -> bool:
