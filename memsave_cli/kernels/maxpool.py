@@ -10,6 +10,8 @@ kernels on CUDA for contiguous and channels-last blocks, the reference otherwise
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import Tensor
 
@@ -106,3 +108,93 @@ def to_indices(offsets: Tensor, table: Tensor, starts: Tensor) -> Tensor:
 @to_indices.register_fake
 def _(offsets: Tensor, table: Tensor, starts: Tensor) -> Tensor:
     return torch.empty_like(offsets, dtype=torch.int64)
+
+
+# -------------------------------------------------------------------------------------------
+# 2-wide pooling: window = stride = (kd, kh, 2), no padding or dilation, on (planes, D, H, W)
+
+
+def reference_max_pool2(x: Tensor, kd: int, kh: int) -> tuple[Tensor, Tensor]:
+    """ATen's max pooling of contiguous ``(planes, D, H, W)`` ``x`` with window and stride
+    ``(kd, kh, 2)``, and the int8 offset of each argmax in its window ((d, h, w) order)."""
+    window = [kd, kh, 2]
+    out, indices = torch.ops.aten.max_pool3d_with_indices(x, window, window)
+    height, width = x.shape[-2:]
+    depth_in, height_in = indices // (height * width) % kd, indices // width % height % kh
+    offsets = (depth_in * kh + height_in) * 2 + indices % width % 2
+    return out, offsets.to(torch.int8)
+
+
+def reference_max_pool2_backward(
+    grad: Tensor, offsets: Tensor, input_shape: list[int], kd: int, kh: int
+) -> Tensor:
+    """ATen's max-pooling backward from the output gradient and the window offsets."""
+    from memsave_cli.layers._backward import shape_only
+
+    height, width = input_shape[-2:]
+    out_depth, out_height, out_width = offsets.shape[-3:]
+    arange = functools.partial(torch.arange, device=grad.device)
+    starts = (
+        arange(out_depth).view(-1, 1, 1) * (kd * height * width)
+        + arange(out_height).view(-1, 1) * (kh * width)
+        + arange(out_width) * 2
+    )
+    wide = offsets.long()
+    # Deliberate transient: the int64 indices ATen's backward kernel reads.
+    indices = (wide // (2 * kh)) * (height * width) + (wide // 2 % kh) * width + wide % 2
+    indices += starts
+    window = [kd, kh, 2]
+    like = shape_only(grad, input_shape)
+    return torch.ops.aten.max_pool3d_with_indices_backward(
+        grad, like, window, window, [0, 0, 0], [1, 1, 1], False, indices
+    )
+
+
+def _native_pools(x: Tensor) -> bool:
+    """Whether the C kernels pool ``x``: contiguous float32 on CPU, denormals not flushed."""
+    return (
+        x.device.type == "cpu"
+        and x.dtype == torch.float32
+        and x.is_contiguous()
+        and native.available()
+        and not native.flushes_denormals()
+    )
+
+
+@torch.library.custom_op("memsave::max_pool2", mutates_args=())
+def max_pool2(x: Tensor, kd: int, kh: int) -> tuple[Tensor, Tensor]:
+    """The maxima and int8 window offsets of the 2-wide pooling of ``(planes, D, H, W)`` ``x``
+    (NOTE [2-wide max pooling] in ``native.c``)."""
+    if not _native_pools(x):
+        return reference_max_pool2(x, kd, kh)
+    planes, depth, height, width = x.shape
+    out = x.new_empty(planes, depth // kd, height // kh, width // 2)
+    offsets = torch.empty_like(out, dtype=torch.int8)
+    native.max_pool2(x, out, offsets, (kd, kh))
+    return out, offsets
+
+
+@max_pool2.register_fake
+def _(x: Tensor, kd: int, kh: int) -> tuple[Tensor, Tensor]:
+    planes, depth, height, width = x.shape
+    out = x.new_empty(planes, depth // kd, height // kh, width // 2)
+    return out, torch.empty_like(out, dtype=torch.int8)
+
+
+@torch.library.custom_op("memsave::max_pool2_backward", mutates_args=())
+def max_pool2_backward(
+    grad: Tensor, offsets: Tensor, input_shape: list[int], kd: int, kh: int
+) -> Tensor:
+    """The input gradient of :func:`max_pool2` (contiguous, every element written)."""
+    grad = grad.contiguous()
+    if not _native_pools(grad):
+        return reference_max_pool2_backward(grad, offsets, input_shape, kd, kh)
+    # Deliberate: the gradient itself, every element written by the kernel.
+    grad_input = grad.new_empty(input_shape)
+    native.max_pool2_backward(grad, offsets, grad_input, (kd, kh))
+    return grad_input
+
+
+@max_pool2_backward.register_fake
+def _(grad: Tensor, offsets: Tensor, input_shape: list[int], kd: int, kh: int) -> Tensor:
+    return grad.new_empty(input_shape)

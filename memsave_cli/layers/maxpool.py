@@ -39,7 +39,6 @@ from torch import Tensor, nn
 from torch.nn.modules.utils import _pair, _single, _triple
 
 from memsave_cli.kernels import maxpool as offset_ops
-from memsave_cli.kernels import native
 from memsave_cli.kernels._layout import memory_format
 from memsave_cli.layers._backward import forbid_double_backward, shape_only
 from memsave_cli.layers.registry import drop_in
@@ -238,13 +237,11 @@ class MaxPoolWithOffsets(torch.autograd.Function):
         (offsets,) = ctx.saved_tensors
         nd = len(ctx.args[0])
         if ctx.window is not None:
-            # Deliberate: the gradient itself, every element written by the kernel.
-            grad_input = grad_output.new_empty(ctx.input_shape)
-            planes = _planes(grad_input, nd)
-            native.max_pool2_backward(
-                _planes(grad_output.contiguous(), nd), _planes(offsets, nd), planes, ctx.window
+            planes = _planes(ctx.input_shape, nd)
+            grad_input = offset_ops.max_pool2_backward(
+                _planes(grad_output.contiguous(), nd), _planes(offsets, nd), planes, *ctx.window
             )
-            return grad_input, None, None, None, None, None
+            return grad_input.view(ctx.input_shape), None, None, None, None, None
         _, pool_backward = _KERNELS[nd]
         # 2d: the gradient is laid out like the input, as stock lays it out. 3d: ATen's out= kernel
         # restrides a channels-last-3d gradient to contiguous, which a block slice cannot follow.
@@ -285,25 +282,24 @@ def _two_wide_window(x: Tensor, args: tuple) -> tuple[int, int] | None:
     )
     if not fits or x.dtype != torch.float32 or not _is_chunked(x) or not x.is_contiguous():
         return None
-    if not native.available() or native.flushes_denormals():
-        return None
     return window[0], window[1]
 
 
-def _planes(t: Tensor, nd: int) -> Tensor:
-    """A contiguous pooling tensor as ``(planes, D, H, W)`` (``D = 1`` for 2d pooling)."""
-    inner = t.shape[t.dim() - nd :]
-    return t.view(-1, *([1] * (3 - nd)), *inner)
+def _planes(t: Tensor | tuple[int, ...], nd: int) -> Tensor | list[int]:
+    """A contiguous pooling tensor (or its shape) as ``(planes, D, H, W)`` (``D = 1`` in 2d)."""
+    shape = tuple(t.shape) if isinstance(t, Tensor) else tuple(t)
+    planes = [-1 if isinstance(t, Tensor) else math.prod(shape[: len(shape) - nd])]
+    inner = [*planes, *([1] * (3 - nd)), *shape[len(shape) - nd :]]
+    return t.view(inner) if isinstance(t, Tensor) else inner
 
 
 def _two_wide_pool(
     x: Tensor, nd: int, window: tuple[int, int], args: tuple
 ) -> tuple[Tensor, Tensor]:
-    """The output and int8 window offsets of the fused 2-wide max pooling of ``x``."""
-    out = x.new_empty(_output_shape(x, nd, args))
-    offsets = torch.empty_like(out, dtype=torch.int8)
-    native.max_pool2(_planes(x, nd), _planes(out, nd), _planes(offsets, nd), window)
-    return out, offsets
+    """The output and int8 window offsets of the 2-wide max pooling of ``x`` (one op call)."""
+    out, offsets = offset_ops.max_pool2(_planes(x, nd), *window)
+    shape = _output_shape(x, nd, args)
+    return out.view(shape), offsets.view(shape)
 
 
 def _output_shape(x: Tensor, nd: int, args: tuple) -> list[int]:

@@ -82,3 +82,24 @@ def test_opcheck() -> None:
     ops.to_offsets(indices.clone(), maps.starts, maps.inverse, offsets)
     torch.library.opcheck(ops.to_indices, (offsets, maps.table, maps.starts))
 
+
+
+@pytest.mark.parametrize("window", [(1, 1), (1, 2), (2, 2)], ids=str)
+def test_two_wide_pool_matches_reference(window: tuple[int, int]) -> None:
+    """The 2-wide pooling op and its backward give the reference's results (ATen's pooling and
+    backward), NaN and ties included; the fake op gives their shapes."""
+    kd, kh = window
+    x = torch.randn(3, 4, 6, 9, generator=torch.Generator().manual_seed(1))
+    x[0, 0, 0, :4] = float("nan")
+    x[1, 1, 1, :] = 0.5  # ties: the first element of a window wins
+    out, offsets = ops.max_pool2(x, kd, kh)
+    expected = ops.reference_max_pool2(x, kd, kh)
+    assert torch.equal(offsets, expected[1])
+    assert torch.equal(out.isnan(), expected[0].isnan())
+    assert torch.equal(out.nan_to_num(), expected[0].nan_to_num())
+    grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(2))
+    grad_input = ops.max_pool2_backward(grad, offsets, list(x.shape), kd, kh)
+    reference = ops.reference_max_pool2_backward(grad, offsets, list(x.shape), kd, kh)
+    assert torch.equal(grad_input, reference)
+    meta = ops.max_pool2(x.to("meta"), kd, kh)
+    assert [t.shape for t in meta] == [out.shape, offsets.shape]
