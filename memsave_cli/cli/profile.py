@@ -91,7 +91,7 @@ def profile(
         typer.Option(
             min=1,
             help="Timed steps per implementation (cpu/cuda); on cpu at least, in alternating "
-            "rounds until each has run 10 s.",
+            "rounds, at least 6 and until each has run 10 s.",
         ),
     ] = 3,
     threads: Annotated[
