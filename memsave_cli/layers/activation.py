@@ -6,9 +6,10 @@ input, copied before an in-place update), yet its backward reads one bit per ele
 ReLU passes the gradient unless ``result <= 0`` (``threshold_backward``), Hardtanh unless the
 input is at or beyond a bound (``hardtanh_backward``), LeakyReLU passes it unscaled where
 ``saved > 0`` (``leaky_relu_backward``). The drop-ins evaluate that exact comparison on the tensor
-stock would save and keep it as packed bits (``bitmask.py``). Backward unpacks the bits into a
-0/1 tensor of the gradient's dtype and hands it to the ATen backward kernel in place of the saved
-tensor, so gradients are bitwise equal to stock, infinities and NaN included.
+stock would save and keep it as packed bits. Forward calls one op that returns the result and the
+bits, backward one that selects (LeakyReLU: scales) the gradient by them (``kernels/activation.py``:
+C kernels, Triton kernels or stock's own ATen kernels on the unpacked 0/1 mask), so gradients are
+bitwise equal to stock, infinities and NaN included.
 
 Every Function takes ``inplace`` (modify ``x``) and ``saves_result`` (which tensor stock would
 save, for LeakyReLU); they differ only for an in-place call on a view (NOTE [in-place drop-ins]).
