@@ -28,8 +28,7 @@ from torch import Tensor, nn
 from torch.autograd import Function
 
 from memsave_cli.kernels import activation as ops
-from memsave_cli.kernels import autograd_ops, native
-from memsave_cli.kernels._layout import is_dense
+from memsave_cli.kernels import autograd_ops
 from memsave_cli.kernels.bitmask import layout_of
 from memsave_cli.layers._backward import forbid_double_backward
 from memsave_cli.layers.registry import drop_in
@@ -137,22 +136,6 @@ def _select(ctx, grad: Tensor, kernel: str, slope: float | None = None) -> Tenso
     return ops.select_scale(grad, bits, order, saved, slope)
 
 
-def fused_ready(t: Tensor) -> bool:
-    """Whether ``t`` takes the C++ operator (NOTE [why the eager CPU path is an operator] in
-    ``autograd_ops.cpp``): a dense float32/float64 CPU tensor in eager mode (not fake, not
-    traced) with the kernels built, and denormals not flushed (stock kernels would then compare
-    denormals as zero; the fused ones never do)."""
-    return (
-        type(t) is Tensor
-        and t.device.type == "cpu"
-        and t.dtype in ops.FUSED_DTYPES
-        and not torch.compiler.is_compiling()
-        and is_dense(t)
-        and native.available()
-        and not native.flushes_denormals()
-    )
-
-
 def _activate(
     function: type[Function],
     stock: Callable,
@@ -178,7 +161,7 @@ def _activate(
     if inplace and x._base is not None:
         # Allocation: the out-of-place result, freed once copied into the view.
         return x.copy_(function.apply(x, *args, False, True)[0])
-    if operator is not None and fused_ready(x) and autograd_ops.available():
+    if operator is not None and autograd_ops.activation_serves(x):
         kind, *values = operator
         bounds = _eager_kernel_bounds(x.dtype, *values) if kind == autograd_ops.HARDTANH else ()
         return autograd_ops.activation(x, kind, *values, *bounds, inplace=inplace)
