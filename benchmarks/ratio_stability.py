@@ -38,7 +38,8 @@ def ratio_of(report: Report, case: str) -> tuple[float, float, int]:
     """memsave/stock time ratio of ``case`` as the table shows it, its IQR and the rounds."""
     cell = summary.time_cells(report).get(("memsave", case))
     if cell is None or cell.ratio is None or cell.spread is None:
-        raise SystemExit(f"no paired time ratio for case {case} in the report")
+        why = [*report.notes, *(f"{r.case}/{r.impl}: {r.error}" for r in report.runs if not r.ok)]
+        raise SystemExit(f"no paired time ratio for case {case} in the report: {'; '.join(why)}")
     return cell.ratio, cell.spread, summary.paired_rounds(report)
 
 

@@ -22,6 +22,7 @@ from memsave_cli.budget import parse_bytes
 from memsave_cli.cases import PAPER_CASES, Case, has_norm_layers, resolve_case
 from memsave_cli.errors import MemsaveError
 from memsave_cli.measure import Job, measure, one_line
+from memsave_cli.preflight import check_plan
 from memsave_cli.report import Run, Status
 from memsave_cli.specs import ModelSpec, build_model, parse_spec
 
@@ -103,6 +104,7 @@ def fit(
     chosen, skipped = _cases(spec, cases)
     notes.extend(skipped)
     settings = {"dtype": dtype, "input_shape": _shape(input_shape), "bn_eval": bn_eval}
+    check_plan(spec, chosen, batch_size=1, input_shape=settings["input_shape"])  # before any run
     settings |= {"optimizer": optimizer, "repeat": 1, "per_layer": False}
     settings |= {"fsdp": fsdp, "reshard": reshard}
     jobs = {(c, i): Job(spec, c, i, device, **settings) for c in chosen for i in impls}

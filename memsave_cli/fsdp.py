@@ -23,7 +23,6 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_map
 
 from memsave_cli.errors import MemsaveError
 
@@ -44,13 +43,16 @@ class World:
     mesh: object  # torch.distributed.device_mesh.DeviceMesh
     estimate: bool
 
-    def shard(self, model: nn.Module, reshard_after_forward: bool = True) -> nn.Module:
-        """``fully_shard`` each unit of ``model`` (``shard_units``), then the root."""
+    def shard(self, model: nn.Module, reshard: bool = True) -> nn.Module:
+        """``fully_shard`` each unit of ``model`` (``shard_units``), then the root. ``reshard``
+        is FSDP2's default (units reshard after forward, the root does not, as backward needs
+        it at once); without it every unit keeps its parameters gathered until backward."""
         from torch.distributed.fsdp import fully_shard
 
+        after_forward = None if reshard else False
         for unit in shard_units(model):
-            fully_shard(unit, mesh=self.mesh, reshard_after_forward=reshard_after_forward)
-        fully_shard(model, mesh=self.mesh, reshard_after_forward=reshard_after_forward)
+            fully_shard(unit, mesh=self.mesh, reshard_after_forward=after_forward)
+        fully_shard(model, mesh=self.mesh, reshard_after_forward=after_forward)
         return model
 
     @contextlib.contextmanager
@@ -75,12 +77,16 @@ class _CpuAsMeta(TorchDispatchMode):
     """Every op asked to allocate on cpu allocates on meta instead (FSDP2's mesh device)."""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        args, kwargs = tree_map(_to_meta, (args, kwargs or {}))
+        kwargs = kwargs or {}
+        if _on_mesh_device(kwargs.get("device")) or any(map(_on_mesh_device, args)):
+            args = tuple(_META if _on_mesh_device(a) else a for a in args)
+            kwargs = {k: _META if _on_mesh_device(v) else v for k, v in kwargs.items()}
         return func(*args, **kwargs)
 
 
-def _to_meta(value: object) -> object:
-    return _META if isinstance(value, torch.device) and value.type == MESH_DEVICE else value
+def _on_mesh_device(value: object) -> bool:
+    """Whether ``value`` names the mesh's device (ops take a device as a top-level argument)."""
+    return isinstance(value, torch.device) and value.type == MESH_DEVICE
 
 
 def check_world_size(world_size: object) -> int:

@@ -62,7 +62,7 @@ class Job:
     inputs: str = "auto"  # language models: "auto" | "tokens" | "embeds" (memsave_cli.inputs)
     attention: str = "auto"  # "auto" (as CUDA picks) | "math" | "flash" | "efficient"
     fsdp: int | None = None  # ranks FSDP2 shards the model over; None: one unsharded process
-    reshard: bool = True  # FSDP2's reshard_after_forward
+    reshard: bool = True  # FSDP2 default reshard_after_forward (False: --no-reshard)
 
 
 @dataclass

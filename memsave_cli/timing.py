@@ -2,16 +2,16 @@
 
 NOTE [paired timing]: on a shared CPU, the speed of a step drifts with whatever else runs; two
 separate processes timed one after the other see different machines, and their ratio swings by
-10% between repeats. Alternating the implementations step by step in one worker, the order
-reversed every other round, and taking the median of ratios within the worker cancels drift
-slower than a round. A ratio is taken over each pair of rounds (one in each order, so that whatever the step
-run second gains from the first cancels too); the interquartile range (IQR) of those ratios says
-how far to trust their median: a ratio whose IQR exceeds its distance from 1 does not resolve a
-difference. ``memsave profile`` goes on past ``repeat`` rounds, a pair at a time, until each
-implementation has run ``MIN_SECONDS`` (small models get many rounds, large ones ``repeat``
-made even), and garbage is collected between rounds,
-outside the timed steps. ``torch.utils.benchmark`` times one statement at a time (its
-``blocked_autorange`` runs a block of the same statement), so it cannot alternate two steps.
+10% between repeats. So one worker per model times every case, alternating the implementations
+step by step, the order reversed every other round. A ratio is taken over each pair of rounds
+(one in each order, so that whatever the step run second gains from the first cancels too); the
+median of those ratios cancels drift slower than a round, and their interquartile range (IQR)
+says how far to trust it: a ratio whose IQR exceeds its distance from 1 does not resolve a
+difference. ``memsave profile`` runs at least ``MIN_ROUNDS`` rounds (three pairs, so that the
+median sets one stray pair aside) or ``repeat``, then goes on a pair at a time until each
+implementation has run ``MIN_SECONDS`` (small models get many rounds, large ones few); Python's garbage collector runs between rounds, never during a step.
+``torch.utils.benchmark`` times one statement at a time (its ``blocked_autorange`` runs a block
+of the same statement), so it cannot alternate two steps.
 """
 
 from __future__ import annotations
@@ -42,6 +42,9 @@ WARMUP_ROUNDS = 2
 
 #: Timed seconds each implementation runs at least, when ``repeat`` rounds take less.
 MIN_SECONDS = 10.0
+
+#: Rounds ``memsave profile`` times at least on cpu (with ``min_seconds``): three pairs.
+MIN_ROUNDS = 6
 
 #: Rounds never exceed this, however fast a step.
 MAX_ROUNDS = 40
@@ -130,9 +133,9 @@ def time_case(
     job: Job, impls: Sequence[str], threads: int | None = None, min_seconds: float = 0.0
 ) -> tuple[Run, ...]:
     """Worker target: alternated rounds of every implementation of ``job.case`` (``job.repeat``
-    rounds, or pairs of rounds until each step has run ``min_seconds``), on ``threads``
-    intra-op threads (torch's default for None); on cuda each step is timed by CUDA events
-    around its kernels, elsewhere by the wall clock.
+    rounds; with ``min_seconds``, at least ``MIN_ROUNDS`` and pairs of rounds until each step
+    has run that long), on ``threads`` intra-op threads (torch's default for None); on cuda each
+    step is timed by CUDA events around its kernels, elsewhere by the wall clock.
 
     Returns one Run per implementation carrying only its per-round seconds and their median.
     """
@@ -141,7 +144,8 @@ def time_case(
     prepared = {impl: prepare(replace(job, impl=impl)) for impl in impls}
     timer = step_timer(job.device)
     steps = {impl: _timed(p, timer) for impl, p in prepared.items()}
-    times = alternate(steps, job.repeat, min_seconds=min_seconds)
+    rounds = max(job.repeat, MIN_ROUNDS) if min_seconds > 0 else job.repeat
+    times = alternate(steps, rounds, min_seconds=min_seconds)
     return tuple(
         Run(job.case.label, impl, time_s=statistics.median(t), times_s=tuple(t))
         for impl, t in times.items()
@@ -198,8 +202,8 @@ def time_runs(
 ) -> tuple[list[Run], list[str]]:
     """Time every case of ``jobs`` that measured, in one worker for the model, each case
     alternating its implementations (at least ``job.repeat`` rounds, in pairs until each has run
-    ``min_seconds``; ``timeout`` seconds per case); ``runs`` with their times, and notes on
-    failures."""
+    ``min_seconds``; ``timeout`` seconds per case and implementation, as for one isolated run);
+    ``runs`` with their times, and notes on failures."""
     from memsave_cli.measure import build_native
     from memsave_cli.runner import run_jobs
 
@@ -216,7 +220,7 @@ def time_runs(
     )
     (result,) = run_jobs(
         cases[:1],
-        timeout=timeout * len(cases),
+        timeout=timeout * len(cases) * len(impls),  # the limit of one run per case and impl
         workers=1,
         target=target,
         on_done=None if on_done is None else lambda job, result: _each_case(result, on_done),

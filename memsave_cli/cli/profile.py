@@ -91,7 +91,7 @@ def profile(
         typer.Option(
             min=1,
             help="Timed steps per implementation (cpu/cuda); on cpu at least, in alternating "
-            "rounds until each has run 10 s.",
+            "rounds, at least 6 and until each has run 10 s.",
         ),
     ] = 3,
     threads: Annotated[
@@ -100,7 +100,12 @@ def profile(
             min=1, help="CPU threads of timed steps (1 steadies times on a busy machine)."
         ),
     ] = None,
-    timeout: Annotated[float, typer.Option(min=1, help="Seconds per isolated run.")] = 600.0,
+    timeout: Annotated[
+        float,
+        typer.Option(
+            min=1, help="Seconds per isolated run (cpu timing: per case and implementation)."
+        ),
+    ] = 600.0,
     workers: Annotated[
         int | None, typer.Option(min=1, help="Runs at once (default: cores on meta, else 1).")
     ] = None,

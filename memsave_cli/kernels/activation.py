@@ -151,27 +151,42 @@ def _cuda_pack(kind, x, inplace, order, args) -> tuple[Tensor, Tensor]:
 
 
 def _cpu_select(grad, bits, order, out_strides, slope) -> Tensor:
-    out = torch.empty_strided(grad.shape, out_strides, dtype=grad.dtype)
-    if not (_native_serves(grad, order) and _follows(out, order)):
-        return reference_select(grad, bits, order, out_strides, slope)
-    if slope is None:
-        native.select_bits(grad, bits, out)
-    else:
-        native.select_scale(grad, bits, out, slope)
-    return out
+    kernels = (native.select_bits, native.select_scale)
+    return _select_with(kernels, _native_serves, grad, bits, order, out_strides, slope)
 
 
 def _cuda_select(grad, bits, order, out_strides, slope) -> Tensor:
-    out = torch.empty_strided(grad.shape, out_strides, dtype=grad.dtype, device=grad.device)
-    if not (_triton_serves(grad, order) and _follows(out, order)):
+    if not _triton_serves(grad, order):
         return reference_select(grad, bits, order, out_strides, slope)
     from memsave_cli.kernels.triton import activation, bitmask
 
+    kernels = (bitmask.select_bits, activation.select_scale)
+    return _select_with(kernels, _triton_serves, grad, bits, order, out_strides, slope)
+
+
+def _select_with(kernels, serves, grad, bits, order, out_strides, slope) -> Tensor:
+    """``reference_select`` by the fused ``(select_bits, select_scale)`` kernels where ``serves``
+    says they serve ``grad`` and the result's strides follow the bit order too."""
+    if not (serves(grad, order) and _strides_follow(grad.shape, out_strides, order)):
+        return reference_select(grad, bits, order, out_strides, slope)
+    # Deliberate: the gradient itself, the only tensor of input size this allocates.
+    out = torch.empty_strided(grad.shape, out_strides, dtype=grad.dtype, device=grad.device)
     if slope is None:
-        bitmask.select_bits(grad, bits, out)
+        kernels[0](grad, bits, out)
     else:
-        activation.select_scale(grad, bits, out, slope)
+        kernels[1](grad, bits, out, slope)
     return out
+
+
+def _strides_follow(shape, strides, order) -> bool:
+    """Whether a tensor of ``shape`` and ``strides`` is dense in memory order ``order``
+    (``_follows`` without a tensor: sizes of 1 take any stride, as in ``is_contiguous``)."""
+    step = 1
+    for dim in reversed(order):
+        if shape[dim] != 1 and strides[dim] != step:
+            return False
+        step *= shape[dim]
+    return True
 
 
 # -------------------------------------------------------------------------------------------

@@ -38,7 +38,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn.modules.utils import _pair, _single, _triple
 
-from memsave_cli.kernels import native
+from memsave_cli.kernels import maxpool as offset_ops
 from memsave_cli.kernels._layout import memory_format
 from memsave_cli.layers._backward import forbid_double_backward, shape_only
 from memsave_cli.layers.registry import drop_in
@@ -150,47 +150,15 @@ class IndexMaps:
 
     def to_offsets(self, indices: Tensor, out: Tensor) -> Tensor:
         """Write the window offsets of ATen's flat argmax ``indices`` (consumed) into ``out``."""
-        inner = self._fused_inner(indices, out)
-        if inner and self.plane == self.in_shape:
-            native.to_offsets(indices, self.starts.view(-1), inner, self.inverse, out)
-            return out
+        starts = self.starts
         if self.plane != self.in_shape:
-            indices = _reravel(indices, self.in_shape, self.plane)
-        distances = indices.sub_(self.plane_starts)
-        inverse = self.inverse.expand(*distances.shape[:-1], self.inverse.numel())
-        return torch.gather(inverse, -1, distances, out=out)
+            indices, starts = _reravel(indices, self.in_shape, self.plane), self.plane_starts
+        offset_ops.to_offsets(indices, starts, self.inverse, out)
+        return out
 
     def to_indices(self, offsets: Tensor) -> Tensor:
         """ATen's flat int64 argmax indices back from window ``offsets``, in their layout."""
-        inner = self._fused_inner(offsets)
-        if inner:
-            # Deliberate transient: the int64 indices ATen's backward kernel reads.
-            indices = torch.empty_like(offsets, dtype=torch.int64)
-            native.to_indices(offsets, self.table, self.starts.view(-1), inner, indices)
-            return indices
-        # Deliberate transients: offsets widened to int64 (the lookup's index type), then the
-        # int64 indices ATen's backward kernel reads. The lookup is elementwise, so it runs over
-        # the elements in memory order and the result takes the offsets' strides.
-        wide = offsets.long()
-        if not _is_dense(wide):
-            wide = wide.contiguous()
-        flat = wide.as_strided((wide.numel(),), (1,))
-        indices = torch.index_select(self.table, 0, flat).as_strided(wide.shape, wide.stride())
-        return indices.add_(self.starts)
-
-    def _fused_inner(self, *blocks: Tensor) -> int:
-        """How many consecutive elements of ``blocks`` share one window start (channels-last
-        blocks: C; contiguous: 1) when the native kernels can convert them, else 0."""
-        first = blocks[0]
-        if not (_is_chunked(first) and _is_dense(first) and native.available()):
-            return 0
-        if all([b.is_contiguous() for b in blocks]):
-            return 1
-        if all([b.stride() == first.stride() for b in blocks]) and first.dim() >= 3:
-            channels = first.shape[1]
-            if first.stride(1) == 1 and first.stride(-1) == channels:
-                return channels
-        return 0
+        return offset_ops.to_indices(offsets, self.table, self.starts)
 
 
 @functools.lru_cache(maxsize=32)
@@ -202,14 +170,6 @@ def index_maps(in_shape, out_shape, options, device: torch.device, cache: bool) 
     """:class:`IndexMaps` for one pooling, memoised where ``cache`` (real CPU tensors, eager)."""
     key = (tuple(in_shape), tuple(out_shape), tuple(options), device)
     return _cached_maps(*key) if cache else IndexMaps(*key)
-
-
-def _is_dense(tensor: Tensor) -> bool:
-    """Whether ``tensor`` is contiguous in the standard or a channels-last memory format."""
-    channels_last = {4: torch.channels_last, 5: torch.channels_last_3d}.get(tensor.dim())
-    return tensor.is_contiguous() or (
-        channels_last is not None and tensor.is_contiguous(memory_format=channels_last)
-    )
 
 
 def _is_chunked(tensor: Tensor) -> bool:
@@ -277,13 +237,11 @@ class MaxPoolWithOffsets(torch.autograd.Function):
         (offsets,) = ctx.saved_tensors
         nd = len(ctx.args[0])
         if ctx.window is not None:
-            # Deliberate: the gradient itself, every element written by the kernel.
-            grad_input = grad_output.new_empty(ctx.input_shape)
-            planes = _planes(grad_input, nd)
-            native.max_pool2_backward(
-                _planes(grad_output.contiguous(), nd), _planes(offsets, nd), planes, ctx.window
+            planes = _planes(ctx.input_shape, nd)
+            grad_input = offset_ops.max_pool2_backward(
+                _planes(grad_output.contiguous(), nd), _planes(offsets, nd), planes, *ctx.window
             )
-            return grad_input, None, None, None, None, None
+            return grad_input.view(ctx.input_shape), None, None, None, None, None
         _, pool_backward = _KERNELS[nd]
         # 2d: the gradient is laid out like the input, as stock lays it out. 3d: ATen's out= kernel
         # restrides a channels-last-3d gradient to contiguous, which a block slice cannot follow.
@@ -324,25 +282,24 @@ def _two_wide_window(x: Tensor, args: tuple) -> tuple[int, int] | None:
     )
     if not fits or x.dtype != torch.float32 or not _is_chunked(x) or not x.is_contiguous():
         return None
-    if not native.available() or native.flushes_denormals():
-        return None
     return window[0], window[1]
 
 
-def _planes(t: Tensor, nd: int) -> Tensor:
-    """A contiguous pooling tensor as ``(planes, D, H, W)`` (``D = 1`` for 2d pooling)."""
-    inner = t.shape[t.dim() - nd :]
-    return t.view(-1, *([1] * (3 - nd)), *inner)
+def _planes(t: Tensor | tuple[int, ...], nd: int) -> Tensor | list[int]:
+    """A contiguous pooling tensor (or its shape) as ``(planes, D, H, W)`` (``D = 1`` in 2d)."""
+    shape = tuple(t.shape) if isinstance(t, Tensor) else tuple(t)
+    planes = [-1 if isinstance(t, Tensor) else math.prod(shape[: len(shape) - nd])]
+    inner = [*planes, *([1] * (3 - nd)), *shape[len(shape) - nd :]]
+    return t.view(inner) if isinstance(t, Tensor) else inner
 
 
 def _two_wide_pool(
     x: Tensor, nd: int, window: tuple[int, int], args: tuple
 ) -> tuple[Tensor, Tensor]:
-    """The output and int8 window offsets of the fused 2-wide max pooling of ``x``."""
-    out = x.new_empty(_output_shape(x, nd, args))
-    offsets = torch.empty_like(out, dtype=torch.int8)
-    native.max_pool2(_planes(x, nd), _planes(out, nd), _planes(offsets, nd), window)
-    return out, offsets
+    """The output and int8 window offsets of the 2-wide max pooling of ``x`` (one op call)."""
+    out, offsets = offset_ops.max_pool2(_planes(x, nd), *window)
+    shape = _output_shape(x, nd, args)
+    return out.view(shape), offsets.view(shape)
 
 
 def _output_shape(x: Tensor, nd: int, args: tuple) -> list[int]:

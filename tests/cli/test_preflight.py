@@ -175,3 +175,14 @@ def test_input_shape_the_forward_cannot_take_is_one_line(runner, no_workers):
     line = one_error_line(runner.invoke(app, args))
     assert "torchvision:resnet18: the forward fails on one input of shape (64, 4, 32, 32)" in line
     assert line.endswith("check --input-shape (one sample, without the batch dimension)")
+
+
+def test_fit_checks_the_plan_before_measuring(runner, tmp_path, monkeypatch):
+    import memsave_cli.fit
+
+    monkeypatch.setattr(memsave_cli.fit, "run_searches", lambda *a: pytest.fail("measured"))
+    path = tmp_path / "two.py"
+    path.write_text(TWO_INPUTS)
+    line = one_error_line(runner.invoke(app, ["fit", f"{path}:build", "--budget", "1GiB"]))
+    assert "Two.forward() missing a required argument: 'y'" in line
+    assert "Define build_inputs(batch_size) beside build" in line

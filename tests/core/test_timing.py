@@ -126,9 +126,9 @@ def test_profile_on_cpu_times_every_case_in_one_worker(tiny_cnn_spec: str, monke
         threads=1,
     )
     assert all(run.ok for run in report.runs), report.runs
-    for run in report.runs:  # 3 rounds made a pair, more pairs while a step ran under 10 s
+    for run in report.runs:  # 6 rounds at least, more pairs while a step ran under 10 s
         rounds = len(run.times_s)
-        assert rounds >= 4 and rounds % 2 == 0 and run.time_s == statistics.median(run.times_s)
+        assert rounds >= 6 and rounds % 2 == 0 and run.time_s == statistics.median(run.times_s)
     cell = summary.time_cells(report)["memsave", "all"]
     assert cell.ratio is not None and cell.spread is not None
     assert started[-1] == 1  # the timing worker: one for both cases

@@ -28,3 +28,19 @@ def small_cnn(width: int = 16) -> nn.Sequential:
 
 
 INPUT_SHAPE = (3, 16, 16)
+
+
+def tiny_llama() -> nn.Module:
+    """A two-layer LLaMA (RMSNorm, gated MLP, grouped-query attention) without dropout."""
+    import transformers
+
+    config = transformers.LlamaConfig(
+        vocab_size=128,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=32,
+    )
+    return transformers.LlamaForCausalLM(config)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -14,24 +13,25 @@ WORKER = Path(__file__).with_name("dist_worker.py")
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def free_port() -> int:
-    """A TCP port nobody listens on now (the job's rendezvous)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def run_ranks(scenario: str, world_size: int, out: Path, timeout: float = 240.0) -> list[object]:
     """Run ``scenario`` on ``world_size`` ranks; each rank's result, in rank order.
 
     A rank that fails fails the caller with the tail of its output.
     """
-    port = free_port()
+    rendezvous = out / "rendezvous"  # a file, not a port: parallel jobs cannot collide
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     files = [out / f"rank{rank}.pt" for rank in range(world_size)]
     procs = [
         subprocess.Popen(
-            [sys.executable, str(WORKER), scenario, str(rank), str(world_size), str(port), str(f)],
+            [
+                sys.executable,
+                str(WORKER),
+                scenario,
+                str(rank),
+                str(world_size),
+                str(rendezvous),
+                str(f),
+            ],
             env=env,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,

@@ -1,8 +1,8 @@
 """One rank of a gloo job on localhost, started by the distributed tests (one process per rank).
 
-    python dist_worker.py SCENARIO RANK WORLD_SIZE PORT OUT
+    python dist_worker.py SCENARIO RANK WORLD_SIZE RENDEZVOUS OUT
 
-Each scenario writes its result to ``OUT`` (``torch.save``); the test compares the ranks' files.
+``RENDEZVOUS`` is a file the ranks meet through (it must not exist yet). Each scenario writes its result to ``OUT`` (``torch.save``); the test compares the ranks' files.
 """
 
 from __future__ import annotations
@@ -13,9 +13,12 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from dist_models import INPUT_SHAPE
+from dist_models import INPUT_SHAPE, small_cnn, tiny_llama
+from torch import nn
 
+from memsave_cli import fsdp
 from memsave_cli.cases import resolve_case
+from memsave_cli.layers import convert, converted_counts
 from memsave_cli.measure import Job, measure
 from memsave_cli.specs import parse_spec
 
@@ -50,12 +53,75 @@ def measure_peaks(rank: int, world_size: int) -> dict:
     return runs
 
 
-SCENARIOS: dict[str, Callable[[int, int], object]] = {"peaks": measure_peaks}
+def surgical_cnn() -> nn.Module:
+    """The small CNN with its first block frozen: memsave keeps less for it than stock."""
+    model = small_cnn()
+    model[0][0].requires_grad_(False)
+    return model
 
 
-def main(scenario: str, rank: str, world_size: str, port: str, out: str) -> None:
+def cnn_loss(model: nn.Module, rank: int) -> torch.Tensor:
+    x = torch.randn(BATCH_SIZE, *INPUT_SHAPE, generator=torch.Generator().manual_seed(rank))
+    return model(x).square().mean()
+
+
+def frozen_embeddings_llama() -> nn.Module:
+    model = tiny_llama()
+    model.get_input_embeddings().requires_grad_(False)
+    return model
+
+
+def llama_loss(model: nn.Module, rank: int) -> torch.Tensor:
+    """The causal-LM loss on this rank's tokens."""
+    tokens = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(rank))
+    return model(input_ids=tokens, labels=tokens).loss
+
+
+MODELS = {"cnn": (surgical_cnn, cnn_loss), "llama": (frozen_embeddings_llama, llama_loss)}
+
+
+def gradients(wrap: str, rank: int, world_size: int) -> dict:
+    """Every trainable parameter's full gradient after one DDP or FSDP2 step, per model and
+    implementation (stock, then ``convert()``ed), from the same weights and data; and the
+    layer types ``convert()`` swapped."""
+    grads, converted = {}, {}
+    for name, (build, loss_of) in MODELS.items():
+        for impl in ("stock", "memsave"):
+            torch.manual_seed(0)
+            model = build()
+            model = convert(model) if impl == "memsave" else model
+            if impl == "memsave":
+                converted[name] = sorted(converted_counts(model))
+            with fsdp.world(world_size) as ranks:
+                wrapped = _wrapped(model, wrap, ranks)  # DDP reduces only while it lives
+                loss_of(wrapped, rank).backward()
+                grads[name, impl] = {
+                    n: _full(p.grad) for n, p in model.named_parameters() if p.grad is not None
+                }
+    return {"grads": grads, "converted": converted}
+
+
+def _wrapped(model: nn.Module, wrap: str, ranks: fsdp.World) -> nn.Module:
+    if wrap == "ddp":
+        return nn.parallel.DistributedDataParallel(model)
+    return ranks.shard(model)
+
+
+def _full(grad: torch.Tensor) -> torch.Tensor:
+    """A DTensor gradient gathered from every rank; a plain one as it is."""
+    return grad.full_tensor() if hasattr(grad, "full_tensor") else grad.clone()
+
+
+SCENARIOS: dict[str, Callable[[int, int], object]] = {
+    "peaks": measure_peaks,
+    "grads-ddp": lambda rank, size: gradients("ddp", rank, size),
+    "grads-fsdp": lambda rank, size: gradients("fsdp", rank, size),
+}
+
+
+def main(scenario: str, rank: str, world_size: str, rendezvous: str, out: str) -> None:
     dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=int(rank), world_size=int(world_size)
+        "gloo", init_method=f"file://{rendezvous}", rank=int(rank), world_size=int(world_size)
     )
     try:
         result = SCENARIOS[scenario](int(rank), int(world_size))

@@ -15,10 +15,6 @@ from memsave_cli.fsdp import FsdpError, check_world_size, shard_units, world
 from memsave_cli.measure import measure
 from memsave_cli.tracker import MemoryTracker
 
-#: cpu keeps each Adam step counter (a 0-d float32 tensor, one 512-byte block per parameter) as
-#: memory; on meta they stay on the host, as on a GPU.
-STEP_COUNTERS = 11 * 512
-
 
 def estimate(impl: str, reshard: bool) -> object:
     return measure(replace(dist_worker.peaks_job(impl, reshard, 2), device="meta"))
@@ -42,8 +38,6 @@ def test_estimate_within_5_percent_of_each_rank(real_ranks, impl: str, reshard: 
         for metric in ("forward_peak_bytes", "peak_bytes"):
             measured, estimated = getattr(real, metric), getattr(guess, metric)
             assert abs(estimated - measured) <= 0.05 * measured, (rank, metric, measured, estimated)
-        if impl == "stock":  # stock layers do the same on cpu and meta: equal but for counters
-            assert real.peak_bytes - guess.peak_bytes == STEP_COUNTERS
 
 
 def test_estimate_shards_parameters_and_optimizer_state() -> None:

@@ -25,6 +25,26 @@ def measured_once() -> None:
     MemsaveFixture().measure("torchvision:resnet18", batch_size=1)
 
 
+@pytest.fixture(scope="module")
+def resnet18() -> dict[str, str]:
+    """What the messages must say for ResNet-18, case input, batch 16, measured here by the same
+    core: memsave's and stock's step peaks, memsave's overshoot of 200 MiB and its saving."""
+    from memsave_cli.pytest_plugin import MemsaveFixture
+    from memsave_cli.render.units import format_bytes, format_change
+
+    fixture, settings = MemsaveFixture(), {"case": "input", "batch_size": 16}
+    memsave = fixture.measure("torchvision:resnet18", **settings).peak_bytes
+    stock = fixture.measure("torchvision:resnet18", impl="stock", **settings).peak_bytes
+    assert 200 * 2**20 < memsave < 300 * 2**20 < stock and 0.33 < 1 - memsave / stock < 0.5
+    return {
+        "memsave": format_bytes(memsave),
+        "stock": format_bytes(stock),
+        "over": format_bytes(memsave - 200 * 2**20),
+        "saved": f"{1 - memsave / stock:.1%}",
+        "change": format_change(stock, memsave),
+    }
+
+
 def plugin_args() -> list[str]:
     """``-p memsave_cli.pytest_plugin`` unless the installed entry point already loads it (loading
     a plugin twice is an error)."""
@@ -38,7 +58,7 @@ def run_suite(pytester: pytest.Pytester, source: str) -> pytest.RunResult:
 
 
 def test_budget_that_fits_passes_and_one_that_does_not_fails_readably(
-    pytester: pytest.Pytester,
+    pytester: pytest.Pytester, resnet18: dict[str, str]
 ) -> None:
     result = run_suite(
         pytester,
@@ -53,8 +73,8 @@ def test_budget_that_fits_passes_and_one_that_does_not_fails_readably(
     result.assert_outcomes(passed=1, failed=1)
     result.stdout.fnmatch_lines(
         [
-            "E *AssertionError: torchvision:resnet18 needs 221 MiB at its step peak, "
-            "over the budget of 200 MiB by 20.8 MiB",
+            f"E *AssertionError: torchvision:resnet18 needs {resnet18['memsave']} at its step "
+            f"peak, over the budget of 200 MiB by {resnet18['over']}",
             "E *(case input, batch size 16, memsave layers, estimated on meta)",
             "E *layers keeping the most for backward:",
             "E *  conv1 (Conv2d): 49.0 MiB",
@@ -64,7 +84,9 @@ def test_budget_that_fits_passes_and_one_that_does_not_fails_readably(
     assert "memsave_cli/" not in result.stdout.str()  # no frame of memsave's own files
 
 
-def test_stock_layers_do_not_fit_where_memsave_layers_do(pytester: pytest.Pytester) -> None:
+def test_stock_layers_do_not_fit_where_memsave_layers_do(
+    pytester: pytest.Pytester, resnet18: dict[str, str]
+) -> None:
     result = run_suite(
         pytester,
         """
@@ -75,10 +97,12 @@ def test_stock_layers_do_not_fit_where_memsave_layers_do(pytester: pytest.Pytest
         """,
     )
     result.assert_outcomes(failed=1)
-    result.stdout.fnmatch_lines(["E *AssertionError: torchvision:resnet18 needs 386 MiB *"])
+    result.stdout.fnmatch_lines(
+        [f"E *AssertionError: torchvision:resnet18 needs {resnet18['stock']} at its step peak, *"]
+    )
 
 
-def test_assert_saves(pytester: pytest.Pytester) -> None:
+def test_assert_saves(pytester: pytest.Pytester, resnet18: dict[str, str]) -> None:
     result = run_suite(
         pytester,
         """
@@ -95,8 +119,8 @@ def test_assert_saves(pytester: pytest.Pytester) -> None:
     result.assert_outcomes(passed=1, failed=1)
     result.stdout.fnmatch_lines(
         [
-            "E *AssertionError: memsave saves 42.8% of the step peak of torchvision:resnet18, "
-            "expected at least 50% (step peak 386 -> 221 MiB)",
+            f"E *AssertionError: memsave saves {resnet18['saved']} of the step peak of "
+            f"torchvision:resnet18, expected at least 50% (step peak {resnet18['change']})",
             "E *layers memsave changes most (saved for backward, PyTorch -> memsave):",
             "E *  relu (ReLU): 49.0 MiB -> 1.53 MiB",
         ]
@@ -153,7 +177,9 @@ def test_bad_settings_are_errors_not_failures(pytester: pytest.Pytester) -> None
     assert "budget.py" not in result.stdout.str()
 
 
-def test_marker_checks_the_budget_before_the_body(pytester: pytest.Pytester) -> None:
+def test_marker_checks_the_budget_before_the_body(
+    pytester: pytest.Pytester, resnet18: dict[str, str]
+) -> None:
     result = run_suite(
         pytester,
         """
@@ -178,8 +204,8 @@ def test_marker_checks_the_budget_before_the_body(pytester: pytest.Pytester) -> 
     result.assert_outcomes(passed=2, failed=1)
     result.stdout.fnmatch_lines(
         [
-            "*memsave_budget: memsave saves 42.8% of the step peak of torchvision:resnet18, "
-            "expected at least 50% (step peak 386 -> 221 MiB)",
+            f"*memsave_budget: memsave saves {resnet18['saved']} of the step peak of "
+            f"torchvision:resnet18, expected at least 50% (step peak {resnet18['change']})",
         ]
     )
     assert "memsave_cli/" not in result.stdout.str()  # no frame of memsave's own files

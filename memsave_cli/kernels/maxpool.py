@@ -1,0 +1,200 @@
+"""Max-pool argmax indices to window offsets and back, as custom ops (``IndexMaps`` in the layer).
+
+Element ``o`` of a pooling output has its window start at flat index ``starts[o's spatial
+position]`` (``starts`` holds one entry per output position); ``to_offsets`` writes
+``inverse[index - start]`` and ``to_indices`` returns ``table[offset] + start`` (NOTE [max-pool
+window offsets] in ``layers/maxpool.py``). Registered with every implementation side by side
+(NOTE [one op, every way it runs] in ``activation.py``): the C kernels on CPU and the Triton
+kernels on CUDA for contiguous and channels-last blocks, the reference otherwise, and a fake one.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import Tensor
+
+from memsave_cli.kernels import native
+from memsave_cli.kernels import triton as triton_kernels
+from memsave_cli.kernels._layout import is_dense
+
+
+def reference_to_offsets(indices: Tensor, starts: Tensor, inverse: Tensor, out: Tensor) -> None:
+    """``out = inverse[indices - starts]`` with plain torch (``starts`` broadcasts over the
+    leading dims); ``indices`` is consumed (it becomes the distances)."""
+    distances = indices.sub_(starts)
+    lookup = inverse.expand(*distances.shape[:-1], inverse.numel())
+    torch.gather(lookup, -1, distances, out=out)
+
+
+def reference_to_indices(offsets: Tensor, table: Tensor, starts: Tensor) -> Tensor:
+    """``table[offsets] + starts`` as int64, laid out as ``offsets`` (elementwise in memory order)."""
+    # Deliberate transients: offsets widened to int64 (the lookup's index type), then the int64
+    # indices ATen's backward kernel reads.
+    wide = offsets.long()
+    if not is_dense(wide):
+        wide = wide.contiguous()
+    flat = wide.as_strided((wide.numel(),), (1,))
+    indices = torch.index_select(table, 0, flat).as_strided(wide.shape, wide.stride())
+    return indices.add_(starts)
+
+
+def inner(*blocks: Tensor) -> int:
+    """How many consecutive elements in memory of ``blocks`` (same shape) share one window start:
+    1 if all are contiguous, C if all are channels-last alike, else 0 (the fused kernels need
+    one of those two)."""
+    first = blocks[0]
+    if all([b.is_contiguous() for b in blocks]):
+        return 1
+    if first.dim() >= 3 and all([b.stride() == first.stride() for b in blocks]):
+        channels = first.shape[1]
+        if (
+            first.stride(1) == 1
+            and first.stride(-1) == channels
+            and is_dense(first)
+        ):
+            return channels
+    return 0
+
+
+def _kernels(device: torch.device):
+    """The module of fused kernels for ``device``, or None where none is available."""
+    if device.type == "cpu":
+        return native if native.available() else None
+    if device.type == "cuda" and triton_kernels.available():
+        from memsave_cli.kernels.triton import maxpool
+
+        return maxpool
+    return None
+
+
+def _to_offsets(indices: Tensor, starts: Tensor, inverse: Tensor, out: Tensor) -> None:
+    kernels, step = _kernels(indices.device), inner(indices, out)
+    if kernels is None or not step:
+        reference_to_offsets(indices, starts, inverse, out)
+    else:
+        kernels.to_offsets(indices, starts.reshape(-1), step, inverse, out)
+
+
+def _to_indices(offsets: Tensor, table: Tensor, starts: Tensor) -> Tensor:
+    kernels, step = _kernels(offsets.device), inner(offsets)
+    if kernels is None or not step:
+        return reference_to_indices(offsets, table, starts)
+    # Deliberate transient: the int64 indices ATen's backward kernel reads.
+    indices = torch.empty_like(offsets, dtype=torch.int64)
+    kernels.to_indices(offsets, table, starts.reshape(-1), step, indices)
+    return indices
+
+
+@torch.library.custom_op("memsave::to_offsets", mutates_args=("indices", "out"))
+def to_offsets(indices: Tensor, starts: Tensor, inverse: Tensor, out: Tensor) -> None:
+    """Write the window offsets ``inverse[indices - starts]`` of int64 argmax ``indices`` into
+    ``out`` (of ``inverse``'s dtype, shaped like ``indices``); ``indices`` is consumed."""
+    _to_offsets(indices, starts, inverse, out)
+
+
+@to_offsets.register_fake
+def _(indices: Tensor, starts: Tensor, inverse: Tensor, out: Tensor) -> None:
+    return None
+
+
+@torch.library.custom_op("memsave::to_indices", mutates_args=())
+def to_indices(offsets: Tensor, table: Tensor, starts: Tensor) -> Tensor:
+    """The int64 argmax indices ``table[offsets] + starts``, laid out as ``offsets``."""
+    return _to_indices(offsets, table, starts)
+
+
+@to_indices.register_fake
+def _(offsets: Tensor, table: Tensor, starts: Tensor) -> Tensor:
+    return torch.empty_like(offsets, dtype=torch.int64)
+
+
+# -------------------------------------------------------------------------------------------
+# 2-wide pooling: window = stride = (kd, kh, 2), no padding or dilation, on (planes, D, H, W)
+
+
+def reference_max_pool2(x: Tensor, kd: int, kh: int) -> tuple[Tensor, Tensor]:
+    """ATen's max pooling of contiguous ``(planes, D, H, W)`` ``x`` with window and stride
+    ``(kd, kh, 2)``, and the int8 offset of each argmax in its window ((d, h, w) order)."""
+    window = [kd, kh, 2]
+    out, indices = torch.ops.aten.max_pool3d_with_indices(x, window, window)
+    height, width = x.shape[-2:]
+    depth_in, height_in = indices // (height * width) % kd, indices // width % height % kh
+    offsets = (depth_in * kh + height_in) * 2 + indices % width % 2
+    return out, offsets.to(torch.int8)
+
+
+def reference_max_pool2_backward(
+    grad: Tensor, offsets: Tensor, input_shape: list[int], kd: int, kh: int
+) -> Tensor:
+    """ATen's max-pooling backward from the output gradient and the window offsets."""
+    from memsave_cli.layers._backward import shape_only
+
+    height, width = input_shape[-2:]
+    out_depth, out_height, out_width = offsets.shape[-3:]
+    arange = functools.partial(torch.arange, device=grad.device)
+    starts = (
+        arange(out_depth).view(-1, 1, 1) * (kd * height * width)
+        + arange(out_height).view(-1, 1) * (kh * width)
+        + arange(out_width) * 2
+    )
+    wide = offsets.long()
+    # Deliberate transient: the int64 indices ATen's backward kernel reads.
+    indices = (wide // (2 * kh)) * (height * width) + (wide // 2 % kh) * width + wide % 2
+    indices += starts
+    window = [kd, kh, 2]
+    like = shape_only(grad, input_shape)
+    return torch.ops.aten.max_pool3d_with_indices_backward(
+        grad, like, window, window, [0, 0, 0], [1, 1, 1], False, indices
+    )
+
+
+def _native_pools(x: Tensor) -> bool:
+    """Whether the C kernels pool ``x``: contiguous float32 on CPU, denormals not flushed."""
+    return (
+        x.device.type == "cpu"
+        and x.dtype == torch.float32
+        and x.is_contiguous()
+        and native.available()
+        and not native.flushes_denormals()
+    )
+
+
+@torch.library.custom_op("memsave::max_pool2", mutates_args=())
+def max_pool2(x: Tensor, kd: int, kh: int) -> tuple[Tensor, Tensor]:
+    """The maxima and int8 window offsets of the 2-wide pooling of ``(planes, D, H, W)`` ``x``
+    (NOTE [2-wide max pooling] in ``native.c``)."""
+    if not _native_pools(x):
+        return reference_max_pool2(x, kd, kh)
+    planes, depth, height, width = x.shape
+    out = x.new_empty(planes, depth // kd, height // kh, width // 2)
+    offsets = torch.empty_like(out, dtype=torch.int8)
+    native.max_pool2(x, out, offsets, (kd, kh))
+    return out, offsets
+
+
+@max_pool2.register_fake
+def _(x: Tensor, kd: int, kh: int) -> tuple[Tensor, Tensor]:
+    planes, depth, height, width = x.shape
+    out = x.new_empty(planes, depth // kd, height // kh, width // 2)
+    return out, torch.empty_like(out, dtype=torch.int8)
+
+
+@torch.library.custom_op("memsave::max_pool2_backward", mutates_args=())
+def max_pool2_backward(
+    grad: Tensor, offsets: Tensor, input_shape: list[int], kd: int, kh: int
+) -> Tensor:
+    """The input gradient of :func:`max_pool2` (contiguous, every element written)."""
+    grad = grad.contiguous()
+    if not _native_pools(grad):
+        return reference_max_pool2_backward(grad, offsets, input_shape, kd, kh)
+    # Deliberate: the gradient itself, every element written by the kernel.
+    grad_input = grad.new_empty(input_shape)
+    native.max_pool2_backward(grad, offsets, grad_input, (kd, kh))
+    return grad_input
+
+
+@max_pool2_backward.register_fake
+def _(grad: Tensor, offsets: Tensor, input_shape: list[int], kd: int, kh: int) -> Tensor:
+    return grad.new_empty(input_shape)

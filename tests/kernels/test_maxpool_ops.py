@@ -1,0 +1,105 @@
+"""The max-pool offset ops (``kernels/maxpool.py``): C kernels, Triton kernels (interpreted) and
+the fake implementation against the reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch._subclasses.fake_tensor import FakeTensorMode
+from triton_cases import interpreted  # noqa: F401 - autouse: TRITON_INTERPRET=1 per test
+
+from memsave_cli.kernels import maxpool as ops
+from memsave_cli.layers.maxpool import index_maps
+
+LAYOUTS = ["contiguous", "channels_last", "strided"]
+
+
+def _pooled(layout: str) -> tuple[Tensor, object]:
+    """Argmax indices of a 3x3/2 max pooling with padding, laid out as ``layout``, and its maps."""
+    x = torch.randn(2, 3, 11, 9, generator=torch.Generator().manual_seed(0))
+    if layout == "channels_last":
+        x = x.contiguous(memory_format=torch.channels_last)
+    _, indices = F.max_pool2d(x, 3, 2, 1, return_indices=True)
+    if layout == "strided":
+        n, c, h, w = indices.shape  # the same values in a view with gaps between rows
+        indices = indices.new_empty(n, c, h, w + 3)[..., :w].copy_(indices)
+    maps = index_maps(
+        (11, 9), tuple(indices.shape[-2:]), ((3, 3), (2, 2), (1, 1), (1, 1)), x.device, cache=False
+    )
+    return indices, maps
+
+
+def _round_trip(indices: Tensor, maps) -> tuple[Tensor, Tensor]:
+    """The offsets of ``indices`` by the op, and the indices the op rebuilds from them."""
+    offsets = torch.empty_like(indices, dtype=maps.inverse.dtype)
+    ops.to_offsets(indices.clone(), maps.starts, maps.inverse, offsets)
+    return offsets, ops.to_indices(offsets, maps.table, maps.starts)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_round_trip_matches_reference(layout: str) -> None:
+    """Offsets equal the reference's, and the indices come back exactly, in the same layout."""
+    indices, maps = _pooled(layout)
+    expected = torch.empty_like(indices, dtype=maps.inverse.dtype)
+    ops.reference_to_offsets(indices.clone(), maps.starts, maps.inverse, expected)
+    offsets, back = _round_trip(indices, maps)
+    assert torch.equal(offsets, expected)
+    assert torch.equal(back, indices)
+    assert back.stride() == ops.reference_to_indices(offsets, maps.table, maps.starts).stride()
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
+def test_triton_kernels_serve_the_op(layout: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the Triton kernels standing in for the device's (interpreted), the op is unchanged."""
+    from memsave_cli.kernels.triton import maxpool as triton_maxpool
+
+    monkeypatch.setattr(ops, "_kernels", lambda device: triton_maxpool)
+    used = []
+    lookup = triton_maxpool.to_offsets
+    monkeypatch.setattr(triton_maxpool, "to_offsets", lambda *a: (used.append(1), lookup(*a)))
+    indices, maps = _pooled(layout)
+    back = _round_trip(indices, maps)[1]
+    assert used and torch.equal(back, indices)
+
+
+def test_fake_matches_real() -> None:
+    indices, maps = _pooled("channels_last")
+    real = _round_trip(indices, maps)[1]
+    with FakeTensorMode() as mode:
+        fake_maps = index_maps(
+            (11, 9), (6, 5), ((3, 3), (2, 2), (1, 1), (1, 1)), torch.device("cpu"), cache=False
+        )
+        fake = _round_trip(mode.from_tensor(indices), fake_maps)[1]
+    assert (fake.shape, fake.stride(), fake.dtype) == (real.shape, real.stride(), real.dtype)
+
+
+def test_opcheck() -> None:
+    indices, maps = _pooled("contiguous")
+    offsets = torch.empty_like(indices, dtype=maps.inverse.dtype)
+    torch.library.opcheck(ops.to_offsets, (indices.clone(), maps.starts, maps.inverse, offsets))
+    ops.to_offsets(indices.clone(), maps.starts, maps.inverse, offsets)
+    torch.library.opcheck(ops.to_indices, (offsets, maps.table, maps.starts))
+
+
+
+@pytest.mark.parametrize("window", [(1, 1), (1, 2), (2, 2)], ids=str)
+def test_two_wide_pool_matches_reference(window: tuple[int, int]) -> None:
+    """The 2-wide pooling op and its backward give the reference's results (ATen's pooling and
+    backward), NaN and ties included; the fake op gives their shapes."""
+    kd, kh = window
+    x = torch.randn(3, 4, 6, 9, generator=torch.Generator().manual_seed(1))
+    x[0, 0, 0, :4] = float("nan")
+    x[1, 1, 1, :] = 0.5  # ties: the first element of a window wins
+    out, offsets = ops.max_pool2(x, kd, kh)
+    expected = ops.reference_max_pool2(x, kd, kh)
+    assert torch.equal(offsets, expected[1])
+    assert torch.equal(out.isnan(), expected[0].isnan())
+    assert torch.equal(out.nan_to_num(), expected[0].nan_to_num())
+    grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(2))
+    grad_input = ops.max_pool2_backward(grad, offsets, list(x.shape), kd, kh)
+    reference = ops.reference_max_pool2_backward(grad, offsets, list(x.shape), kd, kh)
+    assert torch.equal(grad_input, reference)
+    meta = ops.max_pool2(x.to("meta"), kd, kh)
+    assert [t.shape for t in meta] == [out.shape, offsets.shape]
