@@ -21,6 +21,8 @@ import torch
 from torch import Tensor
 
 from memsave_cli.kernels import build as builder
+from memsave_cli.kernels import native
+from memsave_cli.kernels._layout import is_dense
 
 #: The C++ source compiled on first use.
 SOURCE = Path(__file__).with_name("autograd_ops.cpp")
@@ -123,6 +125,22 @@ def status(*, build: bool = True) -> str:
     if cached is None:
         return "native operators: not built yet (compiled on first use, about 20 s)"
     return f"native operators: built at {cached}"
+
+
+def activation_serves(t: Tensor) -> bool:
+    """Whether the activation operator serves ``t``: a dense float32/float64 CPU tensor in eager
+    mode (not fake, not traced), the operators built, and denormals not flushed (stock kernels
+    would then compare denormals as zero; the fused ones never do)."""
+    return (
+        type(t) is Tensor
+        and t.device.type == "cpu"
+        and t.dtype in (torch.float32, torch.float64)
+        and not torch.compiler.is_compiling()
+        and is_dense(t)
+        and native.available()
+        and not native.flushes_denormals()
+        and available()
+    )
 
 
 def activation(

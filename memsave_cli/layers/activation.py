@@ -6,9 +6,10 @@ input, copied before an in-place update), yet its backward reads one bit per ele
 ReLU passes the gradient unless ``result <= 0`` (``threshold_backward``), Hardtanh unless the
 input is at or beyond a bound (``hardtanh_backward``), LeakyReLU passes it unscaled where
 ``saved > 0`` (``leaky_relu_backward``). The drop-ins evaluate that exact comparison on the tensor
-stock would save and keep it as packed bits (``bitmask.py``). Backward unpacks the bits into a
-0/1 tensor of the gradient's dtype and hands it to the ATen backward kernel in place of the saved
-tensor, so gradients are bitwise equal to stock, infinities and NaN included.
+stock would save and keep it as packed bits. Forward calls one op that returns the result and the
+bits, backward one that selects (LeakyReLU: scales) the gradient by them (``kernels/activation.py``:
+C kernels, Triton kernels or stock's own ATen kernels on the unpacked 0/1 mask), so gradients are
+bitwise equal to stock, infinities and NaN included.
 
 Every Function takes ``inplace`` (modify ``x``) and ``saves_result`` (which tensor stock would
 save, for LeakyReLU); they differ only for an in-place call on a view (NOTE [in-place drop-ins]).
@@ -27,8 +28,7 @@ from torch import Tensor, nn
 from torch.autograd import Function
 
 from memsave_cli.kernels import activation as ops
-from memsave_cli.kernels import autograd_ops, native
-from memsave_cli.kernels._layout import is_dense
+from memsave_cli.kernels import autograd_ops
 from memsave_cli.kernels.bitmask import layout_of
 from memsave_cli.layers._backward import forbid_double_backward
 from memsave_cli.layers.registry import drop_in
@@ -136,22 +136,6 @@ def _select(ctx, grad: Tensor, kernel: str, slope: float | None = None) -> Tenso
     return ops.select_scale(grad, bits, order, saved, slope)
 
 
-def fused_ready(t: Tensor) -> bool:
-    """Whether ``t`` takes the C++ operator (NOTE [why the eager CPU path is an operator] in
-    ``autograd_ops.cpp``): a dense float32/float64 CPU tensor in eager mode (not fake, not
-    traced) with the kernels built, and denormals not flushed (stock kernels would then compare
-    denormals as zero; the fused ones never do)."""
-    return (
-        type(t) is Tensor
-        and t.device.type == "cpu"
-        and t.dtype in ops.FUSED_DTYPES
-        and not torch.compiler.is_compiling()
-        and is_dense(t)
-        and native.available()
-        and not native.flushes_denormals()
-    )
-
-
 def _activate(
     function: type[Function],
     stock: Callable,
@@ -177,7 +161,7 @@ def _activate(
     if inplace and x._base is not None:
         # Allocation: the out-of-place result, freed once copied into the view.
         return x.copy_(function.apply(x, *args, False, True)[0])
-    if operator is not None and fused_ready(x) and autograd_ops.available():
+    if operator is not None and autograd_ops.activation_serves(x):
         kind, *values = operator
         bounds = _eager_kernel_bounds(x.dtype, *values) if kind == autograd_ops.HARDTANH else ()
         return autograd_ops.activation(x, kind, *values, *bounds, inplace=inplace)
