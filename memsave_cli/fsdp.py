@@ -104,17 +104,17 @@ def sharded_device(device: str, world_size: object, reshard: bool, notes: list[s
     ranks = check_world_size(world_size)
     if device not in ("auto", "meta"):
         raise _not_on(device)
-    after = "resharded" if reshard else "kept (--no-reshard)"
+    after = "resharded (FSDP2's default)" if reshard else "kept gathered (--no-reshard)"
     notes.append(
         f"one rank of {ranks} under FSDP2 (fully_shard on a fake process group, on meta): "
-        f"every number is per rank; parameters {after} after forward"
+        f"every number is per rank; blocks {after} after forward"
     )
     return "meta"
 
 
 def check_job_device(device: str, world_size: object) -> None:
     """FsdpError unless a sharded job runs on meta (an estimate) or on cpu inside a running
-    process group of its size (real ranks, as the validation test runs them)."""
+    process group (real ranks, as the validation test runs them)."""
     import torch.distributed as dist
 
     check_world_size(world_size)
