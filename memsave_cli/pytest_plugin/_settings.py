@@ -33,6 +33,8 @@ class Settings:
     lora_alpha: float | None = None
     lora_dropout: float | None = None
     lora_targets: str | None = None
+    fsdp: int | None = None
+    reshard: bool = True
     timeout: float = 600.0
     kwargs: Mapping[str, object] | None = None
 
@@ -89,6 +91,8 @@ class Settings:
             "optimizer": self.optimizer,
             "inputs": self.inputs,
             "attention": self.attention,
+            "fsdp": self.fsdp,
+            "reshard": self.reshard,
             "repeat": 0,
         }
 
@@ -97,5 +101,7 @@ class Settings:
         parts = [f"case {self.resolved_case().label}"]
         parts.append(f"batch size {self.batch_size or 'default'}")
         parts.append("stock PyTorch layers" if impl == "stock" else f"{impl} layers")
+        if self.fsdp is not None:
+            parts.append(f"one rank of {self.fsdp} under FSDP2")
         parts.append("estimated on meta" if self.device == "meta" else f"measured on {self.device}")
         return ", ".join(parts)

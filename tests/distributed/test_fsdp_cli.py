@@ -80,3 +80,30 @@ def test_fit_rows_say_per_rank(runner: CliRunner) -> None:
     (row,) = json.loads(result.stdout[result.stdout.index("[") :])
     assert row["per_rank_of"] == 2 and row["reshard_after_forward"] is True
     assert 0 < row["peak_bytes"] <= 4 * 2**20 and row["batch_size"] > 0
+
+
+@pytest.mark.parametrize("change", [{"fsdp": 4}, {"fsdp": 2, "reshard": False}])
+def test_check_refuses_reports_of_other_ranks(change: dict) -> None:
+    """A per-rank report is no baseline for an unsharded one (or one of other ranks)."""
+    from memsave_cli.baseline import BaselineError, compare
+    from memsave_cli.report import Report, Run
+
+    run = Run("all", "stock", forward_peak_bytes=10, peak_bytes=12, saved_bytes=5)
+    baseline = Report("m", "meta", "float32", 8, False, runs=(run,), fsdp=2)
+    with pytest.raises(BaselineError, match=r"differ in (fsdp|reshard)"):
+        compare(Report("m", "meta", "float32", 8, False, runs=(run,), **change), baseline)
+    assert compare(baseline, baseline).passed
+
+
+def test_pytest_plugin_measures_one_rank() -> None:
+    """``assert_fits(model, budget, fsdp=N)`` checks one rank's peak, as ``--fsdp N`` reports it."""
+    from memsave_cli.pytest_plugin._measure import measure_model
+    from memsave_cli.pytest_plugin._settings import Settings
+
+    given = {"batch_size": 4, "input_shape": INPUT_SHAPE, "optimizer": "adam"}
+    whole = measure_model(MODEL, "memsave", Settings.of(given))
+    sharded = Settings.of(given | {"fsdp": 2})
+    rank = measure_model(MODEL, "memsave", sharded)
+    assert whole.ok and rank.ok, (whole.error, rank.error)
+    assert rank.param_bytes < whole.param_bytes
+    assert "one rank of 2 under FSDP2" in sharded.describe("memsave")

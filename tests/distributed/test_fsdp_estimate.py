@@ -82,3 +82,22 @@ def test_units_are_blocks() -> None:
     model = small_cnn()
     assert [type(unit).__name__ for unit in shard_units(model)] == ["ConvBlock"] * 3
     assert shard_units(nn.Linear(2, 2)) == []
+
+
+def test_an_estimate_leaves_fsdp_as_it_was() -> None:
+    """The fake group is destroyed and FSDP2's meta check restored, so real jobs run after it."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+
+    check = FSDPParamGroup._validate_no_meta_params
+    assert estimate("stock", True).ok
+    assert FSDPParamGroup._validate_no_meta_params is check
+    assert not dist.is_initialized()
+
+
+def test_buffers_asked_on_the_mesh_device_land_on_meta() -> None:
+    from memsave_cli.fsdp import _CpuAsMeta
+
+    with _CpuAsMeta():
+        assert torch.empty(4, device="cpu").device.type == "meta"
+        assert torch.zeros(2, 3, device=torch.device("cpu")).device.type == "meta"
