@@ -7,7 +7,8 @@ import io
 
 from memsave_cli.report import Report
 
-SETTING_COLUMNS = ("model", "device", "dtype", "batch_size", "bn_eval")
+#: ``fsdp``: the ranks of a per-rank FSDP2 estimate (empty, with ``reshard``, for one process).
+SETTING_COLUMNS = ("model", "device", "dtype", "batch_size", "bn_eval", "fsdp", "reshard")
 RUN_COLUMNS = (
     "case",
     "impl",
@@ -28,6 +29,8 @@ def report_csv(report: Report) -> str:
     writer = csv.writer(buffer, lineterminator="\n")
     writer.writerow((*SETTING_COLUMNS, *RUN_COLUMNS))
     settings = [getattr(report, name) for name in SETTING_COLUMNS]
+    if report.fsdp is None:
+        settings[-1] = None
     for run in report.runs:
         values = [getattr(run, name) for name in RUN_COLUMNS]
         values[2] = run.status.value

@@ -107,3 +107,16 @@ def test_pytest_plugin_measures_one_rank() -> None:
     assert whole.ok and rank.ok, (whole.error, rank.error)
     assert rank.param_bytes < whole.param_bytes
     assert "one rank of 2 under FSDP2" in sharded.describe("memsave")
+
+
+def test_csv_rows_name_the_ranks() -> None:
+    import csv
+
+    from memsave_cli.render.csv import report_csv
+    from memsave_cli.report import Report, Run
+
+    run = Run("all", "stock", forward_peak_bytes=10, peak_bytes=12, saved_bytes=5)
+    for fsdp, cells in ((4, ("4", "False")), (None, ("", ""))):
+        report = Report("m", "meta", "float32", 8, False, runs=(run,), fsdp=fsdp, reshard=False)
+        (row,) = csv.DictReader(report_csv(report).splitlines())
+        assert (row["fsdp"], row["reshard"]) == cells
