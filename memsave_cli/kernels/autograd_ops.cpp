@@ -317,6 +317,16 @@ at::Tensor dropout_noise(const at::Tensor &like, int64_t seed, double p, at::Int
     return noise;
 }
 
+// x * noise as stock lays it out. Element dropout of a contiguous x: the fresh noise becomes the
+// result, nothing else is allocated (where it owns its storage: float32 noise of odd size is a view
+// into one word more, which would be counted wherever the result is saved).
+at::Tensor times(const at::Tensor &x, at::Tensor &noise) {
+    const bool owns = noise.storage().nbytes() ==
+                      static_cast<size_t>(noise.numel()) * static_cast<size_t>(noise.element_size());
+    if (owns && noise.sizes() == x.sizes() && x.is_contiguous()) return noise.mul_(x);
+    return at::mul(x, noise);
+}
+
 struct MemSaveDropout : public torch::autograd::Function<MemSaveDropout> {
     static at::Tensor forward(AutogradContext *ctx, const at::Tensor &x, double p,
                               std::vector<int64_t> noise_shape, bool inplace) {
@@ -329,8 +339,8 @@ struct MemSaveDropout : public torch::autograd::Function<MemSaveDropout> {
         ctx->saved_data["p"] = p;
         ctx->saved_data["noise_shape"] = noise_shape;
         ctx->save_for_backward({seed});
-        const at::Tensor noise = dropout_noise(x, seed.item<int64_t>(), p, noise_shape);
-        if (!inplace) return at::mul(x, noise);
+        at::Tensor noise = dropout_noise(x, seed.item<int64_t>(), p, noise_shape);
+        if (!inplace) return times(x, noise);
         ctx->mark_dirty({x});
         return x.mul_(noise);
     }
@@ -344,11 +354,7 @@ struct MemSaveDropout : public torch::autograd::Function<MemSaveDropout> {
         const at::Tensor &grad = grads[0];
         const auto shape = ctx->saved_data["noise_shape"].toIntVector();
         at::Tensor noise = dropout_noise(grad, seed, ctx->saved_data["p"].toDouble(), shape);
-        // Element dropout: the fresh noise becomes the gradient, nothing else is allocated.
-        at::Tensor grad_input = noise.sizes() == grad.sizes() && grad.is_contiguous()
-                                    ? noise.mul_(grad)
-                                    : at::mul(grad, noise);
-        return {grad_input, at::Tensor(), at::Tensor(), at::Tensor()};
+        return {times(grad, noise), at::Tensor(), at::Tensor(), at::Tensor()};
     }
 };
 

@@ -92,8 +92,10 @@ def random_noise(like: Tensor, seed: Tensor, p: float, shape: Sequence[int]) -> 
 
 def _times(x: Tensor, noise: Tensor) -> Tensor:
     """``x * noise`` as stock lays it out; a fresh noise of ``x``'s shape and layout becomes the
-    result, so nothing else of input size is allocated."""
-    if noise.shape == x.shape and x.is_contiguous():
+    result, so nothing else of input size is allocated (where it owns its storage: float32 noise
+    of odd size is a view into one word more, which would count wherever the result is saved)."""
+    owns = noise.untyped_storage().nbytes() == noise.numel() * noise.element_size()
+    if owns and noise.shape == x.shape and x.is_contiguous():
         return noise.mul_(x)
     return torch.mul(x, noise)
 

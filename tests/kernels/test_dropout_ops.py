@@ -120,3 +120,13 @@ def test_cuda_mul_matches_philox_reference(monkeypatch: pytest.MonkeyPatch) -> N
         inplace = x.clone()
         ops._cuda_mul_(inplace, SEED, P, noise_shape)
         assert torch.equal(inplace, torch.mul(x, noise))
+
+
+@pytest.mark.parametrize("numel", [36, 37])
+def test_result_owns_exactly_its_bytes(numel: int) -> None:
+    """The result, which a following layer may save, holds no spare word of the random bits."""
+    from memsave_cli.layers.dropout import MemSaveDropout
+
+    layer_result = MemSaveDropout(P)(torch.randn(numel, requires_grad=True))  # native operator
+    for result in (ops.dropout_mul(torch.randn(numel), SEED, P, [numel]), layer_result):
+        assert result.untyped_storage().nbytes() == numel * 4
