@@ -1,107 +1,27 @@
-"""Dropout layers that save an 8-byte seed instead of a mask, and regenerate the mask in backward.
+"""Dropout layers that save an 8-byte seed instead of a mask: keep the seed, and in backward
+call ``memsave::dropout_mul`` on the gradient with it (NOTE [regenerated dropout masks] in
+``kernels/dropout.py``).
 
-NOTE [regenerated dropout masks]: stock dropout saves its noise tensor (``bernoulli(1 - p) /
-(1 - p)``, as large as the input, in the input's dtype). Here forward draws one int64 seed from
-the global CPU generator (so runs seeded with ``torch.manual_seed`` stay reproducible and
-consecutive calls differ), and ``memsave::dropout_noise`` turns that seed into the noise with a
-private ``torch.Generator`` on the input's device. The noise is a pure function of (seed, p,
-shape, device, dtype): its random bits are always drawn into a fresh contiguous buffer, so the
-memory layout of the tensor it multiplies cannot change it, and backward regenerates exactly the
-noise forward used.
-
-The noise holds exactly stock's values: 0 for a dropped element and ``scale = 1 / (1 - p)`` as
-stock's ``div_`` rounds it in that dtype for a kept one, so ``input * noise`` and
-``grad * noise`` are bitwise what stock computes for the same mask. An element is kept when its
-32 random bits, read as a signed integer, fall below ``-2**31 + round((1 - p) * 2**32)``: the keep
-probability matches ``1 - p`` to within 2**-32. Drawing 64 random bits per two elements is also
-several times cheaper on CPU than stock's per-element float ``bernoulli_`` (measured), which keeps
-regenerating the noise in backward affordable.
+Forward draws one int64 seed from the global CPU generator (so runs seeded with
+``torch.manual_seed`` stay reproducible and consecutive calls differ) and multiplies the input by
+the noise of that seed; backward multiplies the gradient by the same noise, regenerated.
 """
 
 from __future__ import annotations
 
-import functools
-import math
 import warnings
-from collections.abc import Sequence
 
 import torch
 from torch import Tensor, nn
 
 from memsave_cli.kernels import autograd_ops
+from memsave_cli.kernels.dropout import SAME_SIZE_INT, dropout_mul, dropout_mul_
+from memsave_cli.kernels.dropout import dropout_noise as dropout_noise  # re-exported for tests
 from memsave_cli.layers._backward import forbid_double_backward
 from memsave_cli.layers.registry import drop_in
 
 #: Seeds are drawn uniformly from [0, 2**62): any of them is a valid ``manual_seed`` argument.
 _SEED_BOUND = 2**62
-
-#: Integer dtype with the itemsize of each real floating dtype, to build the noise from its bits.
-_SAME_SIZE_INT = {
-    torch.float16: torch.int16,
-    torch.bfloat16: torch.int16,
-    torch.float32: torch.int32,
-    torch.float64: torch.int64,
-}
-
-
-def _scale(dtype: torch.dtype, device: torch.device, p: float) -> Tensor:
-    """``1 / (1 - p)`` as a 0-dim tensor, rounded exactly as stock's ``noise.div_(1 - p)``."""
-    return torch.ones((), dtype=dtype, device=device).div_(1.0 - p)
-
-
-@functools.lru_cache(maxsize=64)
-def _scale_bits(dtype: torch.dtype, device: torch.device, p: float) -> int:
-    """The bit pattern of :func:`_scale`, as an integer of ``dtype``'s size (cached: a small
-    tensor's noise would otherwise spend as long on the scale as on its random bits)."""
-    return int(_scale(dtype, device, p).view(_SAME_SIZE_INT[dtype]).item())
-
-
-def _keep_threshold(p: float) -> int:
-    """Signed 32-bit threshold below which a uniformly random int32 keeps its element."""
-    keep_count = min(round((1.0 - p) * 2**32), 2**32 - 1)
-    return -(2**31) + keep_count
-
-
-def _random_int32(n: int, generator: torch.Generator, device: torch.device) -> Tensor:
-    """``n`` uniformly random int32 values (a contiguous view into ``ceil(n / 2)`` int64 words)."""
-    words = torch.empty((n + 1) // 2, dtype=torch.int64, device=device)
-    words.random_(-(2**63), None, generator=generator)
-    return words.view(torch.int32)[:n]
-
-
-def dropout_noise(like: Tensor, seed: Tensor, p: float, shape: Sequence[int]) -> Tensor:
-    """Stock-valued dropout noise of ``shape``: 0 with probability ``p``, else ``1 / (1 - p)``.
-
-    Deterministic given ``seed`` (a 0-dim int64 tensor); ``like`` supplies dtype and device.
-    Plain eager tensors take the Python function directly: the custom op's dispatch costs about
-    100 us a call; it serves tracing (``torch.compile``), fake and meta tensors.
-    """
-    eager = type(like) is Tensor and type(seed) is Tensor and not torch.compiler.is_compiling()
-    if eager and like.device.type != "meta":
-        return _noise(like, seed, p, shape)
-    return _noise_op(like, seed, p, shape)
-
-
-def _noise(like: Tensor, seed: Tensor, p: float, shape: Sequence[int]) -> Tensor:
-    """The body of :func:`dropout_noise`."""
-    generator = torch.Generator(device=like.device)
-    generator.manual_seed(int(seed.item()))
-    # The random bits are the only input-sized allocation; the noise is built in place in them.
-    keep = _random_int32(math.prod(shape), generator, like.device).view(tuple(shape))
-    keep.lt_(_keep_threshold(p))
-    int_type = _SAME_SIZE_INT.get(like.dtype)
-    if int_type is None:
-        return keep.to(like.dtype).mul_(_scale(like.dtype, like.device, p))
-    # 0 or 1 times the bit pattern of ``scale`` is the bit pattern of 0.0 or of ``scale``.
-    return keep.to(int_type).mul_(_scale_bits(like.dtype, like.device, p)).view(like.dtype)
-
-
-_noise_op = torch.library.custom_op("memsave::dropout_noise", _noise, mutates_args=())
-
-
-@_noise_op.register_fake
-def _dropout_noise_fake(like: Tensor, seed: Tensor, p: float, shape: Sequence[int]) -> Tensor:
-    return like.new_empty(tuple(shape))
 
 
 def draw_seed() -> Tensor:
@@ -130,11 +50,10 @@ class SeededDropout(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             # The seed (8 bytes) is all backward needs: the noise is regenerated from it.
             ctx.save_for_backward(seed)
-        noise = dropout_noise(input, seed, p, noise_shape)
         if not inplace:
-            return torch.mul(input, noise)
+            return dropout_mul(input, seed, p, noise_shape)
         ctx.mark_dirty(input)
-        return input.mul_(noise)
+        return dropout_mul_(input, seed, p, noise_shape)
 
     @staticmethod
     def backward(ctx, grad_output: Tensor) -> tuple[Tensor | None, None, None, None, None]:
@@ -142,12 +61,8 @@ class SeededDropout(torch.autograd.Function):
         if not ctx.needs_input_grad[0]:
             return None, None, None, None, None
         (seed,) = ctx.saved_tensors
-        # Deliberate transient: the regenerated noise (input-sized for element dropout).
-        noise = dropout_noise(grad_output, seed, ctx.p, ctx.noise_shape)
-        if noise.shape == grad_output.shape and grad_output.is_contiguous():
-            # Element dropout: the fresh noise buffer becomes the gradient, nothing else is allocated.
-            return noise.mul_(grad_output), None, None, None, None
-        return torch.mul(grad_output, noise), None, None, None, None
+        # Deliberate transient: the regenerated noise (it becomes the gradient where it can).
+        return dropout_mul(grad_output, seed, ctx.p, ctx.noise_shape), None, None, None, None
 
 
 def seeded_dropout(
@@ -285,7 +200,7 @@ def _operator_dropout(
         and input.requires_grad
         and torch.is_grad_enabled()
         and input.device.type == "cpu"
-        and input.dtype in _SAME_SIZE_INT
+        and input.dtype in SAME_SIZE_INT
         and input.numel() > 0
         and (feature_dims is None or input.dim() == feature_dims >= 2)
         and not torch.compiler.is_compiling()

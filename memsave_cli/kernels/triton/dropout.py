@@ -5,7 +5,7 @@ program draws the random words of its elements (NOTE [the dropout random stream]
 ``philox.py``), decides which to keep, and multiplies. Forward calls it on the input and
 backward on the gradient with the same seed, so they meet the same noise whatever the layouts of
 the two. The noise holds exactly stock's values (NOTE [regenerated dropout masks] in
-``layers/dropout.py``): 0, or ``torch.ones((), dtype).div_(1 - p)`` as stock rounds it, and the
+``kernels/dropout.py``): 0, or ``torch.ones((), dtype).div_(1 - p)`` as stock rounds it, and the
 product is one multiply in the element type as stock's ``input * noise`` computes it (bfloat16
 through float32, rounded to nearest even). The stream differs from the CPU one (a
 ``torch.Generator``); a forward and its backward must therefore run on the same kind of device.

@@ -1,0 +1,221 @@
+"""Dropout noise regenerated from a seed, and ``x * noise``, as custom ops.
+
+NOTE [regenerated dropout masks]: stock dropout saves its noise tensor (``bernoulli(1 - p) /
+(1 - p)``, as large as the input, in the input's dtype). memsave's dropout saves one int64 seed
+and these ops turn it into the noise, in forward and again in backward. The noise is a pure
+function of (seed, p, shape, device kind, dtype): its random bits are always drawn into a fresh
+contiguous buffer (or, in Triton, per logical index), so the layout of the tensor it multiplies
+cannot change it.
+
+The noise holds exactly stock's values: 0 for a dropped element and ``scale = 1 / (1 - p)`` as
+stock's ``div_`` rounds it in that dtype for a kept one, so ``x * noise`` is bitwise what stock
+computes for the same mask. An element is kept when its 32 random bits, read as a signed integer,
+fall below ``-2**31 + round((1 - p) * 2**32)``: the keep probability matches ``1 - p`` to within
+2**-32. Drawing 64 random bits per two elements is several times cheaper on CPU than stock's
+per-element float ``bernoulli_`` (measured), which keeps regenerating the noise affordable.
+
+The ops (NOTE [one op, every way it runs] in ``activation.py``): ``memsave::dropout_noise``,
+``memsave::dropout_mul`` and its in-place twin ``memsave::dropout_mul_``, each with
+
+- CPU and reference: the words of a ``torch.Generator`` seeded with ``seed`` (``random_noise``;
+  the C++ autograd operator in ``autograd_ops.cpp`` draws the same words);
+- CUDA: the Triton philox kernels (``triton/dropout.py``), which never materialise the noise of
+  element dropout, where triton runs, else the reference. Their stream differs from the
+  generator's, so a forward and its backward must run on the same kind of device;
+- fake: the result's shape and stock's layout, without data.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from memsave_cli.kernels import triton as triton_kernels
+from memsave_cli.kernels._layout import is_dense
+
+#: Integer dtype with the itemsize of each real floating dtype, to build the noise from its bits.
+SAME_SIZE_INT = {
+    torch.float16: torch.int16,
+    torch.bfloat16: torch.int16,
+    torch.float32: torch.int32,
+    torch.float64: torch.int64,
+}
+
+
+# -------------------------------------------------------------------------------------------
+# Reference: a torch.Generator's words, every device
+
+
+def stock_scale(dtype: torch.dtype, device: torch.device, p: float) -> Tensor:
+    """``1 / (1 - p)`` as a 0-dim tensor, rounded exactly as stock's ``noise.div_(1 - p)``."""
+    return torch.ones((), dtype=dtype, device=device).div_(1.0 - p)
+
+
+@functools.lru_cache(maxsize=64)
+def _scale_bits(dtype: torch.dtype, device: torch.device, p: float) -> int:
+    """The bit pattern of :func:`stock_scale`, as an integer of ``dtype``'s size (cached: a small
+    tensor's noise would otherwise spend as long on the scale as on its random bits)."""
+    return int(stock_scale(dtype, device, p).view(SAME_SIZE_INT[dtype]).item())
+
+
+def keep_threshold(p: float) -> int:
+    """Signed 32-bit threshold below which a uniformly random int32 keeps its element."""
+    keep_count = min(round((1.0 - p) * 2**32), 2**32 - 1)
+    return -(2**31) + keep_count
+
+
+def _random_int32(n: int, generator: torch.Generator, device: torch.device) -> Tensor:
+    """``n`` uniformly random int32 values (a contiguous view into ``ceil(n / 2)`` int64 words)."""
+    words = torch.empty((n + 1) // 2, dtype=torch.int64, device=device)
+    words.random_(-(2**63), None, generator=generator)
+    return words.view(torch.int32)[:n]
+
+
+def random_noise(like: Tensor, seed: Tensor, p: float, shape: Sequence[int]) -> Tensor:
+    """Stock-valued noise of ``shape`` in ``like``'s dtype and device from a generator seeded
+    with ``seed`` (a 0-dim int64 tensor): 0 with probability ``p``, else ``1 / (1 - p)``."""
+    generator = torch.Generator(device=like.device)
+    generator.manual_seed(int(seed.item()))
+    # The random bits are the only input-sized allocation; the noise is built in place in them.
+    keep = _random_int32(math.prod(shape), generator, like.device).view(tuple(shape))
+    keep.lt_(keep_threshold(p))
+    int_type = SAME_SIZE_INT.get(like.dtype)
+    if int_type is None:
+        return keep.to(like.dtype).mul_(stock_scale(like.dtype, like.device, p))
+    # 0 or 1 times the bit pattern of ``scale`` is the bit pattern of 0.0 or of ``scale``.
+    return keep.to(int_type).mul_(_scale_bits(like.dtype, like.device, p)).view(like.dtype)
+
+
+def _times(x: Tensor, noise: Tensor) -> Tensor:
+    """``x * noise`` as stock lays it out; a fresh noise of ``x``'s shape and layout becomes the
+    result, so nothing else of input size is allocated."""
+    if noise.shape == x.shape and x.is_contiguous():
+        return noise.mul_(x)
+    return torch.mul(x, noise)
+
+
+def reference_mul(x: Tensor, seed: Tensor, p: float, noise_shape: Sequence[int]) -> Tensor:
+    """``x * random_noise(x, seed, p, noise_shape)``."""
+    return _times(x, random_noise(x, seed, p, noise_shape))
+
+
+def reference_mul_(x: Tensor, seed: Tensor, p: float, noise_shape: Sequence[int]) -> None:
+    """:func:`reference_mul` written over ``x``."""
+    x.mul_(random_noise(x, seed, p, noise_shape))
+
+
+# -------------------------------------------------------------------------------------------
+# CUDA: the Triton philox kernels
+
+
+def _triton_serves(x: Tensor) -> bool:
+    return x.dtype in SAME_SIZE_INT and triton_kernels.available()
+
+
+def _cuda_noise(like: Tensor, seed: Tensor, p: float, shape: Sequence[int]) -> Tensor:
+    if not _triton_serves(like):
+        return random_noise(like, seed, p, shape)
+    from memsave_cli.kernels.triton import dropout
+
+    return dropout.dropout_noise(_word(seed), p, shape, like.dtype, like.device)
+
+
+def _cuda_mul(x: Tensor, seed: Tensor, p: float, noise_shape: Sequence[int]) -> Tensor:
+    if not (_triton_serves(x) and tuple(noise_shape) == tuple(x.shape)):
+        return _times(x, _cuda_noise(x, seed, p, noise_shape))
+    from memsave_cli.kernels.triton import dropout
+
+    # Allocation: the result, in x's layout where x is dense (the kernel writes dense outputs).
+    out = torch.empty_like(x)
+    dropout.dropout_mul(x, _word(seed), p, out)
+    return out
+
+
+def _cuda_mul_(x: Tensor, seed: Tensor, p: float, noise_shape: Sequence[int]) -> None:
+    if not (_triton_serves(x) and tuple(noise_shape) == tuple(x.shape)):
+        x.mul_(_cuda_noise(x, seed, p, noise_shape))
+        return
+    from memsave_cli.kernels.triton import dropout
+
+    if is_dense(x):
+        dropout.dropout_mul(x, _word(seed), p, x)
+    else:
+        x.copy_(_cuda_mul(x, seed, p, noise_shape))
+
+
+def _word(seed: Tensor) -> int:
+    """The seed as the unsigned 64-bit key the philox kernels take."""
+    return int(seed.item()) % 2**64
+
+
+# -------------------------------------------------------------------------------------------
+# The ops
+
+library = torch.library.Library("memsave", "FRAGMENT")
+library.define("dropout_noise(Tensor like, Tensor seed, float p, SymInt[] shape) -> Tensor")
+library.define("dropout_mul(Tensor x, Tensor seed, float p, SymInt[] noise_shape) -> Tensor")
+library.define("dropout_mul_(Tensor(a!) x, Tensor seed, float p, SymInt[] noise_shape) -> ()")
+_IMPLS = {
+    "dropout_noise": {"cpu": random_noise, "cuda": _cuda_noise},
+    "dropout_mul": {"cpu": reference_mul, "cuda": _cuda_mul},
+    "dropout_mul_": {"cpu": reference_mul_, "cuda": _cuda_mul_},
+}
+for _name, _impls in _IMPLS.items():
+    library.impl(_name, _impls["cpu"], "CPU")
+    library.impl(_name, _impls["cuda"], "CUDA")
+    # The CPU implementation is the reference itself.
+    library.impl(_name, _impls["cpu"], "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("memsave::dropout_noise", lib=library)
+def _noise_fake(like: Tensor, seed: Tensor, p: float, shape: Sequence[int]) -> Tensor:
+    return like.new_empty(tuple(shape))
+
+
+@torch.library.register_fake("memsave::dropout_mul", lib=library)
+def _mul_fake(x: Tensor, seed: Tensor, p: float, noise_shape: Sequence[int]) -> Tensor:
+    # Stock's own product on data-free stand-ins: the result takes exactly stock's layout.
+    return torch.mul(x, x.new_empty(tuple(noise_shape)))
+
+
+@torch.library.register_fake("memsave::dropout_mul_", lib=library)
+def _mul_fake_(x: Tensor, seed: Tensor, p: float, noise_shape: Sequence[int]) -> None:
+    return None
+
+
+def _eager(x: Tensor, seed: Tensor) -> bool:
+    """Whether plain eager tensors may skip the op's dispatch (about 100 us a call); tracing
+    (``torch.compile``), fake and meta tensors take the op."""
+    return (
+        type(x) is Tensor
+        and type(seed) is Tensor
+        and x.device.type in ("cpu", "cuda")
+        and not torch.compiler.is_compiling()
+    )
+
+
+def dropout_noise(like: Tensor, seed: Tensor, p: float, shape: Sequence[int]) -> Tensor:
+    """``memsave::dropout_noise``: the noise of ``shape`` in ``like``'s dtype and device."""
+    if _eager(like, seed):
+        return _IMPLS["dropout_noise"][like.device.type](like, seed, p, shape)
+    return torch.ops.memsave.dropout_noise(like, seed, p, list(shape))
+
+
+def dropout_mul(x: Tensor, seed: Tensor, p: float, noise_shape: Sequence[int]) -> Tensor:
+    """``memsave::dropout_mul``: ``x * noise``, the noise regenerated from ``seed``."""
+    if _eager(x, seed):
+        return _IMPLS["dropout_mul"][x.device.type](x, seed, p, noise_shape)
+    return torch.ops.memsave.dropout_mul(x, seed, p, list(noise_shape))
+
+
+def dropout_mul_(x: Tensor, seed: Tensor, p: float, noise_shape: Sequence[int]) -> Tensor:
+    """``memsave::dropout_mul_``: :func:`dropout_mul` written over ``x``; returns ``x``."""
+    if _eager(x, seed):
+        _IMPLS["dropout_mul_"][x.device.type](x, seed, p, noise_shape)
+    else:
+        torch.ops.memsave.dropout_mul_(x, seed, p, list(noise_shape))
+    return x

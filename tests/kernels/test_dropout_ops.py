@@ -1,0 +1,122 @@
+"""The dropout custom ops (``kernels/dropout.py``): the op, its eager shortcut and the reference
+agree bit for bit, the result is ``x * noise`` as stock multiplies, the fake implementation gives
+stock's layout, the CUDA implementation (Triton, interpreted) matches its philox reference, and a
+compiled function gives the eager result."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import Tensor
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from memsave_cli.kernels import dropout as ops
+
+SEED = torch.tensor(0x1234_5678_9ABC, dtype=torch.int64)
+P = 0.3
+#: (input shape, noise shape): element dropout, an odd size, and feature dropout.
+SHAPES = {
+    "element": ((4, 6, 5, 7), (4, 6, 5, 7)),
+    "odd": ((37,), (37,)),
+    "feature": ((4, 6, 5, 7), (4, 6, 1, 1)),
+}
+LAYOUTS = ["contiguous", "channels_last", "strided"]
+DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
+
+
+def _input(shape: tuple[int, ...], layout: str, dtype: torch.dtype) -> Tensor:
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(0)).to(dtype)
+    if layout == "channels_last" and x.dim() == 4:
+        return x.contiguous(memory_format=torch.channels_last)
+    if layout == "strided":
+        return torch.cat([x, x], dim=-1)[..., ::2]
+    return x
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("case", list(SHAPES))
+def test_mul_is_stock_product_with_noise(case: str, layout: str, dtype: torch.dtype) -> None:
+    """Op, eager shortcut and in-place twin all give ``x * noise`` in stock's layout."""
+    shape, noise_shape = SHAPES[case]
+    x = _input(shape, layout, dtype)
+    noise = ops.random_noise(x, SEED, P, noise_shape)
+    expected = torch.mul(x, noise)
+    for actual in (
+        ops.dropout_mul(x, SEED, P, noise_shape),
+        torch.ops.memsave.dropout_mul(x, SEED, P, list(noise_shape)),
+    ):
+        assert torch.equal(actual, expected) and actual.stride() == expected.stride()
+    inplace = x.clone()
+    assert ops.dropout_mul_(inplace, SEED, P, noise_shape) is inplace
+    assert torch.equal(inplace, expected)
+    torch.ops.memsave.dropout_mul_(inplace := x.clone(), SEED, P, list(noise_shape))
+    assert torch.equal(inplace, expected)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_noise_values(dtype: torch.dtype) -> None:
+    """The noise holds 0 or stock's rounded scale, keeps about ``1 - p``, and depends on the seed."""
+    like = torch.empty(0, dtype=dtype)
+    noise = ops.dropout_noise(like, SEED, P, [100_000])
+    assert torch.equal(noise, torch.ops.memsave.dropout_noise(like, SEED, P, [100_000]))
+    scale = torch.ones((), dtype=dtype).div_(1 - P)
+    assert bool(((noise == 0) | (noise == scale)).all())
+    kept = (noise != 0).double().mean().item()
+    assert abs(kept - (1 - P)) < 6 * (P * (1 - P) / 100_000) ** 0.5
+    other = ops.dropout_noise(like, SEED + 1, P, [100_000])
+    assert not torch.equal(noise, other)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_fake_layout_matches_real(layout: str) -> None:
+    x = _input((4, 6, 5, 7), layout, torch.float32)
+    real = torch.ops.memsave.dropout_mul(x, SEED, P, [4, 6, 5, 7])
+    with FakeTensorMode() as mode:
+        fake = torch.ops.memsave.dropout_mul(*map(mode.from_tensor, (x, SEED)), P, [4, 6, 5, 7])
+    assert fake.shape == real.shape and fake.stride() == real.stride()
+    assert fake.dtype == real.dtype
+
+
+@pytest.mark.parametrize("name", ["dropout_noise", "dropout_mul", "dropout_mul_"])
+def test_opcheck(name: str) -> None:
+    """torch.library.opcheck: schema, fake implementation and autograd registration agree."""
+    x = torch.randn(2, 3, 5, 7).contiguous(memory_format=torch.channels_last)
+    args = {
+        "dropout_noise": (x, SEED, P, [2, 3, 1, 1]),
+        "dropout_mul": (x, SEED, P, [2, 3, 5, 7]),
+        "dropout_mul_": (x.clone(), SEED, P, [2, 3, 1, 1]),
+    }[name]
+    torch.library.opcheck(getattr(torch.ops.memsave, name).default, args)
+
+
+def test_compiled_layer_matches_eager() -> None:
+    """torch.compile traces the op (fake implementation) and runs the CPU one: same output and
+    gradient as eager for the same seed."""
+    from memsave_cli.layers.dropout import seeded_dropout
+
+    def step(x: Tensor) -> Tensor:
+        return seeded_dropout(x.sin(), SEED, P).cos()
+
+    x = torch.randn(3, 8, 9, requires_grad=True)
+    eager = step(x)
+    (grad_eager,) = torch.autograd.grad(eager.sum(), x)
+    compiled = torch.compile(step, backend="aot_eager", fullgraph=True)(x)
+    (grad_compiled,) = torch.autograd.grad(compiled.sum(), x)
+    assert torch.equal(compiled, eager) and torch.equal(grad_compiled, grad_eager)
+
+
+def test_cuda_mul_matches_philox_reference(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CUDA implementation (Triton, interpreted on CPU tensors) multiplies by the philox
+    stream's noise: element dropout in the kernel, feature dropout through the noise."""
+    pytest.importorskip("triton", reason="triton is not installed")
+    from memsave_cli.kernels.triton import philox
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    for shape, noise_shape in SHAPES.values():
+        x = _input(shape, "channels_last", torch.float32)
+        noise = philox.noise_reference(int(SEED), P, tuple(noise_shape), x.dtype)
+        assert torch.equal(ops._cuda_mul(x, SEED, P, noise_shape), torch.mul(x, noise))
+        inplace = x.clone()
+        ops._cuda_mul_(inplace, SEED, P, noise_shape)
+        assert torch.equal(inplace, torch.mul(x, noise))
