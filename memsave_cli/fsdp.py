@@ -10,8 +10,8 @@ meta parameters, which FSDP2 supports for deferred initialisation, and FSDP2's r
 *train* meta parameters is lifted while the step runs; and the buffers FSDP2 allocates on its
 mesh's device (cpu) are allocated on meta instead (``_CpuAsMeta``). The tracker counts each
 DTensor by its local shard and follows the storage resizes by which FSDP2 frees and re-allocates
-unsharded parameters (NOTE [sharded tensors]). When a real process group is initialised (a
-training job, the validation test), it is used as it is, on real tensors.
+unsharded parameters (NOTE [sharded tensors]). A cpu job inside a running process group (the
+validation test's gloo ranks) shards over that group instead, on real tensors.
 """
 
 from __future__ import annotations
@@ -130,18 +130,23 @@ def _not_on(device: str) -> FsdpError:
 
 
 @contextlib.contextmanager
-def world(world_size: int) -> Iterator[World]:
-    """The initialised process group when there is one (real ranks; it must have
-    ``world_size`` ranks), else a fake group of that size, destroyed on exit (an estimate)."""
+def world(world_size: int, device: str = "meta") -> Iterator[World]:
+    """On meta, a fake process group of ``world_size`` ranks, destroyed on exit (an estimate);
+    on cpu, the running process group (real ranks), which must have ``world_size`` ranks."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    check_world_size(world_size)
-    if dist.is_initialized():
-        if dist.get_world_size() != world_size:
+    check_job_device(device, world_size)
+    running = dist.get_world_size() if dist.is_initialized() else None
+    if device == "meta" and running is not None:
+        raise FsdpError(
+            "--fsdp estimates in a process of its own, but this one runs a process group: "
+            "estimate outside the training job (memsave profile or fit)"
+        )
+    if device != "meta":
+        if running != world_size:
             raise FsdpError(
-                f"a process group of {dist.get_world_size()} ranks is running; "
-                f"cannot shard over {world_size}"
+                f"a process group of {running} ranks is running; cannot shard over {world_size}"
             )
         yield World(world_size, init_device_mesh(MESH_DEVICE, (world_size,)), estimate=False)
         return

@@ -132,7 +132,7 @@ def check_job(job: Job) -> None:
 
 def _ranks(job: Job) -> contextlib.AbstractContextManager[fsdp.World | None]:
     """The FSDP2 world of a sharded job (memsave_cli.fsdp), nothing for an unsharded one."""
-    return fsdp.world(job.fsdp) if job.fsdp is not None else contextlib.nullcontext()
+    return fsdp.world(job.fsdp, job.device) if job.fsdp is not None else contextlib.nullcontext()
 
 
 def prepare(job: Job, model: nn.Module | None = None, world: fsdp.World | None = None) -> Prepared:

@@ -92,7 +92,7 @@ def gradients(wrap: str, rank: int, world_size: int) -> dict:
             model = convert(model) if impl == "memsave" else model
             if impl == "memsave":
                 converted[name] = sorted(converted_counts(model))
-            with fsdp.world(world_size) as ranks:
+            with fsdp.world(world_size, "cpu") as ranks:
                 wrapped = _wrapped(model, wrap, ranks)  # DDP reduces only while it lives
                 loss_of(wrapped, rank).backward()
                 grads[name, impl] = {

@@ -101,3 +101,13 @@ def test_buffers_asked_on_the_mesh_device_land_on_meta() -> None:
     with _CpuAsMeta():
         assert torch.empty(4, device="cpu").device.type == "meta"
         assert torch.zeros(2, 3, device=torch.device("cpu")).device.type == "meta"
+
+
+def test_an_estimate_inside_a_running_group_is_refused() -> None:
+    """A running group would make the estimate a real rank on meta tensors: one line instead."""
+    import torch.distributed as dist
+
+    # the outer fake group stands for a training job's group here
+    with world(2), pytest.raises(FsdpError, match="runs a process group"), world(2):
+        pass
+    assert not dist.is_initialized()
