@@ -4,7 +4,8 @@ call ``memsave::dropout_mul`` on the gradient with it (NOTE [regenerated dropout
 
 Forward draws one int64 seed from the global CPU generator (so runs seeded with
 ``torch.manual_seed`` stay reproducible and consecutive calls differ) and multiplies the input by
-the noise of that seed; backward multiplies the gradient by the same noise, regenerated.
+the noise of that seed; backward multiplies the gradient by the same noise, regenerated. On eager
+CPU tensors ``operator_dropout`` does both in one C++ autograd operator, with the same results.
 """
 
 from __future__ import annotations
@@ -14,8 +15,7 @@ import warnings
 import torch
 from torch import Tensor, nn
 
-from memsave_cli.kernels import autograd_ops
-from memsave_cli.kernels.dropout import SAME_SIZE_INT, dropout_mul, dropout_mul_
+from memsave_cli.kernels.dropout import dropout_mul, dropout_mul_, operator_dropout
 from memsave_cli.kernels.dropout import dropout_noise as dropout_noise  # re-exported for tests
 from memsave_cli.layers._backward import forbid_double_backward
 from memsave_cli.layers.registry import drop_in
@@ -82,7 +82,7 @@ def seeded_dropout(
 def _drop(input: Tensor, p: float, *, feature: bool, inplace: bool) -> Tensor:
     """Seeded dropout with a fresh seed: the native operator where it serves ``input``, else
     :func:`seeded_dropout`."""
-    output = _operator_dropout(input, p, inplace, input.dim() if feature else None)
+    output = operator_dropout(input, p, inplace, input.dim() if feature else None)
     if output is not None:
         return output
     return seeded_dropout(input, draw_seed(), p, feature=feature, inplace=inplace)
@@ -182,45 +182,12 @@ def dropout3d(
     return _feature_dropout(input, p, training, inplace)
 
 
-def _operator_dropout(
-    input: Tensor, p: float, inplace: bool, feature_dims: int | None
-) -> Tensor | None:
-    """Dropout by the native operator (NOTE [why the eager CPU path is an operator] in
-    ``autograd_ops.cpp``), which draws the seed and builds the noise with the same calls as this
-    module, else None. It serves ``0 < p < 1`` and a plain CPU floating-point input that
-    requires grad, with ``feature_dims`` dimensions for feature dropout, outside tracing.
-
-    The drop-ins call it first and in one Python frame from ``forward``: every frame between
-    kernels costs several times its microbenchmarked time on a cold cache (NOTE [Python between
-    kernels runs on a cold cache] in ``conv.py``).
-    """
-    ready = (
-        0.0 < p < 1.0
-        and type(input) is Tensor
-        and input.requires_grad
-        and torch.is_grad_enabled()
-        and input.device.type == "cpu"
-        and input.dtype in SAME_SIZE_INT
-        and input.numel() > 0
-        and (feature_dims is None or input.dim() == feature_dims >= 2)
-        and not torch.compiler.is_compiling()
-    )
-    operators = autograd_ops.operators() if ready else None
-    if operators is None:
-        return None
-    if feature_dims is None:
-        shape = list(input.shape)
-    else:
-        shape = [input.shape[0], input.shape[1]] + [1] * (feature_dims - 2)
-    return operators.dropout(input, p, shape, inplace)
-
-
 @drop_in(nn.Dropout)
 class MemSaveDropout(nn.Dropout):
     """``nn.Dropout`` that saves an 8-byte seed instead of an input-sized noise tensor."""
 
     def forward(self, input: Tensor) -> Tensor:
-        output = _operator_dropout(input, self.p, self.inplace, None) if self.training else None
+        output = operator_dropout(input, self.p, self.inplace, None) if self.training else None
         if output is not None:
             return output
         return dropout(input, self.p, self.training, self.inplace)
@@ -231,7 +198,7 @@ class MemSaveDropout1d(nn.Dropout1d):
     """``nn.Dropout1d`` that saves an 8-byte seed instead of a per-channel noise tensor."""
 
     def forward(self, input: Tensor) -> Tensor:
-        output = _operator_dropout(input, self.p, self.inplace, 3) if self.training else None
+        output = operator_dropout(input, self.p, self.inplace, 3) if self.training else None
         if output is not None:
             return output
         return dropout1d(input, self.p, self.training, self.inplace)
@@ -242,7 +209,7 @@ class MemSaveDropout2d(nn.Dropout2d):
     """``nn.Dropout2d`` that saves an 8-byte seed instead of a per-channel noise tensor."""
 
     def forward(self, input: Tensor) -> Tensor:
-        output = _operator_dropout(input, self.p, self.inplace, 4) if self.training else None
+        output = operator_dropout(input, self.p, self.inplace, 4) if self.training else None
         if output is not None:
             return output
         return dropout2d(input, self.p, self.training, self.inplace)
@@ -253,7 +220,7 @@ class MemSaveDropout3d(nn.Dropout3d):
     """``nn.Dropout3d`` that saves an 8-byte seed instead of a per-channel noise tensor."""
 
     def forward(self, input: Tensor) -> Tensor:
-        output = _operator_dropout(input, self.p, self.inplace, 5) if self.training else None
+        output = operator_dropout(input, self.p, self.inplace, 5) if self.training else None
         if output is not None:
             return output
         return dropout3d(input, self.p, self.training, self.inplace)
