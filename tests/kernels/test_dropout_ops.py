@@ -106,7 +106,11 @@ def test_compiled_layer_matches_eager() -> None:
     assert torch.equal(compiled, eager) and torch.equal(grad_compiled, grad_eager)
 
 
-def test_cuda_mul_matches_philox_reference(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("layout", ["channels_last", "strided"])
+def test_cuda_mul_matches_philox_reference(
+    layout: str, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The CUDA implementation (Triton, interpreted on CPU tensors) multiplies by the philox
     stream's noise: element dropout in the kernel, feature dropout through the noise."""
     pytest.importorskip("triton", reason="triton is not installed")
@@ -114,7 +118,7 @@ def test_cuda_mul_matches_philox_reference(monkeypatch: pytest.MonkeyPatch) -> N
 
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     for shape, noise_shape in SHAPES.values():
-        x = _input(shape, "channels_last", torch.float32)
+        x = _input(shape, layout, dtype)
         noise = philox.noise_reference(int(SEED), P, tuple(noise_shape), x.dtype)
         assert torch.equal(ops._cuda_mul(x, SEED, P, noise_shape), torch.mul(x, noise))
         inplace = x.clone()
