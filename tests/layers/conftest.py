@@ -65,3 +65,18 @@ def _recorded(kernel: Callable, name: str, used: list[str]) -> Callable:
         return kernel(*args, **kwargs)
 
     return record
+
+
+@pytest.fixture
+def tiny_llama_config() -> object:
+    """A two-layer LLaMA config with odd sizes (vocabulary 61, grouped-query attention)."""
+    transformers = pytest.importorskip("transformers")
+    return transformers.LlamaConfig(
+        vocab_size=61,
+        hidden_size=48,
+        intermediate_size=83,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )

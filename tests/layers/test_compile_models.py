@@ -68,18 +68,10 @@ def test_resnet18() -> None:
 
 
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
-def test_tiny_llama(backend: str) -> None:
+def test_tiny_llama(backend: str, tiny_llama_config: object) -> None:
     """A two-layer LLaMA from a tiny config (RMSNorm and gated MLP converted), all trainable."""
     transformers = pytest.importorskip("transformers")
-    config = transformers.LlamaConfig(
-        vocab_size=61,
-        hidden_size=48,
-        intermediate_size=83,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-    )
+    config = tiny_llama_config
     build = lambda: transformers.LlamaForCausalLM(config)  # noqa: E731
     stock, memsave, converted = _compiled_pair(build, backend=backend)
     assert converted_counts(converted).get("LlamaRMSNorm", 0) == 5

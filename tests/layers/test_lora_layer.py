@@ -64,18 +64,12 @@ def _assert_same_step(stock: nn.Module, memsave: nn.Module, loss_of) -> tuple[in
     [(torch.float32, 0.3), (torch.bfloat16, 0.3), (torch.bfloat16, 0.0)],
     ids=["float32", "bfloat16", "bfloat16-no-dropout"],
 )
-def test_tiny_llama_matches_stock_and_saves_less(dtype: torch.dtype, dropout: float) -> None:
+def test_tiny_llama_matches_stock_and_saves_less(
+    dtype: torch.dtype, dropout: float, tiny_llama_config: object
+) -> None:
     """Without dropout, the saving is the float32 copy peft casts for its float32 adapters."""
     transformers = pytest.importorskip("transformers")
-    config = transformers.LlamaConfig(
-        vocab_size=61,
-        hidden_size=48,
-        intermediate_size=83,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-    )
+    config = tiny_llama_config
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(config).to(dtype)
     stock = _adapted(model, "all-linear", dropout=dropout)
