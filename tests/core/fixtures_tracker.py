@@ -8,6 +8,7 @@ mix failing and succeeding workers.
 from __future__ import annotations
 
 import os
+import resource
 import signal
 import sys
 import time
@@ -141,6 +142,8 @@ def behave(job) -> Run:
         start = time.time()
         time.sleep(1.0)
         return Run(job.case.label, job.impl, time_s=start, peak_bytes=int(time.time() * 1000))
+    if action == "refault":
+        return Run(job.case.label, job.impl, saved_bytes=_refaults(64 << 20))
     if action == "exit":
         print("clue: about to exit", file=sys.stderr, flush=True)
         os._exit(3)
@@ -157,6 +160,20 @@ def behave(job) -> Run:
     if action == "unpicklable":
         return _Explodes()  # type: ignore[return-value]
     raise AssertionError(f"unknown behaviour {action}")
+
+
+def _refaults(size: int, rounds: int = 10, counted: int = 4) -> int:
+    """Page faults of the last ``counted`` of ``rounds`` rounds that each fill a buffer of ``size``
+    bytes allocated right after an equal one was freed, as training steps do (none once the heap
+    keeps the freed memory)."""
+    faults = 0
+    for index in range(rounds):
+        torch.ones(size // 4)
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        torch.ones(size // 4)
+        if index >= rounds - counted:
+            faults += resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+    return faults
 
 
 def _preloaded() -> int:
