@@ -93,13 +93,13 @@ def measure(job: Job, model: nn.Module | None = None) -> Run:
 
 
 def build_native(jobs: Sequence[Job]) -> None:
-    """Compile the native kernels and operators here when a CPU job will use them, so that its
-    worker loads them from the cache instead of compiling them (about 20 s the first time)
-    inside its measured step. Failures are left for the layers to report and fall back from."""
+    """Compile the native kernels here when a CPU job will use them, so that its worker loads
+    them from the cache instead of compiling them inside its measured step. Failures are left
+    for the layers to report and fall back from."""
     if any(job.device == "cpu" and job.impl != "stock" for job in jobs):
-        from memsave_cli.kernels import autograd_ops
+        from memsave_cli.kernels import native
 
-        autograd_ops.available()
+        native.available()
 
 
 def check_job(job: Job) -> None:

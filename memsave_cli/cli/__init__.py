@@ -20,16 +20,14 @@ app = typer.Typer(
 
 
 def _print_version(value: bool) -> None:
-    """The version, then what a bug report needs besides: torch's, the CPU kernels' and the
-    C++ operators' state."""
+    """The version, then what a bug report needs besides: torch's and the CPU kernels' state."""
     if value:
         import torch
 
-        from memsave_cli.kernels import autograd_ops, native
+        from memsave_cli.kernels import native
 
         typer.echo(f"memsave {__version__}")
         typer.echo(f"torch {torch.__version__}; {native.status()}")
-        typer.echo(autograd_ops.status(build=False))
         raise typer.Exit()
 
 

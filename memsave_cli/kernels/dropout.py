@@ -17,17 +17,11 @@ per-element float ``bernoulli_`` (measured), which keeps regenerating the noise 
 The ops (NOTE [one op, every way it runs] in ``activation.py``): ``memsave::dropout_noise``,
 ``memsave::dropout_mul`` and its in-place twin ``memsave::dropout_mul_``, each with
 
-- CPU and reference: the words of a ``torch.Generator`` seeded with ``seed`` (``random_noise``;
-  the C++ autograd operator in ``autograd_ops.cpp`` draws the same words);
+- CPU and reference: the words of a ``torch.Generator`` seeded with ``seed`` (``random_noise``);
 - CUDA: the Triton philox kernels (``triton/dropout.py``), which never materialise the noise of
   element dropout, where triton runs, else the reference. Their stream differs from the
   generator's, so a forward and its backward must run on the same kind of device;
 - fake: the result's shape and stock's layout, without data.
-
-On eager CPU tensors that require grad, :func:`operator_dropout` runs the whole layer as one C++
-autograd operator instead (NOTE [why the eager CPU path is an operator] in ``autograd_ops.cpp``):
-it draws the seed with the same call and the noise from the same words, so either path gives the
-same mask, output and gradient.
 """
 
 from __future__ import annotations
@@ -39,7 +33,6 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from memsave_cli.kernels import autograd_ops
 from memsave_cli.kernels import triton as triton_kernels
 from memsave_cli.kernels._layout import is_dense
 
@@ -227,35 +220,3 @@ def dropout_mul_(x: Tensor, seed: Tensor, p: float, noise_shape: Sequence[int]) 
     else:
         torch.ops.memsave.dropout_mul_(x, seed, p, list(noise_shape))
     return x
-
-
-def operator_dropout(
-    input: Tensor, p: float, inplace: bool, feature_dims: int | None
-) -> Tensor | None:
-    """Seeded dropout by the native operator, which draws the seed and builds the noise with the
-    same calls as this module, else None. It serves ``0 < p < 1`` and a plain CPU floating-point input that
-    requires grad, with ``feature_dims`` dimensions for feature dropout, outside tracing.
-
-    The drop-ins call it first and in one Python frame from their ``forward``: every frame between
-    kernels costs several times its microbenchmarked time on a cold cache (NOTE [Python between
-    kernels runs on a cold cache] in ``conv.py``).
-    """
-    ready = (
-        0.0 < p < 1.0
-        and type(input) is Tensor
-        and input.requires_grad
-        and torch.is_grad_enabled()
-        and input.device.type == "cpu"
-        and input.dtype in SAME_SIZE_INT
-        and input.numel() > 0
-        and (feature_dims is None or input.dim() == feature_dims >= 2)
-        and not torch.compiler.is_compiling()
-    )
-    operators = autograd_ops.operators() if ready else None
-    if operators is None:
-        return None
-    if feature_dims is None:
-        shape = list(input.shape)
-    else:
-        shape = [input.shape[0], input.shape[1]] + [1] * (feature_dims - 2)
-    return operators.dropout(input, p, shape, inplace)

@@ -17,7 +17,6 @@ save, for LeakyReLU); they differ only for an in-place call on a view (NOTE [in-
 
 from __future__ import annotations
 
-import functools
 import math
 import struct
 from collections.abc import Callable
@@ -28,7 +27,6 @@ from torch import Tensor, nn
 from torch.autograd import Function
 
 from memsave_cli.kernels import activation as ops
-from memsave_cli.kernels import autograd_ops
 from memsave_cli.kernels.bitmask import layout_of
 from memsave_cli.layers._backward import forbid_double_backward
 from memsave_cli.layers.registry import drop_in
@@ -127,7 +125,6 @@ def _select(ctx, grad: Tensor, kernel: str, slope: float | None = None) -> Tenso
     out unlike the input, a map of 1 x 1 pixels) the values are the same but a layout unlike
     stock's would change how later kernels (an expand's sum, a convolution, a batch norm) round,
     so the ops take the strides of the tensor stock saves and give the gradient stock's layout.
-    The C++ operator does the same.
     """
     (bits,) = ctx.saved_tensors
     order, saved = ctx.layout.order, ctx.saved_strides
@@ -142,7 +139,6 @@ def _activate(
     x: Tensor,
     *args: float,
     inplace: bool,
-    operator: tuple[float, ...] | None = None,
 ) -> Tensor:
     """Apply ``function`` to ``x`` like ``stock(x, *args, inplace)``, saving a 1-bit mask.
 
@@ -151,20 +147,12 @@ def _activate(
     forbids a Function that modifies a view in place from returning two tensors (the result and
     its bits), so an in-place call on a view computes out of place and copies the result back;
     ``saves_result`` keeps the bits those of the in-place call, so gradients are the same.
-
-    ``operator`` is ``(kind, *values)`` for the native operator (``autograd_ops.activation``; a
-    Hardtanh's kernel bounds are added here), which replaces ``function`` where it can (NOTE
-    [why the eager CPU path is an operator]).
     """
     if not (torch.is_grad_enabled() and x.requires_grad) or (inplace and x.is_leaf):
         return stock(x, *args, inplace)
     if inplace and x._base is not None:
         # Allocation: the out-of-place result, freed once copied into the view.
         return x.copy_(function.apply(x, *args, False, True)[0])
-    if operator is not None and autograd_ops.activation_serves(x):
-        kind, *values = operator
-        bounds = _eager_kernel_bounds(x.dtype, *values) if kind == autograd_ops.HARDTANH else ()
-        return autograd_ops.activation(x, kind, *values, *bounds, inplace=inplace)
     return function.apply(x, *args, inplace, inplace)[0]
 
 
@@ -230,9 +218,7 @@ class MemSaveReLU(nn.ReLU):
     """``nn.ReLU`` saving a 1-bit mask (numel / 8 bytes) instead of its full result."""
 
     def forward(self, input: Tensor) -> Tensor:
-        return _activate(
-            _ReLUFunction, F.relu, input, inplace=self.inplace, operator=(autograd_ops.RELU,)
-        )
+        return _activate(_ReLUFunction, F.relu, input, inplace=self.inplace)
 
 
 @drop_in(nn.LeakyReLU)
@@ -241,11 +227,7 @@ class MemSaveLeakyReLU(nn.LeakyReLU):
 
     def forward(self, input: Tensor) -> Tensor:
         slope = self.negative_slope
-        # In place with a negative slope, stock's backward raises its error: the Function's does.
-        operator = None if self.inplace and slope < 0 else (autograd_ops.LEAKY_RELU, slope)
-        return _activate(
-            _LeakyReLUFunction, F.leaky_relu, input, slope, inplace=self.inplace, operator=operator
-        )
+        return _activate(_LeakyReLUFunction, F.leaky_relu, input, slope, inplace=self.inplace)
 
 
 def _hardtanh(module: nn.Hardtanh, input: Tensor) -> Tensor:
@@ -253,16 +235,7 @@ def _hardtanh(module: nn.Hardtanh, input: Tensor) -> Tensor:
     if module.min_val > module.max_val:
         raise ValueError("min_val cannot be greater than max_val")
     bounds = (module.min_val, module.max_val)
-    operator = (autograd_ops.HARDTANH, *bounds)
-    return _activate(
-        _HardtanhFunction, F.hardtanh, input, *bounds, inplace=module.inplace, operator=operator
-    )
-
-
-@functools.lru_cache(maxsize=64)
-def _eager_kernel_bounds(dtype: torch.dtype, min_val: float, max_val: float) -> tuple:
-    """:func:`kernel_bounds` outside tracing, where it depends on its arguments only."""
-    return kernel_bounds(dtype, min_val, max_val)
+    return _activate(_HardtanhFunction, F.hardtanh, input, *bounds, inplace=module.inplace)
 
 
 @drop_in(nn.Hardtanh)

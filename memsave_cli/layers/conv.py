@@ -23,7 +23,6 @@ from torch._prims_common import (
 )
 from torch.amp.autocast_mode import is_autocast_available
 
-from memsave_cli.kernels import autograd_ops
 from memsave_cli.kernels._layout import is_dense, memory_format
 from memsave_cli.layers._backward import forbid_double_backward, shape_only
 from memsave_cli.layers.registry import drop_in
@@ -61,9 +60,6 @@ _UNTOUCHED: list[Tensor] = []
 #: replaced, so that an outgrown mapping is unmapped once no kernel holds a view of it.
 _STAND_INS: dict[tuple[_Geometry, torch.dtype], Tensor] = {}
 _MAX_STAND_INS = 256
-#: The same stand-ins by the dropped tensor's own shape, strides and dtype (one lookup instead
-#: of a geometry's), emptied with ``_STAND_INS``.
-_STAND_INS_BY_TENSOR_GEOMETRY: dict[tuple[torch.Size, tuple[int, ...], torch.dtype], Tensor] = {}
 
 
 def _untouched_bytes(nbytes: int) -> Tensor:
@@ -71,7 +67,6 @@ def _untouched_bytes(nbytes: int) -> Tensor:
     if not _UNTOUCHED or _UNTOUCHED[0].numel() < nbytes:
         grown = max(nbytes, 2 * _UNTOUCHED[0].numel() if _UNTOUCHED else 0, mmap.PAGESIZE)
         _STAND_INS.clear()
-        _STAND_INS_BY_TENSOR_GEOMETRY.clear()
         _UNTOUCHED[:] = [torch.frombuffer(mmap.mmap(-1, grown), dtype=torch.uint8)]
     return _UNTOUCHED[0][:nbytes]
 
@@ -124,7 +119,6 @@ def _stand_in(grad: Tensor, geometry: _Geometry) -> Tensor:
     if stand_in is None:
         if len(_STAND_INS) >= _MAX_STAND_INS:
             _STAND_INS.clear()
-            _STAND_INS_BY_TENSOR_GEOMETRY.clear()
         stand_in = _untouched_view(geometry, grad.dtype)
         _STAND_INS[key] = stand_in
     return stand_in
@@ -285,86 +279,11 @@ def _convolve(x: Tensor, weight: Tensor, bias: Tensor | None, *params: object) -
     """Run ``_ConvFunction``, casting explicitly where autocast would cast a stock convolution."""
     device_type = x.device.type
     if not _autocast_enabled(device_type):
-        return _apply(x, weight, bias, *params)
+        return _ConvFunction.apply(x, weight, bias, *params)
     dtype = torch.get_autocast_dtype(device_type)
     x, weight, bias = (_autocast_cast(t, device_type, dtype) for t in (x, weight, bias))
     with torch.autocast(device_type, enabled=False):
-        return _apply(x, weight, bias, *params)
-
-
-def _apply(x: Tensor, weight: Tensor, bias: Tensor | None, *params: object) -> Tensor:
-    """``_ConvFunction``, or on eager CPU tensors its C++ twin, the native operator (NOTE [why
-    the eager CPU path is an operator] in ``autograd_ops.cpp``), given the stand-ins up front."""
-    eager = type(x) is Tensor and type(weight) in (Tensor, nn.Parameter)
-    dense_stand_ins = x.device.type in _DENSE_STAND_IN_DEVICES
-    if not (eager and dense_stand_ins and not torch.compiler.is_compiling()):
         return _ConvFunction.apply(x, weight, bias, *params)
-    operators = autograd_ops.operators()
-    if operators is None:
-        return _ConvFunction.apply(x, weight, bias, *params)
-    return _by_operator(operators, x, weight, bias, params)
-
-
-def _by_operator(
-    operators: autograd_ops.Operators, x: Tensor, weight: Tensor, bias: Tensor | None, params: tuple
-) -> Tensor:
-    """The native convolution operator, with the stand-ins of what it does not save."""
-    x_stand_in = None if weight.requires_grad else _cached_stand_in(x, x)
-    weight_stand_in = None if x.requires_grad else _cached_stand_in(x, weight)
-    return operators.convolution(x, weight, bias, *params, x_stand_in, weight_stand_in)
-
-
-def _operator_forward(
-    module: Conv | ConvTranspose, x: Tensor, transposed: bool, output_padding: Sequence[int]
-) -> Tensor | None:
-    """The common case in as few Python frames as possible, else None.
-
-    A batched plain CPU input, zero padding given as numbers, no autocast, not tracing, the
-    operators built, and one of input and weight frozen (NOTE [stock is already optimal when
-    input and weight both train]): then the native operator runs right here. Every frame between
-    kernels costs several times its microbenchmarked time on a cold cache (NOTE [Python between
-    kernels runs on a cold cache]), and this path is most of the convolutions of a frozen model.
-    """
-    weight = module.weight
-    need_x, need_weight = x.requires_grad, weight.requires_grad
-    common = (
-        type(x) is Tensor
-        and x.device.type in _DENSE_STAND_IN_DEVICES
-        and x.dim() == weight.dim()
-        and not (need_x and need_weight)
-        and torch.is_grad_enabled()
-        and module.padding_mode == "zeros"
-        and not isinstance(module.padding, str)
-        and not torch.is_autocast_enabled("cpu")
-        and not torch.compiler.is_compiling()
-    )
-    operators = autograd_ops.operators() if common else None
-    if operators is None or not (need_x or need_weight or _bias_trains(module)):
-        return None
-    m = module
-    params = (m.stride, m.padding, m.dilation, transposed, output_padding, m.groups)
-    return _by_operator(operators, x, weight, m.bias, params)
-
-
-#: ``output_padding`` of a plain convolution, by number of spatial dimensions.
-_NO_OUTPUT_PADDING = {1: (0,), 2: (0, 0), 3: (0, 0, 0)}
-
-
-def _bias_trains(module: Conv | ConvTranspose) -> bool:
-    return module.bias is not None and module.bias.requires_grad
-
-
-def _cached_stand_in(like: Tensor, t: Tensor) -> Tensor:
-    """``_stand_in(like, _geometry(t))`` for an eager ``t``, looked up by its own geometry.
-
-    ``like`` (the input) gives dtype and device: passing a weight, a Parameter, there would
-    read as a traced tensor."""
-    key = (t.shape, t.stride(), like.dtype)
-    stand_in = _STAND_INS_BY_TENSOR_GEOMETRY.get(key)
-    if stand_in is None:
-        stand_in = _stand_in(like, _eager_geometry(t.shape, t.stride()))
-        _STAND_INS_BY_TENSOR_GEOMETRY[key] = stand_in
-    return stand_in
 
 
 def _batched(x: Tensor, n: int, run: Callable[[Tensor], Tensor]) -> Tensor:
@@ -428,9 +347,6 @@ class MemSaveConv1d(nn.Conv1d):
     """``nn.Conv1d`` saving the input only if the weight is trained, and vice versa."""
 
     def forward(self, input: Tensor) -> Tensor:
-        output = _operator_forward(self, input, False, _NO_OUTPUT_PADDING[len(self.kernel_size)])
-        if output is not None:
-            return output
         return conv_forward(self, input) if _use_memsave(self, input) else super().forward(input)
 
 
@@ -439,9 +355,6 @@ class MemSaveConv2d(nn.Conv2d):
     """``nn.Conv2d`` saving the input only if the weight is trained, and vice versa."""
 
     def forward(self, input: Tensor) -> Tensor:
-        output = _operator_forward(self, input, False, _NO_OUTPUT_PADDING[len(self.kernel_size)])
-        if output is not None:
-            return output
         return conv_forward(self, input) if _use_memsave(self, input) else super().forward(input)
 
 
@@ -450,9 +363,6 @@ class MemSaveConv3d(nn.Conv3d):
     """``nn.Conv3d`` saving the input only if the weight is trained, and vice versa."""
 
     def forward(self, input: Tensor) -> Tensor:
-        output = _operator_forward(self, input, False, _NO_OUTPUT_PADDING[len(self.kernel_size)])
-        if output is not None:
-            return output
         return conv_forward(self, input) if _use_memsave(self, input) else super().forward(input)
 
 
@@ -466,10 +376,6 @@ class MemSaveConvTranspose1d(nn.ConvTranspose1d):
     """``nn.ConvTranspose1d`` saving the input only if the weight is trained, and vice versa."""
 
     def forward(self, input: Tensor, output_size: list[int] | None = None) -> Tensor:
-        if output_size is None:
-            output = _operator_forward(self, input, True, self.output_padding)
-            if output is not None:
-                return output
         if not _transpose_ok(self, input):
             return super().forward(input, output_size)
         return conv_transpose_forward(self, input, output_size)
@@ -480,10 +386,6 @@ class MemSaveConvTranspose2d(nn.ConvTranspose2d):
     """``nn.ConvTranspose2d`` saving the input only if the weight is trained, and vice versa."""
 
     def forward(self, input: Tensor, output_size: list[int] | None = None) -> Tensor:
-        if output_size is None:
-            output = _operator_forward(self, input, True, self.output_padding)
-            if output is not None:
-                return output
         if not _transpose_ok(self, input):
             return super().forward(input, output_size)
         return conv_transpose_forward(self, input, output_size)
@@ -494,10 +396,6 @@ class MemSaveConvTranspose3d(nn.ConvTranspose3d):
     """``nn.ConvTranspose3d`` saving the input only if the weight is trained, and vice versa."""
 
     def forward(self, input: Tensor, output_size: list[int] | None = None) -> Tensor:
-        if output_size is None:
-            output = _operator_forward(self, input, True, self.output_padding)
-            if output is not None:
-                return output
         if not _transpose_ok(self, input):
             return super().forward(input, output_size)
         return conv_transpose_forward(self, input, output_size)

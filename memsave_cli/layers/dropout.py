@@ -4,8 +4,7 @@ call ``memsave::dropout_mul`` on the gradient with it (NOTE [regenerated dropout
 
 Forward draws one int64 seed from the global CPU generator (so runs seeded with
 ``torch.manual_seed`` stay reproducible and consecutive calls differ) and multiplies the input by
-the noise of that seed; backward multiplies the gradient by the same noise, regenerated. On eager
-CPU tensors ``operator_dropout`` does both in one C++ autograd operator, with the same results.
+the noise of that seed; backward multiplies the gradient by the same noise, regenerated.
 """
 
 from __future__ import annotations
@@ -15,7 +14,7 @@ import warnings
 import torch
 from torch import Tensor, nn
 
-from memsave_cli.kernels.dropout import dropout_mul, dropout_mul_, operator_dropout
+from memsave_cli.kernels.dropout import dropout_mul, dropout_mul_
 from memsave_cli.kernels.dropout import dropout_noise as dropout_noise  # re-exported for tests
 from memsave_cli.layers._backward import forbid_double_backward
 from memsave_cli.layers.registry import drop_in
@@ -80,11 +79,7 @@ def seeded_dropout(
 
 
 def _drop(input: Tensor, p: float, *, feature: bool, inplace: bool) -> Tensor:
-    """Seeded dropout with a fresh seed: the native operator where it serves ``input``, else
-    :func:`seeded_dropout`."""
-    output = operator_dropout(input, p, inplace, input.dim() if feature else None)
-    if output is not None:
-        return output
+    """Seeded dropout with a fresh seed."""
     return seeded_dropout(input, draw_seed(), p, feature=feature, inplace=inplace)
 
 
@@ -187,9 +182,6 @@ class MemSaveDropout(nn.Dropout):
     """``nn.Dropout`` that saves an 8-byte seed instead of an input-sized noise tensor."""
 
     def forward(self, input: Tensor) -> Tensor:
-        output = operator_dropout(input, self.p, self.inplace, None) if self.training else None
-        if output is not None:
-            return output
         return dropout(input, self.p, self.training, self.inplace)
 
 
@@ -198,9 +190,6 @@ class MemSaveDropout1d(nn.Dropout1d):
     """``nn.Dropout1d`` that saves an 8-byte seed instead of a per-channel noise tensor."""
 
     def forward(self, input: Tensor) -> Tensor:
-        output = operator_dropout(input, self.p, self.inplace, 3) if self.training else None
-        if output is not None:
-            return output
         return dropout1d(input, self.p, self.training, self.inplace)
 
 
@@ -209,9 +198,6 @@ class MemSaveDropout2d(nn.Dropout2d):
     """``nn.Dropout2d`` that saves an 8-byte seed instead of a per-channel noise tensor."""
 
     def forward(self, input: Tensor) -> Tensor:
-        output = operator_dropout(input, self.p, self.inplace, 4) if self.training else None
-        if output is not None:
-            return output
         return dropout2d(input, self.p, self.training, self.inplace)
 
 
@@ -220,7 +206,4 @@ class MemSaveDropout3d(nn.Dropout3d):
     """``nn.Dropout3d`` that saves an 8-byte seed instead of a per-channel noise tensor."""
 
     def forward(self, input: Tensor) -> Tensor:
-        output = operator_dropout(input, self.p, self.inplace, 5) if self.training else None
-        if output is not None:
-            return output
         return dropout3d(input, self.p, self.training, self.inplace)

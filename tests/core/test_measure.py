@@ -9,7 +9,7 @@ from torch import nn
 from memsave_cli import meta_dropout
 from memsave_cli.cases import resolve_case
 from memsave_cli.errors import NeedsRealDataError
-from memsave_cli.kernels import autograd_ops
+from memsave_cli.kernels import native
 from memsave_cli.measure import NEEDS_REAL_DATA, Job, build_native, measure, prepare
 from memsave_cli.meta_attention import attention_kernels
 from memsave_cli.report import LayerSaved, Status
@@ -216,7 +216,7 @@ def test_native_code_is_built_before_cpu_memsave_workers(
     """The parent compiles the native code a CPU memsave job uses, not the job's worker inside
     its measured step; nothing is compiled for jobs that would not use it."""
     calls: list[str] = []
-    monkeypatch.setattr(autograd_ops, "operators", lambda: calls.append("built"))
+    monkeypatch.setattr(native, "available", lambda: calls.append("built"))
     spec = parse_spec("torchvision:resnet18")
     build_native([Job(spec, resolve_case("all"), impl, device) for device, impl in jobs])
     assert calls == (["built"] if builds else [])

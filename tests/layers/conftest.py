@@ -6,7 +6,7 @@ from collections.abc import Callable
 
 import pytest
 
-from memsave_cli.kernels import autograd_ops, native
+from memsave_cli.kernels import native
 
 
 @pytest.fixture(params=["native", "torch"])
@@ -17,32 +17,6 @@ def kernels(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> 
         monkeypatch.setattr(native, "available", lambda: False)
     elif not native.available():
         pytest.skip(native.status())
-    return request.param
-
-
-@pytest.fixture(params=["operators", "functions", "torch"])
-def activation_paths(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Run an activation test on each eager CPU path: the C++ autograd operators (where built),
-    the Python Functions over the native kernels, and the torch/numpy code."""
-    if request.param == "torch":
-        monkeypatch.setattr(native, "available", lambda: False)
-    elif not native.available():
-        pytest.skip(native.status())
-    elif request.param == "functions":
-        monkeypatch.setattr(autograd_ops, "operators", lambda: None)
-    elif not autograd_ops.available():
-        pytest.skip(autograd_ops.status())
-    return request.param
-
-
-@pytest.fixture(params=["operators", "functions"])
-def operator_paths(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Run a test with the C++ autograd operators (where built) and with the Python Functions
-    they replace on eager CPU tensors."""
-    if request.param == "functions":
-        monkeypatch.setattr(autograd_ops, "operators", lambda: None)
-    elif not autograd_ops.available():
-        pytest.skip(autograd_ops.status())
     return request.param
 
 

@@ -26,11 +26,11 @@ import torch
 from torch.testing._internal.common_modules import ModuleInfo, module_db
 
 from memsave_cli.exactness import PATTERNS, compare
-from memsave_cli.kernels import autograd_ops, native
+from memsave_cli.kernels import native
 
 DTYPES = (torch.float32, torch.float64)
-#: The eager CPU code paths of the drop-ins (the layer tests' fixtures name the same three).
-PATHS = ("operators", "functions", "torch")
+#: The eager CPU code paths of the drop-ins (the layer tests' ``kernels`` fixture names the same).
+PATHS = ("native", "torch")
 
 
 def entry(name: str) -> ModuleInfo:
@@ -40,16 +40,14 @@ def entry(name: str) -> ModuleInfo:
 
 @contextlib.contextmanager
 def code_path(path: str) -> Iterator[None]:
-    """Run the drop-ins on one eager CPU path: C++ operators, Python Functions or torch ops."""
-    saved = native.available, autograd_ops.operators
-    if path != "operators":
-        autograd_ops.operators = lambda: None
+    """Run the drop-ins on one eager CPU path: the native C kernels or torch ops."""
+    saved = native.available
     if path == "torch":
         native.available = lambda: False
     try:
         yield
     finally:
-        native.available, autograd_ops.operators = saved
+        native.available = saved
 
 
 def samples(info: ModuleInfo) -> Iterator[tuple[str, object, object]]:

@@ -11,7 +11,7 @@ import torch
 from torch import Tensor, nn
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
-from memsave_cli.kernels import autograd_ops, bitmask, native
+from memsave_cli.kernels import bitmask, native
 from memsave_cli.kernels.bitmask import packed_numel
 from memsave_cli.layers import convert
 from memsave_cli.layers.activation import (
@@ -150,7 +150,7 @@ def _assert_same(expected: object, actual: object) -> None:
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda dtype: str(dtype).removeprefix("torch."))
 @pytest.mark.parametrize("case", CASES, ids=lambda case: case.name)
 def test_matches_stock(
-    case: Case, dtype: torch.dtype, inplace: bool, layout: str, activation_paths: str
+    case: Case, dtype: torch.dtype, inplace: bool, layout: str, kernels: str
 ) -> None:
     x = _input(dtype, case, layout)
     grad = _grad_output(x)
@@ -187,9 +187,7 @@ def test_dense_cpu_tensors_take_the_fused_kernels(
     native_calls: Callable[..., list[str]],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Without the operators, forward packs with one native pass and backward selects with
-    another."""
-    monkeypatch.setattr(autograd_ops, "operators", lambda: None)
+    """Forward packs with one native pass and backward selects with another."""
     kernels = ("relu_pack", "leaky_pack", "hardtanh_pack", "select_bits", "select_scale")
     used = native_calls(*kernels)
     x = _input(dtype, case, "channels_last")
@@ -198,19 +196,6 @@ def test_dense_cpu_tensors_take_the_fused_kernels(
     pack = packs.get(case.stock, "hardtanh_pack")
     select = "select_scale" if case.stock is nn.LeakyReLU else "select_bits"
     assert used == [pack, select]
-
-
-@pytest.mark.skipif(not autograd_ops.available(), reason=autograd_ops.status())
-@pytest.mark.parametrize("inplace", [False, True], ids=lambda flag: f"inplace={flag}")
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
-@pytest.mark.parametrize("case", CASES, ids=lambda case: case.name)
-def test_dense_cpu_tensors_take_the_operator(case: Case, dtype: torch.dtype, inplace: bool) -> None:
-    """Eager dense float CPU tensors run the C++ autograd operator, not a Python Function; the
-    one exception is in place with a negative LeakyReLU slope, whose stock error the Function
-    raises (``test_inplace_negative_slope_raises_stock_error``)."""
-    x = _input(dtype, case, "channels_last").requires_grad_()
-    y = case.build(inplace)[1](x * 1)
-    assert "MemSaveActivation" in y.grad_fn.name()
 
 
 @pytest.mark.skipif(not native.available(), reason=native.status())
@@ -482,7 +467,7 @@ def test_compiled_with_dynamic_shapes_matches_stock() -> None:
 
 
 @pytest.mark.parametrize("cls", [nn.ReLU, nn.LeakyReLU, nn.ReLU6])
-def test_expanded_input_gradient_reaches_base_as_stock(activation_paths: str, cls) -> None:
+def test_expanded_input_gradient_reaches_base_as_stock(kernels: str, cls) -> None:
     """A stride-0 input: the gradient takes stock's layout, so expand's sum adds as stock's."""
     grads = []
     for module in (cls(), convert(cls())):

@@ -256,7 +256,7 @@ def _assert_all_needs(stock: nn.Module, ours: nn.Module, case: Case, x: Tensor, 
     "dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16], ids=str
 )
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
-def test_matches_stock_bitwise(case: Case, dtype: torch.dtype, operator_paths: str) -> None:
+def test_matches_stock_bitwise(case: Case, dtype: torch.dtype) -> None:
     stock, ours = _pair(case, dtype)
     _assert_all_needs(stock, ours, case, _input(case, dtype))
 
@@ -279,7 +279,7 @@ def _channels_last(case: Case, dtype: torch.dtype, layout: tuple[bool, bool]) ->
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("case", CL_CASES, ids=lambda c: c.name)
 def test_channels_last_matches_stock(
-    case: Case, dtype: torch.dtype, layout: tuple, operator_paths: str
+    case: Case, dtype: torch.dtype, layout: tuple
 ) -> None:
     stock, ours, x = _channels_last(case, dtype, layout)
     _assert_all_needs(stock, ours, case, x)
@@ -382,7 +382,7 @@ def _padded_input_bytes(case: Case, stock: nn.Module) -> int:
 
 
 @pytest.mark.parametrize("case", MEMORY_CASES, ids=lambda c: c.name)
-def test_saved_bytes(case: Case, operator_paths: str) -> None:
+def test_saved_bytes(case: Case) -> None:
     stock, ours = _pair(case)
     x_bytes, w_bytes = _nbytes(_input(case)), _nbytes(stock.weight)
     conv_in = _padded_input_bytes(case, stock)
@@ -469,7 +469,6 @@ def test_backward_allocates_only_gradients(
     dtype: torch.dtype,
     needs: tuple,
     one_element: bool,
-    operator_paths: str,
 ) -> None:
     """A dropped tensor costs no memory in backward: only the gradients themselves are that big."""
     if one_element:  # the path used off CPU
@@ -482,7 +481,7 @@ def test_backward_allocates_only_gradients(
 
 
 @pytest.mark.parametrize("name", ["c1-basic", "c2-basic", "c3-basic", "t2-all-options"])
-def test_cpu_kernels_do_not_copy_stand_ins(name: str, operator_paths: str) -> None:
+def test_cpu_kernels_do_not_copy_stand_ins(name: str) -> None:
     """Every CPU backend calls ``input.contiguous(format)``: the CPU stand-ins pass through it."""
     case = next(c for c in CASES if c.name == name)
     _, ours = _pair(case)
@@ -571,7 +570,7 @@ def test_registered_and_stock_compatible() -> None:
     assert repr(ours) == repr(stock).replace("Conv2d", "MemSaveConv2d", 1)
 
 
-def test_double_backward_names_the_layer(operator_paths: str) -> None:
+def test_double_backward_names_the_layer() -> None:
     _, ours = _pair(CASES[6])
     ours.weight.requires_grad_(False)
     x = _input(CASES[6]).requires_grad_()

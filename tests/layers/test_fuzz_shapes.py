@@ -79,7 +79,7 @@ grad_layouts = st.sampled_from(LAYOUTS)
     inplace=st.booleans(),
 )
 def test_activations(
-    activation_paths: str, x: Tensor, pattern: str, grad_layout: str, kind: int, inplace: bool
+    kernels: str, x: Tensor, pattern: str, grad_layout: str, kind: int, inplace: bool
 ) -> None:
     builders = [
         lambda: nn.ReLU(inplace),
@@ -128,7 +128,7 @@ def test_batchnorm(data, dims: int, pattern: str, grad_layout: str) -> None:
     grad_layout=grad_layouts,
 )
 def test_convolutions(
-    operator_paths: str, data, dims: int, transposed: bool, pattern: str, grad_layout: str
+    data, dims: int, transposed: bool, pattern: str, grad_layout: str
 ) -> None:
     groups = data.draw(st.integers(1, 2))
     x = data.draw(tensors(ndim=dims + 2, min_size=0, max_size=6))
@@ -200,7 +200,7 @@ def test_rmsnorm(data, pattern: str, grad_layout: str) -> None:
     seed=st.integers(0, 2**16),
 )
 def test_dropout_keeps_stock_rule(
-    operator_paths: str, x: Tensor, p: float, kind: int, seed: int
+    x: Tensor, p: float, kind: int, seed: int
 ) -> None:
     """Every output element is 0 or the input times stock's scale, and the gradient passes
     exactly where the output kept its element, scaled by the same factor."""
