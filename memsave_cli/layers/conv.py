@@ -9,22 +9,15 @@ input needs one. Stock autograd saves both whenever any gradient is required.
 
 from __future__ import annotations
 
-import functools
-import mmap
 from collections.abc import Callable, Sequence
-from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch._prims_common import (
-    make_channels_last_strides_for,
-    make_contiguous_strides_for,
-)
 from torch.amp.autocast_mode import is_autocast_available
 
-from memsave_cli.kernels._layout import is_dense, memory_format
-from memsave_cli.layers._backward import forbid_double_backward, shape_only
+from memsave_cli.layers import stand_ins
+from memsave_cli.layers._backward import forbid_double_backward
 from memsave_cli.layers.registry import drop_in
 
 Conv = nn.Conv1d | nn.Conv2d | nn.Conv3d
@@ -39,122 +32,6 @@ ConvTranspose = nn.ConvTranspose1d | nn.ConvTranspose2d | nn.ConvTranspose3d
 # CPU stand-ins are memoised by shape and strides.
 _CONVOLUTION = torch.ops.aten.convolution.default
 _CONVOLUTION_BACKWARD = torch.ops.aten.convolution_backward.default
-
-# NOTE [stand-ins for dropped tensors]: ``aten.convolution_backward`` takes the input and the
-# weight even when it only reads their shape and layout (the layout picks the kernel, so it
-# matters for bitwise equality). Every CPU backend starts with ``input.contiguous(format)``,
-# which turns a one-element ``shape_only`` stand-in into a full, written copy (measured: +16%
-# backward time on a 3x3 Conv2d). On CPU the stand-in is therefore a view, with the dropped
-# tensor's strides, of one anonymous memory mapping that nothing ever writes: the kernel passes
-# it through, and untouched pages occupy no RAM and cost no page faults (a fresh allocation of
-# input size per backward would still shift where the gradient lands and fault new pages).
-# While tracing (fake or functional tensors) an ``empty_strided`` stands in instead. cuDNN
-# skips that copy when no weight gradient is asked for, so elsewhere the one-element stand-in
-# is used, and a channels-last choice it cannot convey rides on the weight.
-_DENSE_STAND_IN_DEVICES = frozenset({"cpu"})
-
-#: The never-written CPU mapping that stand-ins view; replaced by a larger one on demand.
-_UNTOUCHED: list[Tensor] = []
-
-#: CPU stand-ins by geometry and dtype, all views of ``_UNTOUCHED[0]``; emptied when it is
-#: replaced, so that an outgrown mapping is unmapped once no kernel holds a view of it.
-_STAND_INS: dict[tuple[_Geometry, torch.dtype], Tensor] = {}
-_MAX_STAND_INS = 256
-
-
-def _untouched_bytes(nbytes: int) -> Tensor:
-    """A uint8 CPU tensor of at least ``nbytes`` over anonymous memory nobody writes."""
-    if not _UNTOUCHED or _UNTOUCHED[0].numel() < nbytes:
-        grown = max(nbytes, 2 * _UNTOUCHED[0].numel() if _UNTOUCHED else 0, mmap.PAGESIZE)
-        _STAND_INS.clear()
-        _UNTOUCHED[:] = [torch.frombuffer(mmap.mmap(-1, grown), dtype=torch.uint8)]
-    return _UNTOUCHED[0][:nbytes]
-
-
-class _Geometry(NamedTuple):
-    """Shape, strides and suggested layout of a tensor that backward replaces by a stand-in."""
-
-    shape: torch.Size
-    stride: tuple[int, ...]
-    memory_format: torch.memory_format
-
-
-def _geometry(t: Tensor) -> _Geometry:
-    """What a stand-in for ``t`` reproduces: ATen's ``empty_like`` rule, computed from strides.
-
-    That is ``t``'s own strides when it is dense, else those of its suggested memory format. No
-    tensor of ``t``'s size is created, so memory accounting sees nothing of input size here.
-    Eager tensors are answered from a cache (see NOTE [Python between kernels runs on a cold
-    cache]); traced ones, whose sizes may be symbolic, are computed each time.
-    """
-    if type(t) in (Tensor, nn.Parameter) and not torch.compiler.is_compiling():
-        return _eager_geometry(t.shape, t.stride())
-    return _computed_geometry(t)
-
-
-@functools.lru_cache(maxsize=512)
-def _eager_geometry(shape: torch.Size, stride: tuple[int, ...]) -> _Geometry:
-    """``_geometry`` of an eager tensor, which depends on its shape and strides only."""
-    return _computed_geometry(torch.empty_strided(shape, stride, device="meta"))
-
-
-def _computed_geometry(t: Tensor) -> _Geometry:
-    """``_geometry`` without the cache."""
-    layout = memory_format(t)
-    if is_dense(t):
-        return _Geometry(t.shape, tuple(t.stride()), layout)
-    if layout == torch.contiguous_format:
-        return _Geometry(t.shape, tuple(make_contiguous_strides_for(t.shape)), layout)
-    return _Geometry(t.shape, tuple(make_channels_last_strides_for(t.shape)), layout)
-
-
-def _stand_in(grad: Tensor, geometry: _Geometry) -> Tensor:
-    """A tensor the backward kernel reads only the shape and layout of (see NOTE above)."""
-    if grad.device.type not in _DENSE_STAND_IN_DEVICES:
-        return shape_only(grad, geometry.shape)
-    if type(grad) is not Tensor or torch.compiler.is_compiling():  # traced: no real memory
-        return torch.empty_strided(geometry.shape, geometry.stride, dtype=grad.dtype)
-    key = (geometry, grad.dtype)
-    stand_in = _STAND_INS.get(key)
-    if stand_in is None:
-        if len(_STAND_INS) >= _MAX_STAND_INS:
-            _STAND_INS.clear()
-        stand_in = _untouched_view(geometry, grad.dtype)
-        _STAND_INS[key] = stand_in
-    return stand_in
-
-
-def _untouched_view(geometry: _Geometry, dtype: torch.dtype) -> Tensor:
-    """A view of the untouched mapping with ``geometry``'s shape and strides."""
-    extent = (
-        sum(
-            (size - 1) * stride
-            for size, stride in zip(geometry.shape, geometry.stride, strict=True)
-        )
-        + 1
-    )
-    extent = extent if all(geometry.shape) else 0
-    untouched = _untouched_bytes(extent * dtype.itemsize).view(dtype)
-    return untouched.as_strided(geometry.shape, geometry.stride)
-
-
-def _channels_last_format(t: Tensor | _Geometry) -> torch.memory_format | None:
-    """The channels-last format ATen would suggest for ``t``, or None."""
-    suggested = t.memory_format if isinstance(t, _Geometry) else memory_format(t)
-    return None if suggested == torch.contiguous_format else suggested
-
-
-def _channels_last_weight(x: Tensor, weight: Tensor, dropped: list[_Geometry]) -> Tensor:
-    """Make ``weight`` carry a channels-last choice that a one-element stand-in dropped.
-
-    Kernels go channels-last when the input *or* the weight suggests it. The copy uses the
-    canonical strides, which also mark weights whose layout is ambiguous (1x1 kernels).
-    """
-    formats = {_channels_last_format(g) for g in dropped} - {None}
-    if not formats or any(_channels_last_format(t) for t in (x, weight)):
-        return weight
-    # Deliberate weight-size allocation: the kernel would make this copy of the weight itself.
-    return torch.empty_like(weight, memory_format=formats.pop()).copy_(weight)
 
 
 class _ConvFunction(torch.autograd.Function):
@@ -177,8 +54,8 @@ class _ConvFunction(torch.autograd.Function):
         need_x, need_weight = ctx.needs_input_grad[:2]
         # See NOTE [what a convolution's backward needs].
         ctx.save_for_backward(x if need_weight else None, weight if need_x else None)
-        ctx.x_geometry = None if need_weight else _geometry(x)
-        ctx.weight_geometry = None if need_x else _geometry(weight)
+        ctx.x_geometry = None if need_weight else stand_ins.geometry(x)
+        ctx.weight_geometry = None if need_x else stand_ins.geometry(weight)
         ctx.bias_shape = None if bias is None else bias.shape
         ctx.params = params
         ctx.mask = list(ctx.needs_input_grad[:3])
@@ -189,11 +66,11 @@ class _ConvFunction(torch.autograd.Function):
     def backward(ctx: torch.autograd.function.FunctionCtx, grad: Tensor) -> tuple:
         forbid_double_backward(ctx.layer)
         x, weight = ctx.saved_tensors
-        x = _stand_in(grad, ctx.x_geometry) if x is None else x
-        weight = _stand_in(grad, ctx.weight_geometry) if weight is None else weight
-        if grad.device.type not in _DENSE_STAND_IN_DEVICES:
+        x = stand_ins.stand_in(grad, ctx.x_geometry) if x is None else x
+        weight = stand_ins.stand_in(grad, ctx.weight_geometry) if weight is None else weight
+        if grad.device.type not in stand_ins.DENSE_DEVICES:
             dropped = [g for g in (ctx.x_geometry, ctx.weight_geometry) if g is not None]
-            weight = _channels_last_weight(x, weight, dropped)
+            weight = stand_ins.channels_last_weight(x, weight, dropped)
         grads = _CONVOLUTION_BACKWARD(grad, x, weight, ctx.bias_shape, *ctx.params, ctx.mask)
         return (*grads, None, None, None, None, None, None)
 
@@ -209,7 +86,7 @@ class _PadFunction(torch.autograd.Function):
     def forward(
         ctx: torch.autograd.function.FunctionCtx, x: Tensor, pad: Sequence[int], mode: str
     ) -> Tensor:
-        ctx.x_geometry, ctx.pad, ctx.mode = _geometry(x), pad, mode
+        ctx.x_geometry, ctx.pad, ctx.mode = stand_ins.geometry(x), pad, mode
         return F.pad(x, pad, mode=mode)
 
     @staticmethod
@@ -218,7 +95,7 @@ class _PadFunction(torch.autograd.Function):
         forbid_double_backward(f"MemSaveConv{n}d (padding_mode={ctx.mode!r})")
         kernel = getattr(torch.ops.aten, f"{_PAD_KERNELS[ctx.mode]}_pad{n}d_backward")
         # These kernels read the input's shape, and lay the gradient out like it.
-        return kernel(grad, _stand_in(grad, ctx.x_geometry), ctx.pad), None, None
+        return kernel(grad, stand_ins.stand_in(grad, ctx.x_geometry), ctx.pad), None, None
 
 
 def _pad(x: Tensor, pad: Sequence[int], mode: str) -> Tensor:

@@ -11,7 +11,7 @@ from torch import Tensor, nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from memsave_cli.layers import conv
+from memsave_cli.layers import stand_ins
 from memsave_cli.layers.conv import (
     MemSaveConv1d,
     MemSaveConv2d,
@@ -278,9 +278,7 @@ def _channels_last(case: Case, dtype: torch.dtype, layout: tuple[bool, bool]) ->
 @pytest.mark.parametrize("layout", LAYOUTS.values(), ids=LAYOUTS.keys())
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("case", CL_CASES, ids=lambda c: c.name)
-def test_channels_last_matches_stock(
-    case: Case, dtype: torch.dtype, layout: tuple
-) -> None:
+def test_channels_last_matches_stock(case: Case, dtype: torch.dtype, layout: tuple) -> None:
     stock, ours, x = _channels_last(case, dtype, layout)
     _assert_all_needs(stock, ours, case, x)
 
@@ -293,7 +291,7 @@ def test_one_element_stand_ins(monkeypatch: pytest.MonkeyPatch, case: Case, layo
     Values must be bitwise stock; layouts may differ where a CPU kernel lays its gradient out
     like the (now one-element) input.
     """
-    monkeypatch.setattr(conv, "_DENSE_STAND_IN_DEVICES", frozenset())
+    monkeypatch.setattr(stand_ins, "DENSE_DEVICES", frozenset())
     stock, ours, x = _channels_last(case, torch.float32, layout)
     _assert_all_needs(stock, ours, case, x, check_layout=False)
 
@@ -472,7 +470,7 @@ def test_backward_allocates_only_gradients(
 ) -> None:
     """A dropped tensor costs no memory in backward: only the gradients themselves are that big."""
     if one_element:  # the path used off CPU
-        monkeypatch.setattr(conv, "_DENSE_STAND_IN_DEVICES", frozenset())
+        monkeypatch.setattr(stand_ins, "DENSE_DEVICES", frozenset())
     case = next(c for c in CASES if c.name == name)
     log, x_bytes, w_bytes = _backward_log(case, dtype, needs)
     big = [op for op, nbytes in log.new if nbytes >= min(x_bytes, w_bytes)]
@@ -619,14 +617,14 @@ def test_input_and_weight_training_runs_stock(name: str) -> None:
 def test_cpu_stand_ins_are_reused_views_of_untouched_memory() -> None:
     """A stand-in is made once per geometry and dtype, and dropped when the mapping grows."""
     x, grad = torch.randn(2, 3, 5, 4).contiguous(memory_format=torch.channels_last), torch.ones(1)
-    first = conv._stand_in(grad, conv._geometry(x))
-    assert conv._stand_in(grad, conv._geometry(x.clone())) is first
+    first = stand_ins.stand_in(grad, stand_ins.geometry(x))
+    assert stand_ins.stand_in(grad, stand_ins.geometry(x.clone())) is first
     assert (first.shape, first.stride()) == (x.shape, x.stride())
-    assert first.untyped_storage().data_ptr() == conv._UNTOUCHED[0].data_ptr()
-    assert conv._stand_in(grad.double(), conv._geometry(x)).dtype == torch.float64
-    conv._untouched_bytes(2 * conv._UNTOUCHED[0].numel() + 1)
-    assert conv._STAND_INS == {}
-    assert conv._stand_in(grad, conv._geometry(x)) is not first
+    assert first.untyped_storage().data_ptr() == stand_ins._UNTOUCHED[0].data_ptr()
+    assert stand_ins.stand_in(grad.double(), stand_ins.geometry(x)).dtype == torch.float64
+    stand_ins._untouched_bytes(2 * stand_ins._UNTOUCHED[0].numel() + 1)
+    assert stand_ins._STAND_INS == {}
+    assert stand_ins.stand_in(grad, stand_ins.geometry(x)) is not first
 
 
 def test_stock_errors_are_kept() -> None:
