@@ -64,9 +64,7 @@ def _run(module: nn.Module, x: Tensor, grad: Tensor | None = None) -> tuple[Tens
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
 @pytest.mark.parametrize("p", PS, ids=[f"p={p}" for p in PS])
 @pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
-def test_gradient_is_grad_times_mask_over_keep(
-    case: tuple, p: float, dtype: torch.dtype
-) -> None:
+def test_gradient_is_grad_times_mask_over_keep(case: tuple, p: float, dtype: torch.dtype) -> None:
     memsave_cls, _, shape, shared_dims = case
     x = _positive(shape, dtype)
     leaf = x.clone().requires_grad_()
@@ -82,9 +80,7 @@ def test_gradient_is_grad_times_mask_over_keep(
 
 @pytest.mark.parametrize("p", [0.2, 0.7], ids=["p=0.2", "p=0.7"])
 @pytest.mark.parametrize("memsave_cls", [MemSaveDropout, MemSaveDropout2d], ids=["elem", "feat"])
-def test_channels_last_keeps_layout_and_mask(
-    memsave_cls: type, p: float
-) -> None:
+def test_channels_last_keeps_layout_and_mask(memsave_cls: type, p: float) -> None:
     x = _positive((3, 5, 6, 4)).to(memory_format=torch.channels_last)
     grad = torch.randn(3, 5, 6, 4)  # contiguous: backward must regenerate the same mask anyway
     output, input_grad = _run(memsave_cls(p), x, grad)
@@ -107,9 +103,7 @@ def test_expanded_grad_output() -> None:
     [(MemSaveDropout, (1000, 1000)), (MemSaveDropout2d, (200, 200, 2, 2))],
     ids=["elem", "feat"],
 )
-def test_drop_fraction_matches_p(
-    memsave_cls: type, shape: tuple[int, ...], p: float
-) -> None:
+def test_drop_fraction_matches_p(memsave_cls: type, shape: tuple[int, ...], p: float) -> None:
     torch.manual_seed(0)
     output = memsave_cls(p)(torch.ones(shape, requires_grad=True))
     draws = math.prod(shape[:2]) if memsave_cls is MemSaveDropout2d else math.prod(shape)

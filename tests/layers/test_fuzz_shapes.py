@@ -127,9 +127,7 @@ def test_batchnorm(data, dims: int, pattern: str, grad_layout: str) -> None:
     pattern=patterns,
     grad_layout=grad_layouts,
 )
-def test_convolutions(
-    data, dims: int, transposed: bool, pattern: str, grad_layout: str
-) -> None:
+def test_convolutions(data, dims: int, transposed: bool, pattern: str, grad_layout: str) -> None:
     groups = data.draw(st.integers(1, 2))
     x = data.draw(tensors(ndim=dims + 2, min_size=0, max_size=6))
     hypothesis.assume(x.shape[1] % groups == 0 and x.shape[1] > 0)
@@ -199,9 +197,7 @@ def test_rmsnorm(data, pattern: str, grad_layout: str) -> None:
     kind=st.integers(0, 3),
     seed=st.integers(0, 2**16),
 )
-def test_dropout_keeps_stock_rule(
-    x: Tensor, p: float, kind: int, seed: int
-) -> None:
+def test_dropout_keeps_stock_rule(x: Tensor, p: float, kind: int, seed: int) -> None:
     """Every output element is 0 or the input times stock's scale, and the gradient passes
     exactly where the output kept its element, scaled by the same factor."""
     cls = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d)[kind]
