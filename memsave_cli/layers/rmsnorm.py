@@ -235,6 +235,13 @@ def rms_norm(
     """
     dims = tuple(d % x.dim() for d in dims) if x.dim() else dims
     upcast = upcast or _upcast(x.dtype, style)
+    if torch.compiler.is_compiling():
+        # NOTE [RMSNorm under torch.compile]: Dynamo breaks the graph at a Function that takes
+        # one tensor twice (as this one does, NOTE [two edges into x]), once per call. Compiled,
+        # the forward's own ops (stock's) run unwrapped: one graph, stock's gradients bit for
+        # bit, and what is kept is the compiler's choice, which for a tiny LLaMA under inductor
+        # kept no more than the drop-in does (tests/layers/test_compile_models.py).
+        return RMSNormFunction.forward(x, x, weight, eps, dims, style, upcast)[0]
     out, _, _ = RMSNormFunction.apply(x, x, weight, eps, dims, style, upcast)
     return out
 
@@ -273,6 +280,8 @@ class MemSaveRMSNorm(nn.RMSNorm):
     def forward(self, input: Tensor) -> Tensor:
         shape = tuple(self.normalized_shape)
         fits = 0 < len(shape) <= input.dim() and tuple(input.shape[-len(shape) :]) == shape
+        if torch.compiler.is_compiling():  # NOTE [RMSNorm under torch.compile]
+            return super().forward(input)
         if not (fits and may_record(input, self.weight) and _composite_on(input, self.weight)):
             return super().forward(input)
         eps = self.eps if self.eps is not None else torch.finfo(_opmath(input.dtype)).eps

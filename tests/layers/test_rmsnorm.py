@@ -157,6 +157,22 @@ def test_hf_rmsnorm_saves_less(family: str) -> None:
     assert mine["saved"] < ref["saved"]
 
 
+@pytest.mark.parametrize("family", [*HF_NORMS, "torch"])
+def test_compiles_to_one_graph_with_stock_gradients(family: str) -> None:
+    """Under ``torch.compile`` (``fullgraph``: a graph break raises) each style traces whole
+    and gives the gradients of stock compiled alike (NOTE [RMSNorm under torch.compile])."""
+    if family == "torch":
+        stock = nn.RMSNorm(7)
+        memsave = convert(stock)
+    else:
+        stock, memsave = hf_pair(HF_NORMS[family], torch.float32, torch.float32)
+    x, grad = special_input((3, 5, 7), torch.float32, "contiguous"), torch.randn(3, 5, 7)
+    torch._dynamo.reset()
+    compiled = [torch.compile(m, backend="aot_eager", fullgraph=True) for m in (stock, memsave)]
+    ref, mine = (run(m, x, grad, (True, True)) for m in compiled)
+    assert_same(ref, mine)
+
+
 @pytest.mark.parametrize("style", ["llama", "olmo", "t5", "torch"])
 def test_gradcheck(style: str) -> None:
     """The Function's gradients in float64 against finite differences (statistics in float64
