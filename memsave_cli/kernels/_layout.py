@@ -33,6 +33,15 @@ def is_dense(t: Tensor) -> bool:
     return is_non_overlapping_and_dense_or_false(t)
 
 
+def require_dense(t: Tensor, name: str, kernels: str) -> None:
+    """Raise ValueError unless ``t`` is dense, naming the ``kernels`` that need it."""
+    if not is_dense(t):
+        raise ValueError(
+            f"{kernels} kernels need dense tensors: {name} has shape {tuple(t.shape)} and "
+            f"strides {t.stride()} (call .contiguous())."
+        )
+
+
 def _is_eager(t: Tensor) -> bool:
     return type(t) in _EAGER_TYPES and not torch.compiler.is_compiling()
 

@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 
 from memsave_cli.kernels import build
-from memsave_cli.kernels._layout import is_dense
+from memsave_cli.kernels._layout import require_dense
 
 #: Bits of +infinity for each supported float dtype (NOTE [float classes as integer tests] in C).
 _INF_BITS = {
@@ -262,11 +262,7 @@ def _check_cpu(tensor: Tensor, name: str) -> None:
 def _check_dense(tensor: Tensor, name: str) -> None:
     """Raise unless ``tensor`` is a dense CPU tensor: contiguous in some memory format."""
     _check_cpu(tensor, name)
-    if not is_dense(tensor):
-        raise ValueError(
-            f"Native kernels need dense tensors: {name} has shape {tuple(tensor.shape)} "
-            f"and strides {tensor.stride()} (call .contiguous())."
-        )
+    require_dense(tensor, name, "Native")
 
 
 def max_pool2(

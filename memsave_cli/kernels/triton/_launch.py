@@ -27,7 +27,7 @@ from triton.runtime import interpreter
 from triton.runtime.interpreter import InterpretedFunction
 from triton.runtime.jit import JITFunction
 
-from memsave_cli.kernels._layout import is_dense
+from memsave_cli.kernels._layout import require_dense
 from memsave_cli.kernels.triton import interpreting, status
 
 #: Most elements per program of the elementwise kernels (a power of two, at least 64: whole
@@ -132,11 +132,7 @@ def check_device(tensor: Tensor, name: str) -> None:
 def check_dense(tensor: Tensor, name: str) -> None:
     """Raise unless ``tensor`` is dense: a permuted contiguous block, read here in memory order."""
     check_device(tensor, name)
-    if not is_dense(tensor):
-        raise ValueError(
-            f"Triton kernels need dense tensors: {name} has shape {tuple(tensor.shape)} and "
-            f"strides {tensor.stride()} (call .contiguous())."
-        )
+    require_dense(tensor, name, "Triton")
 
 
 def check_like(out: Tensor, like: Tensor, name: str, like_name: str, dtype=None) -> None:
