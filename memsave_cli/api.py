@@ -12,10 +12,11 @@ from memsave_cli.errors import MemsaveError
 from memsave_cli.fsdp import sharded_device
 from memsave_cli.lora import LoraSettings, apply_lora
 from memsave_cli.measure import DEVICES, NEEDS_REAL_DATA, Job, check_job
+from memsave_cli.plan_model import PlanModel
 from memsave_cli.preflight import check_plan
 from memsave_cli.report import Report, Run
 from memsave_cli.runner import run_jobs
-from memsave_cli.specs import ModelSpec, build_model, parse_spec
+from memsave_cli.specs import ModelSpec, parse_spec
 from memsave_cli.timing import time_runs
 
 
@@ -56,7 +57,7 @@ def profile(
     ``lora`` settings (default ``lora_settings()``). ``fsdp=N`` estimates one rank of N under FSDP2
     on meta (``reshard``: FSDP2's ``reshard_after_forward``). Settings that cannot work raise MemsaveError
     before any worker starts (checked on meta: globs that select nothing, inputs the forward
-    cannot take); a failing run is a Run with a status.
+    cannot take, on one meta build of the model); a failing run is a Run with a status.
     """
     spec = parse_spec(model, model_kwargs)
     notes: list[str] = []
@@ -74,12 +75,14 @@ def profile(
         "reshard": reshard,
     }
     _check_settings(spec, impls, chosen, settings)
-    selected = _select_cases(spec, cases, notes, lora)
-    check_plan(spec, selected, batch_size=batch_size, input_shape=settings["input_shape"])
+    plan_model = PlanModel(spec)  # NOTE [one build] in plan_model.py
+    selected = _select_cases(plan_model, cases, notes, lora)
+    shape = settings["input_shape"]
+    check_plan(spec, selected, batch_size=batch_size, input_shape=shape, plan_model=plan_model)
     for case in selected:
         check_job(Job(spec, case, impls[0], chosen, **settings))
     if "memsave" in impls:
-        notes.extend(_unrecognised_notes(spec))
+        notes.extend(_unrecognised_notes(plan_model))
     # NOTE [paired timing] in timing.py: on cpu, times come from one worker per model alternating
     # the implementations, not from the memory runs.
     paired = chosen == "cpu" and repeat > 0
@@ -133,16 +136,20 @@ def resolve_device(
 
 
 def _select_cases(
-    spec: ModelSpec, cases: Sequence[str | Case], notes: list[str], lora: LoraSettings | None
+    plan_model: PlanModel,
+    cases: Sequence[str | Case],
+    notes: list[str],
+    lora: LoraSettings | None,
 ) -> list[Case]:
     """Resolve case names; drop ``norm`` with a note when the model has no norm layer to train;
     check that LoRA targets select layers of the model."""
     resolved = [case if isinstance(case, Case) else _resolve(case, lora) for case in cases]
     if not resolved:
         raise MemsaveError("no case to measure: give at least one")
-    check_lora_cases(spec, resolved)
-    if any(case.name == "norm" for case in resolved) and not _has_norms(spec):
-        notes.append(f"case norm skipped: {spec.text} has no normalisation layer with parameters")
+    check_lora_cases(plan_model, resolved)
+    if any(case.name == "norm" for case in resolved) and not has_norm_layers(plan_model.model):
+        text = plan_model.spec.text
+        notes.append(f"case norm skipped: {text} has no normalisation layer with parameters")
         resolved = [case for case in resolved if case.name != "norm"]
     return resolved
 
@@ -153,26 +160,22 @@ def _resolve(name: str, lora: LoraSettings | None) -> Case:
     return resolve_case(name, lora=lora if is_lora else None)
 
 
-def check_lora_cases(spec: ModelSpec, cases: Sequence[Case]) -> None:
-    """Raise CaseError when a lora case's targets select no layer (checked on a meta build)."""
+def check_lora_cases(plan_model: PlanModel, cases: Sequence[Case]) -> None:
+    """Raise CaseError when a lora case's targets select no layer (checked on a copy of the
+    meta build, which the adapters change)."""
     for case in cases:
         if case.lora is not None:
             with torch.device("meta"):
-                apply_lora(build_model(spec), case.lora)
+                apply_lora(plan_model.copy(), case.lora)
 
 
-def _has_norms(spec: ModelSpec) -> bool:
-    with torch.device("meta"):
-        return has_norm_layers(build_model(spec))
-
-
-def _unrecognised_notes(spec: ModelSpec) -> list[str]:
+def _unrecognised_notes(plan_model: PlanModel) -> list[str]:
     """A note naming the modules that look like RMSNorms or gated MLPs but that memsave leaves
     stock, because no recipe reproduces them bitwise (NOTE [converting by behaviour])."""
     from memsave_cli.layers.recognise import unrecognised_counts
 
     with torch.device("meta"):
-        counts = unrecognised_counts(build_model(spec))
+        counts = unrecognised_counts(plan_model.model)
     if not counts:
         return []
     names = ", ".join(f"{name} ({count})" for name, count in sorted(counts.items()))

@@ -15,16 +15,15 @@ import json
 from collections.abc import Callable, Generator, Sequence
 from dataclasses import asdict, dataclass, replace
 
-import torch
-
 from memsave_cli.api import check_lora_cases, resolve_device
 from memsave_cli.budget import parse_bytes
 from memsave_cli.cases import PAPER_CASES, Case, has_norm_layers, resolve_case
 from memsave_cli.errors import MemsaveError
 from memsave_cli.measure import Job, measure, one_line
+from memsave_cli.plan_model import PlanModel
 from memsave_cli.preflight import check_plan
 from memsave_cli.report import Run, Status
-from memsave_cli.specs import ModelSpec, build_model, parse_spec
+from memsave_cli.specs import parse_spec
 
 #: Upper end of the search when nothing else stops it (a peak that ignores the batch size).
 MAX_BATCH_SIZE = 1 << 20
@@ -101,10 +100,13 @@ def fit(
     spec = parse_spec(model, model_kwargs)
     notes: list[str] = []
     device = resolve_device(device, notes, fsdp, reshard)
-    chosen, skipped = _cases(spec, cases)
+    plan_model = PlanModel(spec)  # NOTE [one build] in plan_model.py
+    chosen, skipped = _cases(plan_model, cases)
     notes.extend(skipped)
     settings = {"dtype": dtype, "input_shape": _shape(input_shape), "bn_eval": bn_eval}
-    check_plan(spec, chosen, batch_size=1, input_shape=settings["input_shape"])  # before any run
+    shape = settings["input_shape"]
+    # before any run
+    check_plan(spec, chosen, batch_size=1, input_shape=shape, plan_model=plan_model)
     settings |= {"optimizer": optimizer, "repeat": 1, "per_layer": False}
     settings |= {"fsdp": fsdp, "reshard": reshard}
     jobs = {(c, i): Job(spec, c, i, device, **settings) for c in chosen for i in impls}
@@ -214,15 +216,14 @@ def _peak_of(job: Job, run: Run) -> int | None:
     return run.peak_bytes
 
 
-def _cases(spec: ModelSpec, cases: Sequence[str | Case]) -> tuple[list[Case], list[str]]:
+def _cases(plan_model: PlanModel, cases: Sequence[str | Case]) -> tuple[list[Case], list[str]]:
     """Resolved cases; ``norm`` is skipped with a note when it is one of the defaults and the
     model has no norm layers (asked for explicitly, it fails with CaseError instead)."""
     resolved = [c if isinstance(c, Case) else resolve_case(c) for c in cases]
-    check_lora_cases(spec, resolved)
+    check_lora_cases(plan_model, resolved)
     if tuple(cases) != PAPER_CASES:
         return resolved, []
-    with torch.device("meta"):
-        model = build_model(spec)
+    model = plan_model.model
     if has_norm_layers(model):
         return resolved, []
     note = f"case norm skipped: {type(model).__name__} has no normalisation layers"

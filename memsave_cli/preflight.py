@@ -3,8 +3,9 @@
 A glob that selects no parameter, a model whose forward needs inputs memsave would not give it,
 or inputs of the wrong shape fail every run the same way; found here, it is one line in a second
 instead of a table of identical failures after the workers have started. The model is built once
-on meta (no memory, no data) and runs one forward there; a check that meta cannot answer (a
-model computing with tensor values) is left to the workers.
+on meta (no memory, no data; shared with the caller's other checks, NOTE [one build] in
+plan_model.py) and a copy runs one forward there; a check that meta cannot answer (a model
+computing with tensor values) is left to the workers.
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ from torch import nn
 from memsave_cli.cases import Case, trainable_names
 from memsave_cli.errors import SpecError, describe
 from memsave_cli.inputs import Example, make_example
-from memsave_cli.specs import ModelSpec, build_model
+from memsave_cli.plan_model import PlanModel
+from memsave_cli.specs import ModelSpec
 
 
 def check_plan(
@@ -27,10 +29,12 @@ def check_plan(
     *,
     batch_size: int | None = None,
     input_shape: Sequence[int] | None = None,
+    plan_model: PlanModel | None = None,
 ) -> None:
-    """Raise CaseError or SpecError for what would fail every run of ``spec`` alike."""
-    with torch.device("meta"):
-        model = build_model(spec)
+    """Raise CaseError or SpecError for what would fail every run of ``spec`` alike; the model is
+    ``plan_model``'s when the caller's other checks share it."""
+    plan_model = plan_model or PlanModel(spec)
+    model = plan_model.model
     for case in cases:
         trainable_names(model, case)  # raises CaseError: a glob or preset that selects nothing
     try:
@@ -46,7 +50,8 @@ def check_plan(
     except Exception:
         return  # inputs that only real data can make: the worker says what went wrong
     check_inputs(model, spec, example)
-    check_forward(model, spec, example, input_shape is not None)
+    forward_copy = plan_model.copy()  # a forward may change the model the other checks share
+    check_forward(forward_copy, spec, example, input_shape is not None)
 
 
 def check_inputs(model: nn.Module, spec: ModelSpec, example: Example) -> None:
