@@ -30,7 +30,13 @@ _OFF_PATH_KWARGS = ("adapter_names", *getattr(peft_lora, "VARIANT_KWARG_KEYS", (
 
 
 def lora_forward(layer: peft_lora.LoraLayer, x: Tensor, *args: Any, **kwargs: Any) -> Tensor:
-    """peft's vanilla LoRA forward, each ``lora_A(dropout(x))`` replaying its dropout."""
+    """peft's vanilla LoRA forward, each ``lora_A(dropout(x))`` replaying its dropout.
+
+    Under ``torch.compile`` peft's own forward runs: Dynamo does not trace the replay's reads of
+    the generator state (every call would break the graph), and the compiler chooses what to keep.
+    """
+    if torch.compiler.is_compiling():
+        return _stock_forward(layer)(layer, x, *args, **kwargs)
     if layer.disable_adapters or layer.merged or layer.lora_variant:
         return _stock_forward(layer)(layer, x, *args, **kwargs)
     if any(kwargs.get(key) is not None for key in _OFF_PATH_KWARGS):

@@ -80,6 +80,18 @@ def test_tiny_llama_matches_stock_and_saves_less(
     assert saved[1] < 0.8 * saved[0]
 
 
+def test_compiles_to_one_graph_with_stock_gradients() -> None:
+    """Under ``torch.compile`` (``fullgraph``: a graph break raises) the converted model traces
+    whole, as peft's does, and gives the same loss and gradients."""
+    torch.manual_seed(0)
+    stock = _adapted(Attention(), ["q", "k", "v"])
+    memsave = convert(stock)
+    x = torch.randn(3, 5, 32)
+    torch._dynamo.reset()
+    compiled = [torch.compile(m, backend="aot_eager", fullgraph=True) for m in (stock, memsave)]
+    _assert_same_step(*compiled, lambda m: m(x).square().sum())
+
+
 @pytest.mark.slow
 def test_tiny_cnn_matches_stock_and_saves_less() -> None:
     torchvision = pytest.importorskip("torchvision")
