@@ -166,7 +166,9 @@ def _exclusive(lock: Path) -> Iterator[None]:
 
 def cached(recipe: Recipe) -> Path | None:
     """Where the library ``recipe`` builds is cached, or None; compiles nothing."""
-    return _cache.existing(_file_name(recipe, _compiler(recipe.compiler_variable, recipe.compilers)))
+    return _cache.existing(
+        _file_name(recipe, _compiler(recipe.compiler_variable, recipe.compilers))
+    )
 
 
 def _file_name(recipe: Recipe, compiler: list[str]) -> str:

@@ -49,11 +49,7 @@ def inner(*blocks: Tensor) -> int:
         return 1
     if first.dim() >= 3 and all([b.stride() == first.stride() for b in blocks]):
         channels = first.shape[1]
-        if (
-            first.stride(1) == 1
-            and first.stride(-1) == channels
-            and is_dense(first)
-        ):
+        if first.stride(1) == 1 and first.stride(-1) == channels and is_dense(first):
             return channels
     return 0
 

@@ -38,13 +38,11 @@ def test_attention_input_projections_train_in_every_case() -> None:
 def test_surgical_trains_the_first_quarter_of_leaf_layers() -> None:
     model = tiny_transformer()
     leaves = [
-        n for n, m in model.named_modules()
-        if not list(m.children()) and list(m.parameters())
+        n for n, m in model.named_modules() if not list(m.children()) and list(m.parameters())
     ]
     first = [n for i, n in enumerate(leaves) if i <= len(leaves) / 4]
     expected = {
-        n for n, _ in model.named_parameters()
-        if ".in_proj_" in n or n.rpartition(".")[0] in first
+        n for n, _ in model.named_parameters() if ".in_proj_" in n or n.rpartition(".")[0] in first
     }
     assert script_trainable(model, "surgical") == expected
     assert len(first) == len(leaves) // 4 + 1
@@ -52,7 +50,12 @@ def test_surgical_trains_the_first_quarter_of_leaf_layers() -> None:
 
 def test_tied_embeddings_stay_frozen() -> None:
     model = TiedLanguageModel()
-    assert script_trainable(model, "all") == {"norm.weight", "norm.bias", "proj.weight", "proj.bias"}
+    assert script_trainable(model, "all") == {
+        "norm.weight",
+        "norm.bias",
+        "proj.weight",
+        "proj.bias",
+    }
     # surgical turns the embedding (first layer) on and the tied head (a later layer) off
     assert script_trainable(model, "surgical") == {"norm.weight", "norm.bias"}
     assert script_trainable(model, "input") == set()
@@ -61,7 +64,10 @@ def test_tied_embeddings_stay_frozen() -> None:
 def test_cases_carry_the_selection_and_the_input() -> None:
     cases = script_cases(TiedLanguageModel())
     assert cases["input"].name == "input" and cases["input"].input_grad
-    assert cases["norm"].name == "custom" and cases["norm"].trainable == ("norm.weight", "norm.bias")
+    assert cases["norm"].name == "custom" and cases["norm"].trainable == (
+        "norm.weight",
+        "norm.bias",
+    )
     assert not cases["all"].input_grad
 
 

@@ -147,7 +147,9 @@ def test_hub_id_outside_the_local_cache_is_one_line_without_network(
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
     monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(tmp_path))
     line = one_error_line(runner.invoke(app, ["profile", "hf:some-org/some-model"]))
-    assert "'some-org/some-model' is neither a directory nor in the local Hugging Face cache" in line
+    assert (
+        "'some-org/some-model' is neither a directory nor in the local Hugging Face cache" in line
+    )
     assert "huggingface-cli download some-org/some-model config.json" in line
 
 

@@ -63,7 +63,9 @@ def test_pack_matches_reference(kind: str, dtype: torch.dtype, layout: str, inpl
 @pytest.mark.parametrize("slope", [None, 0.1], ids=["select_bits", "select_scale"])
 @pytest.mark.parametrize("grad_layout", LAYOUTS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16], ids=str)
-def test_select_matches_reference(dtype: torch.dtype, grad_layout: str, slope: float | None) -> None:
+def test_select_matches_reference(
+    dtype: torch.dtype, grad_layout: str, slope: float | None
+) -> None:
     """The backward ops on bits of a contiguous input, for gradients in every layout and saved
     tensors laid out contiguous or channels-last (which decide the result's layout)."""
     if slope is not None and dtype == torch.bfloat16:

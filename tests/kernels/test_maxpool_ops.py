@@ -83,7 +83,6 @@ def test_opcheck() -> None:
     torch.library.opcheck(ops.to_indices, (offsets, maps.table, maps.starts))
 
 
-
 @pytest.mark.parametrize("window", [(1, 1), (1, 2), (2, 2)], ids=str)
 def test_two_wide_pool_matches_reference(window: tuple[int, int]) -> None:
     """The 2-wide pooling op and its backward give the reference's results (ATen's pooling and

@@ -190,9 +190,7 @@ def test_concurrent_builds_share_one_library(
 
     monkeypatch.setattr(build, "_compile", counted)
     paths: list[Path] = []
-    builders = [
-        threading.Thread(target=lambda: paths.append(build._build())) for _ in range(3)
-    ]
+    builders = [threading.Thread(target=lambda: paths.append(build._build())) for _ in range(3)]
     for builder in builders:
         builder.start()
     for builder in builders:
