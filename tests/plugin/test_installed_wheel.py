@@ -1,0 +1,70 @@
+"""The plugin as a user gets it: a wheel built from this tree, installed into a fresh environment,
+registers itself through its ``pytest11`` entry point, and a test file that only uses the
+``memsave`` fixture passes and fails as expected."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import venv
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+pytestmark = pytest.mark.slow
+
+
+def _run(*command: str | Path, cwd: Path) -> subprocess.CompletedProcess[str]:
+    """``command`` in ``cwd``, away from this tree and without ``PYTHONPATH``, so that only
+    what is installed can be imported."""
+    environment = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    return subprocess.run(
+        [str(part) for part in command],
+        cwd=cwd,
+        env=environment,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+
+
+def test_installed_wheel_registers_the_plugin(tmp_path: Path) -> None:
+    wheels = tmp_path / "wheels"
+    built = _run(
+        sys.executable, "-m", "pip", "wheel", ROOT, "--no-deps", "--no-build-isolation",
+        "--no-index", "-w", wheels, cwd=tmp_path,
+    )  # fmt: skip
+    if built.returncode != 0:
+        pytest.skip(f"cannot build a wheel offline here: {built.stderr.strip()[-300:]}")
+    (wheel,) = wheels.glob("memsave_cli-*.whl")
+    environment = tmp_path / "env"
+    # The environment sees this interpreter's packages (torch, pytest) but installs its own
+    # memsave_cli, which comes first on its path.
+    venv.create(environment, system_site_packages=True, with_pip=True)
+    python = environment / "bin" / "python"
+    installed = _run(python, "-m", "pip", "install", "--no-deps", "--no-index", wheel, cwd=tmp_path)
+    assert installed.returncode == 0, installed.stderr
+    where = _run(python, "-c", "import memsave_cli; print(memsave_cli.__file__)", cwd=tmp_path)
+    assert str(environment) in where.stdout, where.stdout + where.stderr
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "test_budget.py").write_text(
+        textwrap.dedent(
+            """
+            def test_fits(memsave):
+                memsave.assert_fits("torchvision:resnet18", budget="300MiB", case="input",
+                                    batch_size=16)
+
+            def test_over_budget(memsave):
+                memsave.assert_fits("torchvision:resnet18", budget="200MiB", case="input",
+                                    batch_size=16)
+            """
+        )
+    )
+    result = _run(python, "-m", "pytest", "-p", "no:cacheprovider", "-q", cwd=project)
+    assert "1 failed, 1 passed" in result.stdout, result.stdout[-3000:] + result.stderr[-2000:]
+    assert "over the budget of 200 MiB" in result.stdout, result.stdout[-3000:]
