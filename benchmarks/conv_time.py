@@ -17,7 +17,7 @@ import torch
 from torch import Tensor, nn
 
 from benchmarks.alternating import paired_times
-from memsave_cli.layers._backward import shape_only
+from memsave_cli.kernels._layout import shape_only
 from memsave_cli.layers.conv import MemSaveConv2d, MemSaveConvTranspose2d, _geometry, _stand_in
 
 #: name -> (stock class, constructor args, constructor kwargs, input shape)

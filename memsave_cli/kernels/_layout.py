@@ -1,4 +1,4 @@
-"""Memory-layout queries on eager tensors, memoised by shape and strides.
+"""Memory-layout queries on eager tensors, memoised by shape and strides, and shape-only stand-ins.
 
 ``torch._prims_common``'s layout predicates are written for symbolic shapes and cost several
 microseconds per call, a visible share of a small layer's forward+backward. Their answers depend
@@ -9,6 +9,7 @@ once per geometry on a ``meta`` tensor; traced and fake tensors go straight to t
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor, nn
@@ -51,3 +52,13 @@ def _cached(shape: tuple[int, ...], stride: tuple[int, ...]) -> tuple[torch.memo
     with _disable_current_modes():  # a memory tracker must not count the probe
         probe = torch.empty_strided(shape, stride, device="meta")
         return suggest_memory_format(probe), is_non_overlapping_and_dense_or_false(probe)
+
+
+def shape_only(like: Tensor, shape: Sequence[int]) -> Tensor:
+    """A tensor of ``shape`` (dtype and device of ``like``) that occupies one element of memory.
+
+    ATen backward kernels such as ``convolution_backward`` take the forward input as an argument
+    even when they only read its shape; an expanded one-element tensor satisfies that signature
+    without allocating anything of input size (the same device ``torch.nn.grad`` uses).
+    """
+    return like.new_empty(1).expand(tuple(shape))

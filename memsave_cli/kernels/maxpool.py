@@ -1,4 +1,4 @@
-"""Max-pool argmax indices to window offsets and back, as custom ops (``IndexMaps`` in the layer).
+"""Max-pool argmax indices to window offsets and back, as custom ops (for ``maxpool_maps.py``).
 
 Element ``o`` of a pooling output has its window start at flat index ``starts[o's spatial
 position]`` (``starts`` holds one entry per output position); ``to_offsets`` writes
@@ -17,7 +17,7 @@ from torch import Tensor
 
 from memsave_cli.kernels import native
 from memsave_cli.kernels import triton as triton_kernels
-from memsave_cli.kernels._layout import is_dense
+from memsave_cli.kernels._layout import is_dense, shape_only
 
 
 def reference_to_offsets(indices: Tensor, starts: Tensor, inverse: Tensor, out: Tensor) -> None:
@@ -125,8 +125,6 @@ def reference_max_pool2_backward(
     grad: Tensor, offsets: Tensor, input_shape: list[int], kd: int, kh: int
 ) -> Tensor:
     """ATen's max-pooling backward from the output gradient and the window offsets."""
-    from memsave_cli.layers._backward import shape_only
-
     height, width = input_shape[-2:]
     out_depth, out_height, out_width = offsets.shape[-3:]
     arange = functools.partial(torch.arange, device=grad.device)

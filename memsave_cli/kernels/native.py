@@ -203,7 +203,7 @@ def to_offsets(
 ) -> None:
     """Write ``inverse[indices[i] - starts[(i // inner) % P]]`` to ``out[i]`` (``P = starts.numel()``).
 
-    Max-pool argmax indices to window offsets (``IndexMaps.to_offsets`` in ``maxpool.py``):
+    Max-pool argmax indices to window offsets (``IndexMaps.to_offsets`` in ``maxpool_maps.py``):
     ``inner`` is 1 for contiguous blocks and C for channels-last ones. Precondition, unchecked:
     every ``indices[i] - starts[...]`` lies in ``[0, inverse.numel())``.
     """

@@ -2,20 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
-from torch import Tensor
-
-
-def shape_only(like: Tensor, shape: Sequence[int]) -> Tensor:
-    """A tensor of ``shape`` (dtype and device of ``like``) that occupies one element of memory.
-
-    ATen backward kernels such as ``convolution_backward`` take the forward input as an argument
-    even when they only read its shape; an expanded one-element tensor satisfies that signature
-    without allocating anything of input size (the same device ``torch.nn.grad`` uses).
-    """
-    return like.new_empty(1).expand(tuple(shape))
 
 
 def forbid_double_backward(layer: str) -> None:

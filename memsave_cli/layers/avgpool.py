@@ -21,8 +21,8 @@ import torch
 from torch import Tensor, nn
 from torch.nn.modules.utils import _list_with_default, _pair, _single, _triple
 
-from memsave_cli.kernels._layout import memory_format
-from memsave_cli.layers._backward import forbid_double_backward, shape_only
+from memsave_cli.kernels._layout import memory_format, shape_only
+from memsave_cli.layers._backward import forbid_double_backward
 from memsave_cli.layers.registry import drop_in
 
 aten = torch.ops.aten

@@ -17,7 +17,8 @@ import torch
 from torch import Tensor, nn
 from torch._prims_common import suggest_memory_format
 
-from memsave_cli.layers._backward import forbid_double_backward, shape_only
+from memsave_cli.kernels._layout import shape_only
+from memsave_cli.layers._backward import forbid_double_backward
 from memsave_cli.layers.registry import drop_in
 
 

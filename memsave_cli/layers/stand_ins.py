@@ -26,8 +26,7 @@ from torch._prims_common import (
     make_contiguous_strides_for,
 )
 
-from memsave_cli.kernels._layout import is_dense, memory_format
-from memsave_cli.layers._backward import shape_only
+from memsave_cli.kernels._layout import is_dense, memory_format, shape_only
 
 #: Devices whose stand-ins are dense views of untouched memory (elsewhere one element).
 DENSE_DEVICES = frozenset({"cpu"})

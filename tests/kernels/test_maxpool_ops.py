@@ -11,7 +11,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from triton_cases import interpreted  # noqa: F401 - autouse: TRITON_INTERPRET=1 per test
 
 from memsave_cli.kernels import maxpool as ops
-from memsave_cli.layers.maxpool import index_maps
+from memsave_cli.kernels.maxpool_maps import index_maps
 
 LAYOUTS = ["contiguous", "channels_last", "strided"]
 

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from memsave_cli.kernels import build, native
-from memsave_cli.layers.maxpool import IndexMaps, _reravel
+from memsave_cli.kernels.maxpool_maps import IndexMaps, _reravel
 
 DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
 #: Sizes around byte, 64-bit word and vector boundaries, and one large enough for threads.

@@ -15,8 +15,8 @@ from triton_cases import (
 )
 
 from memsave_cli.kernels import native
+from memsave_cli.kernels.maxpool_maps import IndexMaps, _reravel
 from memsave_cli.kernels.triton import maxpool
-from memsave_cli.layers.maxpool import IndexMaps, _reravel
 
 
 @pytest.mark.parametrize("dtype", [torch.int8, torch.int16, torch.int32, torch.int64], ids=ids)

@@ -11,13 +11,12 @@ from torch import Tensor, nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.testing import assert_close
 
-from memsave_cli.kernels import native
-from memsave_cli.layers import maxpool
+from memsave_cli.kernels import maxpool_blocks, native
+from memsave_cli.kernels.maxpool_maps import offset_dtype
 from memsave_cli.layers.maxpool import (
     MemSaveMaxPool1d,
     MemSaveMaxPool2d,
     MemSaveMaxPool3d,
-    offset_dtype,
 )
 from memsave_cli.layers.registry import DROP_INS
 from memsave_cli.saved import SavedTensorRecorder
@@ -168,7 +167,7 @@ def test_channels_last_matches_stock_and_layout(case: tuple, kernels: str) -> No
 def test_blockwise_cpu_path_matches_stock(
     monkeypatch, case: tuple, channels_last: bool, kernels: str
 ) -> None:
-    monkeypatch.setattr(maxpool, "CHUNK_ELEMENTS", 7)  # many blocks, ragged last one
+    monkeypatch.setattr(maxpool_blocks, "CHUNK_ELEMENTS", 7)  # many blocks, ragged last one
     torch.manual_seed(0)
     _compare(case, _input(case[3], torch.float32, channels_last and len(case[3]) >= 4, ties=True))
 

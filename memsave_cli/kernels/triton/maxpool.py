@@ -1,4 +1,4 @@
-"""Max-pool argmax indices to window offsets and back, in Triton (``IndexMaps`` in ``maxpool.py``).
+"""Max-pool argmax indices to window offsets and back, in Triton (for ``kernels/maxpool_maps.py``).
 
 Both mirror the CPU kernels of ``native.py``: element ``i`` belongs to window position
 ``p = (i // inner) % P`` (``P = starts.numel()``; ``inner`` is 1 for contiguous blocks and C

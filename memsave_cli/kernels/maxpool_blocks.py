@@ -1,0 +1,183 @@
+"""Max pooling that writes each argmax as a window offset, and its backward from the offsets.
+
+NOTE [chunked max pooling on CPU]: converting a whole output's int64 indices costs several
+passes over a buffer 8x the output's element count, which on CPU costs as much as the pooling.
+On CPU, forward and backward therefore run the ATen kernels block by block (planes for
+contiguous tensors, batch samples for channels-last ones), writing into slices of the full
+output/gradient, so each block's int64 indices stay in cache and no output-sized int64 tensor
+ever exists. Each plane is pooled independently, so the blocks compute exactly what the whole
+call computes. A block holds 256K outputs: its int64 indices (2 MB) stay cached between the
+kernel that writes them and the pass that reads them. Each block costs a few parallel regions,
+which on an oversubscribed machine wait for descheduled worker threads, yet measured on 2 cores
+256K-output blocks beat 2M-output ones (``benchmarks/pool_dropout_time.py``: MaxPool1d(3,2,1)
+0.86-0.91 against 0.93-0.97, MaxPool2d(3,2,1) 0.94 against 0.95-0.98 of stock's time).
+Windows the fused 2-wide kernels serve skip all of this (NOTE [2-wide max pooling] in native.c).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from memsave_cli.kernels import maxpool as offset_ops
+from memsave_cli.kernels._layout import memory_format, shape_only
+from memsave_cli.kernels.maxpool_maps import index_maps, offset_dtype
+
+aten = torch.ops.aten
+
+# Comprehensions below build lists, not generators: torch.compile fails on a generator left
+# unfinished (``all`` stops early), so the layer would not trace with ``fullgraph=True``.
+
+#: Output elements per block in the chunked CPU path (see NOTE [chunked max pooling on CPU]).
+CHUNK_ELEMENTS = 1 << 18
+
+_KERNELS = {
+    2: (aten.max_pool2d_with_indices.out, aten.max_pool2d_with_indices_backward.grad_input),
+    3: (aten.max_pool3d_with_indices.out, aten.max_pool3d_with_indices_backward.grad_input),
+}
+
+
+def pool(x: Tensor, args: tuple) -> tuple[Tensor, Tensor, tuple[int, int] | None]:
+    """Max pooling of ``x`` over its last ``len(kernel)`` (2 or 3) dims, ``args`` being (kernel,
+    stride, padding, dilation, ceil_mode): the output, the window offset of each output's argmax,
+    and the window of the fused 2-wide kernels if they ran (:func:`pool_backward` takes it)."""
+    kernel = args[0]
+    nd = len(kernel)
+    window = _two_wide_window(x, args)
+    if window is not None:
+        return *_two_wide_pool(x, nd, window, args), window
+    layout = memory_format(x)
+    x = x.contiguous(memory_format=layout)
+    pool_kernel, _ = _KERNELS[nd]
+    # The whole output is allocated once; blocks write into slices of it.
+    out_shape = _output_shape(x, nd, args)
+    out = x.new_empty(out_shape).contiguous(memory_format=layout)
+    offsets = torch.empty_like(out, dtype=offset_dtype(math.prod(kernel)))
+    chunked = _is_chunked(x)
+    maps = index_maps(x.shape[-nd:], out_shape[-nd:], args[:4], x.device, cache=chunked)
+    blocks = _blocks([x, out, offsets], nd, chunked)
+    # Deliberate transient: one block's int64 indices, reused by every block.
+    buffer = torch.empty_like(blocks[0][1], dtype=torch.int64)
+    for x_block, out_block, off_block in blocks:
+        indices = buffer[: out_block.shape[0]]
+        pool_kernel(x_block, *args, out=out_block, indices=indices)
+        maps.to_offsets(indices, out=off_block)
+    return out, offsets, None
+
+
+def pool_backward(
+    grad_output: Tensor,
+    offsets: Tensor,
+    input_shape: tuple[int, ...],
+    input_layout: torch.memory_format,
+    args: tuple,
+    window: tuple[int, int] | None,
+) -> Tensor:
+    """The input gradient of :func:`pool` from the output gradient and the offsets it returned,
+    laid out as stock lays it out for an input of ``input_layout``; ``window`` as :func:`pool`
+    returned it."""
+    nd = len(args[0])
+    if window is not None:
+        planes = _planes(input_shape, nd)
+        grad_input = offset_ops.max_pool2_backward(
+            _planes(grad_output.contiguous(), nd), _planes(offsets, nd), planes, *window
+        )
+        return grad_input.view(input_shape)
+    _, backward_kernel = _KERNELS[nd]
+    # 2d: the gradient is laid out like the input, as stock lays it out. 3d: ATen's out= kernel
+    # restrides a channels-last-3d gradient to contiguous, which a block slice cannot follow.
+    layout = input_layout if nd == 2 else torch.contiguous_format
+    grad_output = grad_output.contiguous(memory_format=layout)
+    offsets = offsets.contiguous(memory_format=layout)
+    # Deliberate: the gradient itself.
+    grad_input = grad_output.new_empty(input_shape).contiguous(memory_format=layout)
+    chunked = _is_chunked(grad_output)
+    spatial = (input_shape[-nd:], offsets.shape[-nd:], args[:4])
+    maps = index_maps(*spatial, offsets.device, cache=chunked)
+    blocks = _blocks([grad_input, grad_output, offsets], nd, chunked)
+    for gi_block, go_block, off_block in blocks:
+        indices = maps.to_indices(off_block)
+        like = shape_only(go_block, gi_block.shape)
+        backward_kernel(go_block, like, *args, indices, grad_input=gi_block)
+    if layout != input_layout:
+        # Allocation: the gradient again, channels-last-3d as stock lays it out for such an
+        # input (each element's sum is the same in either layout); the first is freed.
+        grad_input = grad_input.contiguous(memory_format=input_layout)
+    return grad_input
+
+
+def _is_chunked(tensor: Tensor) -> bool:
+    """Whether to pool block by block (NOTE [chunked max pooling on CPU])."""
+    return (
+        type(tensor) is Tensor  # not fake
+        and tensor.device.type == "cpu"
+        and not torch.compiler.is_compiling()
+    )
+
+
+def _blocks(tensors: list[Tensor], nd: int, chunked: bool) -> list[list[Tensor]]:
+    """Matching dim-0 slices of same-layout tensors (planes if contiguous, else samples)."""
+    views = tensors
+    if all([t.is_contiguous() for t in tensors]):
+        views = [t.view(-1, *t.shape[t.dim() - nd :]) for t in tensors]
+    rows = views[0].shape[0]
+    if not chunked:
+        return [views]
+    step = max(1, CHUNK_ELEMENTS // max(math.prod(views[-1].shape[1:]), 1))
+    return [[view[start : start + step] for view in views] for start in range(0, rows, step)]
+
+
+def _two_wide_window(x: Tensor, args: tuple) -> tuple[int, int] | None:
+    """``(kd, kh)`` where the fused 2-wide kernels pool ``x`` (NOTE [2-wide max pooling] in
+    ``native.c``): contiguous float32 on CPU, window = stride, 2 wide and 1 or 2 high and deep,
+    no padding, dilation or ceil mode; else None."""
+    kernel, stride, padding, dilation, ceil_mode = args
+    window = (1, *kernel)[-3:]
+    fits = (
+        tuple(kernel) == tuple(stride)
+        and window[-1] == 2
+        and window[0] in (1, 2)
+        and window[1] in (1, 2)
+        and not any(padding)
+        and all(d == 1 for d in dilation)
+        and not ceil_mode
+    )
+    if not fits or x.dtype != torch.float32 or not _is_chunked(x) or not x.is_contiguous():
+        return None
+    return window[0], window[1]
+
+
+def _planes(t: Tensor | tuple[int, ...], nd: int) -> Tensor | list[int]:
+    """A contiguous pooling tensor (or its shape) as ``(planes, D, H, W)`` (``D = 1`` in 2d)."""
+    shape = tuple(t.shape) if isinstance(t, Tensor) else tuple(t)
+    planes = [-1 if isinstance(t, Tensor) else math.prod(shape[: len(shape) - nd])]
+    inner = [*planes, *([1] * (3 - nd)), *shape[len(shape) - nd :]]
+    return t.view(inner) if isinstance(t, Tensor) else inner
+
+
+def _two_wide_pool(
+    x: Tensor, nd: int, window: tuple[int, int], args: tuple
+) -> tuple[Tensor, Tensor]:
+    """The output and int8 window offsets of the 2-wide max pooling of ``x`` (one op call)."""
+    out, offsets = offset_ops.max_pool2(_planes(x, nd), *window)
+    shape = _output_shape(x, nd, args)
+    return out.view(shape), offsets.view(shape)
+
+
+def _output_shape(x: Tensor, nd: int, args: tuple) -> list[int]:
+    """Output shape of max pooling ``x`` (ATen's rounding rules, incl. ``ceil_mode``)."""
+    kernel, stride, padding, dilation, ceil_mode = args
+    spatial = []
+    for size, k, s, p, d in zip(x.shape[-nd:], kernel, stride, padding, dilation, strict=True):
+        span = size + 2 * p - d * (k - 1) - 1
+        out = (span + (s - 1 if ceil_mode else 0)) // s + 1
+        if ceil_mode and (out - 1) * s >= size + p:
+            out -= 1
+        spatial.append(out)
+    if min(spatial) < 1:
+        pool = aten.max_pool2d_with_indices if nd == 2 else aten.max_pool3d_with_indices
+        pool(x, *args)  # raises ATen's own error message
+        raise RuntimeError(f"max pooling: output size {spatial} is too small")
+    return [*x.shape[: x.dim() - nd], *spatial]
