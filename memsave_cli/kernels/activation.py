@@ -20,6 +20,7 @@ for a dense input, its memory order. Forward ops come in pairs: ``*_pack`` retur
 from __future__ import annotations
 
 import functools
+from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
@@ -70,7 +71,7 @@ def hardtanh_keep(x: Tensor, low: float, high: float) -> Tensor:
     passes NaN; its vectorised CPU loop passes ``min < x < max`` instead and so blocks NaN. Only
     the scalar tail of each CPU loop (the last elements, or every element when the input and
     gradient layouts differ) follows the formula. The mask follows the vectorised loop on CPU and
-    the formula elsewhere (CUDA); the two agree on every number.
+    the formula elsewhere (CUDA, and the Triton kernel there); the two agree on every number.
     """
     # Allocation: two bool masks of input size, combined in place into the first.
     if x.device.type == "cpu":
@@ -141,13 +142,22 @@ def _cpu_pack(kind, x, inplace, order, args) -> tuple[Tensor, Tensor]:
 
 
 def _cuda_pack(kind, x, inplace, order, args) -> tuple[Tensor, Tensor]:
-    # Hardtanh stays on the reference: on CUDA stock passes NaN's gradient (NOTE [NaN in
-    # hardtanh_backward]), the Triton kernel follows the CPU's vectorised loop.
-    if kind != _HARDTANH and _triton_serves(x, order):
-        from memsave_cli.kernels.triton import activation
-
-        return fused_pack(activation, kind, x, inplace, args)
+    if _triton_serves(x, order):
+        return fused_pack(_cuda_kernels(), kind, x, inplace, args)
     return reference_pack(kind, x, inplace, order, args)
+
+
+@functools.cache
+def _cuda_kernels() -> SimpleNamespace:
+    """The Triton pack kernels as ``fused_pack`` calls them, Hardtanh's bits following stock's
+    CUDA backward, which passes NaN's gradient (NOTE [NaN in hardtanh_backward])."""
+    from memsave_cli.kernels.triton import activation
+
+    return SimpleNamespace(
+        relu_pack=activation.relu_pack,
+        leaky_pack=activation.leaky_pack,
+        hardtanh_pack=functools.partial(activation.hardtanh_pack, nan_passes=True),
+    )
 
 
 def _cpu_select(grad, bits, order, out_strides, slope) -> Tensor:

@@ -159,6 +159,35 @@ def test_hardtanh_pack_is_native_and_finishes_as_stock(
     assert_same_bits(y, F.hardtanh(x, low, high), nan_payloads=False)
 
 
+@pytest.mark.parametrize("dtype", WIDE, ids=ids)
+@pytest.mark.parametrize("bounds", BOUNDS, ids=str)
+def test_hardtanh_pack_for_cuda_passes_nan_as_stocks_cuda_backward(
+    dtype: torch.dtype, bounds: tuple[float, float]
+) -> None:
+    """With ``nan_passes`` the bits follow stock's CUDA backward, ``not (x <= low or x >= high)``
+    (NaN passes); the result and held flag are those of the CPU rule."""
+    low, high = bounds
+    x = samples(dtype, 4099, seed=11)
+    assert x.isnan().any()
+    y, bits = garbage_like(x), garbage_bits(x.numel())
+    held = activation.hardtanh_pack(x, y, bits, low, high, nan_passes=True)
+    assert_same_bytes(bits, _bits_of(((x <= low) | (x >= high)).logical_not()))
+    cpu_rule, cpu_bits = garbage_like(x), garbage_bits(x.numel())
+    assert held == activation.hardtanh_pack(x, cpu_rule, cpu_bits, low, high)
+    assert_same_bits(y, cpu_rule)
+
+
+def test_cuda_implementation_of_the_op_uses_the_cuda_rule() -> None:
+    """``memsave::hardtanh_pack``'s CUDA implementation (run here on CPU tensors, interpreted)
+    takes the Triton kernel with stock CUDA's NaN rule, and finishes the held elements."""
+    from memsave_cli.kernels.activation import _cuda_pack
+
+    x = samples(torch.float32, 1031, seed=3).view(1, 1031)
+    y, bits = _cuda_pack("hardtanh", x, False, [0, 1], (-1.0, 1.0, -1.0, 1.0))
+    assert_same_bytes(bits, _bits_of(((x <= -1.0) | (x >= 1.0)).logical_not()))
+    assert_same_bits(y, F.hardtanh(x, -1.0, 1.0), nan_payloads=False)
+
+
 def test_hardtanh_pack_holds_nothing_on_plain_numbers() -> None:
     """Without NaN or a zero meeting a zero bound, nothing is held and the result is final."""
     x = samples(torch.float32, 1031, seed=5).nan_to_num_(0.5, 2.0, -2.0)

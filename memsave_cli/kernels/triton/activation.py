@@ -75,9 +75,13 @@ def leaky_pack(x: Tensor, out: Tensor, bits: Tensor, slope: float) -> None:
     _leaky_pack_kernel[grid(x.numel())](x, out, bits, scalars, x.numel(), BLOCK=block(x.numel()))
 
 
-def hardtanh_pack(x: Tensor, out: Tensor, bits: Tensor, low: float, high: float) -> bool:
+def hardtanh_pack(
+    x: Tensor, out: Tensor, bits: Tensor, low: float, high: float, *, nan_passes: bool = False
+) -> bool:
     """Write ``hardtanh(x, low, high)`` to ``out`` and set bit ``i`` where ``low < x < high``;
-    return whether elements were held.
+    return whether elements were held. With ``nan_passes`` the bit is set where neither
+    ``x <= low`` nor ``x >= high`` instead, which includes NaN: the rule of stock's CUDA backward
+    kernel (NOTE [NaN in hardtanh_backward] in ``kernels/activation.py``).
 
     As ``native.hardtanh_pack``: elements whose clamp ATen's CPU loops treat inconsistently (NaN,
     and a zero meeting a zero bound of the other sign) are "held": copied to ``out`` unchanged,
@@ -106,6 +110,7 @@ def hardtanh_pack(x: Tensor, out: Tensor, bits: Tensor, low: float, high: float)
         SIGN=-(2 ** (8 * x.element_size() - 1)),
         HOLD_NEG_ZERO=hold_neg_zero,
         HOLD_POS_ZERO=hold_pos_zero,
+        NAN_PASSES=nan_passes,
         BLOCK=block(x.numel()),
     )
     return bool(held.any())
@@ -195,6 +200,7 @@ def _hardtanh_pack_kernel(
     SIGN: tl.constexpr,
     HOLD_NEG_ZERO: tl.constexpr,
     HOLD_POS_ZERO: tl.constexpr,
+    NAN_PASSES: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     lane = tl.arange(0, 8)
@@ -215,7 +221,11 @@ def _hardtanh_pack_kernel(
     clamped = tl.where(x < low, low, tl.where(x > high, high, x))
     result = tl.where(hold, u, clamped.to(u.dtype, bitcast=True))
     tl.store(out_ptr + offsets, result, mask=inside)
-    between = (x > low) & (x < high) & inside
+    if NAN_PASSES:  # noqa: SIM108 (a branch Triton resolves at compile time)
+        between = ((x <= low) | (x >= high)) == 0
+    else:
+        between = (x > low) & (x < high)
+    between = between & inside
     byte = tl.sum(between.to(tl.int32) << lane[None, :], axis=1)
     tl.store(bits_ptr + rows, byte.to(tl.uint8), mask=rows * 8 < n)
     tl.store(held_ptr + tl.program_id(0), tl.max((hold & inside).to(tl.int8), axis=None))
