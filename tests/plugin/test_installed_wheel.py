@@ -5,6 +5,7 @@ registers itself through its ``pytest11`` entry point, and a test file that only
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -16,6 +17,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 pytestmark = pytest.mark.slow
+
+_CACHES = shutil.ignore_patterns("__pycache__", "*.egg-info")
 
 
 def _run(*command: str | Path, cwd: Path) -> subprocess.CompletedProcess[str]:
@@ -33,9 +36,14 @@ def _run(*command: str | Path, cwd: Path) -> subprocess.CompletedProcess[str]:
 
 
 def test_installed_wheel_registers_the_plugin(tmp_path: Path) -> None:
-    wheels = tmp_path / "wheels"
+    # Built from a copy of what the wheel is made of: setuptools writes build/ beside its source.
+    source, wheels = tmp_path / "source", tmp_path / "wheels"
+    source.mkdir()
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, source / name)
+    shutil.copytree(ROOT / "memsave_cli", source / "memsave_cli", ignore=_CACHES)
     built = _run(
-        sys.executable, "-m", "pip", "wheel", ROOT, "--no-deps", "--no-build-isolation",
+        sys.executable, "-m", "pip", "wheel", source, "--no-deps", "--no-build-isolation",
         "--no-index", "-w", wheels, cwd=tmp_path,
     )  # fmt: skip
     if built.returncode != 0:
