@@ -288,8 +288,9 @@ def block_peaks(model: str, mode: str, device: str = "meta") -> tuple[float, flo
     allocator's blocks (see NOTE [allocated blocks]). The forward peak, or for detection in
     paper mode the peak through the backward, as the script measured it."""
     from memsave_cli.cases import resolve_case
-    from memsave_cli.measure import Job, prepare, train_step
+    from memsave_cli.measure import Job
     from memsave_cli.specs import parse_spec
+    from memsave_cli.step import prepare, train_step
     from memsave_cli.tracker import MemoryTracker
 
     spec, kwargs, batch_size = f"torchvision:{model}", {}, None

@@ -75,8 +75,9 @@ def tracker_overhead(model: str, batch_size: int, steps: int, threads: int) -> f
     import torch
 
     from memsave_cli.cases import resolve_case
-    from memsave_cli.measure import Job, clear_grads, prepare, train_step
+    from memsave_cli.measure import Job
     from memsave_cli.specs import parse_spec
+    from memsave_cli.step import clear_grads, prepare, train_step
     from memsave_cli.tracker import MemoryTracker
 
     torch.set_num_threads(threads)

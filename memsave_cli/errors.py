@@ -27,3 +27,11 @@ def describe(error: BaseException) -> str:
     """``error`` in one line: its type and the first line of its message."""
     lines = str(error).strip().splitlines()
     return f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__
+
+
+def one_line(error: BaseException) -> str:
+    """``Type: first line of the message`` (just the message for memsave's own errors)."""
+    if isinstance(error, MemsaveError):
+        lines = str(error).strip().splitlines()
+        return (lines[0] if lines else "") or type(error).__name__
+    return describe(error)

@@ -18,8 +18,8 @@ from dataclasses import asdict, dataclass, replace
 from memsave_cli.api import check_lora_cases, resolve_device
 from memsave_cli.budget import parse_bytes
 from memsave_cli.cases import PAPER_CASES, Case, has_norm_layers, resolve_case
-from memsave_cli.errors import MemsaveError
-from memsave_cli.measure import Job, measure, one_line
+from memsave_cli.errors import MemsaveError, one_line
+from memsave_cli.measure import Job, measure
 from memsave_cli.plan_model import PlanModel
 from memsave_cli.preflight import check_plan
 from memsave_cli.report import Run, Status

@@ -25,18 +25,17 @@ import torch
 from torch import nn
 
 from memsave_cli import fsdp
-from memsave_cli.cases import Case, apply_case
-from memsave_cli.errors import MemsaveError, NeedsRealDataError
-from memsave_cli.inputs import INPUTS, Example, feeds_embeddings, loss_of, make_example
-from memsave_cli.lora import apply_lora
+from memsave_cli.cases import Case
+from memsave_cli.errors import MemsaveError, NeedsRealDataError, one_line
+from memsave_cli.inputs import INPUTS
 from memsave_cli.meta_attention import ATTENTION_KERNELS, attention_kernels
 from memsave_cli.meta_dropout import dropout_as_on_cuda
-from memsave_cli.report import LayerSaved, Run, Status
-from memsave_cli.saved import SavedTensorRecorder
-from memsave_cli.specs import ModelSpec, build_model
+from memsave_cli.report import Run, Status
+from memsave_cli.saved import SavedTensorRecorder, layer_rows
+from memsave_cli.specs import ModelSpec
+from memsave_cli.step import DTYPES, Prepared, clear_grads, prepare, train_step
 from memsave_cli.tracker import MemoryTracker
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 IMPLS = ("stock", "memsave", "memsave-conv")
 OPTIMIZERS = ("sgd", "adam", "adamw")
 DEVICES = ("cuda", "cpu", "meta")
@@ -63,15 +62,6 @@ class Job:
     attention: str = "auto"  # "auto" (as CUDA picks) | "math" | "flash" | "efficient"
     fsdp: int | None = None  # ranks FSDP2 shards the model over; None: one unsharded process
     reshard: bool = True  # FSDP2 default reshard_after_forward (False: --no-reshard)
-
-
-@dataclass
-class Prepared:
-    """A model ready to step: converted, cased, with inputs and an optimizer over its trainables."""
-
-    model: nn.Module
-    example: Example
-    optimizer: torch.optim.Optimizer | None
 
 
 def measure(job: Job, model: nn.Module | None = None) -> Run:
@@ -133,89 +123,6 @@ def check_job(job: Job) -> None:
 def _ranks(job: Job) -> contextlib.AbstractContextManager[fsdp.World | None]:
     """The FSDP2 world of a sharded job (memsave_cli.fsdp), nothing for an unsharded one."""
     return fsdp.world(job.fsdp, job.device) if job.fsdp is not None else contextlib.nullcontext()
-
-
-def prepare(job: Job, model: nn.Module | None = None, world: fsdp.World | None = None) -> Prepared:
-    """Build the model on the job's device in its dtype (or take ``model``), convert it, set
-    modes and case, shard it over ``world``'s ranks, make inputs and the optimizer."""
-    device, dtype = torch.device(job.device), DTYPES[job.dtype]
-    if model is None:
-        with torch.device(device), _default_dtype(dtype):
-            model = build_model(job.spec)
-    model = model.to(device=device, dtype=dtype)
-    if job.case.lora is not None:  # adapters are part of the stock model, then converted
-        with torch.device(device), _default_dtype(dtype):
-            model = apply_lora(model, job.case.lora)
-    model = convert_impl(model, job.impl)
-    model.train()
-    if job.bn_eval:
-        for module in model.modules():
-            if isinstance(module, nn.modules.batchnorm._BatchNorm):
-                module.eval()
-    apply_case(model, job.case)
-    if world is not None:
-        model = world.shard(model, job.reshard)
-    example = make_example(
-        model,
-        job.spec,
-        batch_size=job.batch_size,
-        input_shape=job.input_shape,
-        dtype=dtype,
-        device=device,
-        input_grad=job.case.input_grad,
-        embeds=feeds_embeddings(job.inputs, job.case),
-    )
-    if job.case.input_grad:
-        for tensor in example.differentiable:
-            tensor.requires_grad_(True)
-    return Prepared(model, example, make_optimizer(model, job.optimizer))
-
-
-def convert_impl(model: nn.Module, impl: str) -> nn.Module:
-    """``model`` with memsave layers swapped in as ``impl`` asks (``stock`` leaves it alone)."""
-    if impl == "stock":
-        return model
-    from memsave_cli.layers.convert import convert
-
-    include = ("conv",) if impl == "memsave-conv" else None
-    return convert(model, inplace=True, include=include)
-
-
-def make_optimizer(model: nn.Module, name: str | None) -> torch.optim.Optimizer | None:
-    """The named optimizer over the trainable parameters (None without a name or trainables).
-
-    ``foreach=True`` everywhere, as torch defaults to on cuda: its temporaries count in the peak.
-    """
-    params = [p for p in model.parameters() if p.requires_grad]
-    if name is None or not params:
-        return None
-    if name == "sgd":
-        return torch.optim.SGD(params, lr=1e-3, momentum=0.9, foreach=True)
-    factory = torch.optim.Adam if name == "adam" else torch.optim.AdamW
-    return factory(params, lr=1e-3, foreach=True)
-
-
-def train_step(prepared: Prepared, after_forward: Callable[[], None] = lambda: None) -> None:
-    """Forward, loss, backward and optimizer step, as a training loop does them.
-
-    The output is dropped once the loss is computed, so only what autograd saved outlives it.
-    """
-    output = prepared.model(*prepared.example.args, **prepared.example.kwargs)
-    after_forward()
-    loss = loss_of(output)
-    del output
-    if loss.requires_grad:  # the "none" case has nothing to differentiate
-        loss.backward()
-    del loss
-    if prepared.optimizer is not None:
-        prepared.optimizer.step()
-
-
-def clear_grads(prepared: Prepared) -> None:
-    """Free every gradient, so that the next step starts as the first one did."""
-    prepared.model.zero_grad(set_to_none=True)
-    for tensor in prepared.example.differentiable:
-        tensor.grad = None
 
 
 def _measure_tracked(job: Job, prepared: Prepared, world: fsdp.World | None = None) -> Run:
@@ -334,22 +241,6 @@ def model_bytes(model: nn.Module) -> int:
     return MemoryTracker().track(list(model.parameters()), list(model.buffers()))
 
 
-def layer_rows(recorder: SavedTensorRecorder) -> tuple[LayerSaved, ...]:
-    """Saved bytes per layer: each distinct non-parameter storage once, at the module that produced
-    it (NOTE [counting saved tensors]); ``shared`` when two layers saved it. Rows sum to
-    ``saved_bytes``."""
-    rows: dict[tuple[str, str], list] = {}
-    for record in recorder.records:
-        if record.is_parameter:
-            continue
-        row = rows.setdefault((record.producer, record.producer_type), [0, False])
-        row[0] += record.nbytes
-        row[1] = row[1] or record.shared
-    return tuple(
-        LayerSaved(name, kind, nbytes, shared) for (name, kind), (nbytes, shared) in rows.items()
-    )
-
-
 def nvml_process_bytes() -> int | None:
     """This process's device memory as NVML sees it (context included), or None if unavailable."""
     try:
@@ -370,26 +261,6 @@ def nvml_process_bytes() -> int | None:
         return None
     finally:
         pynvml.nvmlShutdown()
-
-
-def one_line(error: BaseException) -> str:
-    """``Type: first line of the message`` (just the message for memsave's own errors)."""
-    lines = str(error).strip().splitlines()
-    text = lines[0] if lines else ""
-    if isinstance(error, MemsaveError):
-        return text or type(error).__name__
-    return f"{type(error).__name__}: {text}" if text else type(error).__name__
-
-
-@contextlib.contextmanager
-def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
-    """Build floating parameters directly in ``dtype`` (no float32 detour for large models)."""
-    saved = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(saved)
 
 
 _META_HINTS = ("meta tensor", "no data", "data-dependent", "data dependent")

@@ -37,7 +37,8 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
 
-from memsave_cli.measure import Job, build_native, measure, one_line
+from memsave_cli.errors import one_line
+from memsave_cli.measure import Job, build_native, measure
 from memsave_cli.report import Run, Status
 
 #: What a worker sends: one Run, or one per implementation it timed side by side.

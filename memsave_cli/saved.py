@@ -22,6 +22,8 @@ import torch
 from torch import Tensor, nn
 from torch.utils.weak import WeakIdKeyDictionary
 
+from memsave_cli.report import LayerSaved
+
 
 @dataclass
 class SavedStorage:
@@ -180,3 +182,19 @@ def _storage_key(tensor: Tensor) -> object | None:
         return tensor.untyped_storage()
     except (RuntimeError, NotImplementedError):
         return None
+
+
+def layer_rows(recorder: SavedTensorRecorder) -> tuple[LayerSaved, ...]:
+    """Saved bytes per layer: each distinct non-parameter storage once, at the module that produced
+    it (NOTE [counting saved tensors]); ``shared`` when two layers saved it. Rows sum to
+    ``saved_bytes``."""
+    rows: dict[tuple[str, str], list] = {}
+    for record in recorder.records:
+        if record.is_parameter:
+            continue
+        row = rows.setdefault((record.producer, record.producer_type), [0, False])
+        row[0] += record.nbytes
+        row[1] = row[1] or record.shared
+    return tuple(
+        LayerSaved(name, kind, nbytes, shared) for (name, kind), (nbytes, shared) in rows.items()
+    )

@@ -37,17 +37,10 @@ from functools import partial
 
 import torch
 
-from memsave_cli.measure import (
-    Job,
-    Prepared,
-    _cuda_time,
-    _wall_time,
-    clear_grads,
-    one_line,
-    prepare,
-    train_step,
-)
+from memsave_cli.errors import one_line
+from memsave_cli.measure import Job, _cuda_time, _wall_time
 from memsave_cli.report import Run, Status
+from memsave_cli.step import Prepared, clear_grads, prepare, train_step
 
 #: Rounds run first and discarded (allocator, lazy initialisation, caches).
 WARMUP_ROUNDS = 2

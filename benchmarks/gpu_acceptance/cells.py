@@ -80,7 +80,7 @@ def progress(cell: Cell) -> None:
 def guarded(part: str, check: Callable[..., Cell], label: str, *args: object) -> Cell:
     """``check(label, *args)``, or an error cell of ``part`` if the check itself raised: one
     failing cell never stops the others."""
-    from memsave_cli.measure import one_line
+    from memsave_cli.errors import one_line
 
     try:
         return check(label, *args)

@@ -35,7 +35,7 @@ from memsave_cli.exactness import (
     laid_out,
 )
 from memsave_cli.layers import convert
-from memsave_cli.measure import DTYPES
+from memsave_cli.step import DTYPES
 
 PART = "exactness"
 Example = tuple[Callable[[], nn.Module], list[int]]

@@ -23,7 +23,7 @@ from benchmarks.gpu_acceptance.outputs import unpack, write_json, write_pages
 from benchmarks.gpu_acceptance.plan import PARTS, Plan, experiments, full_plan, quick_plan
 from benchmarks.gpu_acceptance.summary import summary
 from benchmarks.reproduce.record import DOCS, relative
-from memsave_cli.measure import one_line
+from memsave_cli.errors import one_line
 
 #: Parts that call kernels themselves, run in a worker interpreter (NOTE [why a worker per part]).
 WORKER_PARTS: dict[str, Callable[[Plan, Deadline, Callable[[Cell], None]], None]] = {

@@ -21,7 +21,7 @@ from benchmarks.gpu_acceptance.cells import Cell, Status
 from benchmarks.gpu_acceptance.plan import Plan
 from benchmarks.reproduce.experiments import Experiment
 from benchmarks.reproduce.memory import measure_experiment
-from memsave_cli.measure import one_line
+from memsave_cli.errors import one_line
 from memsave_cli.report import Report, Run
 
 PART, VIEW = "memory", "device-view"

@@ -3,7 +3,7 @@
 NOTE [why paired]: on a shared CPU the speed of the machine drifts by more than the difference
 being measured (other jobs start and stop), so runs measured minutes apart, each in its own
 worker, give ratios that are noise. Here each implementation's model is prepared with memsave's
-own ``measure.prepare`` (the step ``memsave profile`` times), then rounds of one step per
+own ``step.prepare`` (the step ``memsave profile`` times), then rounds of one step per
 implementation alternate their order; a ratio is the median over rounds of memsave's step time
 over stock's step time *in the same round*, which cancels drift slower than a round. Steps run on
 one intra-op thread (``THREADS``): with two threads on two cores, any other job on the machine
@@ -21,8 +21,9 @@ import torch
 
 from benchmarks.reproduce.experiments import Experiment
 from memsave_cli.cases import resolve_case
-from memsave_cli.measure import Job, Prepared, clear_grads, prepare, train_step
+from memsave_cli.measure import Job
 from memsave_cli.specs import parse_spec
+from memsave_cli.step import Prepared, clear_grads, prepare, train_step
 
 ROUNDS = 5
 THREADS = 1

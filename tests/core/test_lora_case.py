@@ -15,8 +15,9 @@ from memsave_cli.cases import Case, resolve_case  # noqa: E402
 from memsave_cli.errors import CaseError  # noqa: E402
 from memsave_cli.layers.convert import converted_counts  # noqa: E402
 from memsave_cli.lora import LoraSettings, apply_lora, lora_settings, resolve_targets  # noqa: E402
-from memsave_cli.measure import Job, measure, prepare  # noqa: E402
+from memsave_cli.measure import Job, measure  # noqa: E402
 from memsave_cli.specs import parse_spec  # noqa: E402
+from memsave_cli.step import prepare  # noqa: E402
 
 
 def test_default_settings() -> None:

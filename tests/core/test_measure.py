@@ -10,10 +10,11 @@ from memsave_cli import meta_dropout
 from memsave_cli.cases import resolve_case
 from memsave_cli.errors import NeedsRealDataError
 from memsave_cli.kernels import native
-from memsave_cli.measure import NEEDS_REAL_DATA, Job, build_native, measure, prepare
+from memsave_cli.measure import NEEDS_REAL_DATA, Job, build_native, measure
 from memsave_cli.meta_attention import attention_kernels
 from memsave_cli.report import LayerSaved, Status
 from memsave_cli.specs import parse_spec
+from memsave_cli.step import prepare
 from memsave_cli.tracker import round_bytes
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

@@ -15,11 +15,12 @@ import torch
 
 from memsave_cli import meta_dropout
 from memsave_cli.cases import resolve_case
-from memsave_cli.measure import Job, measure, prepare, train_step
+from memsave_cli.measure import Job, measure
 from memsave_cli.meta_attention import attention_kernels
 from memsave_cli.meta_dropout import dropout_as_on_cuda
 from memsave_cli.saved import SavedTensorRecorder
 from memsave_cli.specs import parse_spec
+from memsave_cli.step import prepare, train_step
 
 Saved = tuple[str, tuple[int, ...], torch.dtype, int]
 

@@ -27,7 +27,7 @@ def builds(monkeypatch: pytest.MonkeyPatch) -> list[str]:
         return real(spec)
 
     for name, module in list(sys.modules.items()):
-        checks = name.startswith("memsave_cli") and name != "memsave_cli.measure"
+        checks = name.startswith("memsave_cli") and name != "memsave_cli.step"
         if checks and getattr(module, "build_model", None) is real:
             monkeypatch.setattr(module, "build_model", counted)
     return seen

@@ -7,8 +7,7 @@ import torch
 from torch import nn
 
 from memsave_cli.layers.convert import convert
-from memsave_cli.measure import layer_rows
-from memsave_cli.saved import SavedTensorRecorder
+from memsave_cli.saved import SavedTensorRecorder, layer_rows
 
 
 class Block(nn.Module):

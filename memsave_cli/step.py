@@ -1,0 +1,127 @@
+"""One training step as a job asks for it: the model built, converted and cased, its inputs and
+optimizer (:func:`prepare`), and the step itself (:func:`train_step`), shared by the measured
+runs (``measure.py``) and the timed ones (``timing.py``)."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from memsave_cli.cases import apply_case
+from memsave_cli.inputs import Example, feeds_embeddings, loss_of, make_example
+from memsave_cli.lora import apply_lora
+from memsave_cli.specs import build_model
+
+if TYPE_CHECKING:
+    from memsave_cli import fsdp
+    from memsave_cli.measure import Job
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class Prepared:
+    """A model ready to step: converted, cased, with inputs and an optimizer over its trainables."""
+
+    model: nn.Module
+    example: Example
+    optimizer: torch.optim.Optimizer | None
+
+
+def prepare(job: Job, model: nn.Module | None = None, world: fsdp.World | None = None) -> Prepared:
+    """Build the model on the job's device in its dtype (or take ``model``), convert it, set
+    modes and case, shard it over ``world``'s ranks, make inputs and the optimizer."""
+    device, dtype = torch.device(job.device), DTYPES[job.dtype]
+    if model is None:
+        with torch.device(device), _default_dtype(dtype):
+            model = build_model(job.spec)
+    model = model.to(device=device, dtype=dtype)
+    if job.case.lora is not None:  # adapters are part of the stock model, then converted
+        with torch.device(device), _default_dtype(dtype):
+            model = apply_lora(model, job.case.lora)
+    model = convert_impl(model, job.impl)
+    model.train()
+    if job.bn_eval:
+        for module in model.modules():
+            if isinstance(module, nn.modules.batchnorm._BatchNorm):
+                module.eval()
+    apply_case(model, job.case)
+    if world is not None:
+        model = world.shard(model, job.reshard)
+    example = make_example(
+        model,
+        job.spec,
+        batch_size=job.batch_size,
+        input_shape=job.input_shape,
+        dtype=dtype,
+        device=device,
+        input_grad=job.case.input_grad,
+        embeds=feeds_embeddings(job.inputs, job.case),
+    )
+    if job.case.input_grad:
+        for tensor in example.differentiable:
+            tensor.requires_grad_(True)
+    return Prepared(model, example, make_optimizer(model, job.optimizer))
+
+
+def convert_impl(model: nn.Module, impl: str) -> nn.Module:
+    """``model`` with memsave layers swapped in as ``impl`` asks (``stock`` leaves it alone)."""
+    if impl == "stock":
+        return model
+    from memsave_cli.layers.convert import convert
+
+    include = ("conv",) if impl == "memsave-conv" else None
+    return convert(model, inplace=True, include=include)
+
+
+def make_optimizer(model: nn.Module, name: str | None) -> torch.optim.Optimizer | None:
+    """The named optimizer over the trainable parameters (None without a name or trainables).
+
+    ``foreach=True`` everywhere, as torch defaults to on cuda: its temporaries count in the peak.
+    """
+    params = [p for p in model.parameters() if p.requires_grad]
+    if name is None or not params:
+        return None
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=1e-3, momentum=0.9, foreach=True)
+    factory = torch.optim.Adam if name == "adam" else torch.optim.AdamW
+    return factory(params, lr=1e-3, foreach=True)
+
+
+def train_step(prepared: Prepared, after_forward: Callable[[], None] = lambda: None) -> None:
+    """Forward, loss, backward and optimizer step, as a training loop does them.
+
+    The output is dropped once the loss is computed, so only what autograd saved outlives it.
+    """
+    output = prepared.model(*prepared.example.args, **prepared.example.kwargs)
+    after_forward()
+    loss = loss_of(output)
+    del output
+    if loss.requires_grad:  # the "none" case has nothing to differentiate
+        loss.backward()
+    del loss
+    if prepared.optimizer is not None:
+        prepared.optimizer.step()
+
+
+def clear_grads(prepared: Prepared) -> None:
+    """Free every gradient, so that the next step starts as the first one did."""
+    prepared.model.zero_grad(set_to_none=True)
+    for tensor in prepared.example.differentiable:
+        tensor.grad = None
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    """Build floating parameters directly in ``dtype`` (no float32 detour for large models)."""
+    saved = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(saved)
