@@ -13,6 +13,7 @@ from memsave_cli.cli import app
 from memsave_cli.cli._errors import reported_errors
 from memsave_cli.errors import MemsaveError
 from memsave_cli.kernels import native
+from memsave_cli.kernels import triton as triton_kernels
 
 COMMANDS = ("profile", "check", "fit", "probe", "layers")
 
@@ -20,9 +21,10 @@ COMMANDS = ("profile", "check", "fit", "probe", "layers")
 def test_version(runner):
     result = runner.invoke(app, ["--version"])
     assert result.exit_code == 0, result.output
-    first, second = result.output.strip().splitlines()
+    first, second, third = result.output.strip().splitlines()
     assert first == f"memsave {__version__}"
     assert second == f"torch {torch.__version__}; {native.status()}"
+    assert third == triton_kernels.status() and third.startswith("Triton kernels ")
 
 
 def test_no_arguments_shows_help(runner):
