@@ -22,25 +22,12 @@ All of this holds in the default floating-point mode; see :func:`flushes_denorma
 from __future__ import annotations
 
 import ctypes
-import struct
 
 import torch
 from torch import Tensor
 
 from memsave_cli.kernels import build
-from memsave_cli.kernels._layout import require_dense
-
-#: Bits of +infinity for each supported float dtype (NOTE [float classes as integer tests] in C).
-_INF_BITS = {
-    torch.float64: 0x7FF0000000000000,
-    torch.float32: 0x7F800000,
-    torch.bfloat16: 0x7F80,
-    torch.float16: 0x7C00,
-}
-#: struct formats (value, raw bits) of the dtypes ``struct`` knows; bfloat16 goes via float32.
-_STRUCT = {torch.float64: ("<d", "<Q"), torch.float32: ("<f", "<I"), torch.float16: ("<e", "<H")}
-#: Integer dtypes of max-pool window offsets.
-_OFFSET_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64)
+from memsave_cli.kernels import native_checks as checks
 
 
 def available() -> bool:
@@ -86,11 +73,11 @@ def relu_pack(x: Tensor, out: Tensor, bits: Tensor, *, threads: int | None = Non
     gradient. Bits follow memory order, eight per byte, lowest bit first, padding bits zero.
     ``out`` may be ``x`` (in place). See NOTE [NaN payloads in 16-bit types].
     """
-    inf = _inf_bits(x, "x")
-    _check_like(out, x, "out", "x")
-    _check_bits(bits, x.numel())
+    inf = checks.inf_bits(x, "x")
+    checks.check_like(out, x, "out", "x")
+    checks.check_bits(bits, x.numel())
     pointers = (x.data_ptr(), out.data_ptr(), bits.data_ptr())
-    _call("memsave_relu_pack", *pointers, x.numel(), x.element_size(), inf, _threads(threads))
+    _call("memsave_relu_pack", *pointers, x.numel(), x.element_size(), inf, checks.thread_count(threads))
 
 
 def leaky_pack(
@@ -101,9 +88,9 @@ def leaky_pack(
     ``x if x > 0 else x * slope`` with ``slope`` rounded to ``x``'s dtype, as ATen computes it
     (NaN takes the multiply). float32 and float64 only; ``out`` may be ``x`` (in place).
     """
-    _check_float_kernel("leaky_pack", x, out, bits, "x")
+    checks.check_float_kernel("leaky_pack", x, out, bits, "x")
     pointers = (x.data_ptr(), out.data_ptr(), bits.data_ptr())
-    args = (x.numel(), x.element_size(), float(slope), _threads(threads))
+    args = (x.numel(), x.element_size(), float(slope), checks.thread_count(threads))
     _call("memsave_leaky_pack", *pointers, *args)
 
 
@@ -118,11 +105,11 @@ def hardtanh_pack(
     finishes them exactly as stock would (it leaves every clamped element as it is). ``low`` and
     ``high`` must be representable in ``x.dtype`` (float32 or float64); ``out`` may be ``x``.
     """
-    _check_float_kernel("hardtanh_pack", x, out, bits, "x")
+    checks.check_float_kernel("hardtanh_pack", x, out, bits, "x")
     held = ctypes.c_int(0)
     pointers = (x.data_ptr(), out.data_ptr(), bits.data_ptr())
     args = (x.numel(), x.element_size(), float(low), float(high), ctypes.addressof(held))
-    _call("memsave_hardtanh_pack", *pointers, *args, _threads(threads))
+    _call("memsave_hardtanh_pack", *pointers, *args, checks.thread_count(threads))
     return bool(held.value)
 
 
@@ -140,20 +127,22 @@ def compare_pack(
     NaN compares false. ``low`` and ``high`` must be exactly representable in ``x.dtype``, so the
     result is that of ``torch.gt``/``torch.lt`` in ``x.dtype``; a NaN bound clears every bit.
     """
-    inf = _inf_bits(x, "x")
-    _check_dense(x, "x")
-    _check_bits(bits, x.numel())
+    inf = checks.inf_bits(x, "x")
+    checks.check_dense(x, "x")
+    checks.check_bits(bits, x.numel())
     if (op == "gt") != (high is None) or op not in ("gt", "between"):
         raise ValueError(
             f"compare_pack expects op='gt' without high or op='between' with high, "
             f"got op={op!r}, high={high!r}."
         )
-    bounds = [_order_key(value, x.dtype) for value in (low, high if high is not None else low)]
+    bounds = [
+        checks.order_key(value, x.dtype) for value in (low, high if high is not None else low)
+    ]
     if None in bounds:
         bits.zero_()
         return
     between = int(op == "between")
-    args = (x.numel(), x.element_size(), inf, between, *bounds, _threads(threads))
+    args = (x.numel(), x.element_size(), inf, between, *bounds, checks.thread_count(threads))
     _call("memsave_compare_pack", x.data_ptr(), bits.data_ptr(), *args)
 
 
@@ -166,13 +155,13 @@ def select_bits(
     ``threshold_backward(grad, mask01, 0)`` for the unpacked 0/1 mask (see NOTE [NaN payloads in
     16-bit types]). Any dtype of 2, 4 or 8 bytes; ``out`` may be ``grad``.
     """
-    _check_cpu(grad, "grad")
+    checks.check_cpu(grad, "grad")
     if grad.element_size() not in (2, 4, 8):
         raise ValueError(f"select_bits expects 2, 4 or 8-byte elements, got {grad.dtype}.")
-    _check_like(out, grad, "out", "grad")
-    _check_bits(bits, grad.numel())
+    checks.check_like(out, grad, "out", "grad")
+    checks.check_bits(bits, grad.numel())
     pointers = (grad.data_ptr(), bits.data_ptr(), out.data_ptr())
-    args = (grad.numel(), grad.element_size(), int(invert), _threads(threads))
+    args = (grad.numel(), grad.element_size(), int(invert), checks.thread_count(threads))
     _call("memsave_select_bits", *pointers, *args)
 
 
@@ -186,9 +175,9 @@ def select_scale(
     (that loop's ``* 1`` quietens signalling NaNs, which its scalar tail passes unchanged).
     float32 and float64 only; ``out`` may be ``grad``.
     """
-    _check_float_kernel("select_scale", grad, out, bits, "grad")
+    checks.check_float_kernel("select_scale", grad, out, bits, "grad")
     pointers = (grad.data_ptr(), bits.data_ptr(), out.data_ptr())
-    args = (grad.numel(), grad.element_size(), float(slope), _threads(threads))
+    args = (grad.numel(), grad.element_size(), float(slope), checks.thread_count(threads))
     _call("memsave_select_scale", *pointers, *args)
 
 
@@ -207,14 +196,14 @@ def to_offsets(
     ``inner`` is 1 for contiguous blocks and C for channels-last ones. Precondition, unchecked:
     every ``indices[i] - starts[...]`` lies in ``[0, inverse.numel())``.
     """
-    _check_dtype(indices, "indices", (torch.int64,))
-    _check_dense(indices, "indices")
-    planes = _check_starts(starts, inner)
-    _check_table(inverse, "inverse", _OFFSET_DTYPES)
-    _check_like(out, indices, "out", "indices", dtype=inverse.dtype)
+    checks.check_dtype(indices, "indices", (torch.int64,))
+    checks.check_dense(indices, "indices")
+    planes = checks.check_starts(starts, inner)
+    checks.check_table(inverse, "inverse", checks.OFFSET_DTYPES)
+    checks.check_like(out, indices, "out", "indices", dtype=inverse.dtype)
     pointers = (indices.data_ptr(), starts.data_ptr(), planes, inner)
     args = (inverse.data_ptr(), out.data_ptr(), indices.numel(), inverse.element_size())
-    _call("memsave_to_offsets", *pointers, *args, _threads(threads))
+    _call("memsave_to_offsets", *pointers, *args, checks.thread_count(threads))
 
 
 def to_indices(
@@ -231,38 +220,14 @@ def to_indices(
     Window offsets back to int64 max-pool argmax indices (``IndexMaps.to_indices``). Precondition,
     unchecked: every offset lies in ``[0, table.numel())``.
     """
-    _check_dtype(offsets, "offsets", _OFFSET_DTYPES)
-    _check_dense(offsets, "offsets")
-    _check_table(table, "table", (torch.int64,))
-    planes = _check_starts(starts, inner)
-    _check_like(out, offsets, "out", "offsets", dtype=torch.int64)
+    checks.check_dtype(offsets, "offsets", checks.OFFSET_DTYPES)
+    checks.check_dense(offsets, "offsets")
+    checks.check_table(table, "table", (torch.int64,))
+    planes = checks.check_starts(starts, inner)
+    checks.check_like(out, offsets, "out", "offsets", dtype=torch.int64)
     head = (offsets.data_ptr(), offsets.element_size(), table.data_ptr(), starts.data_ptr())
-    tail = (planes, inner, out.data_ptr(), offsets.numel(), _threads(threads))
+    tail = (planes, inner, out.data_ptr(), offsets.numel(), checks.thread_count(threads))
     _call("memsave_to_indices", *head, *tail)
-
-
-# -------------------------------------------------------------------------------------------
-# Argument checks (cheap: shapes, strides and dtypes only)
-
-
-def _threads(threads: int | None) -> int:
-    """The thread count to use: ``threads``, or torch's intra-op thread count."""
-    return max(1, torch.get_num_threads() if threads is None else int(threads))
-
-
-def _check_cpu(tensor: Tensor, name: str) -> None:
-    """Raise unless ``tensor`` is a strided CPU tensor."""
-    if not isinstance(tensor, Tensor) or tensor.device.type != "cpu":
-        device = getattr(tensor, "device", type(tensor).__name__)
-        raise ValueError(f"Native kernels need CPU tensors: {name} is on {device}.")
-    if tensor.layout != torch.strided:
-        raise ValueError(f"Native kernels need strided tensors: {name} is {tensor.layout}.")
-
-
-def _check_dense(tensor: Tensor, name: str) -> None:
-    """Raise unless ``tensor`` is a dense CPU tensor: contiguous in some memory format."""
-    _check_cpu(tensor, name)
-    require_dense(tensor, name, "Native")
 
 
 def max_pool2(
@@ -272,9 +237,9 @@ def max_pool2(
     stride ``(kd, kh, 2)`` (``window = (kd, kh)``, each 1 or 2), no padding or dilation, into
     ``out`` ``(planes, D // kd, H // kh, W // 2)`` and the int8 window offsets of its argmaxes:
     ``max_pool3d_with_indices``' values bit for bit (NOTE [2-wide max pooling] in C)."""
-    _check_pool2(x, out, offsets, window, "x", "out")
+    checks.check_pool2(x, out, offsets, window, "x", "out")
     pointers = (x.data_ptr(), out.data_ptr(), offsets.data_ptr())
-    _call("memsave_max_pool2", *pointers, *x.shape, *window, _threads(threads))
+    _call("memsave_max_pool2", *pointers, *x.shape, *window, checks.thread_count(threads))
 
 
 def max_pool2_backward(
@@ -287,130 +252,8 @@ def max_pool2_backward(
 ) -> None:
     """The input gradient of :func:`max_pool2` from the output gradient and the offsets, every
     element written (ATen's ``max_pool3d_with_indices_backward`` bit for bit)."""
-    _check_pool2(grad_input, grad, offsets, window, "grad_input", "grad")
+    checks.check_pool2(grad_input, grad, offsets, window, "grad_input", "grad")
     pointers = (grad.data_ptr(), offsets.data_ptr(), grad_input.data_ptr())
-    _call("memsave_max_pool2_backward", *pointers, *grad_input.shape, *window, _threads(threads))
-
-
-def _check_pool2(
-    x: Tensor, out: Tensor, offsets: Tensor, window: tuple[int, int], x_name: str, out_name: str
-) -> None:
-    """Raise unless ``x`` is a contiguous float32 CPU ``(planes, D, H, W)`` tensor and ``out``
-    and ``offsets`` contiguous with its pooled shape under ``window``."""
-    _check_cpu(x, x_name)
-    kd, kh = window
-    if x.dtype != torch.float32 or x.dim() != 4 or not x.is_contiguous():
-        raise ValueError(f"max_pool2 expects a contiguous 4-d float32 {x_name}, got {x.dtype}.")
-    planes, depth, height, width = x.shape
-    pooled = (planes, depth // kd, height // kh, width // 2)
-    if kd not in (1, 2) or kh not in (1, 2) or min(pooled[1:]) < 1:
-        raise ValueError(f"max_pool2 cannot pool {tuple(x.shape)} with window {window}.")
-    for tensor, name, dtype in ((out, out_name, torch.float32), (offsets, "offsets", torch.int8)):
-        _check_cpu(tensor, name)
-        if tuple(tensor.shape) != pooled or tensor.dtype != dtype or not tensor.is_contiguous():
-            raise ValueError(f"max_pool2 expects a contiguous {dtype} {name} of shape {pooled}.")
-
-
-def _check_float_kernel(kernel: str, x: Tensor, out: Tensor, bits: Tensor, name: str) -> None:
-    """Raise unless ``x`` is a float32/float64 CPU tensor, ``out`` matches it element for element
-    and ``bits`` holds one bit per element: the arguments of the float-only activation kernels."""
-    _check_cpu(x, name)
-    if x.dtype not in (torch.float32, torch.float64):
-        raise ValueError(f"{kernel} expects float32 or float64, got {x.dtype}.")
-    _check_like(out, x, "out", name)
-    _check_bits(bits, x.numel())
-
-
-def _check_like(
-    out: Tensor, like: Tensor, name: str, like_name: str, dtype: torch.dtype | None = None
-) -> None:
-    """Raise unless ``out`` has ``dtype`` (default ``like``'s) and ``like``'s elements in its order."""
-    _check_dense(out, name)
-    expected = like.dtype if dtype is None else dtype
-    if out.dtype != expected:
-        raise ValueError(f"Dtype mismatch: expected {name} of dtype {expected}, got {out.dtype}.")
-    same_layout = out.shape == like.shape and out.stride() == like.stride()
-    flat_alike = out.numel() == like.numel() and out.is_contiguous() and like.is_contiguous()
-    if not (same_layout or flat_alike):
-        raise ValueError(
-            f"Layout mismatch: {name} (shape {tuple(out.shape)}, strides {out.stride()}) must "
-            f"match {like_name} (shape {tuple(like.shape)}, strides {like.stride()}) element "
-            "for element in memory."
-        )
-
-
-def _check_bits(bits: Tensor, numel: int) -> None:
-    """Raise unless ``bits`` is a contiguous uint8 CPU tensor of ``ceil(numel / 8)`` bytes."""
-    _check_cpu(bits, "bits")
-    expected = -(-numel // 8)
-    if bits.dtype != torch.uint8 or bits.numel() != expected or not bits.is_contiguous():
-        raise ValueError(
-            f"Packed bits mismatch: expected {expected} contiguous uint8 bytes, "
-            f"got {bits.dtype} of shape {tuple(bits.shape)}."
-        )
-
-
-def _check_dtype(tensor: Tensor, name: str, dtypes: tuple[torch.dtype, ...]) -> None:
-    """Raise unless ``tensor`` has one of ``dtypes``."""
-    if tensor.dtype not in dtypes:
-        raise ValueError(f"Dtype mismatch: expected {name} of dtype {dtypes}, got {tensor.dtype}.")
-
-
-def _check_table(table: Tensor, name: str, dtypes: tuple[torch.dtype, ...]) -> None:
-    """Raise unless ``table`` is a contiguous CPU lookup table of one of ``dtypes``."""
-    _check_cpu(table, name)
-    _check_dtype(table, name, dtypes)
-    if not table.is_contiguous():
-        raise ValueError(f"Native kernels need a contiguous {name} table.")
-
-
-def _check_starts(starts: Tensor, inner: int) -> int:
-    """Raise unless ``starts`` is a non-empty int64 table and ``inner >= 1``; return its size."""
-    _check_table(starts, "starts", (torch.int64,))
-    if starts.numel() < 1 or int(inner) < 1:
-        raise ValueError(
-            f"Expected at least one window start and inner >= 1, got {starts.numel()} "
-            f"and inner={inner}."
-        )
-    return starts.numel()
-
-
-def _inf_bits(x: Tensor, name: str) -> int:
-    """Bits of +infinity in ``x``'s dtype; raise for dtypes other than the four float types."""
-    _check_cpu(x, name)
-    if x.dtype not in _INF_BITS:
-        raise ValueError(
-            f"Dtype mismatch: expected {name} of dtype float64, float32, bfloat16 or float16, "
-            f"got {x.dtype}."
-        )
-    return _INF_BITS[x.dtype]
-
-
-def _order_key(value: float, dtype: torch.dtype) -> int | None:
-    """The C kernels' order key of ``value`` in ``dtype`` (None for NaN).
-
-    Raises ``ValueError`` unless ``value`` is exactly representable in ``dtype``.
-    """
-    if value != value:
-        return None
-    raw = _raw_bits(value, dtype)
-    sign = 1 << (8 * dtype.itemsize - 1)
-    magnitude = raw & (sign - 1)
-    return -magnitude if raw & sign else magnitude
-
-
-def _raw_bits(value: float, dtype: torch.dtype) -> int:
-    """The bits of ``value`` in ``dtype``; raise unless it is exactly representable there."""
-    if dtype == torch.bfloat16:
-        raw = _raw_bits(value, torch.float32)
-        if raw & 0xFFFF:
-            raise ValueError(f"Bound {value!r} is not exactly representable in {dtype}.")
-        return raw >> 16
-    fmt, raw_fmt = _STRUCT[dtype]
-    try:
-        packed = struct.pack(fmt, value)
-    except (OverflowError, struct.error) as error:
-        raise ValueError(f"Bound {value!r} is not representable in {dtype}.") from error
-    if struct.unpack(fmt, packed)[0] != value:
-        raise ValueError(f"Bound {value!r} is not exactly representable in {dtype}.")
-    return struct.unpack(raw_fmt, packed)[0]
+    _call(
+        "memsave_max_pool2_backward", *pointers, *grad_input.shape, *window, checks.thread_count(threads)
+    )
