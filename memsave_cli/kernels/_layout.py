@@ -43,6 +43,19 @@ def require_dense(t: Tensor, name: str, kernels: str) -> None:
         )
 
 
+def require_same_order(out: Tensor, like: Tensor, name: str, like_name: str) -> None:
+    """Raise ValueError unless ``out`` holds ``like``'s elements in the same memory order: the
+    same shape and strides, or both contiguous with as many elements."""
+    same_layout = out.shape == like.shape and out.stride() == like.stride()
+    flat_alike = out.numel() == like.numel() and out.is_contiguous() and like.is_contiguous()
+    if not (same_layout or flat_alike):
+        raise ValueError(
+            f"Layout mismatch: {name} (shape {tuple(out.shape)}, strides {out.stride()}) must "
+            f"match {like_name} (shape {tuple(like.shape)}, strides {like.stride()}) element "
+            "for element in memory."
+        )
+
+
 def _is_eager(t: Tensor) -> bool:
     return type(t) in _EAGER_TYPES and not torch.compiler.is_compiling()
 

@@ -77,7 +77,14 @@ def relu_pack(x: Tensor, out: Tensor, bits: Tensor, *, threads: int | None = Non
     checks.check_like(out, x, "out", "x")
     checks.check_bits(bits, x.numel())
     pointers = (x.data_ptr(), out.data_ptr(), bits.data_ptr())
-    _call("memsave_relu_pack", *pointers, x.numel(), x.element_size(), inf, checks.thread_count(threads))
+    _call(
+        "memsave_relu_pack",
+        *pointers,
+        x.numel(),
+        x.element_size(),
+        inf,
+        checks.thread_count(threads),
+    )
 
 
 def leaky_pack(
@@ -255,5 +262,9 @@ def max_pool2_backward(
     checks.check_pool2(grad_input, grad, offsets, window, "grad_input", "grad")
     pointers = (grad.data_ptr(), offsets.data_ptr(), grad_input.data_ptr())
     _call(
-        "memsave_max_pool2_backward", *pointers, *grad_input.shape, *window, checks.thread_count(threads)
+        "memsave_max_pool2_backward",
+        *pointers,
+        *grad_input.shape,
+        *window,
+        checks.thread_count(threads),
     )

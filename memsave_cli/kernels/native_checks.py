@@ -8,7 +8,7 @@ import struct
 import torch
 from torch import Tensor
 
-from memsave_cli.kernels._layout import require_dense
+from memsave_cli.kernels._layout import require_dense, require_same_order
 
 #: Bits of +infinity for each supported float dtype (NOTE [float classes as integer tests] in C).
 _INF_BITS = {
@@ -80,14 +80,7 @@ def check_like(
     expected = like.dtype if dtype is None else dtype
     if out.dtype != expected:
         raise ValueError(f"Dtype mismatch: expected {name} of dtype {expected}, got {out.dtype}.")
-    same_layout = out.shape == like.shape and out.stride() == like.stride()
-    flat_alike = out.numel() == like.numel() and out.is_contiguous() and like.is_contiguous()
-    if not (same_layout or flat_alike):
-        raise ValueError(
-            f"Layout mismatch: {name} (shape {tuple(out.shape)}, strides {out.stride()}) must "
-            f"match {like_name} (shape {tuple(like.shape)}, strides {like.stride()}) element "
-            "for element in memory."
-        )
+    require_same_order(out, like, name, like_name)
 
 
 def check_bits(bits: Tensor, numel: int) -> None:

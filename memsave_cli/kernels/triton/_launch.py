@@ -27,7 +27,7 @@ from triton.runtime import interpreter
 from triton.runtime.interpreter import InterpretedFunction
 from triton.runtime.jit import JITFunction
 
-from memsave_cli.kernels._layout import require_dense
+from memsave_cli.kernels._layout import require_dense, require_same_order
 from memsave_cli.kernels.triton import interpreting, status
 
 #: Most elements per program of the elementwise kernels (a power of two, at least 64: whole
@@ -145,14 +145,7 @@ def check_like(out: Tensor, like: Tensor, name: str, like_name: str, dtype=None)
             f"Mismatch: expected {name} of dtype {expected} on {like.device}, "
             f"got {out.dtype} on {out.device}."
         )
-    same_layout = out.shape == like.shape and out.stride() == like.stride()
-    flat_alike = out.numel() == like.numel() and out.is_contiguous() and like.is_contiguous()
-    if not (same_layout or flat_alike):
-        raise ValueError(
-            f"Layout mismatch: {name} (shape {tuple(out.shape)}, strides {out.stride()}) must "
-            f"match {like_name} (shape {tuple(like.shape)}, strides {like.stride()}) element "
-            "for element in memory."
-        )
+    require_same_order(out, like, name, like_name)
 
 
 def check_bits(bits: Tensor, numel: int, like: Tensor) -> None:
