@@ -13,23 +13,15 @@ implementation has run ``MIN_SECONDS`` (small models get many rounds, large ones
 ``torch.utils.benchmark`` times one statement at a time (its ``blocked_autorange`` runs a block
 of the same statement), so it cannot alternate two steps.
 
-NOTE [a heap without page faults]: glibc's malloc hands every block over 32 MiB (most activations
-of a CNN at batch 64) straight back to the kernel when it is freed, and the next step maps it
-again: a ResNet-50 step at batch 64 took 3.5-4.2 million page faults, about a third of its wall
-time was the kernel zeroing pages, and how many each implementation took depended on the
-allocation history of the process, so the memsave/stock ratio of ``memsave profile --device cpu``
-ranged from 1.02 to 1.14 between repeats. The timing worker therefore starts with glibc's
-``MALLOC_MMAP_MAX_=0`` and a trim threshold it never reaches: freed memory stays in its heap and
-is reused, as PyTorch's caching allocator reuses it on CUDA (and jemalloc or tcmalloc on CPU).
-The step then took no page faults and 35% less time, and the ratio 1.008. A variable the user set
-is kept; other C libraries ignore them.
+The timing worker keeps freed memory in its heap (NOTE [a heap without page faults] in
+``kernels/heap.py``), so that no step spends its time on page faults whose number depends on the
+allocation history of the process.
 """
 
 from __future__ import annotations
 
 import contextlib
 import gc
-import os
 import statistics
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import replace
@@ -38,6 +30,7 @@ from functools import partial
 import torch
 
 from memsave_cli.errors import one_line
+from memsave_cli.kernels import heap
 from memsave_cli.measure import Job, _cuda_time, _wall_time
 from memsave_cli.report import Run, Status
 from memsave_cli.step import Prepared, clear_grads, prepare, train_step
@@ -53,9 +46,6 @@ MIN_ROUNDS = 6
 
 #: Rounds never exceed this, however fast a step.
 MAX_ROUNDS = 40
-
-#: The timing worker's glibc heap settings (NOTE [a heap without page faults]).
-HEAP_ENVIRONMENT = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(1 << 48)}
 
 
 def alternate(
@@ -224,7 +214,7 @@ def time_runs(
         return list(runs), []
     build_native(jobs)
     target = partial(
-        time_cases, cases=tuple(cases), impls=impls, threads=threads, min_seconds=min_seconds
+        _timing_worker, cases=tuple(cases), impls=impls, threads=threads, min_seconds=min_seconds
     )
     (result,) = run_jobs(
         cases[:1],
@@ -232,7 +222,6 @@ def time_runs(
         workers=1,
         target=target,
         on_done=None if on_done is None else lambda job, result: _each_case(result, on_done),
-        environment={k: v for k, v in HEAP_ENVIRONMENT.items() if k not in os.environ},
     )
     if isinstance(result, Run):  # the worker itself failed: no case has times
         return list(runs), [f"no times: {result.status.value} ({result.error})"]
@@ -240,6 +229,13 @@ def time_runs(
         f"no times for case {r.case}: {r.status.value} ({r.error})" for r in result if not r.ok
     ]
     return with_times(runs, [r for r in result if r.ok]), notes
+
+
+def _timing_worker(job: Job, **settings: object) -> tuple[Run, ...]:
+    """The timing worker: :func:`time_cases` in a heap that keeps freed memory (NOTE [a heap
+    without page faults] in ``kernels/heap.py``)."""
+    heap.keep_freed_memory()
+    return time_cases(job, **settings)
 
 
 def _each_case(result: Run | tuple[Run, ...], on_done: Callable[[Run], None]) -> None:

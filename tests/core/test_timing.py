@@ -4,7 +4,6 @@ with their interquartile range (NOTE [paired timing] in memsave_cli/timing.py)."
 from __future__ import annotations
 
 import io
-import os
 import statistics
 from dataclasses import replace
 
@@ -169,23 +168,45 @@ def tiny_cnn_spec(tmp_path) -> str:
     return f"{path}:cnn"
 
 
-def test_the_timing_worker_reuses_freed_memory_without_page_faults() -> None:
+def test_a_heap_that_keeps_freed_memory_takes_no_page_faults() -> None:
     import fixtures_tracker
     from test_runner import behaviour
 
     from memsave_cli.runner import run_jobs
-    from memsave_cli.timing import HEAP_ENVIRONMENT
 
-    before = dict(os.environ)
-    (kept,) = run_jobs(
-        [behaviour("refault")],
-        timeout=60,
-        target=fixtures_tracker.behave,
-        environment=HEAP_ENVIRONMENT,
-    )
-    (returned,) = run_jobs([behaviour("refault")], timeout=60, target=fixtures_tracker.behave)
+    jobs = [behaviour("refault-kept"), behaviour("refault")]
+    kept, returned = run_jobs(jobs, timeout=60, workers=1, target=fixtures_tracker.behave)
     assert kept.ok and returned.ok, (kept, returned)
+    assert kept.time_s == 1.0, "the settings did not apply (not glibc?)"
     # 64 MiB are 16384 pages of 4 KiB: glibc's default unmaps them on free and faults them back,
-    # four rounds counted; with the timing worker's settings the heap keeps them after a warm-up.
+    # four rounds counted; with the settings the heap keeps them after a warm-up.
     assert returned.saved_bytes > 4 * 16000 and kept.saved_bytes < 100, (returned, kept)
-    assert dict(os.environ) == before
+
+
+def test_only_the_timing_worker_changes_its_heap(monkeypatch, tiny_cnn_spec: str) -> None:
+    """The worker target sets the heap up; timing in this process leaves malloc alone."""
+    from memsave_cli import timing
+    from memsave_cli.cases import resolve_case
+    from memsave_cli.measure import Job
+    from memsave_cli.specs import parse_spec
+
+    calls: list[str] = []
+    monkeypatch.setattr(timing.heap, "keep_freed_memory", lambda: calls.append("kept"))
+    job = Job(
+        parse_spec(tiny_cnn_spec), resolve_case("input"), "stock", "cpu", batch_size=2,
+        input_shape=(3, 16, 16), repeat=2,
+    )  # fmt: skip
+    timing.time_cases(job, [job], ("stock", "memsave"))
+    assert calls == []
+    runs = timing._timing_worker(job, cases=(job,), impls=("stock", "memsave"))
+    assert calls == ["kept"] and all(run.ok for run in runs)
+
+
+def test_user_malloc_settings_are_left_alone(monkeypatch) -> None:
+    from memsave_cli.kernels import heap
+
+    monkeypatch.setenv("MALLOC_TRIM_THRESHOLD_", "0")
+    assert heap.keep_freed_memory() is False
+    monkeypatch.delenv("MALLOC_TRIM_THRESHOLD_")
+    monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.trim_threshold=0")
+    assert heap.keep_freed_memory() is False
