@@ -10,9 +10,8 @@ to 0 and ``M_TRIM_THRESHOLD`` to its largest value (``mallopt``, as ``MALLOC_MMA
 ``MALLOC_TRIM_THRESHOLD_`` would at start-up): freed memory stays in the heap and is reused, as
 PyTorch's caching allocator reuses it on CUDA (and jemalloc or tcmalloc on CPU). The step then
 took no page faults and 35% less time, and five repeats of the command gave ratios within 2.4%
-of their mean, 0.999. It
-changes nothing where the user chose malloc settings (those variables, or ``GLIBC_TUNABLES``),
-and nothing on other C libraries.
+of their mean, 0.999. It changes nothing where the user chose malloc settings (those variables,
+``MALLOC_MMAP_THRESHOLD_`` or ``GLIBC_TUNABLES``), and nothing on other C libraries.
 """
 
 from __future__ import annotations
