@@ -12,6 +12,12 @@ code or signal, and the tail of the worker's stderr), a message that is not a re
 running when the parent stops (an exception, Ctrl-C) are killed in ``finally``. A parent killed
 outright runs no ``finally``: each worker watches its result pipe and exits once nobody can read
 it.
+
+A worker that needs its own environment (the timing worker's heap settings, NOTE [a heap
+without page faults] in ``timing.py``) is a fresh interpreter started with that environment
+instead, since the fork server's C library read its settings when the server started. Like a
+forked worker, it does not import the caller's main script (a spawned interpreter would, and run
+a script without a ``__main__`` guard again): every target is importable from its module.
 """
 
 from __future__ import annotations
@@ -26,8 +32,10 @@ import tempfile
 import threading
 import time
 import traceback
+import types
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
@@ -52,17 +60,19 @@ def run_jobs(
     workers: int | None = None,
     on_done: Callable[[Job, Result], None] | None = None,
     target: Callable[[Job], Result] = measure,
+    environment: Mapping[str, str] | None = None,
 ) -> list[Result]:
     """Run each job in its own worker process, at most ``workers`` at once; Runs in job order.
 
     ``timeout`` (seconds) applies to each job; ``on_done`` is called as each job finishes;
     ``target`` is what a worker calls with its job (an importable function, ``measure`` unless
-    testing). Failures of a job are Runs with their status, never exceptions.
+    testing); ``environment`` variables are added to each worker's, which then starts as a fresh
+    interpreter. Failures of a job are Runs with their status, never exceptions.
     """
     workers = max(1, min(workers or default_workers(jobs), len(jobs) or 1))
     if target is measure:
         build_native(jobs)
-    context = worker_context()
+    context = worker_context() if environment is None else multiprocessing.get_context("spawn")
     pending = deque(enumerate(jobs))
     active: list[_Worker] = []
     runs: list[Result | None] = [None] * len(jobs)
@@ -70,7 +80,8 @@ def run_jobs(
         while pending or active:
             while pending and len(active) < workers:
                 index, job = pending.popleft()
-                active.append(_Worker.start(context, index, job, target, timeout))
+                with _spawned_with(environment):
+                    active.append(_Worker.start(context, index, job, target, timeout))
             _wait_any(active)
             for worker in list(active):
                 run = worker.outcome()
@@ -98,6 +109,29 @@ def worker_context() -> multiprocessing.context.BaseContext:
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(list(PRELOAD))
     return context
+
+
+@contextmanager
+def _spawned_with(variables: Mapping[str, str] | None) -> Iterator[None]:
+    """``variables`` set in this process's environment, which a spawned worker inherits, and no
+    main script for it to import (see the module's docstring); both as they were afterwards."""
+    if variables is None:
+        yield
+        return
+    saved = {name: os.environ.get(name) for name in variables}
+    main = sys.modules.get("__main__")
+    os.environ.update(variables)
+    sys.modules["__main__"] = types.ModuleType("__main__")
+    try:
+        yield
+    finally:
+        if main is not None:
+            sys.modules["__main__"] = main
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 @dataclass

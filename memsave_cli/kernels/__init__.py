@@ -2,5 +2,4 @@
 CPU, CUDA (Triton), fake and reference implementations side by side (``activation.py``,
 ``maxpool.py``, ``dropout.py``); max pooling by blocks with window offsets (``maxpool_blocks.py``,
 ``maxpool_maps.py``); the C kernels the ops call on CPU (``native.py``), and how the C library is
-built and cached (``build.py``, ``_cache.py``); and glibc's malloc told to keep freed memory for
-the CPU timing worker (``heap.py``)."""
+built and cached (``build.py``, ``_cache.py``)."""

@@ -16,7 +16,6 @@ import time
 import torch
 from torch import nn
 
-from memsave_cli.kernels import heap
 from memsave_cli.report import Run
 
 
@@ -143,9 +142,8 @@ def behave(job) -> Run:
         start = time.time()
         time.sleep(1.0)
         return Run(job.case.label, job.impl, time_s=start, peak_bytes=int(time.time() * 1000))
-    if action in ("refault", "refault-kept"):
-        kept = action == "refault-kept" and heap.keep_freed_memory()
-        return Run(job.case.label, job.impl, saved_bytes=_refaults(64 << 20), time_s=float(kept))
+    if action == "refault":
+        return Run(job.case.label, job.impl, saved_bytes=_refaults(64 << 20))
     if action == "exit":
         print("clue: about to exit", file=sys.stderr, flush=True)
         os._exit(3)

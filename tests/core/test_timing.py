@@ -4,8 +4,13 @@ with their interquartile range (NOTE [paired timing] in memsave_cli/timing.py)."
 from __future__ import annotations
 
 import io
+import os
 import statistics
+import subprocess
+import sys
 from dataclasses import replace
+from functools import partial
+from pathlib import Path
 
 import pytest
 from rich.console import Console
@@ -168,45 +173,53 @@ def tiny_cnn_spec(tmp_path) -> str:
     return f"{path}:cnn"
 
 
-def test_a_heap_that_keeps_freed_memory_takes_no_page_faults() -> None:
+def test_the_timing_worker_reuses_freed_memory_without_page_faults() -> None:
     import fixtures_tracker
     from test_runner import behaviour
 
     from memsave_cli.runner import run_jobs
+    from memsave_cli.timing import HEAP_ENVIRONMENT
 
-    jobs = [behaviour("refault-kept"), behaviour("refault")]
-    kept, returned = run_jobs(jobs, timeout=60, workers=1, target=fixtures_tracker.behave)
+    before = dict(os.environ)
+    run = partial(run_jobs, [behaviour("refault")], timeout=60, target=fixtures_tracker.behave)
+    (kept,), (returned,) = run(environment=HEAP_ENVIRONMENT), run()
     assert kept.ok and returned.ok, (kept, returned)
-    assert kept.time_s == 1.0, "the settings did not apply (not glibc?)"
     # 64 MiB are 16384 pages of 4 KiB: glibc's default unmaps them on free and faults them back,
-    # four rounds counted; with the settings the heap keeps them after a warm-up.
+    # four rounds counted; with the timing worker's settings the heap keeps them after a warm-up.
     assert returned.saved_bytes > 4 * 16000 and kept.saved_bytes < 100, (returned, kept)
+    assert dict(os.environ) == before
 
 
-def test_only_the_timing_worker_changes_its_heap(monkeypatch, tiny_cnn_spec: str) -> None:
-    """The worker target sets the heap up; timing in this process leaves malloc alone."""
-    from memsave_cli import timing
-    from memsave_cli.cases import resolve_case
-    from memsave_cli.measure import Job
-    from memsave_cli.specs import parse_spec
+def test_user_malloc_settings_are_left_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    from memsave_cli.timing import HEAP_ENVIRONMENT, heap_environment
 
-    calls: list[str] = []
-    monkeypatch.setattr(timing.heap, "keep_freed_memory", lambda: calls.append("kept"))
-    job = Job(
-        parse_spec(tiny_cnn_spec), resolve_case("input"), "stock", "cpu", batch_size=2,
-        input_shape=(3, 16, 16), repeat=2,
-    )  # fmt: skip
-    timing.time_cases(job, [job], ("stock", "memsave"))
-    assert calls == []
-    runs = timing._timing_worker(job, cases=(job,), impls=("stock", "memsave"))
-    assert calls == ["kept"] and all(run.ok for run in runs)
-
-
-def test_user_malloc_settings_are_left_alone(monkeypatch) -> None:
-    from memsave_cli.kernels import heap
-
-    monkeypatch.setenv("MALLOC_TRIM_THRESHOLD_", "0")
-    assert heap.keep_freed_memory() is False
-    monkeypatch.delenv("MALLOC_TRIM_THRESHOLD_")
+    for name in ("MALLOC_MMAP_MAX_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.delenv("GLIBC_TUNABLES", raising=False)
+    assert heap_environment() == HEAP_ENVIRONMENT
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")
+    assert heap_environment() == {}
+    monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_")
     monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.trim_threshold=0")
-    assert heap.keep_freed_memory() is False
+    assert heap_environment() == {}
+
+
+def test_a_spawned_worker_does_not_run_the_callers_script_again(tmp_path) -> None:
+    """A script without a ``__main__`` guard that starts a worker with its own environment runs
+    once: the fresh interpreter imports the target's module, not the script."""
+    here = Path(__file__).parent
+    script = tmp_path / "unguarded.py"
+    script.write_text(
+        f"import sys\nsys.path.insert(0, {str(here)!r})\n"
+        "print('script ran', flush=True)\n"
+        "import fixtures_tracker\nfrom test_runner import behaviour\n"
+        "from memsave_cli.runner import run_jobs\n"
+        "(run,) = run_jobs([behaviour('ok')], timeout=60, target=fixtures_tracker.behave,\n"
+        "                  environment={'MEMSAVE_PROBE': '1'})\n"
+        "print('worker ok', run.ok, run.error)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=300
+    )
+    assert done.stdout.count("script ran") == 1, done.stdout + done.stderr[-2000:]
+    assert "worker ok True None" in done.stdout, done.stdout + done.stderr[-2000:]
