@@ -21,10 +21,10 @@ allocation history of the process, so the memsave/stock ratio of ``memsave profi
 ranged from 1.02 to 1.14 between repeats. The timing worker therefore starts as a fresh
 interpreter with glibc's ``MALLOC_MMAP_MAX_=0`` and a trim threshold it never reaches: freed
 memory stays in its heap and is reused, as PyTorch's caching allocator reuses it on CUDA (and
-jemalloc or tcmalloc on CPU). The step then took no page faults and 35% less time, and five
-repeats gave ratios within 0.6% of each other. Setting the same with ``mallopt`` in a worker
-forked from the preloaded server instead took the page faults away too, but two sets of five
-repeats spread by 2.4% and 3.5%. Where the user set malloc up (these variables,
+jemalloc or tcmalloc on CPU). The step then took no page faults and 35% less time, and two sets
+of five repeats gave ratios within 0.6% and 2.1% of their means. Setting the same with
+``mallopt`` in a worker forked from the preloaded server instead took the page faults away too,
+but two sets of five repeats spread by 2.4% and 3.5%. Where the user set malloc up (these variables,
 ``MALLOC_MMAP_THRESHOLD_`` or ``GLIBC_TUNABLES``), their settings stay; other C libraries ignore
 the variables.
 """
