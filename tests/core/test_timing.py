@@ -218,8 +218,11 @@ def test_a_spawned_worker_does_not_run_the_callers_script_again(tmp_path) -> Non
         "                  environment={'MEMSAVE_PROBE': '1'})\n"
         "print('worker ok', run.ok, run.error)\n"
     )
+    root = str(here.parents[1])  # this tree, importable however memsave is installed
+    paths = [root, *filter(None, [os.environ.get("PYTHONPATH")])]
+    environment = {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}
     done = subprocess.run(
-        [sys.executable, str(script)], capture_output=True, text=True, timeout=300
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=300, env=environment
     )
     assert done.stdout.count("script ran") == 1, done.stdout + done.stderr[-2000:]
     assert "worker ok True None" in done.stdout, done.stdout + done.stderr[-2000:]
