@@ -125,7 +125,9 @@ def _spawned_with(variables: Mapping[str, str] | None) -> Iterator[None]:
     try:
         yield
     finally:
-        if main is not None:
+        if main is None:
+            del sys.modules["__main__"]
+        else:
             sys.modules["__main__"] = main
         for name, value in saved.items():
             if value is None:

@@ -9,7 +9,8 @@ median of those ratios cancels drift slower than a round, and their interquartil
 says how far to trust it: a ratio whose IQR exceeds its distance from 1 does not resolve a
 difference. ``memsave profile`` runs at least ``MIN_ROUNDS`` rounds (three pairs, so that the
 median sets one stray pair aside) or ``repeat``, then goes on a pair at a time until each
-implementation has run ``MIN_SECONDS`` (small models get many rounds, large ones few); Python's garbage collector runs between rounds, never during a step.
+implementation has run ``MIN_SECONDS`` (small models get many rounds, large ones few); Python's
+garbage collector runs between rounds, never during a step.
 ``torch.utils.benchmark`` times one statement at a time (its ``blocked_autorange`` runs a block
 of the same statement), so it cannot alternate two steps.
 

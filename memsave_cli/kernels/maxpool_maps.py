@@ -36,7 +36,7 @@ def _grid_sum(vectors: list[Tensor]) -> Tensor:
 
 
 def _window_starts(out_shape, stride, padding, strides, device) -> Tensor:
-    """Flat index of every output's window origin in a plane with ``strides``: shape ``out_shape``."""
+    """Flat index of each output's window origin in a plane of ``strides``: shape ``out_shape``."""
     vectors = [
         (torch.arange(size, device=device) * s - p) * flat
         for size, s, p, flat in zip(out_shape, stride, padding, strides, strict=True)

@@ -75,7 +75,7 @@ def check_float_kernel(kernel: str, x: Tensor, out: Tensor, bits: Tensor, name: 
 def check_like(
     out: Tensor, like: Tensor, name: str, like_name: str, dtype: torch.dtype | None = None
 ) -> None:
-    """Raise unless ``out`` has ``dtype`` (default ``like``'s) and ``like``'s elements in its order."""
+    """Raise unless ``out`` has ``dtype`` (default ``like``'s) and ``like``'s elements, in order."""
     check_dense(out, name)
     expected = like.dtype if dtype is None else dtype
     if out.dtype != expected:

@@ -239,8 +239,8 @@ def rms_norm(
         # NOTE [RMSNorm under torch.compile]: Dynamo breaks the graph at a Function that takes
         # one tensor twice (as this one does, NOTE [two edges into x]), once per call. Compiled,
         # the forward's own ops (stock's) run unwrapped: one graph, stock's gradients bit for
-        # bit, and what is kept is the compiler's choice, which for a tiny LLaMA under inductor
-        # kept no more than the drop-in does (tests/layers/test_compile_models.py).
+        # bit, and what is kept is the compiler's choice, which for a small LLaMA under inductor
+        # kept no more than the drop-in does (benchmarks/compile_saved.py).
         return RMSNormFunction.forward(x, x, weight, eps, dims, style, upcast)[0]
     out, _, _ = RMSNormFunction.apply(x, x, weight, eps, dims, style, upcast)
     return out
