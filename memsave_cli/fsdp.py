@@ -150,8 +150,9 @@ def world(world_size: int, device: str = "meta") -> Iterator[World]:
             )
         yield World(world_size, init_device_mesh(MESH_DEVICE, (world_size,)), estimate=False)
         return
-    from torch._C._distributed_c10d import FakeStore
-    from torch.testing._internal.distributed import fake_pg  # noqa: F401  (registers "fake")
+    # Importing ``fake_pg`` registers the "fake" backend; its ``FakeStore`` moved into C++ after
+    # torch 2.11 and is re-exported here in every version.
+    from torch.testing._internal.distributed.fake_pg import FakeStore
 
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
     try:

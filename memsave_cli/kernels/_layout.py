@@ -31,6 +31,10 @@ def is_dense(t: Tensor) -> bool:
     """``is_non_overlapping_and_dense_or_false(t)``: whether ``t`` is a permuted contiguous block."""
     if _is_eager(t):
         return _cached(tuple(t.shape), t.stride())[1]
+    if torch.compiler.is_compiling():
+        # Strides may be symbolic, and torch 2.11's predicate defines a class, which Dynamo
+        # cannot trace.
+        return _plainly_dense(t)
     return is_non_overlapping_and_dense_or_false(t)
 
 
@@ -54,6 +58,16 @@ def require_same_order(out: Tensor, like: Tensor, name: str, like_name: str) -> 
             f"match {like_name} (shape {tuple(like.shape)}, strides {like.stride()}) element "
             "for element in memory."
         )
+
+
+def _plainly_dense(t: Tensor) -> bool:
+    """``is_dense`` for traced tensors, whose strides may be symbolic: contiguous in the standard
+    or the channels-last format (a conservative answer for other permutations)."""
+    formats = {4: torch.channels_last, 5: torch.channels_last_3d}
+    channels_last = formats.get(t.dim())
+    return t.is_contiguous() or (
+        channels_last is not None and t.is_contiguous(memory_format=channels_last)
+    )
 
 
 def _is_eager(t: Tensor) -> bool:

@@ -156,6 +156,9 @@ def _pack_with_torch(flat: Tensor, scratch: bool) -> Tensor:
     """``pack_bits`` of a contiguous 1-d mask with tensor operations (see the first NOTE)."""
     if flat.numel() == 0:
         return flat.new_empty(0, dtype=torch.uint8)
+    if torch.compiler.is_compiling():
+        # Fused away by the compiler; torch 2.11's inductor cannot lower a dtype view of bools.
+        flat = flat.to(torch.uint8)
     padding = -flat.numel() % 8
     if padding or _misaligned(flat):
         # Allocation: a copy of the mask rounded up to whole int64 words (odd sizes, offset views).

@@ -51,12 +51,19 @@ def pool(x: Tensor, args: tuple) -> tuple[Tensor, Tensor, tuple[int, int] | None
     layout = memory_format(x)
     x = x.contiguous(memory_format=layout)
     pool_kernel, _ = _KERNELS[nd]
-    # The whole output is allocated once; blocks write into slices of it.
     out_shape = _output_shape(x, nd, args)
-    out = x.new_empty(out_shape).contiguous(memory_format=layout)
-    offsets = torch.empty_like(out, dtype=offset_dtype(math.prod(kernel)))
     chunked = _is_chunked(x)
     maps = index_maps(x.shape[-nd:], out_shape[-nd:], args[:4], x.device, cache=chunked)
+    if not chunked:
+        # One block: stock's own kernel allocates the output and (a deliberate transient) the
+        # int64 indices.
+        out, indices = pool_kernel._overloadpacket.default(x, *args)
+        offsets = torch.empty_like(out, dtype=offset_dtype(math.prod(kernel)))
+        maps.to_offsets(indices, out=offsets)
+        return out, offsets, None
+    # The whole output is allocated once; blocks write into slices of it.
+    out = x.new_empty(out_shape).contiguous(memory_format=layout)
+    offsets = torch.empty_like(out, dtype=offset_dtype(math.prod(kernel)))
     blocks = _blocks([x, out, offsets], nd, chunked)
     # Deliberate transient: one block's int64 indices, reused by every block.
     buffer = torch.empty_like(blocks[0][1], dtype=torch.int64)

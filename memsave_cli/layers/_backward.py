@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+from torch.amp.autocast_mode import is_autocast_available
 
 
 def forbid_double_backward(layer: str) -> None:
@@ -19,10 +20,17 @@ def forbid_double_backward(layer: str) -> None:
         )
 
 
+#: Whether autocast exists for a device type (``torch.is_autocast_enabled`` raises where not).
+_AUTOCAST_EXISTS: dict[str, bool] = {}
+
+
 def autocast_on(device_type: str) -> bool:
     """Whether autocast is enabled for ``device_type`` (False for types autocast does not know,
     such as ``meta``)."""
-    try:
+    if torch.compiler.is_compiling():
+        # Traced code runs on devices autocast knows, and torch 2.11 cannot trace the query.
         return torch.is_autocast_enabled(device_type)
-    except RuntimeError:
-        return False
+    exists = _AUTOCAST_EXISTS.get(device_type)
+    if exists is None:
+        exists = _AUTOCAST_EXISTS[device_type] = is_autocast_available(device_type)
+    return exists and torch.is_autocast_enabled(device_type)

@@ -145,13 +145,15 @@ def _activate(
     NOTE [in-place drop-ins]: stock runs (and saves nothing) when no gradient can reach ``x``,
     and for an in-place call on a leaf that requires grad, so the error is stock's own. Autograd
     forbids a Function that modifies a view in place from returning two tensors (the result and
-    its bits), so an in-place call on a view computes out of place and copies the result back;
-    ``saves_result`` keeps the bits those of the in-place call, so gradients are the same.
+    its bits), so an in-place call on a view computes out of place and copies the result back
+    (so does a compiled one); ``saves_result`` keeps the bits those of the in-place call, so
+    gradients are the same.
     """
     if not (torch.is_grad_enabled() and x.requires_grad) or (inplace and x.is_leaf):
         return stock(x, *args, inplace)
-    if inplace and x._base is not None:
-        # Allocation: the out-of-place result, freed once copied into the view.
+    if inplace and (x._base is not None or torch.compiler.is_compiling()):
+        # Allocation: the out-of-place result, freed once copied into the view. Compiled, the
+        # compiler writes in place itself (torch 2.11's inductor fails on the in-place op).
         return x.copy_(function.apply(x, *args, False, True)[0])
     return function.apply(x, *args, inplace, inplace)[0]
 

@@ -14,10 +14,9 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.amp.autocast_mode import is_autocast_available
 
 from memsave_cli.layers import stand_ins
-from memsave_cli.layers._backward import forbid_double_backward
+from memsave_cli.layers._backward import autocast_on, forbid_double_backward
 from memsave_cli.layers.registry import drop_in
 
 Conv = nn.Conv1d | nn.Conv2d | nn.Conv3d
@@ -132,18 +131,6 @@ def _padded_input(module: Conv, x: Tensor) -> tuple[Tensor, list[int]]:
     return x, list(module.padding)
 
 
-#: Whether autocast exists for a device type (``torch.is_autocast_enabled`` raises where not).
-_AUTOCAST_AVAILABLE: dict[str, bool] = {}
-
-
-def _autocast_enabled(device_type: str) -> bool:
-    """``torch.is_autocast_enabled(device_type)``, False where autocast does not exist."""
-    available = _AUTOCAST_AVAILABLE.get(device_type)
-    if available is None:
-        available = _AUTOCAST_AVAILABLE[device_type] = is_autocast_available(device_type)
-    return available and torch.is_autocast_enabled(device_type)
-
-
 def _autocast_cast(t: Tensor | None, device_type: str, dtype: torch.dtype) -> Tensor | None:
     """Cast ``t`` the way autocast casts the arguments of a lower-precision op."""
     eligible = t is not None and t.is_floating_point() and t.device.type == device_type
@@ -155,7 +142,7 @@ def _autocast_cast(t: Tensor | None, device_type: str, dtype: torch.dtype) -> Te
 def _convolve(x: Tensor, weight: Tensor, bias: Tensor | None, *params: object) -> Tensor:
     """Run ``_ConvFunction``, casting explicitly where autocast would cast a stock convolution."""
     device_type = x.device.type
-    if not _autocast_enabled(device_type):
+    if not autocast_on(device_type):
         return _ConvFunction.apply(x, weight, bias, *params)
     dtype = torch.get_autocast_dtype(device_type)
     x, weight, bias = (_autocast_cast(t, device_type, dtype) for t in (x, weight, bias))

@@ -35,19 +35,16 @@ class MaxPoolWithOffsets(torch.autograd.Function):
     """Max pooling (``nd`` = 2 or 3 spatial dims) saving window offsets instead of the input."""
 
     @staticmethod
-    def forward(
-        ctx, x: Tensor, kernel, stride, padding, dilation, ceil_mode
-    ) -> tuple[Tensor, Tensor]:
+    def forward(ctx, x: Tensor, kernel, stride, padding, dilation, ceil_mode) -> Tensor:
         ctx.args = (kernel, stride, padding, dilation, ceil_mode)
         ctx.input_shape, ctx.layout = tuple(x.shape), memory_format(x)
         out, offsets, ctx.window = pool(x, ctx.args)
-        ctx.mark_non_differentiable(offsets)
         # Only the offsets (1 byte per output for windows up to 128 elements); no input.
         ctx.save_for_backward(offsets)
-        return out, offsets
+        return out
 
     @staticmethod
-    def backward(ctx, grad_output: Tensor, _grad_offsets: None) -> tuple:
+    def backward(ctx, grad_output: Tensor) -> tuple:
         forbid_double_backward("MemSaveMaxPool")
         (offsets,) = ctx.saved_tensors
         grad_input = pool_backward(
@@ -58,7 +55,7 @@ class MaxPoolWithOffsets(torch.autograd.Function):
 
 def max_pool_with_offsets(input: Tensor, kernel, stride, padding, dilation, ceil_mode) -> Tensor:
     """Max pooling over the last ``len(kernel)`` (2 or 3) dims, saving window offsets only."""
-    return MaxPoolWithOffsets.apply(input, kernel, stride, padding, dilation, ceil_mode)[0]
+    return MaxPoolWithOffsets.apply(input, kernel, stride, padding, dilation, ceil_mode)
 
 
 def _needs_memsave(module: nn.Module, input: Tensor, nd: int) -> bool:

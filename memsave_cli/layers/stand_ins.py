@@ -79,6 +79,9 @@ def _eager_geometry(shape: torch.Size, stride: tuple[int, ...]) -> Geometry:
 def _computed_geometry(t: Tensor) -> Geometry:
     """``geometry`` without the cache."""
     layout = memory_format(t)
+    if torch.compiler.is_compiling():
+        # Traced stand-ins take no memory, and symbolic strides cannot be ranked: keep ``t``'s.
+        return Geometry(t.shape, tuple(t.stride()), layout)
     if is_dense(t):
         return Geometry(t.shape, tuple(t.stride()), layout)
     if layout == torch.contiguous_format:
