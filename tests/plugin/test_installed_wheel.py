@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import site
 import subprocess
 import sys
 import textwrap
@@ -35,6 +36,16 @@ def _run(*command: str | Path, cwd: Path) -> subprocess.CompletedProcess[str]:
     )
 
 
+def _see_these_packages(python: Path) -> None:
+    """Let the environment of ``python`` import this interpreter's packages (torch, pytest) after
+    its own, so that its memsave_cli comes first. ``system_site_packages`` would not do: inside a
+    virtual environment it names the base interpreter's packages, not this one's."""
+    own = _run(python, "-c", "import sysconfig; print(sysconfig.get_path('purelib'))", cwd=ROOT)
+    directories = [*site.getsitepackages(), site.getusersitepackages()]
+    lines = "; ".join(f"site.addsitedir({str(d)!r})" for d in directories)
+    (Path(own.stdout.strip()) / "_these_packages.pth").write_text(f"import site; {lines}\n")
+
+
 def test_installed_wheel_registers_the_plugin(tmp_path: Path) -> None:
     # Built from a copy of what the wheel is made of: setuptools writes build/ beside its source.
     source, wheels = tmp_path / "source", tmp_path / "wheels"
@@ -50,10 +61,9 @@ def test_installed_wheel_registers_the_plugin(tmp_path: Path) -> None:
         pytest.skip(f"cannot build a wheel offline here: {built.stderr.strip()[-300:]}")
     (wheel,) = wheels.glob("memsave_cli-*.whl")
     environment = tmp_path / "env"
-    # The environment sees this interpreter's packages (torch, pytest) but installs its own
-    # memsave_cli, which comes first on its path.
-    venv.create(environment, system_site_packages=True, with_pip=True)
+    venv.create(environment, with_pip=True)
     python = environment / "bin" / "python"
+    _see_these_packages(python)
     installed = _run(python, "-m", "pip", "install", "--no-deps", "--no-index", wheel, cwd=tmp_path)
     assert installed.returncode == 0, installed.stderr
     where = _run(python, "-c", "import memsave_cli; print(memsave_cli.__file__)", cwd=tmp_path)
