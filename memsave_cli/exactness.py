@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from memsave_cli.kernels.dropout import fused_scale, math_type, stock_scale
 from memsave_cli.layers import convert
 
 #: Differentiability patterns: (parameters trainable, floating inputs differentiable).
@@ -225,23 +226,22 @@ def side_diffs(stock: Side, ours: Side) -> list[str]:
 def dropout_rule_diffs(module: nn.Module, x: Tensor, p: float, seed: int) -> list[str]:
     """How a converted dropout ``module`` with probability ``p`` breaks stock's rule on ``x``
     (empty: it keeps it). Dropout draws its own noise, so it cannot equal stock bit for bit;
-    instead every output element must be 0 or the input times stock's scale, and the gradient
-    must pass exactly where the output kept its element, scaled by the same factor."""
+    instead every output element must be 0 or the input times stock's factor, and the gradient
+    must pass exactly where the output kept its element, times stock's backward factor: the
+    noise value rounded in the dtype, or on CUDA, for element dropout out of place, those of the
+    fused kernel (NOTE [stock's two dropout products] in ``kernels/dropout.py``)."""
     torch.manual_seed(seed)
     leaf = x.detach().clone().requires_grad_(True)
     y = module(leaf)
     grad = torch.randn(y.shape, dtype=torch.float64).to(y.dtype).to(y.device)
     (g,) = torch.autograd.grad(y, leaf, grad)
-    # Stock's noise: 0 where dropped, ``1 / (1 - p)`` rounded in the input's dtype where kept,
-    # laid out like the input (``empty_like``); stock multiplies input and gradient by it.
-    scale = torch.ones_like(x).div_(1.0 - p) if p < 1 else torch.zeros_like(x)
-    zero = torch.zeros_like(x)
+    forward, backward = _stock_dropout_factors(module, x, p)
+    everywhere = torch.ones_like(x, dtype=torch.bool)
     # The gradient is random and finite, so it shows unambiguously which elements were kept.
-    kept = _bits(g) == _bits(grad * scale)
-    if not bool((kept | (_bits(g) == _bits(grad * zero))).all()):
+    kept = _bits(g) == _bits(_dropout_product(grad, everywhere, backward))
+    if not bool((kept | (_bits(g) == _bits(_dropout_product(grad, ~everywhere, 0.0)))).all()):
         return ["gradient: an element neither kept with stock's scale nor dropped"]
-    noise = torch.empty_like(x).copy_(torch.where(kept, scale, zero))
-    expected = x if p == 0.0 else x * noise  # p = 0: the input itself
+    expected = x if p == 0.0 else _dropout_product(x, kept, forward)  # p = 0: the input itself
     diffs = []
     # NaN compares by value: the NaN a dropped infinity becomes may carry another payload when
     # the noise's layout differs from the input's (a loop of another kind in reduced precision).
@@ -249,11 +249,37 @@ def dropout_rule_diffs(module: nn.Module, x: Tensor, p: float, seed: int) -> lis
         torch.testing.assert_close(y, expected, rtol=0, atol=0, equal_nan=True)
     except AssertionError as error:
         diffs.append(f"output: {str(error).strip().splitlines()[0]}")
-    if not torch.equal(_bits(g), _bits(grad * noise)):
+    if not torch.equal(_bits(g), _bits(_dropout_product(grad, kept, backward))):
         diffs.append("gradient: not the output gradient times the kept elements' noise")
     if p == 0.0 and not bool(kept.all()):
         diffs.append("p = 0 dropped elements")
     return diffs
+
+
+#: Dropout classes that drop whole channels (stock's ``feature_dropout``, never fused).
+_FEATURE_DROPOUTS = (nn.Dropout1d, nn.Dropout2d, nn.Dropout3d)
+
+
+def _stock_dropout_factors(module: nn.Module, x: Tensor, p: float) -> tuple[float, float]:
+    """The factors stock multiplies kept elements by in forward and backward, in the math type."""
+    fused = (
+        x.device.type == "cuda"
+        and 0.0 < p < 1.0
+        and not getattr(module, "inplace", False)
+        and not isinstance(module, _FEATURE_DROPOUTS)
+    )
+    if fused:
+        return fused_scale(x.dtype, p, False), fused_scale(x.dtype, p, True)
+    noise = stock_scale(x.dtype, x.device, p).item() if p < 1.0 else 0.0
+    return noise, noise
+
+
+def _dropout_product(t: Tensor, kept: Tensor, factor: float) -> Tensor:
+    """``t`` times ``factor`` where ``kept``, else times 0, in the math type, rounded once: for
+    16-bit types that is also the product in the dtype with the factor rounded to it."""
+    math = math_type(t.dtype)
+    noise = torch.where(kept, torch.tensor(factor, dtype=math, device=t.device), 0.0)
+    return (t.to(math) * noise).to(t.dtype)
 
 
 def _bits(t: Tensor) -> Tensor:

@@ -22,6 +22,17 @@ The ops (NOTE [one op, every way it runs] in ``activation.py``): ``memsave::drop
   element dropout, where triton runs, else the reference. Their stream differs from the
   generator's, so a forward and its backward must run on the same kind of device;
 - fake: the result's shape and stock's layout, without data.
+
+NOTE [stock's two dropout products]: stock computes dropout's product in one of two ways. On the
+CPU, in place, and for feature dropout it multiplies by the noise above (``input * noise``, the
+scale rounded in the input's dtype). On CUDA, element dropout out of place runs the fused kernel
+of ``native_dropout`` instead: ``x * mask * scale`` in the math type (float32 for float32 and the
+16-bit types, float64 for float64), rounded to the dtype once, with ``scale = 1.0 / float(1 - p)``
+in forward and ``float(1.0 / (1 - p))`` in backward (``native_dropout_backward``); in float16 and
+bfloat16 most of these differ from the rounded noise in their last bits, and in float32 the two
+scales differ for some ``p`` (0.15). ``dropout_mul`` with ``fused`` computes that product on
+CUDA (:func:`fused_scale`), laying its backward result out as ``native_dropout_backward`` does;
+on the CPU stock never fuses, so ``fused`` changes nothing there.
 """
 
 from __future__ import annotations
@@ -30,11 +41,12 @@ import functools
 import math
 from collections.abc import Sequence
 
+import numpy
 import torch
 from torch import Tensor
 
 from memsave_cli.kernels import triton as triton_kernels
-from memsave_cli.kernels._layout import is_dense
+from memsave_cli.kernels._layout import is_dense, memory_format
 
 #: Integer dtype with the itemsize of each real floating dtype, to build the noise from its bits.
 SAME_SIZE_INT = {
@@ -59,6 +71,21 @@ def _scale_bits(dtype: torch.dtype, device: torch.device, p: float) -> int:
     """The bit pattern of :func:`stock_scale`, as an integer of ``dtype``'s size (cached: a small
     tensor's noise would otherwise spend as long on the scale as on its random bits)."""
     return int(stock_scale(dtype, device, p).view(SAME_SIZE_INT[dtype]).item())
+
+
+def fused_scale(dtype: torch.dtype, p: float, backward: bool) -> float:
+    """The factor of a kept element in stock's fused CUDA dropout, in its math type (NOTE
+    [stock's two dropout products]): forward ``1 / float(1 - p)``, backward ``1 / (1 - p)``,
+    both rounded to float32 unless ``dtype`` is float64."""
+    if dtype == torch.float64:
+        return 1.0 / (1.0 - p)
+    keep = 1.0 - p if backward else float(numpy.float32(1.0 - p))
+    return float(numpy.float32(1.0 / keep))
+
+
+def math_type(dtype: torch.dtype) -> torch.dtype:
+    """The type stock's dropout kernels compute in: float64 for float64, else float32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def keep_threshold(p: float) -> int:
@@ -99,8 +126,16 @@ def _times(x: Tensor, noise: Tensor) -> Tensor:
     return torch.mul(x, noise)
 
 
-def reference_mul(x: Tensor, seed: Tensor, p: float, noise_shape: Sequence[int]) -> Tensor:
-    """``x * random_noise(x, seed, p, noise_shape)``."""
+def reference_mul(
+    x: Tensor,
+    seed: Tensor,
+    p: float,
+    noise_shape: Sequence[int],
+    fused: bool = False,
+    backward: bool = False,
+) -> Tensor:
+    """``x * random_noise(x, seed, p, noise_shape)``; ``fused`` and ``backward`` change nothing
+    here, as stock never fuses dropout on the CPU (NOTE [stock's two dropout products])."""
     return _times(x, random_noise(x, seed, p, noise_shape))
 
 
@@ -125,7 +160,16 @@ def _cuda_noise(like: Tensor, seed: Tensor, p: float, shape: Sequence[int]) -> T
     return dropout.dropout_noise(_word(seed), p, shape, like.dtype, like.device)
 
 
-def _cuda_mul(x: Tensor, seed: Tensor, p: float, noise_shape: Sequence[int]) -> Tensor:
+def _cuda_mul(
+    x: Tensor,
+    seed: Tensor,
+    p: float,
+    noise_shape: Sequence[int],
+    fused: bool = False,
+    backward: bool = False,
+) -> Tensor:
+    if fused:
+        return _fused_mul(x, seed, p, noise_shape, backward)
     if not (_triton_serves(x) and tuple(noise_shape) == tuple(x.shape)):
         return _times(x, _cuda_noise(x, seed, p, noise_shape))
     from memsave_cli.kernels.triton import dropout
@@ -134,6 +178,29 @@ def _cuda_mul(x: Tensor, seed: Tensor, p: float, noise_shape: Sequence[int]) -> 
     out = torch.empty_like(x)
     dropout.dropout_mul(x, _word(seed), p, out)
     return out
+
+
+def _fused_mul(
+    x: Tensor, seed: Tensor, p: float, noise_shape: Sequence[int], backward: bool
+) -> Tensor:
+    """Element dropout's product as stock's fused CUDA kernel computes it (NOTE [stock's two
+    dropout products]), laid out as ``native_dropout`` (forward) or its backward lays it out."""
+    if tuple(noise_shape) != tuple(x.shape):
+        raise ValueError(f"fused dropout drops elements: noise shape {list(noise_shape)} given.")
+    scale = fused_scale(x.dtype, p, backward)
+    # Allocation: the result.
+    layout = memory_format(x) if backward else torch.preserve_format
+    out = torch.empty_like(x, memory_format=layout)
+    if _triton_serves(x):
+        from memsave_cli.kernels.triton import dropout
+
+        dropout.dropout_mul(x, _word(seed), p, out, scale=scale)
+        return out
+    # Deliberate transients where no Triton runs: the mask, and the product in the math type.
+    keep = _cuda_noise(x, seed, p, noise_shape).ne(0)
+    math = math_type(x.dtype)
+    noise = torch.where(keep, torch.tensor(scale, dtype=math, device=x.device), 0.0)
+    return out.copy_(x.to(math) * noise)
 
 
 def _cuda_mul_(x: Tensor, seed: Tensor, p: float, noise_shape: Sequence[int]) -> None:
@@ -158,7 +225,10 @@ def _word(seed: Tensor) -> int:
 
 library = torch.library.Library("memsave", "FRAGMENT")
 library.define("dropout_noise(Tensor like, Tensor seed, float p, SymInt[] shape) -> Tensor")
-library.define("dropout_mul(Tensor x, Tensor seed, float p, SymInt[] noise_shape) -> Tensor")
+library.define(
+    "dropout_mul(Tensor x, Tensor seed, float p, SymInt[] noise_shape, bool fused=False, "
+    "bool backward=False) -> Tensor"
+)
 library.define("dropout_mul_(Tensor(a!) x, Tensor seed, float p, SymInt[] noise_shape) -> ()")
 _IMPLS = {
     "dropout_noise": {"cpu": random_noise, "cuda": _cuda_noise},
@@ -178,7 +248,17 @@ def _noise_fake(like: Tensor, seed: Tensor, p: float, shape: Sequence[int]) -> T
 
 
 @torch.library.register_fake("memsave::dropout_mul", lib=library)
-def _mul_fake(x: Tensor, seed: Tensor, p: float, noise_shape: Sequence[int]) -> Tensor:
+def _mul_fake(
+    x: Tensor,
+    seed: Tensor,
+    p: float,
+    noise_shape: Sequence[int],
+    fused: bool = False,
+    backward: bool = False,
+) -> Tensor:
+    if fused and x.device.type == "cuda":
+        layout = memory_format(x) if backward else torch.preserve_format
+        return torch.empty_like(x, memory_format=layout)
     # Stock's own product on data-free stand-ins: the result takes exactly stock's layout.
     return torch.mul(x, x.new_empty(tuple(noise_shape)))
 
@@ -206,11 +286,21 @@ def dropout_noise(like: Tensor, seed: Tensor, p: float, shape: Sequence[int]) ->
     return torch.ops.memsave.dropout_noise(like, seed, p, list(shape))
 
 
-def dropout_mul(x: Tensor, seed: Tensor, p: float, noise_shape: Sequence[int]) -> Tensor:
-    """``memsave::dropout_mul``: ``x * noise``, the noise regenerated from ``seed``."""
+def dropout_mul(
+    x: Tensor,
+    seed: Tensor,
+    p: float,
+    noise_shape: Sequence[int],
+    *,
+    fused: bool = False,
+    backward: bool = False,
+) -> Tensor:
+    """``memsave::dropout_mul``: ``x * noise``, the noise regenerated from ``seed``; ``fused``
+    (element dropout out of place) computes it as stock's fused CUDA kernel does in forward or
+    ``backward`` (NOTE [stock's two dropout products])."""
     if _eager(x, seed):
-        return _IMPLS["dropout_mul"][x.device.type](x, seed, p, noise_shape)
-    return torch.ops.memsave.dropout_mul(x, seed, p, list(noise_shape))
+        return _IMPLS["dropout_mul"][x.device.type](x, seed, p, noise_shape, fused, backward)
+    return torch.ops.memsave.dropout_mul(x, seed, p, list(noise_shape), fused, backward)
 
 
 def dropout_mul_(x: Tensor, seed: Tensor, p: float, noise_shape: Sequence[int]) -> Tensor:

@@ -42,26 +42,34 @@ class SeededDropout(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx, input: Tensor, seed: Tensor, p: float, noise_shape: list[int], inplace: bool
+        ctx,
+        input: Tensor,
+        seed: Tensor,
+        p: float,
+        noise_shape: list[int],
+        inplace: bool,
+        fused: bool,
     ) -> Tensor:
-        ctx.p = p
-        ctx.noise_shape = noise_shape
+        ctx.p, ctx.noise_shape, ctx.fused = p, noise_shape, fused
         if ctx.needs_input_grad[0]:
             # The seed (8 bytes) is all backward needs: the noise is regenerated from it.
             ctx.save_for_backward(seed)
         if not inplace:
-            return dropout_mul(input, seed, p, noise_shape)
+            return dropout_mul(input, seed, p, noise_shape, fused=fused)
         ctx.mark_dirty(input)
         return dropout_mul_(input, seed, p, noise_shape)
 
     @staticmethod
-    def backward(ctx, grad_output: Tensor) -> tuple[Tensor | None, None, None, None, None]:
+    def backward(ctx, grad_output: Tensor) -> tuple[Tensor | None, None, None, None, None, None]:
         forbid_double_backward("MemSaveDropout")
         if not ctx.needs_input_grad[0]:
-            return None, None, None, None, None
+            return None, None, None, None, None, None
         (seed,) = ctx.saved_tensors
         # Deliberate transient: the regenerated noise (it becomes the gradient where it can).
-        return dropout_mul(grad_output, seed, ctx.p, ctx.noise_shape), None, None, None, None
+        grad = dropout_mul(
+            grad_output, seed, ctx.p, ctx.noise_shape, fused=ctx.fused, backward=True
+        )
+        return grad, None, None, None, None, None
 
 
 def seeded_dropout(
@@ -75,7 +83,9 @@ def seeded_dropout(
     """
     if not 0.0 < p < 1.0:
         raise ValueError(f"seeded_dropout needs 0 < p < 1, got {p}")
-    return SeededDropout.apply(input, seed, p, _noise_shape(input, feature), inplace)
+    # Where stock runs ``native_dropout`` (NOTE [stock's two dropout products]).
+    fused = not (feature or inplace)
+    return SeededDropout.apply(input, seed, p, _noise_shape(input, feature), inplace, fused)
 
 
 def _drop(input: Tensor, p: float, *, feature: bool, inplace: bool) -> Tensor:

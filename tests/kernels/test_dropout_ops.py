@@ -78,7 +78,7 @@ def test_fake_layout_matches_real(layout: str) -> None:
     assert fake.dtype == real.dtype
 
 
-@pytest.mark.parametrize("name", ["dropout_noise", "dropout_mul", "dropout_mul_"])
+@pytest.mark.parametrize("name", ["dropout_noise", "dropout_mul", "dropout_mul_", "fused"])
 def test_opcheck(name: str) -> None:
     """torch.library.opcheck: schema, fake implementation and autograd registration agree."""
     x = torch.randn(2, 3, 5, 7).contiguous(memory_format=torch.channels_last)
@@ -86,8 +86,10 @@ def test_opcheck(name: str) -> None:
         "dropout_noise": (x, SEED, P, [2, 3, 1, 1]),
         "dropout_mul": (x, SEED, P, [2, 3, 5, 7]),
         "dropout_mul_": (x.clone(), SEED, P, [2, 3, 1, 1]),
+        "fused": (x, SEED, P, [2, 3, 5, 7], True, True),
     }[name]
-    torch.library.opcheck(getattr(torch.ops.memsave, name).default, args)
+    op = "dropout_mul" if name == "fused" else name
+    torch.library.opcheck(getattr(torch.ops.memsave, op).default, args)
 
 
 def test_compiled_layer_matches_eager() -> None:
@@ -134,3 +136,110 @@ def test_result_owns_exactly_its_bytes(numel: int) -> None:
     layer_result = MemSaveDropout(P)(torch.randn(numel, requires_grad=True))  # native operator
     for result in (ops.dropout_mul(torch.randn(numel), SEED, P, [numel]), layer_result):
         assert result.untyped_storage().nbytes() == numel * 4
+
+
+# -------------------------------------------------------------------------------------------
+# Stock's fused CUDA product (NOTE [stock's two dropout products])
+
+
+def _stock_fused_factor(dtype: torch.dtype, p: float, backward: bool) -> Tensor:
+    """The factor as ATen's CUDA dropout computes it: forward ``1.0 / (acc) (1 - p)`` in double
+    stored to the accumulate type, backward ``(acc) (1.0 / (1 - p))``."""
+    acc = torch.float64 if dtype == torch.float64 else torch.float32
+    if backward:
+        return torch.tensor(1.0 / (1.0 - p), dtype=torch.float64).to(acc)
+    keep = torch.tensor(1.0 - p, dtype=torch.float64).to(acc)
+    return (1.0 / keep.to(torch.float64)).to(acc)
+
+
+def _stock_fused_product(x: Tensor, kept: Tensor, factor: Tensor) -> Tensor:
+    """``src * mask * scale`` in the accumulate type, as the fused kernel writes it."""
+    acc = factor.dtype
+    return (x.to(acc) * kept.to(acc) * factor).to(x.dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("p", [0.1, 0.15, 0.3, 0.5])
+def test_fused_scale_is_atens(dtype: torch.dtype, p: float) -> None:
+    for backward in (False, True):
+        expected = _stock_fused_factor(dtype, p, backward).item()
+        assert ops.fused_scale(dtype, p, backward) == expected
+    # Where the two rules part: float32 at p = 0.15, the rounded noise in 16-bit types.
+    if dtype == torch.float32 and p == 0.15:
+        assert ops.fused_scale(dtype, p, False) != ops.fused_scale(dtype, p, True)
+    if dtype in (torch.float16, torch.bfloat16) and p in (0.1, 0.3):
+        assert ops.fused_scale(dtype, p, False) != ops.stock_scale(dtype, "cpu", p).item()
+
+
+def _special_input(shape: tuple[int, ...], layout: str, dtype: torch.dtype) -> Tensor:
+    """``_input`` with NaN, infinities and signed zeros among its values."""
+    x = _input(shape, layout, dtype)
+    x[0, 0, 0, :5] = torch.tensor([float("nan"), float("inf"), -float("inf"), -0.0, 0.0])
+    return x
+
+
+@pytest.mark.parametrize("backward", [False, True], ids=["forward", "backward"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last", "strided"])
+@pytest.mark.parametrize("triton", [True, False], ids=["triton", "reference"])
+def test_cuda_fused_mul_is_stock_fused_product(
+    triton: bool, layout: str, dtype: torch.dtype, backward: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The CUDA implementation with ``fused`` (run on CPU tensors: Triton interpreted, or the
+    reference where no Triton runs) gives the fused kernel's product for the mask of its own
+    stream, NaN and infinities included, laid out as ``native_dropout`` or its backward."""
+    if triton:
+        pytest.importorskip("triton", reason="triton is not installed")
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    else:
+        monkeypatch.setattr(ops, "_triton_serves", lambda x: False)
+    p = 0.15
+    shape = SHAPES["element"][0]
+    x = _special_input(shape, layout, dtype)
+    kept = ops._cuda_noise(x, SEED, p, shape).ne(0)
+    actual = ops._cuda_mul(x, SEED, p, shape, fused=True, backward=backward)
+    expected = _stock_fused_product(x, kept, _stock_fused_factor(dtype, p, backward))
+    assert torch.equal(actual.isnan(), expected.isnan())
+    assert torch.equal(torch.nan_to_num(actual), torch.nan_to_num(expected))
+    # NaN's sign and payload are the conversion's (c10 writes one NaN for bfloat16).
+    numbers = ~expected.isnan()
+    assert torch.equal(actual.signbit()[numbers], expected.signbit()[numbers])
+    # Forward: ``empty_like(x)``; backward: the gradient's suggested memory format.
+    suggested = torch.channels_last if layout == "channels_last" else torch.contiguous_format
+    like = torch.empty_like(x, memory_format=suggested if backward else torch.preserve_format)
+    assert actual.stride() == like.stride()
+
+
+def test_fused_changes_nothing_on_the_cpu() -> None:
+    """Stock never fuses dropout on the CPU: the CPU implementation ignores ``fused``."""
+    x = _input((4, 6, 5, 7), "channels_last", torch.float16)
+    plain = ops.dropout_mul(x, SEED, 0.15, x.shape)
+    for backward in (False, True):
+        assert torch.equal(
+            ops.dropout_mul(x, SEED, 0.15, x.shape, fused=True, backward=backward), plain
+        )
+
+
+def test_layer_fuses_only_element_dropout_out_of_place(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The drop-ins ask for stock's fused product exactly where stock runs ``native_dropout``:
+    element dropout out of place, not in place, not feature dropout (even on a 2-d input, whose
+    noise has the input's shape)."""
+    from memsave_cli.layers import dropout as layer
+
+    calls: list[tuple[bool, bool]] = []
+    real = layer.dropout_mul
+
+    def record(*args, fused: bool = False, backward: bool = False):
+        calls.append((fused, backward))
+        return real(*args, fused=fused, backward=backward)
+
+    monkeypatch.setattr(layer, "dropout_mul", record)
+    for module, x, expected in (
+        (layer.MemSaveDropout(0.3), torch.randn(4, 5), [(True, False), (True, True)]),
+        (layer.MemSaveDropout(0.3, inplace=True), torch.randn(4, 5), [(False, True)]),
+        (layer.MemSaveDropout1d(0.3), torch.randn(4, 5), [(False, False), (False, True)]),
+    ):
+        calls.clear()
+        leaf = x.requires_grad_()
+        module(leaf * 1).sum().backward()
+        assert calls == expected, type(module).__name__

@@ -6,8 +6,10 @@ program draws the random words of its elements (NOTE [the dropout random stream]
 backward on the gradient with the same seed, so they meet the same noise whatever the layouts of
 the two. The noise holds exactly stock's values (NOTE [regenerated dropout masks] in
 ``kernels/dropout.py``): 0, or ``torch.ones((), dtype).div_(1 - p)`` as stock rounds it, and the
-product is one multiply in the element type as stock's ``input * noise`` computes it (bfloat16
-through float32, rounded to nearest even). The stream differs from the CPU one (a
+product is one multiply in the element type as stock's ``input * noise`` computes it (16-bit types
+through float32, rounded to nearest even). A ``scale`` given in the math type (float32, float64
+for float64) replaces the rounded one, for stock's fused CUDA kernel (NOTE [stock's two dropout
+products] in ``kernels/dropout.py``). The stream differs from the CPU one (a
 ``torch.Generator``); a forward and its backward must therefore run on the same kind of device.
 """
 
@@ -41,8 +43,9 @@ _DTYPES = (*_FLOAT_BITS, torch.bfloat16)
 _TL_INT = {2: tl.int16, 4: tl.int32, 8: tl.int64}
 
 
-def dropout_mul(x: Tensor, seed: int, p: float, out: Tensor) -> None:
-    """Write ``x * noise`` to ``out``, ``noise = noise_reference(seed, p, x.shape, x.dtype)``.
+def dropout_mul(x: Tensor, seed: int, p: float, out: Tensor, scale: float | None = None) -> None:
+    """Write ``x * noise`` to ``out``, ``noise = noise_reference(seed, p, x.shape, x.dtype)``;
+    with ``scale``, kept elements are ``x`` times ``scale`` in the math type, rounded once.
 
     ``x`` may have any strides (an expanded gradient included), ``out`` must be dense, of
     ``x``'s shape, dtype and device, and may be ``x`` itself (in place). Dtypes float64,
@@ -56,7 +59,7 @@ def dropout_mul(x: Tensor, seed: int, p: float, out: Tensor) -> None:
             f"Mismatch: expected out of shape {tuple(x.shape)}, {x.dtype} on {x.device}, got "
             f"{tuple(out.shape)}, {out.dtype} on {out.device}."
         )
-    _launch(x, seed, p, out)
+    _launch(x, seed, p, out, scale)
 
 
 def dropout_noise(
@@ -71,8 +74,9 @@ def dropout_noise(
     return out
 
 
-def _launch(x: Tensor | None, seed: int, p: float, out: Tensor) -> None:
-    """Run the kernel over ``out``'s elements, reading ``x`` (ones where None)."""
+def _launch(x: Tensor | None, seed: int, p: float, out: Tensor, scale: float | None = None) -> None:
+    """Run the kernel over ``out``'s elements, reading ``x`` (ones where None), kept elements
+    multiplied by ``scale`` in the math type (default: stock's noise value in ``out``'s dtype)."""
     if out.dtype not in _DTYPES:
         raise ValueError(f"Dtype mismatch: dropout expects a float dtype, got {out.dtype}.")
     if not 0 <= int(seed) < 2**64:
@@ -83,18 +87,21 @@ def _launch(x: Tensor | None, seed: int, p: float, out: Tensor) -> None:
     if walk is None:  # rare: a dense out permuted beyond what merging can flatten
         # Deliberate transient: the result in row-major order, then copied into out's layout.
         flat = torch.empty(out.shape, dtype=out.dtype, device=out.device)
-        _launch(None if x is None else x.contiguous(), seed, p, flat)
+        _launch(None if x is None else x.contiguous(), seed, p, flat, scale)
         out.copy_(flat)
         return
-    bfloat = out.dtype == torch.bfloat16
-    # Stock's scale, rounded in the dtype; bfloat16 multiplies in float32, where it is exact.
-    scale = torch.ones((), dtype=out.dtype).div_(1.0 - p).to(torch.float32 if bfloat else out.dtype)
+    math_type = torch.float64 if out.dtype == torch.float64 else torch.float32
+    if scale is None:
+        # Stock's noise value, rounded in the dtype; exact in the math type.
+        factor = torch.ones((), dtype=out.dtype).div_(1.0 - p).to(math_type)
+    else:
+        factor = torch.tensor(scale, dtype=math_type)
     _dropout_kernel[grid(out.numel())](
         as_bits(out) if x is None else as_bits(x), as_bits(out), out.numel(),
-        int(seed) & 0xFFFFFFFF, int(seed) >> 32, keep_count(p), int(as_bits(scale).item()),
-        *walk, HAS_X=x is not None, BFLOAT=bfloat,
-        FLOAT=tl.float32 if bfloat else _FLOAT_BITS[out.dtype],
-        SCALE_BITS=_TL_INT[scale.element_size()],
+        int(seed) & 0xFFFFFFFF, int(seed) >> 32, keep_count(p), int(as_bits(factor).item()),
+        *walk, HAS_X=x is not None, BFLOAT=out.dtype == torch.bfloat16,
+        ELEMENT=_FLOAT_BITS.get(out.dtype, tl.float32), FLOAT=_FLOAT_BITS[math_type],
+        SCALE_BITS=_TL_INT[factor.element_size()],
         ONE=int(as_bits(torch.ones((), dtype=out.dtype)).item()), BLOCK=block(out.numel()),
     )  # fmt: skip
 
@@ -134,7 +141,7 @@ def _collapse(shape: Sequence[int], *strides: Sequence[int]) -> tuple[list[int],
 def _dropout_kernel(
     x_ptr, out_ptr, n, seed_lo, seed_hi, keep, scale_bits,
     size1, size2, size3, xs0, xs1, xs2, xs3, os0, os1, os2, os3, RANK: tl.constexpr,
-    HAS_X: tl.constexpr, BFLOAT: tl.constexpr, FLOAT: tl.constexpr,
+    HAS_X: tl.constexpr, BFLOAT: tl.constexpr, ELEMENT: tl.constexpr, FLOAT: tl.constexpr,
     SCALE_BITS: tl.constexpr, ONE: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
     # Logical (row-major) indices, four per philox counter: a (BLOCK // 4, 4) tile.
@@ -191,6 +198,8 @@ def _dropout_kernel(
         nan = (y & 0x7FFFFFFF) > 0x7F800000
         result = tl.where(nan, 0x7FC0, rounded).to(tl.uint16).to(tl.int16, bitcast=True)
     else:
-        y = bits.to(FLOAT, bitcast=True) * noise
-        result = y.to(bits.dtype, bitcast=True)
+        # One multiply in the math type (exact for two half operands), rounded to the element
+        # type to nearest even, as ATen converts.
+        y = bits.to(ELEMENT, bitcast=True).to(FLOAT) * noise
+        result = y.to(ELEMENT).to(bits.dtype, bitcast=True)
     tl.store(out_ptr + out_offset, result, mask=inside)
