@@ -149,12 +149,14 @@ def _cuda_pack(kind, x, inplace, order, args) -> tuple[Tensor, Tensor]:
 
 @functools.cache
 def _cuda_kernels() -> SimpleNamespace:
-    """The Triton pack kernels as ``fused_pack`` calls them, Hardtanh's bits following stock's
-    CUDA backward, which passes NaN's gradient (NOTE [NaN in hardtanh_backward])."""
+    """The Triton pack kernels as ``fused_pack`` calls them, following stock's CUDA kernels where
+    they differ from its CPU ones: ReLU turns ``-0.0`` into ``+0.0`` (``clamp_min`` takes the
+    maximum of ``x`` and 0), and Hardtanh's bits pass NaN's gradient (NOTE [NaN in
+    hardtanh_backward])."""
     from memsave_cli.kernels.triton import activation
 
     return SimpleNamespace(
-        relu_pack=activation.relu_pack,
+        relu_pack=functools.partial(activation.relu_pack, positive_zero=True),
         leaky_pack=activation.leaky_pack,
         hardtanh_pack=functools.partial(activation.hardtanh_pack, nan_passes=True),
     )

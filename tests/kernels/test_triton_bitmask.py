@@ -63,6 +63,20 @@ def test_relu_pack_is_stock_relu(dtype: torch.dtype, numel: int) -> None:
     assert_same_bytes(bits, _bits_of(~(x <= 0)))
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=ids)
+def test_relu_pack_positive_zero_is_cuda_relu(dtype: torch.dtype) -> None:
+    """With ``positive_zero`` only ``-0.0`` changes, to ``+0.0``: stock's CUDA ReLU
+    (``clamp_min``, a maximum with 0), whose bits are those of the CPU rule."""
+    x = samples(dtype, 4099, seed=5)
+    cpu_rule, cpu_bits = _relu(x)
+    y, bits = garbage_like(x), garbage_bits(x.numel())
+    activation.relu_pack(x, y, bits, positive_zero=True)
+    negative_zero = (x == 0) & x.signbit()
+    assert bool(negative_zero.any())
+    assert_same_bits(y, torch.where(negative_zero, torch.zeros_like(x), cpu_rule))
+    assert_same_bytes(bits, cpu_bits)
+
+
 @requires_native
 @pytest.mark.parametrize("dtype", DTYPES, ids=ids)
 @pytest.mark.parametrize("numel", [7, 129, 4099])

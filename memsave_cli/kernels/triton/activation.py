@@ -39,13 +39,14 @@ _WIDE = (torch.float32, torch.float64)
 _TL_FLOAT = {torch.float32: tl.float32, torch.float64: tl.float64}
 
 
-def relu_pack(x: Tensor, out: Tensor, bits: Tensor) -> None:
+def relu_pack(x: Tensor, out: Tensor, bits: Tensor, *, positive_zero: bool = False) -> None:
     """Write ``torch.relu(x)`` to ``out`` and set bit ``i`` of ``bits`` where it is nonzero.
 
-    A ReLU result is NaN, positive or a signed zero (``-0.0`` stays ``-0.0``, NaN payloads are
-    copied), so the bit is set exactly where ``not x <= 0``, where ``threshold_backward`` passes
-    the gradient. Integer tests on the bits, no float arithmetic: float64, float32, bfloat16 and
-    float16 alike, and denormals never flushed. ``native.relu_pack``.
+    A ReLU result is NaN, positive or a signed zero (``-0.0`` stays ``-0.0`` as on the CPU, or
+    with ``positive_zero`` becomes ``+0.0`` as stock's CUDA ``clamp_min`` makes it; NaN payloads
+    are copied), so the bit is set exactly where ``not x <= 0``, where ``threshold_backward``
+    passes the gradient. Integer tests on the bits, no float arithmetic: float64, float32,
+    bfloat16 and float16 alike, and denormals never flushed. ``native.relu_pack``.
     """
     check_dense(x, "x")
     check_dtype(x, "x", tuple(_INF_BITS))
@@ -60,6 +61,7 @@ def relu_pack(x: Tensor, out: Tensor, bits: Tensor) -> None:
         x.numel(),
         MAGNITUDE=2 ** (width - 1) - 1,
         INF=_INF_BITS[x.dtype],
+        POSITIVE_ZERO=positive_zero,
         BLOCK=block(x.numel()),
     )
 
@@ -159,7 +161,14 @@ def _is_zero(value: float, sign: float) -> bool:
 
 @kernel()
 def _relu_pack_kernel(
-    x_ptr, out_ptr, bits_ptr, n, MAGNITUDE: tl.constexpr, INF: tl.constexpr, BLOCK: tl.constexpr
+    x_ptr,
+    out_ptr,
+    bits_ptr,
+    n,
+    MAGNITUDE: tl.constexpr,
+    INF: tl.constexpr,
+    POSITIVE_ZERO: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
     lane = tl.arange(0, 8)
     rows = tl.program_id(0).to(tl.int64) * (BLOCK // 8) + tl.arange(0, BLOCK // 8)
@@ -168,7 +177,9 @@ def _relu_pack_kernel(
     u = tl.load(x_ptr + offsets, mask=inside, other=0)
     magnitude = u & MAGNITUDE
     passes = (u > 0) | (magnitude > INF)  # positive or NaN: not x <= 0
-    zeroed = (u < 0) & (magnitude != 0) & (magnitude <= INF)  # negative non-NaN (not -0.0)
+    zeroed = (u < 0) & (magnitude <= INF)  # negative, not NaN
+    if not POSITIVE_ZERO:
+        zeroed = zeroed & (magnitude != 0)  # -0.0 stays
     tl.store(out_ptr + offsets, tl.where(zeroed, 0, u), mask=inside)
     byte = tl.sum((passes & inside).to(tl.int32) << lane[None, :], axis=1)
     tl.store(bits_ptr + rows, byte.to(tl.uint8), mask=rows * 8 < n)
