@@ -119,14 +119,14 @@ def hardtanh_pack(
 
 
 def select_scale(grad: Tensor, bits: Tensor, out: Tensor, slope: float) -> None:
-    """Write ``grad * 1`` where bit ``i`` is set and ``grad * slope`` elsewhere to ``out``.
+    """Write ``grad`` where bit ``i`` is set and ``grad * slope`` elsewhere to ``out``.
 
-    One multiply in ``grad``'s dtype by a factor read at run time (so the ``* 1`` is never
-    folded away), ``slope`` rounded to that dtype: the vectorised loop of ATen's CPU
-    ``leaky_relu_backward``. float32 and float64; ``native.select_scale``.
+    ``slope`` is rounded to ``grad``'s dtype: ATen's CUDA ``leaky_relu_backward``, which passes
+    a kept gradient unchanged (its CPU loop multiplies it by 1, which quietens a signalling NaN,
+    as ``native.select_scale`` does). float32 and float64.
     """
     _check_wide("select_scale", grad, out, bits, "grad")
-    scalars = _scalars(grad, slope, 1.0)
+    scalars = _scalars(grad, slope)
     _select_scale_kernel[grid(grad.numel())](
         grad, bits, out, scalars, grad.numel(), BLOCK=block(grad.numel())
     )
@@ -251,5 +251,4 @@ def _select_scale_kernel(grad_ptr, bits_ptr, out_ptr, scalars_ptr, n, BLOCK: tl.
     byte = tl.load(bits_ptr + rows, mask=rows * 8 < n, other=0).to(tl.int32)
     set_ = ((byte[:, None] >> lane[None, :]) & 1) != 0
     grad = tl.load(grad_ptr + offsets, mask=inside, other=0)
-    factor = tl.where(set_, tl.load(scalars_ptr + 1), tl.load(scalars_ptr))
-    tl.store(out_ptr + offsets, grad * factor, mask=inside)
+    tl.store(out_ptr + offsets, tl.where(set_, grad, grad * tl.load(scalars_ptr)), mask=inside)
