@@ -37,6 +37,8 @@ _KERNELS = {
     2: (aten.max_pool2d_with_indices.out, aten.max_pool2d_with_indices_backward.grad_input),
     3: (aten.max_pool3d_with_indices.out, aten.max_pool3d_with_indices_backward.grad_input),
 }
+#: The pooling kernels that allocate their output (one block).
+_ALLOCATING = {2: aten.max_pool2d_with_indices.default, 3: aten.max_pool3d_with_indices.default}
 
 
 def pool(x: Tensor, args: tuple) -> tuple[Tensor, Tensor, tuple[int, int] | None]:
@@ -57,7 +59,7 @@ def pool(x: Tensor, args: tuple) -> tuple[Tensor, Tensor, tuple[int, int] | None
     if not chunked:
         # One block: stock's own kernel allocates the output and (a deliberate transient) the
         # int64 indices.
-        out, indices = pool_kernel._overloadpacket.default(x, *args)
+        out, indices = _ALLOCATING[nd](x, *args)
         offsets = torch.empty_like(out, dtype=offset_dtype(math.prod(kernel)))
         maps.to_offsets(indices, out=offsets)
         return out, offsets, None

@@ -21,6 +21,7 @@ import torch
 import triton.language as tl
 from torch import Tensor
 
+from memsave_cli.kernels.dropout import math_type
 from memsave_cli.kernels.triton import philox
 from memsave_cli.kernels.triton._launch import (
     as_bits,
@@ -90,17 +91,17 @@ def _launch(x: Tensor | None, seed: int, p: float, out: Tensor, scale: float | N
         _launch(None if x is None else x.contiguous(), seed, p, flat, scale)
         out.copy_(flat)
         return
-    math_type = torch.float64 if out.dtype == torch.float64 else torch.float32
+    math = math_type(out.dtype)
     if scale is None:
         # Stock's noise value, rounded in the dtype; exact in the math type.
-        factor = torch.ones((), dtype=out.dtype).div_(1.0 - p).to(math_type)
+        factor = torch.ones((), dtype=out.dtype).div_(1.0 - p).to(math)
     else:
-        factor = torch.tensor(scale, dtype=math_type)
+        factor = torch.tensor(scale, dtype=math)
     _dropout_kernel[grid(out.numel())](
         as_bits(out) if x is None else as_bits(x), as_bits(out), out.numel(),
         int(seed) & 0xFFFFFFFF, int(seed) >> 32, keep_count(p), int(as_bits(factor).item()),
         *walk, HAS_X=x is not None, BFLOAT=out.dtype == torch.bfloat16,
-        ELEMENT=_FLOAT_BITS.get(out.dtype, tl.float32), FLOAT=_FLOAT_BITS[math_type],
+        ELEMENT=_FLOAT_BITS.get(out.dtype, tl.float32), FLOAT=_FLOAT_BITS[math],
         SCALE_BITS=_TL_INT[factor.element_size()],
         ONE=int(as_bits(torch.ones((), dtype=out.dtype)).item()), BLOCK=block(out.numel()),
     )  # fmt: skip
