@@ -37,14 +37,11 @@ class GatedProductFunction(Function):
     """``act(gate) * up`` keeping ``gate`` and ``up`` (NOTE [what the gating product keeps])."""
 
     @staticmethod
-    def forward(gate: Tensor, up: Tensor, activation: str) -> Tensor:
-        return ACTIVATIONS[activation][0](gate) * up
-
-    @staticmethod
-    def setup_context(ctx: Any, inputs: tuple, output: Tensor) -> None:
-        gate, up, ctx.activation = inputs
+    def forward(ctx: Any, gate: Tensor, up: Tensor, activation: str) -> Tensor:
+        ctx.activation = activation
         # ``up``'s gradient reads act(gate); ``gate``'s reads ``up`` and ``gate``.
         ctx.save_for_backward(gate, up if ctx.needs_input_grad[0] else None)
+        return ACTIVATIONS[activation][0](gate) * up
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, Tensor | None, None]:

@@ -15,6 +15,7 @@ Styles differ only in how the weight scales the normalised tensor (NOTE [RMSNorm
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Sequence
 from typing import Any
 
@@ -100,6 +101,11 @@ class RMSNormFunction(Function):
         # Both read the upcast copy: stock adds them there, in its dtype, then casts once.
         return direct.add_(through_pow).to(x.dtype), None, grad_weight, None, None, None, None
 
+
+# ``setup_context`` stays: torch.compile traces a Function taking one tensor twice only in this
+# style. In it, every ``apply`` binds its arguments to ``forward``'s signature, which
+# ``inspect.signature`` would otherwise rebuild on each call (about 10 us).
+RMSNormFunction.forward.__signature__ = inspect.signature(RMSNormFunction.forward)
 
 def _opmath(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32

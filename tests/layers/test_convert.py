@@ -283,3 +283,40 @@ def test_convert_is_idempotent_and_revert_of_stock_is_a_no_op() -> None:
     assert converted_counts(twice) == converted_counts(once)
     stock = small_cnn()
     assert stock_types(revert(stock)) == stock_types(stock)
+
+
+def _functions() -> list[type[torch.autograd.Function]]:
+    """Every autograd.Function the layers define."""
+    import importlib
+    import pkgutil
+
+    import memsave_cli.layers as layers
+
+    found = []
+    for info in pkgutil.iter_modules(layers.__path__):
+        module = importlib.import_module(f"memsave_cli.layers.{info.name}")
+        for value in vars(module).values():
+            is_function = isinstance(value, type) and issubclass(value, torch.autograd.Function)
+            if is_function and value.__module__ == module.__name__:
+                found.append(value)
+    return found
+
+
+def test_apply_binds_no_signature_per_call(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Function with ``setup_context`` has ``apply`` bind its arguments on every call: each such
+    ``forward`` carries its signature, so that ``inspect.signature`` never rebuilds it."""
+    import inspect
+
+    functions = _functions()
+    assert len(functions) >= 8
+    styled = [f for f in functions if "setup_context" in vars(f)]
+    assert styled, "no Function in the setup_context style left: drop this test's second half"
+    for function in styled:
+        assert isinstance(vars(function.forward).get("__signature__"), inspect.Signature)
+    calls = []
+    monkeypatch.setattr(inspect, "_signature_from_function", lambda *a, **k: calls.append(a))
+    from memsave_cli.layers.rmsnorm import rms_norm
+
+    x = torch.randn(2, 8, requires_grad=True)
+    rms_norm(x, torch.ones(8), 1e-6, "llama").sum().backward()
+    assert calls == []
