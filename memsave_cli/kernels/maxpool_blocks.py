@@ -11,7 +11,10 @@ kernel that writes them and the pass that reads them. Each block costs a few par
 which on an oversubscribed machine wait for descheduled worker threads, yet measured on 2 cores
 256K-output blocks beat 2M-output ones (``benchmarks/pool_dropout_time.py``: MaxPool1d(3,2,1)
 0.86-0.91 against 0.93-0.97, MaxPool2d(3,2,1) 0.94 against 0.95-0.98 of stock's time).
-Windows the fused 2-wide kernels serve skip all of this (NOTE [2-wide max pooling] in native.c).
+An output of one block or less is pooled in one call of stock's allocating kernel, as on other
+devices: its indices are then no larger than a block's, and the blocks' Python (about 40 us per
+call) is skipped. Windows the fused 2-wide kernels serve skip all of this (NOTE [2-wide max
+pooling] in native.c).
 """
 
 from __future__ import annotations
@@ -54,11 +57,11 @@ def pool(x: Tensor, args: tuple) -> tuple[Tensor, Tensor, tuple[int, int] | None
     x = x.contiguous(memory_format=layout)
     pool_kernel, _ = _KERNELS[nd]
     out_shape = _output_shape(x, nd, args)
-    chunked = _is_chunked(x)
-    maps = index_maps(x.shape[-nd:], out_shape[-nd:], args[:4], x.device, cache=chunked)
+    chunked = _is_chunked(x, math.prod(out_shape))
+    maps = index_maps(x.shape[-nd:], out_shape[-nd:], args[:4], x.device, cache=_is_eager(x))
     if not chunked:
         # One block: stock's own kernel allocates the output and (a deliberate transient) the
-        # int64 indices.
+        # int64 indices, no larger than one block's on CPU.
         out, indices = _ALLOCATING[nd](x, *args)
         offsets = torch.empty_like(out, dtype=offset_dtype(math.prod(kernel)))
         maps.to_offsets(indices, out=offsets)
@@ -102,9 +105,9 @@ def pool_backward(
     offsets = offsets.contiguous(memory_format=layout)
     # Deliberate: the gradient itself.
     grad_input = grad_output.new_empty(input_shape).contiguous(memory_format=layout)
-    chunked = _is_chunked(grad_output)
+    chunked = _is_chunked(grad_output, grad_output.numel())
     spatial = (input_shape[-nd:], offsets.shape[-nd:], args[:4])
-    maps = index_maps(*spatial, offsets.device, cache=chunked)
+    maps = index_maps(*spatial, offsets.device, cache=_is_eager(offsets))
     blocks = _blocks([grad_input, grad_output, offsets], nd, chunked)
     for gi_block, go_block, off_block in blocks:
         indices = maps.to_indices(off_block)
@@ -117,13 +120,15 @@ def pool_backward(
     return grad_input
 
 
-def _is_chunked(tensor: Tensor) -> bool:
-    """Whether to pool block by block (NOTE [chunked max pooling on CPU])."""
-    return (
-        type(tensor) is Tensor  # not fake
-        and tensor.device.type == "cpu"
-        and not torch.compiler.is_compiling()
-    )
+def _is_eager(tensor: Tensor) -> bool:
+    """Whether ``tensor`` holds data and is not being traced (then lookup tables are memoised)."""
+    return type(tensor) is Tensor and not torch.compiler.is_compiling()
+
+
+def _is_chunked(tensor: Tensor, outputs: int) -> bool:
+    """Whether to pool block by block: an eager CPU ``tensor`` whose pooling has more than one
+    block of ``outputs`` (NOTE [chunked max pooling on CPU])."""
+    return _is_eager(tensor) and tensor.device.type == "cpu" and outputs > CHUNK_ELEMENTS
 
 
 def _blocks(tensors: list[Tensor], nd: int, chunked: bool) -> list[list[Tensor]]:
@@ -153,7 +158,8 @@ def _two_wide_window(x: Tensor, args: tuple) -> tuple[int, int] | None:
         and all(d == 1 for d in dilation)
         and not ceil_mode
     )
-    if not fits or x.dtype != torch.float32 or not _is_chunked(x) or not x.is_contiguous():
+    eager_cpu = _is_eager(x) and x.device.type == "cpu"
+    if not fits or x.dtype != torch.float32 or not eager_cpu or not x.is_contiguous():
         return None
     return window[0], window[1]
 
