@@ -109,7 +109,10 @@ def main() -> None:
     for name in args.only or LAYERS:
         stock, ours, ratio = measure(name, args.repeats, args.calls)
         extra = (ours - stock) * 1e6
-        print(f"{name:28s} {stock * 1e6:9.1f} {ours * 1e6:11.1f} {extra:9.1f} {ratio:6.3f}", flush=True)
+        print(
+            f"{name:28s} {stock * 1e6:9.1f} {ours * 1e6:11.1f} {extra:9.1f} {ratio:6.3f}",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -101,7 +101,7 @@ def reference_select(
 
 def _follows(t: Tensor, order: list[int]) -> bool:
     """Whether ``t`` is dense with its memory order ``order``: the kernels read it flat."""
-    return t.permute(order).is_contiguous()
+    return _strides_follow(t.shape, t.stride(), order)
 
 
 def _native_serves(t: Tensor, order: list[int]) -> bool:
@@ -123,14 +123,20 @@ def fused_pack(
     kernels, kind: str, x: Tensor, inplace: bool, args: tuple[float, ...]
 ) -> tuple[Tensor, Tensor]:
     """``reference_pack`` by the fused kernels of ``kernels`` (``native`` or the Triton module):
-    one pass reading ``x`` writes the result and the bits."""
+    one pass reading ``x`` writes the result and the bits.
+
+    NOTE [arguments checked once]: each kernel function checks its arguments (shapes, strides,
+    dtypes, devices), which costs about a fifth of a small layer's time. The ops call them with
+    ``checked=False`` where the op has already checked what it was given (``x`` or ``grad``
+    served, the bits' size) and allocated the rest itself, laid out as the kernels need.
+    """
     y = x if inplace else torch.empty_like(x)
     bits = torch.empty(packed_numel(x.numel()), dtype=torch.uint8, device=x.device)
     if kind == _RELU:
-        kernels.relu_pack(x, y, bits)
+        kernels.relu_pack(x, y, bits, checked=False)
     elif kind == _LEAKY:
-        kernels.leaky_pack(x, y, bits, args[0])
-    elif kernels.hardtanh_pack(x, y, bits, args[2], args[3]):
+        kernels.leaky_pack(x, y, bits, args[0], checked=False)
+    elif kernels.hardtanh_pack(x, y, bits, args[2], args[3], checked=False):
         F.hardtanh(y, args[0], args[1], inplace=True)  # stock finishes the held elements
     return y, bits
 
@@ -181,13 +187,25 @@ def _select_with(kernels, serves, grad, bits, order, out_strides, slope) -> Tens
     says they serve ``grad`` and the result's strides follow the bit order too."""
     if not (serves(grad, order) and _strides_follow(grad.shape, out_strides, order)):
         return reference_select(grad, bits, order, out_strides, slope)
+    _check_bits(bits, grad)
     # Deliberate: the gradient itself, the only tensor of input size this allocates.
     out = torch.empty_strided(grad.shape, out_strides, dtype=grad.dtype, device=grad.device)
     if slope is None:
-        kernels[0](grad, bits, out)
+        kernels[0](grad, bits, out, checked=False)
     else:
-        kernels[1](grad, bits, out, slope)
+        kernels[1](grad, bits, out, slope, checked=False)
     return out
+
+
+def _check_bits(bits: Tensor, grad: Tensor) -> None:
+    """Raise unless ``bits`` can be the packed mask of ``grad`` (NOTE [arguments checked once])."""
+    fits = bits.dtype == torch.uint8 and bits.device == grad.device and bits.is_contiguous()
+    if not (fits and bits.numel() == packed_numel(grad.numel())):
+        raise ValueError(
+            f"Expected the packed bits of a gradient of {grad.numel()} elements: "
+            f"{packed_numel(grad.numel())} contiguous uint8 bytes on {grad.device}, got "
+            f"{bits.dtype} of shape {tuple(bits.shape)} on {bits.device}."
+        )
 
 
 def _strides_follow(shape, strides, order) -> bool:

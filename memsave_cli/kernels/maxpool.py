@@ -83,8 +83,6 @@ def _to_indices(offsets: Tensor, table: Tensor, starts: Tensor) -> Tensor:
     return indices
 
 
-
-
 # -------------------------------------------------------------------------------------------
 # 2-wide pooling: window = stride = (kd, kh, 2), no padding or dilation, on (planes, D, H, W)
 

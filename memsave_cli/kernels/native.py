@@ -65,17 +65,21 @@ def _call(name: str, *args: int) -> None:
 # Kernels
 
 
-def relu_pack(x: Tensor, out: Tensor, bits: Tensor, *, threads: int | None = None) -> None:
+def relu_pack(
+    x: Tensor, out: Tensor, bits: Tensor, *, threads: int | None = None, checked: bool = True
+) -> None:
     """Write ``torch.relu(x)`` to ``out`` and set bit ``i`` of ``bits`` where it is nonzero.
 
     A ReLU result is NaN, positive or a signed zero (``-0.0`` stays ``-0.0``, as in stock), so
     the bit is set exactly where ``not x <= 0``, where stock ``threshold_backward`` passes the
     gradient. Bits follow memory order, eight per byte, lowest bit first, padding bits zero.
-    ``out`` may be ``x`` (in place). See NOTE [NaN payloads in 16-bit types].
+    ``out`` may be ``x`` (in place). See NOTE [NaN payloads in 16-bit types]. ``checked``: see
+    NOTE [arguments checked once].
     """
-    inf = checks.inf_bits(x, "x")
-    checks.check_like(out, x, "out", "x")
-    checks.check_bits(bits, x.numel())
+    inf = checks.inf_bits(x, "x") if checked else checks.INF_BITS[x.dtype]
+    if checked:
+        checks.check_like(out, x, "out", "x")
+        checks.check_bits(bits, x.numel())
     pointers = (x.data_ptr(), out.data_ptr(), bits.data_ptr())
     _call(
         "memsave_relu_pack",
@@ -88,21 +92,35 @@ def relu_pack(x: Tensor, out: Tensor, bits: Tensor, *, threads: int | None = Non
 
 
 def leaky_pack(
-    x: Tensor, out: Tensor, bits: Tensor, slope: float, *, threads: int | None = None
+    x: Tensor,
+    out: Tensor,
+    bits: Tensor,
+    slope: float,
+    *,
+    threads: int | None = None,
+    checked: bool = True,
 ) -> None:
     """Write ``leaky_relu(x, slope)`` to ``out`` and set bit ``i`` of ``bits`` where ``x > 0``.
 
     ``x if x > 0 else x * slope`` with ``slope`` rounded to ``x``'s dtype, as ATen computes it
     (NaN takes the multiply). float32 and float64 only; ``out`` may be ``x`` (in place).
     """
-    checks.check_float_kernel("leaky_pack", x, out, bits, "x")
+    if checked:
+        checks.check_float_kernel("leaky_pack", x, out, bits, "x")
     pointers = (x.data_ptr(), out.data_ptr(), bits.data_ptr())
     args = (x.numel(), x.element_size(), float(slope), checks.thread_count(threads))
     _call("memsave_leaky_pack", *pointers, *args)
 
 
 def hardtanh_pack(
-    x: Tensor, out: Tensor, bits: Tensor, low: float, high: float, *, threads: int | None = None
+    x: Tensor,
+    out: Tensor,
+    bits: Tensor,
+    low: float,
+    high: float,
+    *,
+    threads: int | None = None,
+    checked: bool = True,
 ) -> bool:
     """Write ``hardtanh(x, low, high)`` to ``out`` and set bit ``i`` where ``low < x < high``.
 
@@ -112,7 +130,8 @@ def hardtanh_pack(
     finishes them exactly as stock would (it leaves every clamped element as it is). ``low`` and
     ``high`` must be representable in ``x.dtype`` (float32 or float64); ``out`` may be ``x``.
     """
-    checks.check_float_kernel("hardtanh_pack", x, out, bits, "x")
+    if checked:
+        checks.check_float_kernel("hardtanh_pack", x, out, bits, "x")
     held = ctypes.c_int(0)
     pointers = (x.data_ptr(), out.data_ptr(), bits.data_ptr())
     args = (x.numel(), x.element_size(), float(low), float(high), ctypes.addressof(held))
@@ -154,7 +173,13 @@ def compare_pack(
 
 
 def select_bits(
-    grad: Tensor, bits: Tensor, out: Tensor, *, invert: bool = False, threads: int | None = None
+    grad: Tensor,
+    bits: Tensor,
+    out: Tensor,
+    *,
+    invert: bool = False,
+    threads: int | None = None,
+    checked: bool = True,
 ) -> None:
     """Write ``grad`` where bit ``i`` is set (clear if ``invert``) and ``+0`` elsewhere to ``out``.
 
@@ -162,18 +187,25 @@ def select_bits(
     ``threshold_backward(grad, mask01, 0)`` for the unpacked 0/1 mask (see NOTE [NaN payloads in
     16-bit types]). Any dtype of 2, 4 or 8 bytes; ``out`` may be ``grad``.
     """
-    checks.check_cpu(grad, "grad")
-    if grad.element_size() not in (2, 4, 8):
-        raise ValueError(f"select_bits expects 2, 4 or 8-byte elements, got {grad.dtype}.")
-    checks.check_like(out, grad, "out", "grad")
-    checks.check_bits(bits, grad.numel())
+    if checked:
+        checks.check_cpu(grad, "grad")
+        if grad.element_size() not in (2, 4, 8):
+            raise ValueError(f"select_bits expects 2, 4 or 8-byte elements, got {grad.dtype}.")
+        checks.check_like(out, grad, "out", "grad")
+        checks.check_bits(bits, grad.numel())
     pointers = (grad.data_ptr(), bits.data_ptr(), out.data_ptr())
     args = (grad.numel(), grad.element_size(), int(invert), checks.thread_count(threads))
     _call("memsave_select_bits", *pointers, *args)
 
 
 def select_scale(
-    grad: Tensor, bits: Tensor, out: Tensor, slope: float, *, threads: int | None = None
+    grad: Tensor,
+    bits: Tensor,
+    out: Tensor,
+    slope: float,
+    *,
+    threads: int | None = None,
+    checked: bool = True,
 ) -> None:
     """Write ``grad * 1`` where bit ``i`` is set and ``grad * slope`` elsewhere to ``out``.
 
@@ -182,7 +214,8 @@ def select_scale(
     (that loop's ``* 1`` quietens signalling NaNs, which its scalar tail passes unchanged).
     float32 and float64 only; ``out`` may be ``grad``.
     """
-    checks.check_float_kernel("select_scale", grad, out, bits, "grad")
+    if checked:
+        checks.check_float_kernel("select_scale", grad, out, bits, "grad")
     pointers = (grad.data_ptr(), bits.data_ptr(), out.data_ptr())
     args = (grad.numel(), grad.element_size(), float(slope), checks.thread_count(threads))
     _call("memsave_select_scale", *pointers, *args)

@@ -11,7 +11,7 @@ from torch import Tensor
 from memsave_cli.kernels._layout import require_dense, require_same_order
 
 #: Bits of +infinity for each supported float dtype (NOTE [float classes as integer tests] in C).
-_INF_BITS = {
+INF_BITS = {
     torch.float64: 0x7FF0000000000000,
     torch.float32: 0x7F800000,
     torch.bfloat16: 0x7F80,
@@ -122,12 +122,12 @@ def check_starts(starts: Tensor, inner: int) -> int:
 def inf_bits(x: Tensor, name: str) -> int:
     """Bits of +infinity in ``x``'s dtype; raise for dtypes other than the four float types."""
     check_cpu(x, name)
-    if x.dtype not in _INF_BITS:
+    if x.dtype not in INF_BITS:
         raise ValueError(
             f"Dtype mismatch: expected {name} of dtype float64, float32, bfloat16 or float16, "
             f"got {x.dtype}."
         )
-    return _INF_BITS[x.dtype]
+    return INF_BITS[x.dtype]
 
 
 def order_key(value: float, dtype: torch.dtype) -> int | None:

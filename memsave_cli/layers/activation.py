@@ -37,7 +37,8 @@ class _ReLUFunction(Function):
 
     @staticmethod
     def forward(ctx, x: Tensor, inplace: bool, saves_result: bool) -> tuple[Tensor, Tensor]:
-        order = layout_of(x).order
+        ctx.layout = layout_of(x)
+        order = ctx.layout.order
         y, bits = (x, ops.relu_pack_(x, order)) if inplace else ops.relu_pack(x, order)
         return _save_bits(ctx, x, y, bits, inplace, saved=y.stride())
 
@@ -58,7 +59,8 @@ class _LeakyReLUFunction(Function):
         ctx, x: Tensor, slope: float, inplace: bool, saves_result: bool
     ) -> tuple[Tensor, Tensor]:
         ctx.slope, ctx.saves_result = slope, saves_result
-        order = layout_of(x).order
+        ctx.layout = layout_of(x)
+        order = ctx.layout.order
         y, bits = (
             (x, ops.leaky_pack_(x, order, slope)) if inplace else ops.leaky_pack(x, order, slope)
         )
@@ -85,8 +87,8 @@ class _HardtanhFunction(Function):
     def forward(
         ctx, x: Tensor, min_val: float, max_val: float, inplace: bool, saves_result: bool
     ) -> tuple[Tensor, Tensor]:
-        order = layout_of(x).order
-        args = (order, min_val, max_val, *kernel_bounds(x.dtype, min_val, max_val))
+        ctx.layout = layout_of(x)
+        args = (ctx.layout.order, min_val, max_val, *kernel_bounds(x.dtype, min_val, max_val))
         y, bits = (x, ops.hardtanh_pack_(x, *args)) if inplace else ops.hardtanh_pack(x, *args)
         return _save_bits(ctx, x, y, bits, inplace, saved=x.stride())
 
@@ -103,8 +105,8 @@ def _save_bits(
 ) -> tuple[Tensor, Tensor]:
     """Save only the packed bits (in place, marking the input dirty as stock in-place ops do) and
     return the Function's outputs, the result and its bits. ``saved`` are the strides of the
-    tensor stock would save: with the gradient's they decide the layout of stock's gradient."""
-    ctx.layout = layout_of(x)
+    tensor stock would save: with the gradient's they decide the layout of stock's gradient.
+    ``ctx.layout`` is ``x``'s bit layout, set by the caller."""
     ctx.saved_strides = saved
     if inplace:
         ctx.mark_dirty(x)

@@ -107,6 +107,7 @@ class RMSNormFunction(Function):
 # ``inspect.signature`` would otherwise rebuild on each call (about 10 us).
 RMSNormFunction.forward.__signature__ = inspect.signature(RMSNormFunction.forward)
 
+
 def _opmath(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 

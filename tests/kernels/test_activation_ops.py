@@ -98,7 +98,9 @@ def native_spy(monkeypatch: pytest.MonkeyPatch) -> list[str]:
         pytest.skip(native.status())
     used: list[str] = []
     kernel = native.relu_pack
-    monkeypatch.setattr(native, "relu_pack", lambda *a: (used.append("relu_pack"), kernel(*a)))
+    monkeypatch.setattr(
+        native, "relu_pack", lambda *a, **k: (used.append("relu_pack"), kernel(*a, **k))
+    )
     return used
 
 

@@ -46,3 +46,20 @@ def test_cuda_select_matches_reference(dtype: torch.dtype, slope: float | None) 
         # LeakyReLU's ``grad * 1`` quietens signalling NaNs in stock's vector loop, not in its
         # scalar tail, which the reference is: NaN payloads may differ there (``native.py``).
         assert_same_bits(actual, expected, nan_payloads=slope is None)
+
+
+@pytest.mark.parametrize("implementation", ["_cuda_select", "_cpu_select"])
+@pytest.mark.parametrize("slope", [None, 0.1], ids=["select_bits", "select_scale"])
+def test_select_rejects_bits_of_another_size(implementation: str, slope: float | None) -> None:
+    """The kernels run unchecked from the ops (NOTE [arguments checked once]), so the op checks
+    the one argument it did not make: bits of the wrong size, dtype or layout raise, never read
+    out of bounds."""
+    order = [1, 2, 0]
+    grad = _x(torch.float32, 2)
+    bits = ops.reference_pack("relu", _x(torch.float32, 1), False, order, ())[1]
+    select = getattr(ops, implementation)
+    expected = ops.reference_select(grad, bits, order, [1, 35, 7], slope)
+    assert_same_bits(select(grad, bits, order, [1, 35, 7], slope), expected, nan_payloads=False)
+    for bad in (bits[:-1], bits.view(torch.int8), torch.stack([bits, bits], 1)[:, 0]):
+        with pytest.raises(ValueError, match="packed bits"):
+            select(grad, bad, order, [1, 35, 7], slope)

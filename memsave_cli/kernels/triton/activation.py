@@ -39,7 +39,9 @@ _WIDE = (torch.float32, torch.float64)
 _TL_FLOAT = {torch.float32: tl.float32, torch.float64: tl.float64}
 
 
-def relu_pack(x: Tensor, out: Tensor, bits: Tensor, *, positive_zero: bool = False) -> None:
+def relu_pack(
+    x: Tensor, out: Tensor, bits: Tensor, *, positive_zero: bool = False, checked: bool = True
+) -> None:
     """Write ``torch.relu(x)`` to ``out`` and set bit ``i`` of ``bits`` where it is nonzero.
 
     A ReLU result is NaN, positive or a signed zero (``-0.0`` stays ``-0.0`` as on the CPU, or
@@ -48,10 +50,11 @@ def relu_pack(x: Tensor, out: Tensor, bits: Tensor, *, positive_zero: bool = Fal
     passes the gradient. Integer tests on the bits, no float arithmetic: float64, float32,
     bfloat16 and float16 alike, and denormals never flushed. ``native.relu_pack``.
     """
-    check_dense(x, "x")
-    check_dtype(x, "x", tuple(_INF_BITS))
-    check_like(out, x, "out", "x")
-    check_bits(bits, x.numel(), x)
+    if checked:
+        check_dense(x, "x")
+        check_dtype(x, "x", tuple(_INF_BITS))
+        check_like(out, x, "out", "x")
+        check_bits(bits, x.numel(), x)
     width = 8 * x.element_size()
     launch = _relu_pack_kernel[grid(x.numel())]
     launch(
@@ -66,19 +69,27 @@ def relu_pack(x: Tensor, out: Tensor, bits: Tensor, *, positive_zero: bool = Fal
     )
 
 
-def leaky_pack(x: Tensor, out: Tensor, bits: Tensor, slope: float) -> None:
+def leaky_pack(x: Tensor, out: Tensor, bits: Tensor, slope: float, *, checked: bool = True) -> None:
     """Write ``leaky_relu(x, slope)`` to ``out`` and set bit ``i`` of ``bits`` where ``x > 0``.
 
     ``x if x > 0 else x * slope`` with ``slope`` rounded to ``x``'s dtype, as ATen's CPU kernel
     computes it (NaN takes the multiply). float32 and float64; ``native.leaky_pack``.
     """
-    _check_wide("leaky_pack", x, out, bits, "x")
+    if checked:
+        _check_wide("leaky_pack", x, out, bits, "x")
     scalars = _scalars(x, slope)
     _leaky_pack_kernel[grid(x.numel())](x, out, bits, scalars, x.numel(), BLOCK=block(x.numel()))
 
 
 def hardtanh_pack(
-    x: Tensor, out: Tensor, bits: Tensor, low: float, high: float, *, nan_passes: bool = False
+    x: Tensor,
+    out: Tensor,
+    bits: Tensor,
+    low: float,
+    high: float,
+    *,
+    nan_passes: bool = False,
+    checked: bool = True,
 ) -> bool:
     """Write ``hardtanh(x, low, high)`` to ``out`` and set bit ``i`` where ``low < x < high``;
     return whether elements were held. With ``nan_passes`` the bit is set where neither
@@ -95,7 +106,8 @@ def hardtanh_pack(
     ``high`` must be representable in ``x.dtype`` (float32 or float64). Returning a Python bool
     synchronises with the device once.
     """
-    _check_wide("hardtanh_pack", x, out, bits, "x")
+    if checked:
+        _check_wide("hardtanh_pack", x, out, bits, "x")
     programs = grid(x.numel())
     # Allocation: one flag per program (no atomics), reduced on the device before the one sync.
     held = torch.zeros(programs[0], dtype=torch.int8, device=x.device)
@@ -118,14 +130,17 @@ def hardtanh_pack(
     return bool(held.any())
 
 
-def select_scale(grad: Tensor, bits: Tensor, out: Tensor, slope: float) -> None:
+def select_scale(
+    grad: Tensor, bits: Tensor, out: Tensor, slope: float, *, checked: bool = True
+) -> None:
     """Write ``grad`` where bit ``i`` is set and ``grad * slope`` elsewhere to ``out``.
 
     ``slope`` is rounded to ``grad``'s dtype: ATen's CUDA ``leaky_relu_backward``, which passes
     a kept gradient unchanged (its CPU loop multiplies it by 1, which quietens a signalling NaN,
     as ``native.select_scale`` does). float32 and float64.
     """
-    _check_wide("select_scale", grad, out, bits, "grad")
+    if checked:
+        _check_wide("select_scale", grad, out, bits, "grad")
     scalars = _scalars(grad, slope)
     _select_scale_kernel[grid(grad.numel())](
         grad, bits, out, scalars, grad.numel(), BLOCK=block(grad.numel())

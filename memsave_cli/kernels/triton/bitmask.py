@@ -50,7 +50,9 @@ def unpack(bits: Tensor, numel: int, dtype: torch.dtype, invert: bool = False) -
     return out
 
 
-def select_bits(grad: Tensor, bits: Tensor, out: Tensor, *, invert: bool = False) -> None:
+def select_bits(
+    grad: Tensor, bits: Tensor, out: Tensor, *, invert: bool = False, checked: bool = True
+) -> None:
     """Write ``grad`` where bit ``i`` is set (clear if ``invert``) and ``+0`` elsewhere to ``out``.
 
     Mirrors ``native.select_bits``: elements are copied bit for bit (NaN payloads and infinities
@@ -58,11 +60,12 @@ def select_bits(grad: Tensor, bits: Tensor, out: Tensor, *, invert: bool = False
     dtype of 2, 4 or 8 bytes; ``grad`` and ``out`` dense with the same memory order; ``out`` may
     be ``grad``.
     """
-    check_dense(grad, "grad")
-    if grad.element_size() not in (2, 4, 8):
-        raise ValueError(f"select_bits expects 2, 4 or 8-byte elements, got {grad.dtype}.")
-    check_like(out, grad, "out", "grad")
-    check_bits(bits, grad.numel(), grad)
+    if checked:
+        check_dense(grad, "grad")
+        if grad.element_size() not in (2, 4, 8):
+            raise ValueError(f"select_bits expects 2, 4 or 8-byte elements, got {grad.dtype}.")
+        check_like(out, grad, "out", "grad")
+        check_bits(bits, grad.numel(), grad)
     launch = _select_bits_kernel[grid(grad.numel())]
     launch(
         as_bits(grad), bits, as_bits(out), grad.numel(), INVERT=invert, BLOCK=block(grad.numel())
