@@ -36,14 +36,14 @@ class _ReLUFunction(Function):
     """ReLU keeping one bit per element, set where the gradient passes (``result <= 0`` is false)."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, inplace: bool, saves_result: bool) -> tuple[Tensor, Tensor]:
+    def forward(ctx, x: Tensor, inplace: bool, saves_result: bool) -> Tensor:
         ctx.layout = layout_of(x)
         order = ctx.layout.order
         y, bits = (x, ops.relu_pack_(x, order)) if inplace else ops.relu_pack(x, order)
         return _save_bits(ctx, x, y, bits, inplace, saved=y.stride())
 
     @staticmethod
-    def backward(ctx, grad: Tensor, _bits_grad: None) -> tuple[Tensor | None, None, None]:
+    def backward(ctx, grad: Tensor) -> tuple[Tensor | None, None, None]:
         forbid_double_backward("MemSaveReLU")
         if not ctx.needs_input_grad[0]:
             return None, None, None
@@ -55,9 +55,7 @@ class _LeakyReLUFunction(Function):
     (``saved > 0`` for the tensor stock saves: the same unless stock's backward raises)."""
 
     @staticmethod
-    def forward(
-        ctx, x: Tensor, slope: float, inplace: bool, saves_result: bool
-    ) -> tuple[Tensor, Tensor]:
+    def forward(ctx, x: Tensor, slope: float, inplace: bool, saves_result: bool) -> Tensor:
         ctx.slope, ctx.saves_result = slope, saves_result
         ctx.layout = layout_of(x)
         order = ctx.layout.order
@@ -67,7 +65,7 @@ class _LeakyReLUFunction(Function):
         return _save_bits(ctx, x, y, bits, inplace, saved=(y if saves_result else x).stride())
 
     @staticmethod
-    def backward(ctx, grad: Tensor, _bits_grad: None) -> tuple[Tensor | None, None, None, None]:
+    def backward(ctx, grad: Tensor) -> tuple[Tensor | None, None, None, None]:
         forbid_double_backward("MemSaveLeakyReLU")
         if not ctx.needs_input_grad[0]:
             return None, None, None, None
@@ -86,14 +84,14 @@ class _HardtanhFunction(Function):
     @staticmethod
     def forward(
         ctx, x: Tensor, min_val: float, max_val: float, inplace: bool, saves_result: bool
-    ) -> tuple[Tensor, Tensor]:
+    ) -> Tensor:
         ctx.layout = layout_of(x)
         args = (ctx.layout.order, min_val, max_val, *kernel_bounds(x.dtype, min_val, max_val))
         y, bits = (x, ops.hardtanh_pack_(x, *args)) if inplace else ops.hardtanh_pack(x, *args)
         return _save_bits(ctx, x, y, bits, inplace, saved=x.stride())
 
     @staticmethod
-    def backward(ctx, grad: Tensor, _bits_grad: None) -> tuple[Tensor | None, ...]:
+    def backward(ctx, grad: Tensor) -> tuple[Tensor | None, ...]:
         forbid_double_backward("MemSaveHardtanh/MemSaveReLU6")
         if not ctx.needs_input_grad[0]:
             return None, None, None, None, None
@@ -102,17 +100,16 @@ class _HardtanhFunction(Function):
 
 def _save_bits(
     ctx, x: Tensor, y: Tensor, bits: Tensor, inplace: bool, saved: tuple[int, ...]
-) -> tuple[Tensor, Tensor]:
+) -> Tensor:
     """Save only the packed bits (in place, marking the input dirty as stock in-place ops do) and
-    return the Function's outputs, the result and its bits. ``saved`` are the strides of the
-    tensor stock would save: with the gradient's they decide the layout of stock's gradient.
-    ``ctx.layout`` is ``x``'s bit layout, set by the caller."""
+    return the Function's output, the result. ``saved`` are the strides of the tensor stock would
+    save: with the gradient's they decide the layout of stock's gradient. ``ctx.layout`` is
+    ``x``'s bit layout, set by the caller."""
     ctx.saved_strides = saved
     if inplace:
         ctx.mark_dirty(x)
-    ctx.mark_non_differentiable(bits)
     ctx.save_for_backward(bits)
-    return y, bits
+    return y
 
 
 def _select(ctx, grad: Tensor, kernel: str, slope: float | None = None) -> Tensor:
@@ -145,19 +142,17 @@ def _activate(
     """Apply ``function`` to ``x`` like ``stock(x, *args, inplace)``, saving a 1-bit mask.
 
     NOTE [in-place drop-ins]: stock runs (and saves nothing) when no gradient can reach ``x``,
-    and for an in-place call on a leaf that requires grad, so the error is stock's own. Autograd
-    forbids a Function that modifies a view in place from returning two tensors (the result and
-    its bits), so an in-place call on a view computes out of place and copies the result back
-    (so does a compiled one); ``saves_result`` keeps the bits those of the in-place call, so
-    gradients are the same.
+    and for an in-place call on a leaf that requires grad, so the error is stock's own. A
+    compiled in-place call computes out of place and copies the result back (torch 2.11's
+    inductor fails on the in-place op); ``saves_result`` keeps the bits those of the in-place
+    call, so gradients are the same. The Function's one output is the result: the bits are
+    saved, not returned, so that it may modify a view in place as stock's op does.
     """
     if not (torch.is_grad_enabled() and x.requires_grad) or (inplace and x.is_leaf):
         return stock(x, *args, inplace)
-    if inplace and (x._base is not None or torch.compiler.is_compiling()):
-        # Allocation: the out-of-place result, freed once copied into the view. Compiled, the
-        # compiler writes in place itself (torch 2.11's inductor fails on the in-place op).
-        return x.copy_(function.apply(x, *args, False, True)[0])
-    return function.apply(x, *args, inplace, inplace)[0]
+    if inplace and torch.compiler.is_compiling():
+        return x.copy_(function.apply(x, *args, False, True))
+    return function.apply(x, *args, inplace, inplace)
 
 
 def kernel_bounds(dtype: torch.dtype, min_val: float, max_val: float) -> tuple[float, float]:
