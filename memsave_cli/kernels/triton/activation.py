@@ -19,6 +19,7 @@ import torch
 import triton.language as tl
 from torch import Tensor
 
+from memsave_cli.kernels.native_checks import INF_BITS
 from memsave_cli.kernels.triton._launch import (
     as_bits,
     block,
@@ -30,9 +31,6 @@ from memsave_cli.kernels.triton._launch import (
     kernel,
 )
 
-#: Bits of +infinity of each float dtype (NOTE [float classes as integer tests] in ``native.c``).
-_INF_BITS = {torch.float64: 0x7FF0000000000000, torch.float32: 0x7F800000}
-_INF_BITS.update({torch.bfloat16: 0x7F80, torch.float16: 0x7C00})
 #: The float dtypes of the kernels that compute in the element type, as ``native.py`` has them.
 _WIDE = (torch.float32, torch.float64)
 #: Triton's float type of each of those torch dtypes.
@@ -52,7 +50,7 @@ def relu_pack(
     """
     if checked:
         check_dense(x, "x")
-        check_dtype(x, "x", tuple(_INF_BITS))
+        check_dtype(x, "x", tuple(INF_BITS))
         check_like(out, x, "out", "x")
         check_bits(bits, x.numel(), x)
     width = 8 * x.element_size()
@@ -63,7 +61,7 @@ def relu_pack(
         bits,
         x.numel(),
         MAGNITUDE=2 ** (width - 1) - 1,
-        INF=_INF_BITS[x.dtype],
+        INF=INF_BITS[x.dtype],
         POSITIVE_ZERO=positive_zero,
         BLOCK=block(x.numel()),
     )
