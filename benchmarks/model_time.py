@@ -1,6 +1,6 @@
 """Forward+backward time of a whole converted torchvision model vs stock, side by side on CPU.
 
-Run: ``python benchmarks/model_time.py [--model resnet18] [--batch 4] [--threads 1]
+Run: ``python benchmarks/model_time.py [--model resnet18] [--batch 4] [--size 224] [--threads 1]
 [--repeats 25] [--include conv ...]``. For each differentiability case (all parameters, the input
 only, the first quarter of the parameters: the paper's "surgical"), stock and memsave steps
 alternate, and the table gives the median time of each, the median of the per-round ratios
@@ -60,6 +60,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--model", default="resnet18", help="torchvision builder name")
     parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--size", type=int, default=224, help="input height and width")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=25)
     parser.add_argument("--include", nargs="*", default=None, help="layer families to convert")
@@ -68,9 +69,10 @@ def main() -> None:
     torch.manual_seed(0)
     stock = getattr(torchvision.models, args.model)(weights=None)
     memsave = convert(stock, include=args.include) if args.include else convert(stock)
-    x = torch.randn(args.batch, 3, 224, 224)
+    x = torch.randn(args.batch, 3, args.size, args.size)
     print(
-        f"torch {torch.__version__}, {args.model} batch {args.batch}, {args.threads} thread(s), "
+        f"torch {torch.__version__}, {args.model} batch {args.batch} at {args.size}px, "
+        f"{args.threads} thread(s), "
         f"{args.repeats} rounds, converted: {', '.join(args.include or ['all families'])}"
     )
     print(f"{'case':10s} {'stock ms':>9s} {'memsave ms':>11s} {'ratio':>6s} {'quartiles':>13s}")
