@@ -158,13 +158,17 @@ def _cuda_kernels() -> SimpleNamespace:
     """The Triton pack kernels as ``fused_pack`` calls them, following stock's CUDA kernels where
     they differ from its CPU ones: ReLU turns ``-0.0`` into ``+0.0`` (``clamp_min`` takes the
     maximum of ``x`` and 0), and Hardtanh's bits pass NaN's gradient (NOTE [NaN in
-    hardtanh_backward])."""
+    hardtanh_backward]). Hardtanh does not report whether it held elements, which would wait for
+    the device on every call: stock's ``F.hardtanh`` finishes every element instead, one more
+    pass over the result that leaves each clamped element as it is."""
     from memsave_cli.kernels.triton import activation
 
     return SimpleNamespace(
         relu_pack=functools.partial(activation.relu_pack, positive_zero=True),
         leaky_pack=activation.leaky_pack,
-        hardtanh_pack=functools.partial(activation.hardtanh_pack, nan_passes=True),
+        hardtanh_pack=functools.partial(
+            activation.hardtanh_pack, nan_passes=True, report_held=False
+        ),
     )
 
 

@@ -210,6 +210,23 @@ def test_hardtanh_pack_holds_nothing_on_plain_numbers() -> None:
     assert_same_bits(y, F.hardtanh(x, -1.0, 1.0))
 
 
+def test_cuda_hardtanh_never_waits_for_the_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CUDA implementation does not read back whether elements were held (a synchronisation
+    per call on a GPU): stock finishes every element, and the result is still stock's."""
+    from memsave_cli.kernels.activation import _cuda_pack
+
+    def no_read_back(self: Tensor, *args: object, **kwargs: object) -> Tensor:
+        raise AssertionError("held flags read back")
+
+    x = samples(torch.float32, 1031, seed=7).view(1, 1031)
+    expected = F.hardtanh(x, -1.0, 1.0)
+    with monkeypatch.context() as patch:
+        patch.setattr(Tensor, "any", no_read_back)
+        y, bits = _cuda_pack("hardtanh", x, False, [0, 1], (-1.0, 1.0, -1.0, 1.0))
+    assert_same_bits(y, expected, nan_payloads=False)
+    assert_same_bytes(bits, _bits_of(((x <= -1.0) | (x >= 1.0)).logical_not()))
+
+
 def _unpacked(bits: Tensor, like: Tensor, invert: bool = False) -> Tensor:
     """``bitmask.unpack_as`` of ``bits`` as a 0/1 tensor laid out as ``like``."""
     return unpack_as(bits, layout_of(like), like.dtype, invert=invert)

@@ -87,6 +87,7 @@ def hardtanh_pack(
     high: float,
     *,
     nan_passes: bool = False,
+    report_held: bool = True,
     checked: bool = True,
 ) -> bool:
     """Write ``hardtanh(x, low, high)`` to ``out`` and set bit ``i`` where ``low < x < high``;
@@ -102,13 +103,15 @@ def hardtanh_pack(
     ATen's vector loop and scalar tail (and the CPU kernel's AVX2 and portable loops) do
     differently. ``low`` and
     ``high`` must be representable in ``x.dtype`` (float32 or float64). Returning a Python bool
-    synchronises with the device once.
+    synchronises with the device once; with ``report_held`` False it returns True without
+    looking, and the caller finishes every element (no synchronisation).
     """
     if checked:
         _check_wide("hardtanh_pack", x, out, bits, "x")
     programs = grid(x.numel())
-    # Allocation: one flag per program (no atomics), reduced on the device before the one sync.
-    held = torch.zeros(programs[0], dtype=torch.int8, device=x.device)
+    # Allocation: one flag per program (no atomics; every program writes its own), reduced on
+    # the device before the one sync.
+    held = torch.empty(programs[0], dtype=torch.int8, device=x.device)
     hold_neg_zero = _is_zero(low, 1.0) or _is_zero(high, 1.0)  # -0.0 meets a +0.0 bound
     hold_pos_zero = _is_zero(low, -1.0) or _is_zero(high, -1.0)  # +0.0 meets a -0.0 bound
     _hardtanh_pack_kernel[programs](
@@ -125,7 +128,7 @@ def hardtanh_pack(
         NAN_PASSES=nan_passes,
         BLOCK=block(x.numel()),
     )
-    return bool(held.any())
+    return bool(held.any()) if report_held else True
 
 
 def select_scale(
