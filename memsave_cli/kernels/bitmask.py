@@ -137,7 +137,7 @@ def unpack_as(
     table = _byte_table(bits, dtype, invert)
     # Allocation: the unpacked mask, eight values per packed byte.
     if _numpy_ready(bits):
-        rows = torch.empty((expected, 8), dtype=dtype)
+        rows = torch.empty((expected, 8), dtype=dtype, device="cpu")
         raw = _RAW[table.element_size()]
         numpy.take(table.view(raw).numpy(), bits.numpy(), 0, rows.view(raw).numpy(), "clip")
     else:

@@ -149,3 +149,19 @@ def test_rejects_bad_arguments() -> None:
         dropout.dropout_mul(x.long(), SEED, 0.5, x.long())
     with pytest.raises(ValueError, match="shape"):
         dropout.dropout_mul(x, SEED, 0.5, torch.empty(9))
+
+
+def test_scalars_are_made_on_the_cpu_under_another_default_device() -> None:
+    """The kernels' constants are computed on the CPU whatever the default device, so that a
+    GPU default (``torch.set_default_device("cuda")``) never reads a scalar back per launch."""
+    from memsave_cli.kernels.triton import bitmask
+    from memsave_cli.kernels.triton._launch import one_bits
+
+    one_bits.cache_clear()
+    expected = dropout.dropout_noise(7, 0.25, (5, 9), torch.float32, "cpu")
+    bits = torch.tensor([0b10110001, 0b1], dtype=torch.uint8)
+    with torch.device("meta"):
+        noise = dropout.dropout_noise(7, 0.25, (5, 9), torch.float32, "cpu")
+        unpacked = bitmask.unpack(bits, 9, torch.float32)
+    assert torch.equal(noise, expected)
+    assert unpacked.tolist() == [1, 0, 0, 0, 1, 1, 0, 1, 1]

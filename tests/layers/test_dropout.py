@@ -123,6 +123,21 @@ def test_reproducible_under_manual_seed_and_advances_global_rng() -> None:
     assert not torch.equal(torch.rand(4), after_first), "dropout must draw from the global RNG"
 
 
+def test_seed_stays_on_the_cpu_under_another_default_device() -> None:
+    """Under a default device (``torch.set_default_device``, here meta) the seed is still drawn
+    on the CPU from the global generator: a GPU seed would be read back on every call."""
+    from memsave_cli.layers.dropout import draw_seed
+
+    torch.manual_seed(5)
+    expected = draw_seed()
+    torch.manual_seed(5)
+    with torch.device("meta"):
+        seed = draw_seed()
+        out = MemSaveDropout(0.5)(torch.ones(4, 8, requires_grad=True))
+    assert seed.device.type == "cpu" and torch.equal(seed, expected)
+    assert out.device.type == "meta"
+
+
 def test_consecutive_calls_are_independent() -> None:
     torch.manual_seed(0)
     module, x = MemSaveDropout(0.5), torch.ones(200_000, requires_grad=True)

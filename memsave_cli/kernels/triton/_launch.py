@@ -17,6 +17,7 @@ one thread at a time, never the CUDA path.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -179,3 +180,9 @@ BITS_DTYPE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 def as_bits(tensor: Tensor) -> Tensor:
     """``tensor`` viewed as the signed integers of its element size (bool as uint8)."""
     return tensor.view(BITS_DTYPE[tensor.element_size()])
+
+
+@functools.cache
+def one_bits(dtype: torch.dtype) -> int:
+    """The bits of 1 in ``dtype``, as :func:`as_bits` reads them (computed on the CPU, once)."""
+    return int(as_bits(torch.ones((), dtype=dtype, device="cpu")).item())

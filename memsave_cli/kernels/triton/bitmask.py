@@ -22,6 +22,7 @@ from memsave_cli.kernels.triton._launch import (
     check_like,
     grid,
     kernel,
+    one_bits,
 )
 
 
@@ -45,7 +46,7 @@ def unpack(bits: Tensor, numel: int, dtype: torch.dtype, invert: bool = False) -
     check_bits(bits, numel, out)
     if out.element_size() not in BITS_DTYPE:
         raise ValueError(f"unpack expects 1, 2, 4 or 8-byte elements, got {dtype}.")
-    one = int(torch.ones((), dtype=dtype).view(BITS_DTYPE[out.element_size()]).item())
+    one = one_bits(dtype)
     _unpack_kernel[grid(numel)](bits, as_bits(out), numel, one, INVERT=invert, BLOCK=block(numel))
     return out
 

@@ -30,6 +30,7 @@ from memsave_cli.kernels.triton._launch import (
     check_device,
     grid,
     kernel,
+    one_bits,
 )
 from memsave_cli.kernels.triton.philox import keep_count
 
@@ -94,16 +95,16 @@ def _launch(x: Tensor | None, seed: int, p: float, out: Tensor, scale: float | N
     math = math_type(out.dtype)
     if scale is None:
         # Stock's noise value, rounded in the dtype; exact in the math type.
-        factor = torch.ones((), dtype=out.dtype).div_(1.0 - p).to(math)
+        factor = torch.ones((), dtype=out.dtype, device="cpu").div_(1.0 - p).to(math)
     else:
-        factor = torch.tensor(scale, dtype=math)
+        factor = torch.tensor(scale, dtype=math, device="cpu")
     _dropout_kernel[grid(out.numel())](
         as_bits(out) if x is None else as_bits(x), as_bits(out), out.numel(),
         int(seed) & 0xFFFFFFFF, int(seed) >> 32, keep_count(p), int(as_bits(factor).item()),
         *walk, HAS_X=x is not None, BFLOAT=out.dtype == torch.bfloat16,
         ELEMENT=_FLOAT_BITS.get(out.dtype, tl.float32), FLOAT=_FLOAT_BITS[math],
         SCALE_BITS=_TL_INT[factor.element_size()],
-        ONE=int(as_bits(torch.ones((), dtype=out.dtype)).item()), BLOCK=block(out.numel()),
+        ONE=one_bits(out.dtype), BLOCK=block(out.numel()),
     )  # fmt: skip
 
 
