@@ -193,23 +193,22 @@ def _misaligned(flat: Tensor) -> bool:
 def _byte_table(bits: Tensor, dtype: torch.dtype, invert: bool) -> Tensor:
     """A 256 x 8 table for unpacking ``bits``: row ``b`` holds the bits of byte ``b``, lowest first.
 
-    Tables for plain CPU tensors are cached (building one costs more than a small unpack); for
-    other devices, fake tensors and under ``torch.compile`` they are built alongside ``bits``.
+    Tables for real tensors are cached per device (building one costs more than a small unpack,
+    and on CUDA five kernel launches); for fake tensors and under ``torch.compile`` they are
+    built alongside ``bits``.
     """
-    cacheable = (
-        type(bits) is Tensor and bits.device.type == "cpu" and not torch.compiler.is_compiling()
-    )
-    key = (dtype, invert)
-    if cacheable and key in _CPU_TABLES:
-        return _CPU_TABLES[key]
+    cacheable = type(bits) is Tensor and not torch.compiler.is_compiling()
+    key = (bits.device, dtype, invert)
+    if cacheable and key in _TABLES:
+        return _TABLES[key]
     table = _build_byte_table(bits.device, dtype, invert)
     if cacheable:
-        _CPU_TABLES[key] = table
+        _TABLES[key] = table
     return table
 
 
-#: CPU byte tables by (dtype, invert).
-_CPU_TABLES: dict[tuple[torch.dtype, bool], Tensor] = {}
+#: Byte tables of real tensors by (device, dtype, invert).
+_TABLES: dict[tuple[torch.device, torch.dtype, bool], Tensor] = {}
 
 
 def _build_byte_table(device: torch.device, dtype: torch.dtype, invert: bool) -> Tensor:
