@@ -340,6 +340,22 @@ def test_inplace_on_view_of_non_leaf(case: Case) -> None:
     _assert_same(results[0], results[1])
 
 
+@pytest.mark.parametrize("case", CASES, ids=lambda case: case.name)
+def test_inplace_on_views_behaves_as_stock(case: Case) -> None:
+    """In place on a view runs in place (NOTE [in-place drop-ins]): a transposed view gives
+    stock's base and gradient, and a view of a multi-output op raises stock's error."""
+    results = []
+    for module in case.build(inplace=True):
+        leaf = _input(torch.float32, case)[0, 0].clone().requires_grad_()
+        base = leaf * 1
+        module(base.t())
+        (base * torch.arange(float(base.numel())).view(base.shape)).sum().backward()
+        results.append((base.detach(), leaf.grad))
+        with pytest.raises(RuntimeError, match="Output 0 of Split is a view"):
+            module((leaf * 1).chunk(2)[0])
+    _assert_same(results[0], results[1])
+
+
 @pytest.mark.parametrize("view", [False, True], ids=lambda flag: f"view={flag}")
 @pytest.mark.parametrize("case", CASES, ids=lambda case: case.name)
 def test_inplace_on_leaf_raises_stock_error(case: Case, view: bool) -> None:
