@@ -196,11 +196,10 @@ def _fused_mul(
 
         dropout.dropout_mul(x, _word(seed), p, out, scale=scale)
         return out
-    # Deliberate transients where no Triton runs: the mask, and the product in the math type.
-    keep = _cuda_noise(x, seed, p, noise_shape).ne(0)
-    math = math_type(x.dtype)
-    noise = torch.where(keep, torch.tensor(scale, dtype=math, device=x.device), 0.0)
-    return out.copy_(x.to(math) * noise)
+    # Deliberate transients where no Triton runs: the noise in the math type (exactly the scale
+    # or 0: no scalar is copied to the device, which would wait for it), and the product.
+    noise = _cuda_noise(x, seed, p, noise_shape).ne(0).to(math_type(x.dtype)).mul_(scale)
+    return out.copy_(x.to(noise.dtype) * noise)
 
 
 def _cuda_mul_(x: Tensor, seed: Tensor, p: float, noise_shape: Sequence[int]) -> None:
