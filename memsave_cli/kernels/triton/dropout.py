@@ -15,6 +15,7 @@ products] in ``kernels/dropout.py``). The stream differs from the CPU one (a
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import torch
@@ -93,19 +94,25 @@ def _launch(x: Tensor | None, seed: int, p: float, out: Tensor, scale: float | N
         out.copy_(flat)
         return
     math = math_type(out.dtype)
-    if scale is None:
-        # Stock's noise value, rounded in the dtype; exact in the math type.
-        factor = torch.ones((), dtype=out.dtype, device="cpu").div_(1.0 - p).to(math)
-    else:
-        factor = torch.tensor(scale, dtype=math, device="cpu")
     _dropout_kernel[grid(out.numel())](
         as_bits(out) if x is None else as_bits(x), as_bits(out), out.numel(),
-        int(seed) & 0xFFFFFFFF, int(seed) >> 32, keep_count(p), int(as_bits(factor).item()),
+        int(seed) & 0xFFFFFFFF, int(seed) >> 32, keep_count(p), _factor_bits(out.dtype, p, scale),
         *walk, HAS_X=x is not None, BFLOAT=out.dtype == torch.bfloat16,
         ELEMENT=_FLOAT_BITS.get(out.dtype, tl.float32), FLOAT=_FLOAT_BITS[math],
-        SCALE_BITS=_TL_INT[factor.element_size()],
-        ONE=one_bits(out.dtype), BLOCK=block(out.numel()),
+        SCALE_BITS=_TL_INT[math.itemsize], ONE=one_bits(out.dtype), BLOCK=block(out.numel()),
     )  # fmt: skip
+
+
+@functools.cache
+def _factor_bits(dtype: torch.dtype, p: float, scale: float | None) -> int:
+    """The bits, in the math type, of the factor of a kept element: ``scale``, or stock's noise
+    value rounded in ``dtype`` (exact in the math type); computed on the CPU, once."""
+    math = math_type(dtype)
+    if scale is None:
+        factor = torch.ones((), dtype=dtype, device="cpu").div_(1.0 - p).to(math)
+    else:
+        factor = torch.tensor(scale, dtype=math, device="cpu")
+    return int(as_bits(factor).item())
 
 
 def _walk(x: Tensor, out: Tensor) -> list[int] | None:
