@@ -76,8 +76,8 @@ def relu_pack(
     ``out`` may be ``x`` (in place). See NOTE [NaN payloads in 16-bit types]. ``checked``: see
     NOTE [arguments checked once].
     """
-    inf = checks.inf_bits(x, "x") if checked else checks.INF_BITS[x.dtype]
     if checked:
+        checks.inf_bits(x, "x")  # raises for a dtype without one
         checks.check_like(out, x, "out", "x")
         checks.check_bits(bits, x.numel())
     pointers = (x.data_ptr(), out.data_ptr(), bits.data_ptr())
@@ -86,7 +86,7 @@ def relu_pack(
         *pointers,
         x.numel(),
         x.element_size(),
-        inf,
+        checks.INF_BITS[x.dtype],
         checks.thread_count(threads),
     )
 
