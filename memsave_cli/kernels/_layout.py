@@ -22,14 +22,14 @@ _EAGER_TYPES = (Tensor, nn.Parameter)
 
 def memory_format(t: Tensor) -> torch.memory_format:
     """``suggest_memory_format(t)``: the layout ATen kernels choose for ``t``."""
-    if _is_eager(t):
+    if is_eager(t):
         return _cached(tuple(t.shape), t.stride())[0]
     return suggest_memory_format(t)
 
 
 def is_dense(t: Tensor) -> bool:
     """``is_non_overlapping_and_dense_or_false(t)``: whether ``t`` is a permuted contiguous block."""
-    if _is_eager(t):
+    if is_eager(t):
         return _cached(tuple(t.shape), t.stride())[1]
     if torch.compiler.is_compiling():
         # Strides may be symbolic, and torch 2.11's predicate defines a class, which Dynamo
@@ -70,7 +70,9 @@ def _plainly_dense(t: Tensor) -> bool:
     )
 
 
-def _is_eager(t: Tensor) -> bool:
+def is_eager(t: Tensor) -> bool:
+    """Whether ``t`` is a plain tensor (or parameter) outside tracing: its sizes and strides are
+    concrete, and what is computed from it may be memoised."""
     return type(t) in _EAGER_TYPES and not torch.compiler.is_compiling()
 
 

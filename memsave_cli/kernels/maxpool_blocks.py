@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 
 from memsave_cli.kernels import maxpool as offset_ops
-from memsave_cli.kernels._layout import memory_format, shape_only
+from memsave_cli.kernels._layout import is_eager, memory_format, shape_only
 from memsave_cli.kernels.maxpool_maps import index_maps, offset_dtype
 
 aten = torch.ops.aten
@@ -58,7 +58,7 @@ def pool(x: Tensor, args: tuple) -> tuple[Tensor, Tensor, tuple[int, int] | None
     pool_kernel, _ = _KERNELS[nd]
     out_shape = _output_shape(x, nd, args)
     chunked = _is_chunked(x, math.prod(out_shape))
-    maps = index_maps(x.shape[-nd:], out_shape[-nd:], args[:4], x.device, cache=_is_eager(x))
+    maps = index_maps(x.shape[-nd:], out_shape[-nd:], args[:4], x.device, cache=is_eager(x))
     if not chunked:
         # One block: stock's own kernel allocates the output and (a deliberate transient) the
         # int64 indices, no larger than one block's on CPU.
@@ -107,7 +107,7 @@ def pool_backward(
     grad_input = grad_output.new_empty(input_shape).contiguous(memory_format=layout)
     chunked = _is_chunked(grad_output, grad_output.numel())
     spatial = (input_shape[-nd:], offsets.shape[-nd:], args[:4])
-    maps = index_maps(*spatial, offsets.device, cache=_is_eager(offsets))
+    maps = index_maps(*spatial, offsets.device, cache=is_eager(offsets))
     blocks = _blocks([grad_input, grad_output, offsets], nd, chunked)
     for gi_block, go_block, off_block in blocks:
         indices = maps.to_indices(off_block)
@@ -120,15 +120,10 @@ def pool_backward(
     return grad_input
 
 
-def _is_eager(tensor: Tensor) -> bool:
-    """Whether ``tensor`` holds data and is not being traced (then lookup tables are memoised)."""
-    return type(tensor) is Tensor and not torch.compiler.is_compiling()
-
-
 def _is_chunked(tensor: Tensor, outputs: int) -> bool:
     """Whether to pool block by block: an eager CPU ``tensor`` whose pooling has more than one
     block of ``outputs`` (NOTE [chunked max pooling on CPU])."""
-    return _is_eager(tensor) and tensor.device.type == "cpu" and outputs > CHUNK_ELEMENTS
+    return is_eager(tensor) and tensor.device.type == "cpu" and outputs > CHUNK_ELEMENTS
 
 
 def _blocks(tensors: list[Tensor], nd: int, chunked: bool) -> list[list[Tensor]]:
@@ -158,7 +153,7 @@ def _two_wide_window(x: Tensor, args: tuple) -> tuple[int, int] | None:
         and all(d == 1 for d in dilation)
         and not ceil_mode
     )
-    eager_cpu = _is_eager(x) and x.device.type == "cpu"
+    eager_cpu = is_eager(x) and x.device.type == "cpu"
     if not fits or x.dtype != torch.float32 or not eager_cpu or not x.is_contiguous():
         return None
     return window[0], window[1]
