@@ -145,6 +145,8 @@ class Side:
     outputs: list[Tensor]
     grads: list[Tensor | None]
     error: str | None = None
+    #: The error's first line, reported where the two sides differ (they are compared by type).
+    message: str = ""
 
 
 def run_side(
@@ -177,7 +179,8 @@ def run_side(
             ]
             grads = list(torch.autograd.grad(differentiable, wrt, grad_outputs, allow_unused=True))
     except Exception as error:  # compared by type with the other side
-        return Side(module, [], [], error=type(error).__name__)
+        first_line = (str(error).strip().splitlines() or [""])[0][:200]
+        return Side(module, [], [], error=type(error).__name__, message=first_line)
     return Side(module, [o.detach() for o in outputs], grads)
 
 
@@ -210,8 +213,12 @@ def compare(
 def side_diffs(stock: Side, ours: Side) -> list[str]:
     """The differences between the two sides' errors, outputs, gradients and buffers."""
     if stock.error or ours.error:
-        same = stock.error == ours.error
-        return [] if same else [f"error: stock {stock.error}, memsave {ours.error}"]
+        if stock.error == ours.error:
+            return []
+        raised = ours if ours.error else stock
+        return [
+            f"error: stock {stock.error}, memsave {ours.error} ({raised.error}: {raised.message})"
+        ]
     diffs = [bitwise_diff("number of outputs", len(stock.outputs), len(ours.outputs))]
     for i, (a, b) in enumerate(zip(stock.outputs, ours.outputs, strict=False)):
         diffs.append(bitwise_diff(f"output {i}", a, b))

@@ -6,7 +6,9 @@ by behaviour and BatchNorm in training mode) runs at each leading size of the pl
 signed zeros among its values; the gradient's layout rotates through all layouts. One cell per
 layer and dtype. Where a comparison differs, stock is run against itself on the same inputs: a
 kernel that is not reproducible (atomic adds in some GPU backward kernels) cannot be matched bit
-for bit by anything, so such comparisons are counted apart rather than failed. Dropout with p > 0 draws its own noise, so it is checked by stock's rule
+for bit by anything, so such comparisons are counted apart rather than failed; one agreement
+of stock with itself proves little there, so it is asked up to ``STOCK_REPEATS`` times.
+Dropout with p > 0 draws its own noise, so it is checked by stock's rule
 (``dropout_rule_diffs``) instead.
 
 NOTE [NaN in hardtanh on the cpu]: the layer tests compare Hardtanh and ReLU6 on every special
@@ -42,6 +44,9 @@ Example = tuple[Callable[[], nn.Module], list[int]]
 DROPOUTS = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d)
 #: Differences kept per cell in the record (the summary shows the first).
 KEPT_DIFFS = 20
+#: Where memsave differs, stock is compared with itself up to this many times: a kernel with
+#: atomic adds can agree with itself once by chance (seen: AdaptiveAvgPool3d float16 on an H100).
+STOCK_REPEATS = 3
 
 
 def examples(hugging_face: bool = True) -> dict[str, Example]:
@@ -121,7 +126,7 @@ def layer_cell(
             found = compare(*args, grad_layout=grad_layout)
             count += 1
             where = f"size {sized}, input {layout}, gradient {grad_layout}, {pattern}"
-            if found and compare(*args, grad_layout=grad_layout, against="stock"):
+            if found and _stock_varies(args, grad_layout):
                 unreproducible.append(where)
             else:
                 diffs += [f"{where}: {diff}" for diff in found]
@@ -141,6 +146,13 @@ def dropout_cell(
         diffs += [f"p {p}, size {list(x.shape)}: {d}" for d in dropout_rule_diffs(module, x, p, 0)]
         count += 1
     return _verdict(label, diffs, count)
+
+
+def _stock_varies(args: tuple, grad_layout: str) -> bool:
+    """Whether stock, run again up to ``STOCK_REPEATS`` times, differs from itself."""
+    return any(
+        compare(*args, grad_layout=grad_layout, against="stock") for _ in range(STOCK_REPEATS)
+    )
 
 
 def _verdict(label: str, diffs: list[str], count: int, unreproducible: Sequence[str] = ()) -> Cell:

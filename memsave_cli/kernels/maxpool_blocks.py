@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 
 from memsave_cli.kernels import maxpool as offset_ops
-from memsave_cli.kernels._layout import is_eager, memory_format, shape_only
+from memsave_cli.kernels._layout import is_eager, memory_format
 from memsave_cli.kernels.maxpool_maps import index_maps, offset_dtype
 
 aten = torch.ops.aten
@@ -111,8 +111,9 @@ def pool_backward(
     blocks = _blocks([grad_input, grad_output, offsets], nd, chunked)
     for gi_block, go_block, off_block in blocks:
         indices = maps.to_indices(off_block)
-        like = shape_only(go_block, gi_block.shape)
-        backward_kernel(go_block, like, *args, indices, grad_input=gi_block)
+        # The gradient's block stands in for the input: the kernel reads only its shape and
+        # layout (NOTE [the input's layout in pooling backward] in ``layers/avgpool.py``).
+        backward_kernel(go_block, gi_block, *args, indices, grad_input=gi_block)
     if layout != input_layout:
         # Allocation: the gradient again, channels-last-3d as stock lays it out for such an
         # input (each element's sum is the same in either layout); the first is freed.

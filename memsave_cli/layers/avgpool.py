@@ -8,9 +8,15 @@ are bitwise stock and nothing is saved. 1d pooling runs as 2d pooling over a hei
 exactly as ATen's ``avg_pool1d`` and ``adaptive_avg_pool1d`` do. Adaptive pooling to a single
 output element is computed by stock as a ``mean``, which already saves nothing, so it stays stock.
 
-A placeholder suggests the contiguous layout, so kernels lay their gradient out contiguously;
-for channels-last 2d inputs the gradient is instead written through ATen's out= kernel into a
-channels-last buffer, as stock lays it out (same values either way).
+NOTE [the input's layout in pooling backward]: these kernels pick their loop, and with it the
+gradient's layout and on CUDA its rounding, by the input's suggested memory format, and CUDA's
+write the gradient as that format lays it out even into an out= buffer of another. A one-element
+placeholder suggests the contiguous format. So for channels-last inputs something of the
+input's layout must stand in: plain pooling hands the kernel its own out= gradient buffer as
+the input (laid out as stock lays the gradient: like a 2d input, contiguous for 3d), which the
+kernel only sizes; adaptive 2d pooling, without an out= form, a never-written channels-last
+buffer. Stock's 3d kernels answer contiguously for every layout, and the one-element
+placeholder serves them.
 """
 
 from __future__ import annotations
@@ -28,8 +34,8 @@ from memsave_cli.layers.registry import drop_in
 aten = torch.ops.aten
 
 _AVG_KERNELS = {
-    2: (aten.avg_pool2d.default, aten.avg_pool2d_backward.default),
-    3: (aten.avg_pool3d.default, aten.avg_pool3d_backward.default),
+    2: (aten.avg_pool2d.default, aten.avg_pool2d_backward.grad_input),
+    3: (aten.avg_pool3d.default, aten.avg_pool3d_backward.grad_input),
 }
 _ADAPTIVE_KERNELS = {
     2: (aten._adaptive_avg_pool2d.default, aten._adaptive_avg_pool2d_backward.default),
@@ -53,17 +59,18 @@ class AvgPoolShapeOnly(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_output: Tensor) -> tuple:
         forbid_double_backward("MemSaveAvgPool")
-        like = shape_only(grad_output, ctx.input_shape)
-        if len(ctx.input_shape) == 4 and ctx.layout == torch.channels_last:
-            # Deliberate: the gradient itself, channels-last like stock's (2d out= kernel only).
-            grad_input = grad_output.new_empty(ctx.input_shape)
-            grad_input = grad_input.contiguous(memory_format=torch.channels_last)
-            aten.avg_pool2d_backward.grad_input(
-                grad_output, like, *ctx.options, grad_input=grad_input
-            )
-        else:
-            _, pool_backward = _AVG_KERNELS[len(ctx.options[0])]
-            grad_input = pool_backward(grad_output, like, *ctx.options)
+        nd = len(ctx.options[0])
+        # Stock lays a 2d gradient out like the input, a 3d one contiguously (module NOTE).
+        layout = ctx.layout if nd == 2 else torch.contiguous_format
+        # Deliberate: the gradient itself, which also stands in for the input.
+        grad_input = torch.empty(
+            ctx.input_shape,
+            dtype=grad_output.dtype,
+            device=grad_output.device,
+            memory_format=layout,
+        )
+        _, pool_backward = _AVG_KERNELS[nd]
+        pool_backward(grad_output, grad_input, *ctx.options, grad_input=grad_input)
         return grad_input, None, None, None, None, None, None
 
 
@@ -82,14 +89,14 @@ class AdaptiveAvgPoolShapeOnly(torch.autograd.Function):
     def backward(ctx, grad_output: Tensor) -> tuple[Tensor, None]:
         forbid_double_backward("MemSaveAdaptiveAvgPool")
         _, pool_backward = _ADAPTIVE_KERNELS[ctx.nd]
-        # The kernel allocates the gradient (contiguous for the placeholder).
-        grad_input = pool_backward(grad_output, shape_only(grad_output, ctx.input_shape))
-        if ctx.layout == torch.channels_last:
-            # Allocation: the gradient again, channels-last as stock's 2d kernel lays it out for
-            # such an input (no out= form); the contiguous one is freed at once. Stock's 3d
-            # kernel answers contiguously for every layout.
-            grad_input = grad_input.contiguous(memory_format=ctx.layout)
-        return grad_input, None
+        like = shape_only(grad_output, ctx.input_shape)
+        if ctx.nd == 2 and ctx.layout == torch.channels_last:
+            # Deliberate transient, never written: the kernel has no out= form to lend the
+            # gradient, and a one-element stand-in cannot suggest channels-last (module NOTE).
+            like = torch.empty(
+                ctx.input_shape, dtype=like.dtype, device=like.device, memory_format=ctx.layout
+            )
+        return pool_backward(grad_output, like), None
 
 
 def _needs_memsave(input: Tensor, nd: int) -> bool:

@@ -280,3 +280,30 @@ def test_torch_compile_same_gradients() -> None:
         compiled = torch.compile(module, backend="aot_eager", fullgraph=True)
         results.append(run(compiled, x, grad, (True, False, True)))
     assert_same(*results)
+
+
+@pytest.mark.parametrize("mask", MASKS, ids=MASK_IDS)
+def test_backward_passes_defined_batch_statistics(mask: tuple) -> None:
+    """CUDA's ``native_batch_norm_backward`` asserts that the batch statistics are given; empty
+    ones make it read the running statistics, as after cuDNN's eval forward. Omitted ones crash
+    there (seen on an H100), while the CPU kernel accepts them."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Calls(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.stats: list = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten.native_batch_norm_backward.default:
+                self.stats.append(args[5:7])
+            return func(*args, **(kwargs or {}))
+
+    _, memsave = make_pair(nn.BatchNorm2d, 3, torch.float32)
+    memsave.eval()
+    x, grad = torch.randn(2, 3, 4, 5), torch.randn(2, 3, 4, 5)
+    with Calls() as calls:
+        run(memsave, x, grad, mask)
+    assert calls.stats, "backward did not call native_batch_norm_backward"
+    for stats in calls.stats:
+        assert all(isinstance(s, Tensor) and s.numel() == 0 for s in stats), stats

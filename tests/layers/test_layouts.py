@@ -13,9 +13,11 @@ import itertools
 import pytest
 import torch
 from torch import nn
+from torch._prims_common import suggest_memory_format
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from memsave_cli.exactness import EXAMPLES, LAYOUTS, NOT_NAN, PATTERNS, SPECIAL, compare, laid_out
-from memsave_cli.layers import DROP_INS
+from memsave_cli.layers import DROP_INS, convert
 
 
 def test_every_drop_in_has_an_example() -> None:
@@ -43,3 +45,60 @@ def test_all_layouts_match_stock(stock: type[nn.Module], dtype: torch.dtype) -> 
         for diff in compare(build, inputs, pattern, grad_layout=grad_layout):
             failures.append(f"input {x_layout}, gradient {grad_layout}, {pattern}: {diff}")
     assert not failures, f"{stock.__name__} {dtype}:\n" + "\n".join(failures[:30])
+
+
+#: The 1d and 2d pooling drop-ins (1d pools as 2d). Stock's 3d kernels compute alike for every
+#: input layout (on CPU, and on CUDA as the acceptance run found), so there the one-element
+#: stand-in serves.
+POOLS = [cls for cls in EXAMPLES if "Pool" in cls.__name__ and "3d" not in cls.__name__]
+
+
+class _PoolBackwardInputs(TorchDispatchMode):
+    """The suggested memory format of the input each pooling backward kernel is given."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: set[tuple[str, torch.memory_format]] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if "pool" in name and name.endswith("_backward"):
+            self.seen.add((name, suggest_memory_format(args[1])))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("x_layout", ["contiguous", "channels_last"])
+@pytest.mark.parametrize("stock", POOLS, ids=lambda cls: cls.__name__)
+def test_pool_backward_kernels_see_the_inputs_layout(stock: type[nn.Module], x_layout: str) -> None:
+    """On CUDA a pooling backward kernel picks its loop by its input argument's suggested memory
+    format, and writes the gradient in that format's order even into an out= buffer of another:
+    a stand-in of the wrong layout scrambles the gradient there (seen on an H100), though CPU
+    kernels, which loop by the gradient, hide it. So memsave's stand-in must suggest what
+    stock's input suggests."""
+    make_module, shape = EXAMPLES[stock]
+    x = laid_out(shape, torch.float32, x_layout, torch.Generator().manual_seed(0))
+    seen = {}
+    for side, module in (("stock", make_module()), ("memsave", convert(make_module()))):
+        leaf = x.detach().clone(memory_format=torch.preserve_format).requires_grad_(True)
+        with _PoolBackwardInputs() as recorder:
+            module(leaf).sum().backward()
+        seen[side] = recorder.seen
+    ops = {op for op, _ in seen["stock"]}
+    # memsave's own kernels (CPU 2-wide max pooling) call no ATen backward: nothing to compare.
+    assert {entry for entry in seen["memsave"] if entry[0] in ops} <= seen["stock"], seen
+
+
+@pytest.mark.parametrize("pattern", list(PATTERNS))
+@pytest.mark.parametrize(
+    "make_module",
+    [lambda: nn.AvgPool3d(2), lambda: nn.MaxPool3d(2), lambda: nn.AdaptiveAvgPool3d(3)],
+)
+def test_unbatched_3d_pooling_of_a_channels_last_input(make_module, pattern: str) -> None:
+    """An unbatched 3d pool takes a 4d input, whose strides can suggest (2d) channels-last: the
+    3d kernels must still run (or fail as stock's do; stock's max pooling refuses it)."""
+
+    def inputs():
+        generator = torch.Generator().manual_seed(0)
+        return (laid_out([3, 4, 6, 5], torch.float32, "channels_last", generator),), {}
+
+    assert not compare(make_module, inputs, pattern)
