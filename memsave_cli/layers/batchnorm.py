@@ -5,7 +5,8 @@ affine per channel, ``y = (x - mean) * invstd * w + b``, so ``dL/dx = dL/dy * in
 ``dL/db = sum(dL/dy)`` do not depend on ``x``; only ``dL/dw = sum(dL/dy * (x - mean)) * invstd``
 does. Stock PyTorch saves ``x`` regardless; here it is saved only when the weight needs a gradient.
 Backward passes empty batch statistics, as cuDNN's eval forward returns them, so that
-``native_batch_norm_backward`` reads the running ones; CUDA's kernel asserts they are given.
+``native_batch_norm_backward`` reads the running ones; CUDA's kernel asserts they are given,
+in its accumulation type.
 Training mode (and eval mode without running statistics) normalises with batch statistics, whose
 gradient needs ``x``: it runs the stock module unchanged, running-statistics update included.
 """
@@ -60,14 +61,22 @@ class BatchNormEvalFunction(torch.autograd.Function):
         forbid_double_backward("MemSaveBatchNorm")
         x, weight, running_mean, running_var = ctx.saved_tensors
         stand_in, same_layout = (x, True) if x is not None else _input_stand_in(grad, ctx)
-        # Empty batch statistics: the kernel reads the running ones (module NOTE).
-        stats = (running_mean.new_empty(0),) * 2
+        stats = (_empty_batch_statistics(grad, running_mean),) * 2
         grad_x, grad_weight, grad_bias = torch.ops.aten.native_batch_norm_backward.default(
             grad, stand_in, weight, running_mean, running_var, *stats, False, ctx.eps, ctx.mask
         )
         if grad_x is not None and not same_layout:
             grad_x = _in_input_layout(grad_x, ctx.size, ctx.stride)
         return grad_x, grad_weight, grad_bias, None, None, None
+
+
+def _empty_batch_statistics(grad: Tensor, running_mean: Tensor) -> Tensor:
+    """Empty batch statistics, so that the kernel reads the running ones (module NOTE), in the
+    dtype each device's kernel checks: the parameters' on the CPU, the accumulation type on
+    CUDA (float32 for 16-bit inputs, as stock's forward returns them there)."""
+    if grad.device.type == "cpu":
+        return running_mean.new_empty(0)
+    return running_mean.new_empty(0, dtype=torch.promote_types(grad.dtype, torch.float32))
 
 
 def _input_stand_in(grad: Tensor, ctx: Any) -> tuple[Tensor, bool]:

@@ -307,3 +307,17 @@ def test_backward_passes_defined_batch_statistics(mask: tuple) -> None:
     assert calls.stats, "backward did not call native_batch_norm_backward"
     for stats in calls.stats:
         assert all(isinstance(s, Tensor) and s.numel() == 0 for s in stats), stats
+
+
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+def test_empty_batch_statistics_have_the_dtype_each_kernel_checks(dtype: torch.dtype) -> None:
+    """The CPU kernel reads them with the parameters' dtype, CUDA's checks its accumulation type
+    (float32 for 16-bit inputs: seen failing on an H100 with bfloat16 parameters)."""
+    from memsave_cli.layers.batchnorm import _empty_batch_statistics
+
+    running_mean = torch.zeros(3, dtype=dtype)
+    on_cpu = _empty_batch_statistics(torch.zeros(2, 3, dtype=dtype), running_mean)
+    assert on_cpu.dtype == dtype and on_cpu.numel() == 0
+    elsewhere = _empty_batch_statistics(torch.zeros(2, 3, dtype=dtype, device="meta"), running_mean)
+    assert elsewhere.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
+    assert elsewhere.numel() == 0
