@@ -30,6 +30,14 @@ def test_status_is_one_line_either_way(monkeypatch: pytest.MonkeyPatch) -> None:
     assert "\n" not in kernels.status()
 
 
+def test_memsave_triton_0_turns_them_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``MEMSAVE_TRITON=0`` turns the kernels off even where they could run, read at each call."""
+    monkeypatch.setenv("MEMSAVE_TRITON", "0")
+    assert not kernels.available() and "MEMSAVE_TRITON=0" in kernels.status()
+    monkeypatch.setenv("MEMSAVE_TRITON", "1")
+    assert kernels.available() == (kernels._triton_version() is not None)
+
+
 def test_package_imports_without_triton() -> None:
     """With triton unimportable the package still imports (a fresh process where importing
     triton fails) and reports it."""

@@ -4,7 +4,8 @@ Every kernel runs compiled on CUDA tensors, or in Triton's interpreter (on any d
 included) while ``TRITON_INTERPRET=1``; the choice is made at each launch (``_launch.py``), so the
 environment variable does not have to be set before anything is imported. Importing this package
 never raises: :func:`available` and :func:`status` say whether the kernels can run here; the
-kernel modules themselves import ``triton``.
+kernel modules themselves import ``triton``. ``MEMSAVE_TRITON=0`` turns them off, as
+``MEMSAVE_NATIVE=0`` does the C kernels: the CUDA layers then run on torch operations.
 """
 
 from __future__ import annotations
@@ -35,6 +36,8 @@ def interpreting() -> bool:
 
 def _reason() -> str | None:
     """Why the kernels cannot run, or None when they can."""
+    if os.environ.get("MEMSAVE_TRITON", "").strip() == "0":
+        return "disabled by MEMSAVE_TRITON=0 (the layers run on torch operations)"
     version = _triton_version()
     if version is None:
         return (
