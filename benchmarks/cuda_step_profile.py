@@ -16,7 +16,8 @@ and the profiler's operators with the largest device and host self times for mem
     python -m benchmarks.cuda_step_profile [--model resnet101] [--case input] [--batch 64]
         [--layers] [--rounds 5] [--out FILE]
 
-``--layers`` profiles single drop-ins at the acceptance run's layer sizes instead of a model.
+``--layers`` profiles single drop-ins instead of a model. ``MEMSAVE_TRITON=0`` in the
+environment profiles memsave's CUDA layers on torch operations instead of its Triton kernels.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
+from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 from memsave_cli.cases import apply_case, resolve_case
@@ -37,6 +39,8 @@ from memsave_cli.layers import convert
 #: Runtime calls that may block the host: synchronisations, and copies (blocking when they go
 #: to pageable host memory).
 WAITS = ("Synchronize", "Memcpy")
+#: Device-side rows of the profiler that are not kernels.
+NOT_KERNELS = ("Activity Buffer Request",)
 LAYERS: dict[str, tuple[Callable[[], nn.Module], tuple[int, ...], bool]] = {
     # label -> (module, input shape, whether the module is in eval mode and frozen)
     "ReLU 32x64x56x56": (nn.ReLU, (32, 64, 56, 56), False),
@@ -89,13 +93,15 @@ def measure(step: Callable[[], None], rounds: int) -> dict:
         step()
         torch.cuda.synchronize()
     events = prof.key_averages()
-    runtime = [e for e in events if e.key.startswith(("cuda", "cu"))]
-    top_device = sorted(events, key=lambda e: e.self_device_time_total, reverse=True)[:12]
-    top_host = sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)[:12]
+    kernels = [e for e in events if e.device_type == DeviceType.CUDA and e.key not in NOT_KERNELS]
+    ops = [e for e in events if e.device_type == DeviceType.CPU]
+    runtime = [e for e in ops if e.key.startswith("cu")]
+    top_device = sorted(ops, key=lambda e: e.self_device_time_total, reverse=True)[:12]
+    top_host = sorted(ops, key=lambda e: e.self_cpu_time_total, reverse=True)[:12]
     return {
         "step_ms": 1e3 * statistics.median(steps),
         "host_ms": 1e3 * statistics.median(hosts),
-        "kernels_ms": sum(e.self_device_time_total for e in events) / 1e3,
+        "kernels_ms": sum(e.self_device_time_total for e in kernels) / 1e3,
         "launches": sum(e.count for e in runtime if "LaunchKernel" in e.key),
         # The profiled step ends with one device synchronisation of its own.
         "waits": {e.key: e.count for e in runtime if any(w in e.key for w in WAITS)},
