@@ -3,15 +3,16 @@
 NOTE [bit packing with plain torch operations]: packing reinterprets eight bool bytes (each 0 or 1)
 as one int64 word and multiplies it by ``_GATHER``, which carries byte ``i`` (bit ``8 * i``) to bit
 ``56 + i``; no two partial products share a bit, so the top byte of the product is the packed byte
-(bit ``i`` = element ``8 * k + i``). Unpacking looks every packed byte up in a 256 x 8 table. Both
+(bit ``i`` = element ``8 * k + i``). Unpacking shifts every packed byte by 0 to 7. Both
 are ordinary tensor operations, so they run on every device, on ``meta``, under ``FakeTensorMode``
 and inside ``torch.compile(fullgraph=True)``, where inductor fuses them with the comparison that
 produced the mask. The int64 product overflows by design; every backend wraps two's-complement.
 
-NOTE [numpy kernels on CPU]: for plain CPU tensors outside ``torch.compile`` the same packing and
-table lookup run as ``numpy.packbits`` and ``numpy.take``: about 3x and 1.5x faster there than the
-torch operations (which are the fallback without numpy). Both paths give identical bytes. For the
-same reason ``compare`` builds float32 masks with numpy's comparisons, twice as fast as torch's.
+NOTE [numpy kernels on CPU]: for plain CPU tensors outside ``torch.compile`` the same packing
+runs as ``numpy.packbits``, about 3x faster there than the torch operations, and unpacking as
+``numpy.take`` from a 256 x 8 table, 1.5x to 2.5x faster than the shifts. Both paths give
+identical bytes; the torch operations remain the fallback without numpy. For the same reason
+``compare`` builds float32 masks with numpy's comparisons, twice as fast as torch's.
 """
 
 from __future__ import annotations
@@ -134,17 +135,46 @@ def unpack_as(
             f"Packed bits mismatch: expected uint8 of shape ({expected},), "
             f"got {bits.dtype} of shape {tuple(bits.shape)}."
         )
-    table = _byte_table(bits, dtype, invert)
     # Allocation: the unpacked mask, eight values per packed byte.
     if _numpy_ready(bits):
+        table = _byte_table(dtype, invert)
         rows = torch.empty((expected, 8), dtype=dtype, device="cpu")
         raw = _RAW[table.element_size()]
         numpy.take(table.view(raw).numpy(), bits.numpy(), 0, rows.view(raw).numpy(), "clip")
     else:
-        rows = table.index_select(0, bits.to(torch.int32))
+        rows = _unpack_by_shifts(bits, dtype, invert)
     flat = rows.view(-1)[: layout.numel]
     physical = [layout.shape[dim] for dim in layout.order]
     return flat.view(physical).permute(_inverse(layout.order))
+
+
+def _unpack_by_shifts(bits: Tensor, dtype: torch.dtype, invert: bool) -> Tensor:
+    """``(len(bits), 8)`` values of ``dtype``: row ``k`` the bits of byte ``k``, lowest first.
+
+    Elementwise shifts, not a table lookup: on CUDA ``index_select`` runs as a gather, which took
+    about 0.7 ms per backward of a 6.4M-element ReLU on an H100 (``docs/benchmarks.md``, "Where
+    a CUDA step's time goes").
+    """
+    # Allocation: the 0/1 bytes (the mask itself for bool, viewed).
+    rows = bits.unsqueeze(1).bitwise_right_shift(_shifts(bits)).bitwise_and_(1)
+    if invert:
+        rows.bitwise_xor_(1)
+    return rows.view(torch.bool) if dtype == torch.bool else rows.to(dtype)
+
+
+def _shifts(bits: Tensor) -> Tensor:
+    """``arange(8)`` as uint8 on ``bits``'s device, cached per device for real tensors."""
+    cacheable = type(bits) is Tensor and not torch.compiler.is_compiling()
+    shifts = _SHIFTS.get(bits.device) if cacheable else None
+    if shifts is None:
+        shifts = torch.arange(8, dtype=torch.uint8, device=bits.device)
+        if cacheable:
+            _SHIFTS[bits.device] = shifts
+    return shifts
+
+
+#: ``_shifts`` of real tensors by device.
+_SHIFTS: dict[torch.device, Tensor] = {}
 
 
 def unpack_bits(bits: Tensor, layout: BitLayout) -> Tensor:
@@ -190,35 +220,11 @@ def _misaligned(flat: Tensor) -> bool:
     return not torch.compiler.is_compiling() and flat.storage_offset() % 8 != 0
 
 
-def _byte_table(bits: Tensor, dtype: torch.dtype, invert: bool) -> Tensor:
-    """A 256 x 8 table for unpacking ``bits``: row ``b`` holds the bits of byte ``b``, lowest first.
-
-    Tables for real tensors are cached per device (building one costs more than a small unpack,
-    and on CUDA five kernel launches); for fake tensors and under ``torch.compile`` they are
-    built alongside ``bits``.
-    """
-    cacheable = type(bits) is Tensor and not torch.compiler.is_compiling()
-    key = (bits.device, dtype, invert)
-    if cacheable and key in _TABLES:
-        return _TABLES[key]
-    table = _build_byte_table(bits.device, dtype, invert)
-    if cacheable:
-        _TABLES[key] = table
-    return table
-
-
-#: Byte tables of real tensors by (device, dtype, invert).
-_TABLES: dict[tuple[torch.device, torch.dtype, bool], Tensor] = {}
-
-
-def _build_byte_table(device: torch.device, dtype: torch.dtype, invert: bool) -> Tensor:
-    """The table of ``_byte_table``, built with tensor operations on ``device``."""
-    codes = torch.arange(256, device=device, dtype=torch.int32).unsqueeze(1)
-    shifts = torch.arange(8, device=device, dtype=torch.int32)
-    set_bits = torch.bitwise_right_shift(codes, shifts).bitwise_and_(1)
-    if invert:
-        set_bits = set_bits.bitwise_xor_(1)
-    return set_bits.to(dtype)
+@functools.cache
+def _byte_table(dtype: torch.dtype, invert: bool) -> Tensor:
+    """The CPU table ``numpy.take`` unpacks with: row ``b`` holds the bits of byte ``b``, lowest
+    first (built once per dtype: building costs more than a small unpack)."""
+    return _unpack_by_shifts(torch.arange(256, dtype=torch.uint8), dtype, invert)
 
 
 def _inverse(order: Sequence[int]) -> list[int]:
