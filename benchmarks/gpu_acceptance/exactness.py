@@ -45,8 +45,9 @@ DROPOUTS = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d)
 #: Differences kept per cell in the record (the summary shows the first).
 KEPT_DIFFS = 20
 #: Where memsave differs, stock is compared with itself up to this many times: a kernel with
-#: atomic adds can agree with itself once by chance (seen: AdaptiveAvgPool3d float16 on an H100).
-STOCK_REPEATS = 3
+#: atomic adds can agree with itself by chance, in bfloat16 and float32 even three times running
+#: (AdaptiveAvgPool3d's backward on an H100, where 4 rows do not divide into 3 windows).
+STOCK_REPEATS = 8
 
 
 def examples(hugging_face: bool = True) -> dict[str, Example]:
