@@ -174,7 +174,8 @@ def _cuda_kernels() -> SimpleNamespace:
 
 def _cpu_select(grad, bits, order, out_strides, slope) -> Tensor:
     kernels = (native.select_bits, native.select_scale)
-    return _select_with(kernels, _native_serves, grad, bits, order, out_strides, slope)
+    served = _native_serves(grad, order)
+    return _select_with(kernels, served, grad, bits, order, out_strides, slope)
 
 
 def _cuda_select(grad, bits, order, out_strides, slope) -> Tensor:
@@ -183,13 +184,13 @@ def _cuda_select(grad, bits, order, out_strides, slope) -> Tensor:
     from memsave_cli.kernels.triton import activation, bitmask
 
     kernels = (bitmask.select_bits, activation.select_scale)
-    return _select_with(kernels, _triton_serves, grad, bits, order, out_strides, slope)
+    return _select_with(kernels, True, grad, bits, order, out_strides, slope)
 
 
-def _select_with(kernels, serves, grad, bits, order, out_strides, slope) -> Tensor:
-    """``reference_select`` by the fused ``(select_bits, select_scale)`` kernels where ``serves``
-    says they serve ``grad`` and the result's strides follow the bit order too."""
-    if not (serves(grad, order) and _strides_follow(grad.shape, out_strides, order)):
+def _select_with(kernels, served, grad, bits, order, out_strides, slope) -> Tensor:
+    """``reference_select`` by the fused ``(select_bits, select_scale)`` kernels where they
+    serve ``grad`` (``served``) and the result's strides follow the bit order too."""
+    if not (served and _strides_follow(grad.shape, out_strides, order)):
         return reference_select(grad, bits, order, out_strides, slope)
     _check_bits(bits, grad)
     # Deliberate: the gradient itself, the only tensor of input size this allocates.

@@ -22,7 +22,7 @@ def test_status_is_one_line_either_way(monkeypatch: pytest.MonkeyPatch) -> None:
         return
     assert kernels.available() and "interpreted" in kernels.status()
     monkeypatch.delenv("TRITON_INTERPRET")
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(kernels, "_cuda_present", lambda: False)
     assert not kernels.available()
     assert "no CUDA device" in kernels.status() and "TRITON_INTERPRET=1" in kernels.status()
     monkeypatch.setattr(kernels, "_triton_version", lambda: None)

@@ -45,11 +45,18 @@ def _reason() -> str | None:
         )
     if interpreting():
         return None
-    import torch
-
-    if not torch.cuda.is_available():
+    if not _cuda_present():
         return "no CUDA device, and TRITON_INTERPRET=1 is not set to run them in the interpreter"
     return None
+
+
+@functools.cache
+def _cuda_present() -> bool:
+    """Whether torch sees a CUDA device (asked once: every op call asks ``available``, and on a
+    CUDA machine the runtime query costs a few microseconds)."""
+    import torch
+
+    return torch.cuda.is_available()
 
 
 @functools.cache
