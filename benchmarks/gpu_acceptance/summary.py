@@ -34,6 +34,7 @@ def summary(cells: Sequence[Cell], parts: Sequence[str], header: str) -> str:
         if len(bad) > SHOWN_FAILURES:
             lines.append(f"  ... and {len(bad) - SHOWN_FAILURES} more (see the JSON)")
     lines += memory_lines(cells) + model_lines(cells) + layer_lines(cells)
+    lines += candidate_lines(cells)
     return "\n".join(lines)
 
 
@@ -95,6 +96,15 @@ def layer_lines(cells: Sequence[Cell]) -> list[str]:
         f"layer time memsave/stock: {len(rows)} layers, median {middle:.3f}, "
         f"highest {worst.values['ratio']:.3f} ({worst.name})",
     ]
+
+
+def candidate_lines(cells: Sequence[Cell]) -> list[str]:
+    """Kernels not served yet, checked against stock (``candidates.py``): one line each."""
+    rows = [c for c in cells if c.part == "candidates"]
+    if not rows:
+        return []
+    lines = ["", "kernels not served yet, against stock (never fail the run):"]
+    return lines + [f"  {c.name:34} {c.status.value.upper():8} {c.detail}"[:160] for c in rows]
 
 
 def _pct(value: float | None) -> str:
