@@ -9,9 +9,10 @@ that other tests share. Triton's own ``@triton.jit`` helpers (``tl.sum``, ``tl.r
 decorated when triton was imported, usually as compiled functions, which the interpreter cannot
 call; for the duration of an interpreted launch, calling one runs its interpreted form instead
 (:func:`_jit_helpers_interpreted`, undone afterwards, including the language patches the
-interpreter applies for it). That patch is process-wide while it lasts and uses the
-interpreter's private ``_patch_lang`` (triton 3.8): interpretation is for tests and debugging,
-one thread at a time, never the CUDA path.
+interpreter applies for it, and whatever a device function call inside the kernel left
+patched, which the interpreter itself does not undo). That patch is process-wide while it
+lasts and uses the interpreter's private ``_patch_lang`` (triton 3.8): interpretation is for
+tests and debugging, one thread at a time, never the CUDA path.
 """
 
 from __future__ import annotations
@@ -81,10 +82,40 @@ def _jit_helpers_interpreted() -> Iterator[None]:
         return
     original = JITFunction.__call__
     JITFunction.__call__ = _call_interpreted
+    before = _language_snapshot()
     try:
         yield
     finally:
         JITFunction.__call__ = original
+        _restore_language(before)
+
+
+def _language_namespaces() -> list[object]:
+    """What the interpreter patches: triton.language, its core and math, and the tensor classes."""
+    import triton.language as tl
+
+    found = [tl, tl.core, tl.math, tl.core.tensor]
+    descriptor = getattr(tl.core, "tensor_descriptor_base", None)
+    return found if descriptor is None else [*found, descriptor]
+
+
+def _language_snapshot() -> list[tuple[object, dict[str, Any]]]:
+    return [(namespace, dict(vars(namespace))) for namespace in _language_namespaces()]
+
+
+def _restore_language(snapshot: list[tuple[object, dict[str, Any]]]) -> None:
+    """Undo whatever a launch left patched: the interpreter restores the patches of a launch but
+    not always those of a device function it calls (``InterpretedFunction.__call__``)."""
+    for namespace, before in snapshot:
+        now = vars(namespace)
+        for name in [name for name in now if name not in before]:
+            delattr(namespace, name)
+        for name, value in before.items():
+            if now.get(name, _ABSENT) is not value:
+                setattr(namespace, name, value)
+
+
+_ABSENT = object()
 
 
 def _call_interpreted(self: JITFunction, *args: Any, **kwargs: Any) -> Any:
