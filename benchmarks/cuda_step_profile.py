@@ -3,15 +3,17 @@
 A step slower under memsave is slower for one of three reasons: its kernels take longer on the
 device, the host issues them more slowly than the device runs them (the device idles between
 them), or the host waits for the device (a synchronisation serialises the two). For each step
-this prints, per implementation, the median of:
+this prints, per implementation, the medians over ``--rounds`` steps of:
 
 - ``step``: CUDA events around the step, what the acceptance run times;
 - ``host``: the host's time to issue the step (no wait at its end);
-- ``kernels``: the sum of the step's kernel times on the device, from the profiler;
+
+and from one more step under the profiler:
+
+- ``kernels``: the sum of the step's kernel times on the device;
 - ``launches`` and ``waits``: kernel launches, and runtime calls that block the host
   (synchronisations, blocking copies);
-
-and the profiler's operators with the largest device and host self times for memsave.
+- memsave's operators with the largest device and host self times.
 
     python -m benchmarks.cuda_step_profile [--model resnet101] [--case input] [--batch 64]
         [--layers] [--rounds 5] [--out FILE]
