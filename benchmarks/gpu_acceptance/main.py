@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import shlex
 import sys
 import tempfile
@@ -22,7 +23,7 @@ from benchmarks.gpu_acceptance.isolate import MODULE, run_worker
 from benchmarks.gpu_acceptance.outputs import unpack, write_json, write_pages
 from benchmarks.gpu_acceptance.plan import PARTS, Plan, experiments, full_plan, quick_plan
 from benchmarks.gpu_acceptance.summary import summary
-from benchmarks.reproduce.record import DOCS, relative
+from benchmarks.reproduce.record import DOCS, relative, source_digest
 from memsave_cli.errors import one_line
 
 #: Parts that call kernels themselves, run in a worker interpreter (NOTE [why a worker per part]).
@@ -208,7 +209,21 @@ def unpack_command(path: Path, docs: Path) -> int:
         return 2
     for written_path in written:
         print(f"wrote {relative(written_path)}")
+    print(provenance_line(json.loads(path.read_text()).get("environment", {})))
     return 0
+
+
+def provenance_line(environment: dict) -> str:
+    """Whether the run's sources are this tree's (``record.source_digest``), in one line."""
+    ran, here = environment.get("sources"), source_digest()
+    if ran is None:
+        return "the run recorded no source digest: which tree it ran cannot be checked"
+    if ran == here:
+        return f"the run's sources are this tree's (digest {here})"
+    return (
+        f"the run's sources differ from this tree's (digest {ran}, here {here}); "
+        f"its recorded commit is {environment.get('commit')}"
+    )
 
 
 def worker(args: argparse.Namespace) -> int:

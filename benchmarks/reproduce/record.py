@@ -2,12 +2,14 @@
 
 NOTE [provenance]: every result file records the exact command that produced it (``command``), the
 equivalent ``memsave`` CLI call where there is one (``cli``), the versions and commit it ran with,
-and the wall time it took. The docs tables quote ``command`` next to the numbers, so a reader can
+and the wall time it took; ``sources`` hashes the source files themselves, for trees whose git
+metadata cannot be trusted (a copy on a lent machine). The docs tables quote ``command`` next to the numbers, so a reader can
 rerun any of them.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import platform
 import shlex
@@ -49,6 +51,7 @@ def environment() -> dict[str, Any]:
         "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
         "commit": git_commit(),
         "dirty": git_dirty(),
+        "sources": source_digest(),
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
     }
 
@@ -62,6 +65,27 @@ def git_dirty() -> bool | None:
     """Whether the library sources differ from the commit (results then reflect unstaged code)."""
     status = _git("status", "--porcelain", "--", "memsave_cli")
     return None if status is None else bool(status)
+
+
+#: What ``source_digest`` reads: the library's and the benchmarks' sources.
+SOURCE_DIRS = ("memsave_cli", "benchmarks")
+SOURCE_SUFFIXES = (".py", ".c", ".cpp", ".h")
+
+
+def source_digest(root: Path = ROOT) -> str:
+    """A hash of the library's and benchmarks' source files as they are on disk, path and bytes.
+
+    Unlike the commit it needs no git metadata, which a copied tree (a lent GPU machine's) may
+    carry stale: two trees with the same digest ran the same code.
+    """
+    digest = hashlib.sha256()
+    for folder in SOURCE_DIRS:
+        files = sorted(p for p in (root / folder).rglob("*") if p.suffix in SOURCE_SUFFIXES)
+        for path in files:
+            if "__pycache__" in path.parts or not path.is_file():
+                continue
+            digest.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()[:16]
 
 
 def save(path: Path, record: dict[str, Any]) -> None:

@@ -95,6 +95,28 @@ def test_whole_run_on_cpu(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
     for name in ("results/time/cpu/cnn/resnet18.json", "generated/time-cpu-cnn.md"):
         assert (tmp_path / "b" / name).read_text() == (tmp_path / "docs" / name).read_text()
     assert json.loads((tmp_path / "b/results/gpu_acceptance.json").read_text()) == record
+    assert "the run's sources are this tree's" in capsys.readouterr().out
+
+
+def test_unpack_says_whether_the_run_ran_this_tree(tmp_path: Path) -> None:
+    """The source digest, not the commit (stale in a copied tree), says which code a run ran."""
+    from benchmarks.reproduce.record import source_digest
+
+    for folder in ("memsave_cli", "benchmarks"):
+        (tmp_path / folder / "__pycache__").mkdir(parents=True)
+        (tmp_path / folder / "a.py").write_text("x = 1\n")
+    (tmp_path / "memsave_cli" / "__pycache__" / "a.pyc").write_bytes(b"ignored")
+    (tmp_path / "memsave_cli" / "notes.txt").write_text("not a source file")
+    before = source_digest(tmp_path)
+    (tmp_path / "memsave_cli" / "notes.txt").write_text("still not one")
+    assert source_digest(tmp_path) == before
+    (tmp_path / "benchmarks" / "a.py").write_text("x = 2\n")
+    assert source_digest(tmp_path) != before
+    here = source_digest()
+    assert "are this tree's" in main.provenance_line({"sources": here})
+    other = main.provenance_line({"sources": before, "commit": "20948bed94a4"})
+    assert "differ from this tree's" in other and "20948bed94a4" in other
+    assert "no source digest" in main.provenance_line({})
 
 
 def test_a_failing_layer_fails_the_run_and_the_others_finish(
