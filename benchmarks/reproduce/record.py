@@ -3,8 +3,8 @@
 NOTE [provenance]: every result file records the exact command that produced it (``command``), the
 equivalent ``memsave`` CLI call where there is one (``cli``), the versions and commit it ran with,
 and the wall time it took; ``sources`` hashes the source files themselves, for trees whose git
-metadata cannot be trusted (a copy on a lent machine). The docs tables quote ``command`` next to the numbers, so a reader can
-rerun any of them.
+metadata cannot be trusted (a copy on a lent machine). The docs tables quote ``command`` next to
+the numbers, so a reader can rerun any of them.
 """
 
 from __future__ import annotations

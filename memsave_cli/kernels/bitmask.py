@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+from torch.utils._python_dispatch import _disable_current_modes
 
 try:
     import numpy
@@ -223,8 +224,10 @@ def _misaligned(flat: Tensor) -> bool:
 @functools.cache
 def _byte_table(dtype: torch.dtype, invert: bool) -> Tensor:
     """The CPU table ``numpy.take`` unpacks with: row ``b`` holds the bits of byte ``b``, lowest
-    first (built once per dtype: building costs more than a small unpack)."""
-    return _unpack_by_shifts(torch.arange(256, dtype=torch.uint8), dtype, invert)
+    first (built once per dtype: building costs more than a small unpack). Built outside any
+    dispatch mode: a memory tracker or fake mode active at the first call must not own it."""
+    with _disable_current_modes():
+        return _unpack_by_shifts(torch.arange(256, dtype=torch.uint8), dtype, invert)
 
 
 def _inverse(order: Sequence[int]) -> list[int]:
