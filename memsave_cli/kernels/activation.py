@@ -29,6 +29,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from memsave_cli.kernels import native
 from memsave_cli.kernels import triton as triton_kernels
+from memsave_cli.kernels._eager_op import EagerOp
 from memsave_cli.kernels.bitmask import BitLayout, compare, pack_bits, packed_numel, unpack_as
 
 #: Dtypes the fused kernels serve (NOTE [NaN payloads in 16-bit types] in ``native.py``).
@@ -232,13 +233,14 @@ def _fake_bits(x: Tensor) -> Tensor:
     return x.new_empty(packed_numel(x.numel()), dtype=torch.uint8)
 
 
-def _register_pack(kind: str, params: tuple[str, ...]) -> tuple:
+def _register_pack(kind: str, params: tuple[str, ...]) -> tuple[EagerOp, EagerOp]:
     """Define ``memsave::{kind}_pack`` and ``memsave::{kind}_pack_`` (in place) with arguments
     ``(x, order, *params)``, every implementation registered (NOTE [one op, every way it runs])."""
     arguments = ", ".join(f"float {name}" for name in params)
     schema_tail = f"SymInt[] order{', ' + arguments if params else ''}"
     library.define(f"{kind}_pack(Tensor x, {schema_tail}) -> (Tensor, Tensor)")
     library.define(f"{kind}_pack_(Tensor(a!) x, {schema_tail}) -> Tensor")
+    ops = []
     for inplace, name in ((False, f"{kind}_pack"), (True, f"{kind}_pack_")):
 
         def implement(pack, inplace=inplace):
@@ -248,22 +250,18 @@ def _register_pack(kind: str, params: tuple[str, ...]) -> tuple:
 
             return run
 
-        library.impl(name, implement(_cpu_pack), "CPU")
-        library.impl(name, implement(_cuda_pack), "CUDA")
-        library.impl(name, implement(reference_pack), "CompositeExplicitAutograd")
-
         def fake(x: Tensor, order: list[int], *args: float, inplace=inplace):
             if inplace:
                 return _fake_bits(x)
             # Stock's own op on the fake input: the result takes exactly stock's layout.
             return stock_result(kind, x, False, args), _fake_bits(x)
 
-        torch.library.register_fake(f"memsave::{name}", fake, lib=library)
-    ops = getattr(torch.ops.memsave, f"{kind}_pack").default
-    return ops, getattr(torch.ops.memsave, f"{kind}_pack_").default
+        implementations = {"cpu": implement(_cpu_pack), "cuda": implement(_cuda_pack)}
+        ops.append(_register(name, implementations, implement(reference_pack), fake))
+    return ops[0], ops[1]
 
 
-def _register_select(name: str) -> object:
+def _register_select(name: str) -> EagerOp:
     """Define ``memsave::{name}(grad, bits, order, saved_strides, grad_first | slope)``: the
     input gradient, laid out as stock's backward kernel lays it out for ``grad`` and a saved
     tensor of ``saved_strides`` (NOTE [gradient layout] in the layer)."""
@@ -281,18 +279,24 @@ def _register_select(name: str) -> object:
 
         return run
 
-    library.impl(name, implement(_cpu_select), "CPU")
-    library.impl(name, implement(_cuda_select), "CUDA")
-    library.impl(name, implement(reference_select), "CompositeExplicitAutograd")
-
     def fake(grad, bits, order, saved_strides, last):
         # Stock's layout rule on data-free stand-ins (symbolic strides welcome).
         saved = grad.new_empty_strided(grad.shape, saved_strides)
         grad_first = name == "select_bits" and last
         return torch.mul(grad, saved) if grad_first else torch.mul(saved, grad)
 
+    implementations = {"cpu": implement(_cpu_select), "cuda": implement(_cuda_select)}
+    return _register(name, implementations, implement(reference_select), fake)
+
+
+def _register(name: str, implementations: dict, reference, fake) -> EagerOp:
+    """Register op ``name``'s CPU and CUDA ``implementations``, ``reference`` for every other
+    device and ``fake``; eager code calls the result (NOTE [eager calls skip the dispatcher])."""
+    library.impl(name, implementations["cpu"], "CPU")
+    library.impl(name, implementations["cuda"], "CUDA")
+    library.impl(name, reference, "CompositeExplicitAutograd")
     torch.library.register_fake(f"memsave::{name}", fake, lib=library)
-    return getattr(torch.ops.memsave, name).default
+    return EagerOp(getattr(torch.ops.memsave, name).default, implementations)
 
 
 @functools.lru_cache(maxsize=512)

@@ -46,6 +46,7 @@ import torch
 from torch import Tensor
 
 from memsave_cli.kernels import triton as triton_kernels
+from memsave_cli.kernels._eager_op import EagerOp
 from memsave_cli.kernels._layout import is_dense, memory_format
 
 #: Integer dtype with the itemsize of each real floating dtype, to build the noise from its bits.
@@ -267,22 +268,13 @@ def _mul_fake_(x: Tensor, seed: Tensor, p: float, noise_shape: Sequence[int]) ->
     return None
 
 
-def _eager(x: Tensor, seed: Tensor) -> bool:
-    """Whether plain eager tensors may skip the op's dispatch (about 100 us a call); tracing
-    (``torch.compile``), fake and meta tensors take the op."""
-    return (
-        type(x) is Tensor
-        and type(seed) is Tensor
-        and x.device.type in ("cpu", "cuda")
-        and not torch.compiler.is_compiling()
-    )
+#: The ops as eager code calls them (NOTE [eager calls skip the dispatcher] in ``_eager_op.py``).
+_OPS = {name: EagerOp(getattr(torch.ops.memsave, name).default, _IMPLS[name]) for name in _IMPLS}
 
 
 def dropout_noise(like: Tensor, seed: Tensor, p: float, shape: Sequence[int]) -> Tensor:
     """``memsave::dropout_noise``: the noise of ``shape`` in ``like``'s dtype and device."""
-    if _eager(like, seed):
-        return _IMPLS["dropout_noise"][like.device.type](like, seed, p, shape)
-    return torch.ops.memsave.dropout_noise(like, seed, p, list(shape))
+    return _OPS["dropout_noise"](like, seed, p, list(shape))
 
 
 def dropout_mul(
@@ -297,15 +289,10 @@ def dropout_mul(
     """``memsave::dropout_mul``: ``x * noise``, the noise regenerated from ``seed``; ``fused``
     (element dropout out of place) computes it as stock's fused CUDA kernel does in forward or
     ``backward`` (NOTE [stock's two dropout products])."""
-    if _eager(x, seed):
-        return _IMPLS["dropout_mul"][x.device.type](x, seed, p, noise_shape, fused, backward)
-    return torch.ops.memsave.dropout_mul(x, seed, p, list(noise_shape), fused, backward)
+    return _OPS["dropout_mul"](x, seed, p, list(noise_shape), fused, backward)
 
 
 def dropout_mul_(x: Tensor, seed: Tensor, p: float, noise_shape: Sequence[int]) -> Tensor:
     """``memsave::dropout_mul_``: :func:`dropout_mul` written over ``x``; returns ``x``."""
-    if _eager(x, seed):
-        _IMPLS["dropout_mul_"][x.device.type](x, seed, p, noise_shape)
-    else:
-        torch.ops.memsave.dropout_mul_(x, seed, p, list(noise_shape))
+    _OPS["dropout_mul_"](x, seed, p, list(noise_shape))
     return x

@@ -17,6 +17,7 @@ from torch import Tensor
 
 from memsave_cli.kernels import native
 from memsave_cli.kernels import triton as triton_kernels
+from memsave_cli.kernels._eager_op import EagerOp
 from memsave_cli.kernels._layout import is_dense, shape_only
 
 
@@ -165,14 +166,16 @@ def _max_pool2_backward(
 # from the dispatcher (``torch.library.custom_op`` adds about 20 us of Python per call).
 
 
-def _register(schema: str, implementation, fake) -> object:
+def _register(schema: str, implementation, fake) -> EagerOp:
     """Define ``memsave::`` op ``schema``, implemented by ``implementation`` on every device (it
-    picks its kernels by device itself) and by ``fake`` without data."""
+    picks its kernels by device itself) and by ``fake`` without data; eager code calls the
+    result (NOTE [eager calls skip the dispatcher])."""
     name = schema.split("(", 1)[0]
     library.define(schema)
     library.impl(name, implementation, "CompositeExplicitAutograd")
     torch.library.register_fake(f"memsave::{name}", fake, lib=library)
-    return getattr(torch.ops.memsave, name).default
+    op = getattr(torch.ops.memsave, name).default
+    return EagerOp(op, {"cpu": implementation, "cuda": implementation})
 
 
 library = torch.library.Library("memsave", "FRAGMENT")

@@ -78,9 +78,9 @@ def test_fake_matches_real() -> None:
 def test_opcheck() -> None:
     indices, maps = _pooled("contiguous")
     offsets = torch.empty_like(indices, dtype=maps.inverse.dtype)
-    torch.library.opcheck(ops.to_offsets, (indices.clone(), maps.starts, maps.inverse, offsets))
+    torch.library.opcheck(ops.to_offsets.op, (indices.clone(), maps.starts, maps.inverse, offsets))
     ops.to_offsets(indices.clone(), maps.starts, maps.inverse, offsets)
-    torch.library.opcheck(ops.to_indices, (offsets, maps.table, maps.starts))
+    torch.library.opcheck(ops.to_indices.op, (offsets, maps.table, maps.starts))
 
 
 @pytest.mark.parametrize("window", [(1, 1), (1, 2), (2, 2)], ids=str)

@@ -1,0 +1,62 @@
+"""An op as the layers call it: the dispatcher's own implementation, called directly in eager code.
+
+NOTE [eager calls skip the dispatcher]: every kernel is a ``torch.library`` op whose
+implementations are Python functions, and a call through the dispatcher costs a round trip from
+Python to C++ and back (about 8 us on the development machine, a quarter of what a ReLU adds to
+stock's forward+backward: ``benchmarks/layer_overhead.py``; on a GPU machine's host, where a
+CNN step is bound by the host, more). Where no one could tell the difference, :class:`EagerOp`
+calls the implementation the dispatcher would have chosen for the device, with the same
+arguments: every tensor argument a plain tensor (or parameter) on a device that has an
+implementation (CUDA where some are on CUDA and some on the CPU, as the dispatcher chooses), none of them requiring a gradient while grad mode is on (the op has no
+autograd kernel: inside an ``autograd.Function`` none does), no dispatch mode active, not
+tracing. Everything else calls the op: meta and
+fake tensors, ``torch.compile``, tensor subclasses (DTensor), and dispatch modes such as the
+memory tracker, which counts the op's outputs as a meta run sees them, not the implementation's
+internals. The implementation is one function either way: there is no second code path.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+#: Tensor types the implementations may be handed directly (concrete sizes, no dispatch logic).
+_PLAIN = (Tensor, nn.Parameter)
+
+
+class EagerOp:
+    """``op``, or for plain eager tensors on a device in ``implementations`` the function
+    registered for that device (NOTE [eager calls skip the dispatcher])."""
+
+    def __init__(self, op: Any, implementations: Mapping[str, Callable[..., Any]]) -> None:
+        self.op = op
+        self.implementations = dict(implementations)
+
+    def __call__(self, *args: Any) -> Any:
+        implementation = None if torch.compiler.is_compiling() else self._direct(args)
+        if implementation is None:
+            return self.op(*args)
+        return implementation(*args)
+
+    def _direct(self, args: tuple[Any, ...]) -> Callable[..., Any] | None:
+        """The implementation to call for ``args``, or None where the op must be called."""
+        device, grad_mode = None, torch.is_grad_enabled()
+        for arg in args:
+            if not isinstance(arg, Tensor):
+                continue
+            if type(arg) not in _PLAIN or (grad_mode and arg.requires_grad):
+                return None
+            kind = arg.device.type
+            if kind not in self.implementations:
+                return None
+            if device != "cuda":  # CUDA's dispatch key outranks the CPU's (a CPU seed, a scalar)
+                device = kind
+        if device is None or torch._C._len_torch_dispatch_stack() > 0:
+            return None
+        return self.implementations[device]
+
+    def __repr__(self) -> str:
+        return f"EagerOp({self.op})"
