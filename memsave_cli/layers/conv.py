@@ -27,9 +27,10 @@ ConvTranspose = nn.ConvTranspose1d | nn.ConvTranspose2d | nn.ConvTranspose3d
 # backward) finds its code and data evicted and costs 5-10x what a microbenchmark shows
 # (measured on CPU: ``torch.ops.aten.convolution`` resolving its overload in Python 135 us cold
 # vs 16 us warm, a fresh stand-in view 96 us vs 6 us). Stock pays this only in C++. So the
-# per-call Python path stays short: the ATen overloads are bound once below, and geometries and
-# CPU stand-ins are memoised by shape and strides.
-_CONVOLUTION = torch.ops.aten.convolution.default
+# per-call Python path stays short: forward calls ``aten::convolution`` through its generated
+# binding ``torch.convolution`` (the overload object parses its arguments against the schema at
+# every call, 7 us more on a small convolution), backward's overload, which has no binding, is
+# bound once below, and geometries and CPU stand-ins are memoised by shape and strides.
 _CONVOLUTION_BACKWARD = torch.ops.aten.convolution_backward.default
 
 
@@ -59,7 +60,7 @@ class _ConvFunction(torch.autograd.Function):
         ctx.params = params
         ctx.mask = list(ctx.needs_input_grad[:3])
         ctx.layer = f"MemSaveConv{'Transpose' if transposed else ''}{x.dim() - 2}d"
-        return _CONVOLUTION(x, weight, bias, *params)
+        return torch.convolution(x, weight, bias, *params)
 
     @staticmethod
     def backward(ctx: torch.autograd.function.FunctionCtx, grad: Tensor) -> tuple:
