@@ -115,15 +115,24 @@ def _factor_bits(dtype: torch.dtype, p: float, scale: float | None) -> int:
     return int(as_bits(factor).item())
 
 
-def _walk(x: Tensor, out: Tensor) -> list[int] | None:
+def _walk(x: Tensor, out: Tensor) -> tuple[int, ...] | None:
     """The kernel's layout arguments: sizes 1 to 3 and the strides of ``x`` and of ``out`` over
     ``_MAX_RANK`` merged dimensions (padded in front), then the rank; None past ``_MAX_RANK``."""
-    sizes, (x_strides, out_strides) = _collapse(out.shape, x.stride(), out.stride())
+    return _walk_of(tuple(out.shape), x.stride(), out.stride())
+
+
+@functools.lru_cache(maxsize=512)
+def _walk_of(
+    shape: tuple[int, ...], x_strides: tuple[int, ...], out_strides: tuple[int, ...]
+) -> tuple[int, ...] | None:
+    """:func:`_walk` by geometry, memoised: merging dimensions in Python costs several
+    microseconds of host time per launch, as much as the rest of the wrapper."""
+    sizes, (x_merged, out_merged) = _collapse(shape, x_strides, out_strides)
     if len(sizes) > _MAX_RANK:
         return None
     pad = _MAX_RANK - len(sizes)
     padded = [1] * pad + sizes
-    return [*padded[1:], *([0] * pad + x_strides), *([0] * pad + out_strides), max(1, len(sizes))]
+    return (*padded[1:], *([0] * pad + x_merged), *([0] * pad + out_merged), max(1, len(sizes)))
 
 
 def _collapse(shape: Sequence[int], *strides: Sequence[int]) -> tuple[list[int], list[list[int]]]:
