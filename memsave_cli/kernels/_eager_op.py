@@ -1,18 +1,22 @@
 """An op as the layers call it: the dispatcher's own implementation, called directly in eager code.
 
 NOTE [eager calls skip the dispatcher]: every kernel is a ``torch.library`` op whose
-implementations are Python functions, and a call through the dispatcher costs a round trip from
-Python to C++ and back (about 8 us on the development machine, a quarter of what a ReLU adds to
-stock's forward+backward: ``benchmarks/layer_overhead.py``; on a GPU machine's host, where a
-CNN step is bound by the host, more). Where no one could tell the difference, :class:`EagerOp`
-calls the implementation the dispatcher would have chosen for the device, with the same
-arguments: every tensor argument a plain tensor (or parameter) on a device that has an
-implementation (CUDA where some are on CUDA and some on the CPU, as the dispatcher chooses), none of them requiring a gradient while grad mode is on (the op has no
-autograd kernel: inside an ``autograd.Function`` none does), no dispatch mode active, not
-tracing. Everything else calls the op: meta and
-fake tensors, ``torch.compile``, tensor subclasses (DTensor), and dispatch modes such as the
-memory tracker, which counts the op's outputs as a meta run sees them, not the implementation's
-internals. The implementation is one function either way: there is no second code path.
+implementations are Python functions, so a call through the dispatcher goes from Python to C++
+and back (about 8 us on the development machine, a quarter of what a ReLU adds to stock's
+forward+backward in ``benchmarks/layer_overhead.py``; on a GPU this host time bounds a CNN's
+step). :class:`EagerOp` calls the implementation the dispatcher would have chosen,
+with the same arguments, where nothing could tell the difference:
+
+- every tensor argument is a plain tensor (or parameter) on a device with an implementation
+  (CUDA where some are on CUDA and some on the CPU, as the dispatcher chooses);
+- none of them requires a gradient while grad mode is on (the ops have no autograd kernel; inside
+  an ``autograd.Function``, where the layers call them, grad mode is off);
+- no dispatch mode is active, and nothing is being traced.
+
+Everything else calls the op: meta and fake tensors, ``torch.compile``, tensor subclasses
+(DTensor), and dispatch modes such as the memory tracker, which then counts the op's outputs as a
+meta run sees them rather than the implementation's internals. The implementation is the same
+function either way: there is no second code path.
 """
 
 from __future__ import annotations

@@ -11,7 +11,9 @@ namespace, registered here with all of its implementations side by side:
   and compiled graphs see the bytes eager saves;
 - reference: plain torch operations (``bitmask.py`` packing and the ATen kernels), every device.
 
-All of them give the same bytes. The layers call the op and never choose an implementation.
+All of them give the same bytes. The layers call the op and never choose an implementation;
+in plain eager code the call reaches the CPU or CUDA implementation without a round trip through
+the dispatcher (NOTE [eager calls skip the dispatcher] in ``_eager_op.py``).
 Bits follow ``order``, the input's dimensions from outermost to innermost (``bitmask.layout_of``):
 for a dense input, its memory order. Forward ops come in pairs: ``*_pack`` returns a new result,
 ``*_pack_`` writes it over ``x``; both return the bits.
