@@ -15,11 +15,15 @@ and from one more step under the profiler:
   (synchronisations, blocking copies);
 - memsave's operators with the largest device and host self times.
 
-    python -m benchmarks.cuda_step_profile [--model resnet101] [--case input] [--batch 64]
-        [--layers] [--rounds 5] [--out FILE]
+- ``peak_mib``: the allocator's peak over the timed steps.
 
-``--layers`` profiles single drop-ins instead of a model. ``MEMSAVE_TRITON=0`` in the
-environment profiles memsave's CUDA layers on torch operations instead of its Triton kernels.
+    python -m benchmarks.cuda_step_profile [--model resnet101] [--case input] [--batch 64]
+        [--layers] [--compile MODE] [--rounds 5] [--out FILE]
+
+``--layers`` profiles single drop-ins instead of a model. ``--compile`` runs the model (stock
+and memsave alike) under ``torch.compile`` in that mode; ``reduce-overhead`` replays CUDA graphs,
+which take the host's Python out of the step. ``MEMSAVE_TRITON=0`` in the environment profiles
+memsave's CUDA layers on torch operations instead of its Triton kernels.
 """
 
 from __future__ import annotations
@@ -52,16 +56,32 @@ LAYERS: dict[str, tuple[Callable[[], nn.Module], tuple[int, ...], bool]] = {
 }
 
 
-def model_step(name: str, case: str, batch: int, impl: str) -> Callable[[], None]:
-    """One forward+backward of a torchvision model in ``case`` (input gradient as the case says)."""
+#: ``torch.compile`` modes ``--compile`` accepts.
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune-no-cudagraphs")
+
+
+def model_step(
+    name: str, case: str, batch: int, impl: str, compile_mode: str | None = None, device="cuda"
+) -> Callable[[], None]:
+    """One forward+backward of a torchvision model in ``case`` (input gradient as the case says),
+    compiled in ``compile_mode`` if given."""
     import torchvision
 
-    model = getattr(torchvision.models, name)(weights=None).cuda()
+    model = getattr(torchvision.models, name)(weights=None).to(device)
     model = convert(model) if impl == "memsave" else model
     chosen = resolve_case(case)
     apply_case(model, chosen)
-    x = torch.randn(batch, 3, 224, 224, device="cuda", requires_grad=chosen.input_grad)
-    return lambda: model(x).sum().backward()
+    x = torch.randn(batch, 3, 224, 224, device=device, requires_grad=chosen.input_grad)
+    if compile_mode is None:
+        return lambda: model(x).sum().backward()
+    compiled = torch.compile(model, mode=compile_mode)
+
+    def step() -> None:
+        # CUDA graph trees reuse output memory from one replay to the next: say a step begins.
+        torch.compiler.cudagraph_mark_step_begin()
+        compiled(x).sum().backward()
+
+    return step
 
 
 def layer_step(label: str, impl: str) -> Callable[[], None]:
@@ -81,6 +101,7 @@ def measure(step: Callable[[], None], rounds: int) -> dict:
     for _ in range(3):
         step()
     torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
     steps, hosts = [], []
     for _ in range(rounds):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -103,6 +124,7 @@ def measure(step: Callable[[], None], rounds: int) -> dict:
     return {
         "step_ms": 1e3 * statistics.median(steps),
         "host_ms": 1e3 * statistics.median(hosts),
+        "peak_mib": torch.cuda.max_memory_allocated() / 2**20,
         "kernels_ms": sum(e.self_device_time_total for e in kernels) / 1e3,
         "launches": sum(e.count for e in runtime if "LaunchKernel" in e.key),
         # The profiled step ends with one device synchronisation of its own.
@@ -122,6 +144,7 @@ def main() -> None:
     parser.add_argument("--case", default="input")
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--layers", action="store_true")
+    parser.add_argument("--compile", choices=COMPILE_MODES, help="torch.compile the model")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--out", help="write every number as JSON here")
     args = parser.parse_args()
@@ -132,7 +155,10 @@ def main() -> None:
         targets = {label: (lambda impl, label=label: layer_step(label, impl)) for label in LAYERS}
     else:
         label = f"{args.model} {args.case} batch {args.batch}"
-        targets = {label: lambda impl: model_step(args.model, args.case, args.batch, impl)}
+        label += f" compiled ({args.compile})" if args.compile else ""
+        targets = {
+            label: lambda impl: model_step(args.model, args.case, args.batch, impl, args.compile)
+        }
     results = {}
     for label, make in targets.items():
         for impl in ("stock", "memsave"):

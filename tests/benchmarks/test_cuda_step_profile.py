@@ -27,3 +27,24 @@ def test_every_layer_builds_with_stock_and_memsave() -> None:
 
     for build, _, _ in cuda_step_profile.LAYERS.values():
         assert type(convert(build())) is not type(build())
+
+
+def test_compiled_model_step_compiles_in_the_mode_asked_and_marks_each_step(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``--compile MODE`` hands the (converted) model to torch.compile in MODE, and every step
+    tells CUDA graph trees that a new step begins (on the CPU here, the model uncompiled)."""
+    compiled, marks = [], []
+
+    def fake_compile(model, mode=None):
+        compiled.append((type(model.relu).__name__, mode))
+        return model
+
+    monkeypatch.setattr(torch, "compile", fake_compile)
+    monkeypatch.setattr(torch.compiler, "cudagraph_mark_step_begin", lambda: marks.append(1))
+    step = cuda_step_profile.model_step(
+        "resnet18", "input", 1, "memsave", "reduce-overhead", device="cpu"
+    )
+    step()
+    step()
+    assert compiled == [("MemSaveReLU", "reduce-overhead")] and len(marks) == 2
