@@ -290,3 +290,47 @@ def test_pack_follows_memory_order(layout: str) -> None:
     bits = bitmask.pack(mask)
     assert_same_bytes(bits, pack_bits(mask, layout_of(mask)))
     assert_same_bytes(bits, pack_bits(memory_order(mask)))
+
+
+#: Constants whose bits test the way they reach the kernels (``float_bits``): signed zeros, a
+#: NaN, values that round to a denormal in float32, and ordinary ones.
+CONSTANTS = [-0.0, 0.0, float("nan"), -1e-45, 2.0**-149, 0.1, -3.5]
+
+
+@pytest.mark.parametrize("dtype", WIDE, ids=ids)
+@pytest.mark.parametrize("slope", CONSTANTS, ids=str)
+def test_leaky_constants_arrive_exactly(dtype: torch.dtype, slope: float) -> None:
+    """The slope arrives in the kernels rounded to the dtype as stock rounds it, every bit kept:
+    forward against ``F.leaky_relu``, backward against ``grad * slope`` in the dtype."""
+    x, grad = samples(dtype, 65, seed=3), samples(dtype, 65, seed=4)
+    y, bits = garbage_like(x), garbage_bits(65)
+    activation.leaky_pack(x, y, bits, slope)
+    # A NaN slope's products carry whichever NaN the multiply keeps.
+    assert_same_bits(y, F.leaky_relu(x, slope), nan_payloads=slope == slope)
+    out = garbage_like(grad)
+    activation.select_scale(grad, bits, out, slope)
+    scaled = grad * torch.tensor(slope, dtype=dtype)
+    assert_same_bits(out, torch.where(x > 0, grad, scaled), nan_payloads=False)
+
+
+@pytest.mark.parametrize("dtype", WIDE, ids=ids)
+@pytest.mark.parametrize("bounds", [(-1e300, 1e300), (-(2.0**-149), 2.0**-149), (-0.1, 0.3)])
+def test_hardtanh_bounds_arrive_exactly(dtype: torch.dtype, bounds: tuple[float, float]) -> None:
+    """Bounds reach the kernel in the dtype (overflowing to infinity, or a denormal, in
+    float32), so its clamp is stock's."""
+    low, high = (torch.tensor(b, dtype=dtype).item() for b in bounds)
+    x = samples(dtype, 65, seed=5)
+    y, bits = garbage_like(x), garbage_bits(65)
+    activation.hardtanh_pack(x, y, bits, low, high)
+    F.hardtanh(y, low, high, inplace=True)
+    assert_same_bits(y, F.hardtanh(x, low, high), nan_payloads=False)
+
+
+def test_a_slope_beyond_float32_raises_as_stock() -> None:
+    """Stock refuses a slope that overflows float32; so does the kernel, with its error."""
+    x = samples(torch.float32, 9, seed=1)
+    with pytest.raises(RuntimeError, match="overflow") as stock:
+        F.leaky_relu(x, 1e300)
+    with pytest.raises(RuntimeError, match="overflow") as ours:
+        activation.leaky_pack(x, garbage_like(x), garbage_bits(9), 1e300)
+    assert str(ours.value) == str(stock.value)

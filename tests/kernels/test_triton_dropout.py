@@ -155,9 +155,9 @@ def test_scalars_are_made_on_the_cpu_under_another_default_device() -> None:
     """The kernels' constants are computed on the CPU whatever the default device, so that a
     GPU default (``torch.set_default_device("cuda")``) never reads a scalar back per launch."""
     from memsave_cli.kernels.triton import bitmask
-    from memsave_cli.kernels.triton._launch import one_bits
+    from memsave_cli.kernels.triton._launch import _float_bits
 
-    one_bits.cache_clear()
+    _float_bits.cache_clear()
     expected = dropout.dropout_noise(7, 0.25, (5, 9), torch.float32, "cpu")
     bits = torch.tensor([0b10110001, 0b1], dtype=torch.uint8)
     with torch.device("meta"):

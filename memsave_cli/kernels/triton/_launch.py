@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -213,7 +214,20 @@ def as_bits(tensor: Tensor) -> Tensor:
     return tensor.view(BITS_DTYPE[tensor.element_size()])
 
 
-@functools.cache
 def one_bits(dtype: torch.dtype) -> int:
-    """The bits of 1 in ``dtype``, as :func:`as_bits` reads them (computed on the CPU, once)."""
-    return int(as_bits(torch.ones((), dtype=dtype, device="cpu")).item())
+    """The bits of 1 in ``dtype``, as :func:`as_bits` reads them."""
+    return float_bits(1.0, dtype)
+
+
+def float_bits(value: float, dtype: torch.dtype) -> int:
+    """The bits of ``value`` rounded to ``dtype`` as stock rounds a scalar (an overflow raises
+    stock's error), as :func:`as_bits` reads them: how a kernel receives a constant exact in the element type (Triton passes a
+    Python float as float32), with no tensor per launch. Computed on the CPU, memoised."""
+    return _float_bits(value, math.copysign(1.0, value), dtype)
+
+
+@functools.lru_cache(maxsize=256)
+def _float_bits(value: float, sign: float, dtype: torch.dtype) -> int:
+    # ``sign`` keeps -0.0 and +0.0 apart: they are equal as keys. ``fill_`` rounds as stock
+    # rounds a Scalar argument, and raises as stock does where the value overflows the dtype.
+    return int(as_bits(torch.empty((), dtype=dtype, device="cpu").fill_(value)).item())

@@ -8,7 +8,9 @@ in-place call); ``bits`` holds ``ceil(numel / 8)`` contiguous uint8 bytes, bits 
 ``bitmask.py`` (element ``8 * k + i`` is bit ``i`` of byte ``k``), padding bits zero.
 
 Scalars that must be exact in the element type (a float64 slope, hardtanh's bounds) reach the
-kernels in a small tensor of that type: Triton passes Python floats as float32.
+kernels as the integer bits of their value in that type (``float_bits``), turned back into it in
+the kernel: Triton passes Python floats as float32, and a tensor of constants would cost a fill
+kernel per value and launch.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from memsave_cli.kernels.triton._launch import (
     check_dense,
     check_dtype,
     check_like,
+    float_bits,
     grid,
     kernel,
 )
@@ -35,6 +38,8 @@ from memsave_cli.kernels.triton._launch import (
 _WIDE = (torch.float32, torch.float64)
 #: Triton's float type of each of those torch dtypes.
 _TL_FLOAT = {torch.float32: tl.float32, torch.float64: tl.float64}
+#: The integer type of each of their sizes.
+_TL_BITS = {torch.float32: tl.int32, torch.float64: tl.int64}
 
 
 def relu_pack(
@@ -75,8 +80,9 @@ def leaky_pack(x: Tensor, out: Tensor, bits: Tensor, slope: float, *, checked: b
     """
     if checked:
         _check_wide("leaky_pack", x, out, bits, "x")
-    scalars = _scalars(x, slope)
-    _leaky_pack_kernel[grid(x.numel())](x, out, bits, scalars, x.numel(), BLOCK=block(x.numel()))
+    _leaky_pack_kernel[grid(x.numel())](
+        x, out, bits, float_bits(slope, x.dtype), x.numel(), **_types(x), BLOCK=block(x.numel())
+    )
 
 
 def hardtanh_pack(
@@ -118,10 +124,11 @@ def hardtanh_pack(
         as_bits(x),
         as_bits(out),
         bits,
-        _scalars(x, low, high),
+        float_bits(low, x.dtype),
+        float_bits(high, x.dtype),
         held,
         x.numel(),
-        FLOAT=_TL_FLOAT[x.dtype],
+        **_types(x),
         SIGN=-(2 ** (8 * x.element_size() - 1)),
         HOLD_NEG_ZERO=hold_neg_zero,
         HOLD_POS_ZERO=hold_pos_zero,
@@ -142,9 +149,14 @@ def select_scale(
     """
     if checked:
         _check_wide("select_scale", grad, out, bits, "grad")
-    scalars = _scalars(grad, slope)
     _select_scale_kernel[grid(grad.numel())](
-        grad, bits, out, scalars, grad.numel(), BLOCK=block(grad.numel())
+        grad,
+        bits,
+        out,
+        float_bits(slope, grad.dtype),
+        grad.numel(),
+        **_types(grad),
+        BLOCK=block(grad.numel()),
     )
 
 
@@ -158,12 +170,11 @@ def _check_wide(name: str, x: Tensor, out: Tensor, bits: Tensor, x_name: str) ->
     check_bits(bits, x.numel(), x)
 
 
-def _scalars(like: Tensor, *values: float) -> Tensor:
-    """``values`` rounded to ``like``'s dtype, in a tensor on its device (filled there: no sync)."""
-    scalars = torch.empty(len(values), dtype=like.dtype, device=like.device)
-    for index, value in enumerate(values):
-        scalars[index] = value
-    return scalars
+def _types(x: Tensor) -> dict[str, tl.dtype]:
+    """The kernels' ``FLOAT`` (``x``'s element type) and ``BITS`` (the integer of its size, in
+    which its constants arrive: :func:`float_bits`; Triton types the Python int as i32 or i64,
+    so the kernels widen it to int64 and truncate it to ``BITS`` before reading it as a float)."""
+    return {"FLOAT": _TL_FLOAT[x.dtype], "BITS": _TL_BITS[x.dtype]}
 
 
 def _is_zero(value: float, sign: float) -> bool:
@@ -201,29 +212,40 @@ def _relu_pack_kernel(
     tl.store(bits_ptr + rows, byte.to(tl.uint8), mask=rows * 8 < n)
 
 
-@kernel()
-def _leaky_pack_kernel(x_ptr, out_ptr, bits_ptr, scalars_ptr, n, BLOCK: tl.constexpr):
+@kernel(do_not_specialize=("slope_bits",))
+def _leaky_pack_kernel(
+    x_ptr,
+    out_ptr,
+    bits_ptr,
+    slope_bits,
+    n,
+    FLOAT: tl.constexpr,
+    BITS: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     lane = tl.arange(0, 8)
     rows = tl.program_id(0).to(tl.int64) * (BLOCK // 8) + tl.arange(0, BLOCK // 8)
     offsets = rows[:, None] * 8 + lane[None, :]
     inside = offsets < n
     x = tl.load(x_ptr + offsets, mask=inside, other=0)
-    slope = tl.load(scalars_ptr)
+    slope = slope_bits.to(tl.int64).to(BITS).to(FLOAT, bitcast=True)
     positive = x > 0
     tl.store(out_ptr + offsets, tl.where(positive, x, x * slope), mask=inside)
     byte = tl.sum((positive & inside).to(tl.int32) << lane[None, :], axis=1)
     tl.store(bits_ptr + rows, byte.to(tl.uint8), mask=rows * 8 < n)
 
 
-@kernel()
+@kernel(do_not_specialize=("low_bits", "high_bits"))
 def _hardtanh_pack_kernel(
     x_ptr,
     out_ptr,
     bits_ptr,
-    scalars_ptr,
+    low_bits,
+    high_bits,
     held_ptr,
     n,
     FLOAT: tl.constexpr,
+    BITS: tl.constexpr,
     SIGN: tl.constexpr,
     HOLD_NEG_ZERO: tl.constexpr,
     HOLD_POS_ZERO: tl.constexpr,
@@ -236,8 +258,8 @@ def _hardtanh_pack_kernel(
     inside = offsets < n
     u = tl.load(x_ptr + offsets, mask=inside, other=0)
     x = u.to(FLOAT, bitcast=True)
-    low = tl.load(scalars_ptr)
-    high = tl.load(scalars_ptr + 1)
+    low = low_bits.to(tl.int64).to(BITS).to(FLOAT, bitcast=True)
+    high = high_bits.to(tl.int64).to(BITS).to(FLOAT, bitcast=True)
     hold = x != x  # NaN
     if HOLD_NEG_ZERO:
         hold = hold | (u == SIGN)
@@ -258,8 +280,17 @@ def _hardtanh_pack_kernel(
     tl.store(held_ptr + tl.program_id(0), tl.max((hold & inside).to(tl.int8), axis=None))
 
 
-@kernel()
-def _select_scale_kernel(grad_ptr, bits_ptr, out_ptr, scalars_ptr, n, BLOCK: tl.constexpr):
+@kernel(do_not_specialize=("slope_bits",))
+def _select_scale_kernel(
+    grad_ptr,
+    bits_ptr,
+    out_ptr,
+    slope_bits,
+    n,
+    FLOAT: tl.constexpr,
+    BITS: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     lane = tl.arange(0, 8)
     rows = tl.program_id(0).to(tl.int64) * (BLOCK // 8) + tl.arange(0, BLOCK // 8)
     offsets = rows[:, None] * 8 + lane[None, :]
@@ -267,4 +298,5 @@ def _select_scale_kernel(grad_ptr, bits_ptr, out_ptr, scalars_ptr, n, BLOCK: tl.
     byte = tl.load(bits_ptr + rows, mask=rows * 8 < n, other=0).to(tl.int32)
     set_ = ((byte[:, None] >> lane[None, :]) & 1) != 0
     grad = tl.load(grad_ptr + offsets, mask=inside, other=0)
-    tl.store(out_ptr + offsets, tl.where(set_, grad, grad * tl.load(scalars_ptr)), mask=inside)
+    slope = slope_bits.to(tl.int64).to(BITS).to(FLOAT, bitcast=True)
+    tl.store(out_ptr + offsets, tl.where(set_, grad, grad * slope), mask=inside)
