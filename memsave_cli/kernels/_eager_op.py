@@ -11,10 +11,11 @@ with the same arguments, where nothing could tell the difference:
   (CUDA where some are on CUDA and some on the CPU, as the dispatcher chooses);
 - none of them requires a gradient while grad mode is on (the ops have no autograd kernel; inside
   an ``autograd.Function``, where the layers call them, grad mode is off);
-- no dispatch mode is active, and nothing is being traced.
+- no dispatch mode and no ``torch.func`` transform is active (``vmap`` and ``grad`` wrap
+  tensors in objects of type ``Tensor`` that hold no data), and nothing is being traced.
 
-Everything else calls the op: meta and fake tensors, ``torch.compile``, tensor subclasses
-(DTensor), and dispatch modes such as the memory tracker, which then counts the op's outputs as a
+Everything else calls the op: meta and fake tensors, ``torch.compile``, ``torch.func``
+transforms, tensor subclasses (DTensor), and dispatch modes such as the memory tracker, which then counts the op's outputs as a
 meta run sees them rather than the implementation's internals. The implementation is the same
 function either way: there is no second code path.
 """
@@ -59,6 +60,8 @@ class EagerOp:
             if device != "cuda":  # CUDA's dispatch key outranks the CPU's (a CPU seed, a scalar)
                 device = kind
         if device is None or torch._C._len_torch_dispatch_stack() > 0:
+            return None
+        if torch._C._functorch.peek_interpreter_stack() is not None:  # vmap, grad: wrappers
             return None
         return self.implementations[device]
 

@@ -70,6 +70,17 @@ def test_what_could_tell_the_difference_calls_the_op(case: str) -> None:
     assert recorder.calls == ["op"]
 
 
+def test_vmap_calls_the_op() -> None:
+    """Under ``torch.vmap`` a tensor is a data-less wrapper whose type is ``Tensor``: the op's
+    batching fallback must see the call, the implementation would read no data."""
+    recorder = _Recorder()
+    torch.vmap(lambda row: recorder.eager(row))(torch.ones(2, 3))
+    assert recorder.calls == ["op"]
+    x = torch.randn(3, 16)
+    packed = torch.vmap(lambda row: activation.relu_pack(row, [0])[0])(x)
+    assert torch.equal(packed, torch.relu(x))
+
+
 def test_a_tensor_requiring_grad_calls_the_implementation_without_grad_mode() -> None:
     recorder = _Recorder()
     with torch.no_grad():
