@@ -20,6 +20,19 @@ def forbid_double_backward(layer: str) -> None:
         )
 
 
+def records_backward() -> bool:
+    """Whether a memsave Function may record a backward here: grad mode is on, and no
+    ``torch.func`` transform (``grad``, ``vmap``, ``jacrev``) is active.
+
+    The Functions take their context in ``forward``, which the transforms refuse, so under one
+    the layers run stock and save what stock saves (a converted model works wherever the stock
+    one does). Under ``torch.compile`` Dynamo handles the transforms itself.
+    """
+    if not torch.is_grad_enabled():
+        return False
+    return torch.compiler.is_compiling() or torch._C._functorch.peek_interpreter_stack() is None
+
+
 #: Whether autocast exists for a device type (``torch.is_autocast_enabled`` raises where not).
 _AUTOCAST_EXISTS: dict[str, bool] = {}
 

@@ -28,7 +28,7 @@ from torch.autograd import Function
 
 from memsave_cli.kernels import activation as ops
 from memsave_cli.kernels.bitmask import layout_of
-from memsave_cli.layers._backward import forbid_double_backward
+from memsave_cli.layers._backward import forbid_double_backward, records_backward
 from memsave_cli.layers.registry import drop_in
 
 
@@ -148,7 +148,7 @@ def _activate(
     call, so gradients are the same. The Function's one output is the result: the bits are
     saved, not returned, so that it may modify a view in place as stock's op does.
     """
-    if not (torch.is_grad_enabled() and x.requires_grad) or (inplace and x.is_leaf):
+    if not (records_backward() and x.requires_grad) or (inplace and x.is_leaf):
         return stock(x, *args, inplace)
     if inplace and torch.compiler.is_compiling():
         return x.copy_(function.apply(x, *args, False, True))

@@ -21,7 +21,7 @@ from torch import Tensor, nn
 from torch._prims_common import suggest_memory_format
 
 from memsave_cli.kernels._layout import shape_only
-from memsave_cli.layers._backward import forbid_double_backward
+from memsave_cli.layers._backward import forbid_double_backward, records_backward
 from memsave_cli.layers.registry import drop_in
 
 
@@ -147,7 +147,7 @@ class _MemSaveBatchNorm(nn.modules.batchnorm._BatchNorm):
     def _may_need_grad(self, input: Tensor) -> bool:
         """Whether autograd could record this call (otherwise stock saves nothing either)."""
         tensors = (input, self.weight, self.bias)
-        return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+        return records_backward() and any(t is not None and t.requires_grad for t in tensors)
 
 
 @drop_in(nn.BatchNorm1d)

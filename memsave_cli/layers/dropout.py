@@ -16,7 +16,7 @@ from torch import Tensor, nn
 
 from memsave_cli.kernels.dropout import dropout_mul, dropout_mul_
 from memsave_cli.kernels.dropout import dropout_noise as dropout_noise  # re-exported for tests
-from memsave_cli.layers._backward import forbid_double_backward
+from memsave_cli.layers._backward import forbid_double_backward, records_backward
 from memsave_cli.layers.registry import drop_in
 
 #: Seeds are drawn uniformly from [0, 2**62): any of them is a valid ``manual_seed`` argument.
@@ -104,7 +104,7 @@ def _needs_memsave(input: Tensor, p: float, training: bool) -> bool:
         and 0.0 < p < 1.0
         and input.numel() > 0
         and input.requires_grad
-        and torch.is_grad_enabled()
+        and records_backward()
     )
 
 

@@ -24,7 +24,7 @@ from torch import Tensor, nn
 from torch.autograd import Function
 
 from memsave_cli.kernels._layout import memory_format
-from memsave_cli.layers._backward import autocast_on, forbid_double_backward
+from memsave_cli.layers._backward import autocast_on, forbid_double_backward, records_backward
 from memsave_cli.layers.registry import drop_in
 
 # NOTE [RMSNorm styles]: with ``h`` the normalised tensor and ``w`` the weight,
@@ -259,7 +259,7 @@ def may_record(x: Tensor, weight: Tensor | None) -> bool:
     wants = x.requires_grad or (weight is not None and weight.requires_grad)
     return (
         wants
-        and torch.is_grad_enabled()
+        and records_backward()
         and x.dtype.is_floating_point
         and not x.is_nested
         and not autocast_on(x.device.type)
