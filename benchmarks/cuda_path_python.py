@@ -15,7 +15,6 @@ Rows are those of ``layer_overhead.py`` whose ops have a CUDA implementation of 
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import os
 from collections.abc import Iterator
@@ -85,13 +84,7 @@ def launches_per_call(name: str) -> int:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=7)
-    parser.add_argument("--calls", type=int, default=300)
-    parser.add_argument("--only", nargs="*", default=None, help="row names to run")
-    args = parser.parse_args()
-    torch.set_num_threads(1)
-    print(f"torch {torch.__version__}, 1 thread, {args.repeats} repeats of {args.calls} calls")
+    args = layer_overhead.parse_rows(__doc__.splitlines()[0], repeats=7)
     print(f"{'layer':16s} {'stock us':>9s} {'memsave us':>11s} {'extra us':>9s} {'launches':>9s}")
     for name in args.only or ROWS:
         stock, ours, _ = measure(name, args.repeats, args.calls)

@@ -97,14 +97,21 @@ def measure(name: str, repeats: int, calls: int) -> tuple[float, float, float]:
     )
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=9)
+def parse_rows(description: str, repeats: int) -> argparse.Namespace:
+    """``--repeats``, ``--calls`` and ``--only`` of a benchmark over these rows; sets one thread
+    and prints the run's first line."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--repeats", type=int, default=repeats)
     parser.add_argument("--calls", type=int, default=300, help="forward+backward calls per step")
     parser.add_argument("--only", nargs="*", default=None, help="row names to run")
     args = parser.parse_args()
     torch.set_num_threads(1)
     print(f"torch {torch.__version__}, 1 thread, {args.repeats} repeats of {args.calls} calls")
+    return args
+
+
+def main() -> None:
+    args = parse_rows(__doc__.splitlines()[0], repeats=9)
     print(f"{'layer':28s} {'stock us':>9s} {'memsave us':>11s} {'extra us':>9s} {'ratio':>6s}")
     for name in args.only or LAYERS:
         stock, ours, ratio = measure(name, args.repeats, args.calls)
