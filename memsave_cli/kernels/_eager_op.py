@@ -54,6 +54,8 @@ class EagerOp:
                 continue
             if type(arg) not in _PLAIN or (grad_mode and arg.requires_grad):
                 return None
+            if not torch._C._has_storage(arg):  # a batching or transform wrapper of type Tensor
+                return None
             kind = arg.device.type
             if kind not in self.implementations:
                 return None

@@ -70,6 +70,14 @@ def _plainly_dense(t: Tensor) -> bool:
     )
 
 
+def batched(t: Tensor) -> bool:
+    """Whether ``t`` is a batching wrapper without data of its own: a gradient in a backward run
+    under ``vmap`` by ``autograd.grad(..., is_grads_batched=True)`` or a vectorized
+    ``autograd.functional.jacobian``. ATen's out= forms and random ops do not batch there.
+    Traced code (``torch.compile``) never is: the compiler batches what it traces itself."""
+    return not torch.compiler.is_compiling() and not torch._C._has_storage(t)
+
+
 def is_eager(t: Tensor) -> bool:
     """Whether ``t`` is a plain tensor (or parameter) outside tracing: its sizes and strides are
     concrete, and what is computed from it may be memoised."""

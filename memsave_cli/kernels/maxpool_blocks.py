@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 
 from memsave_cli.kernels import maxpool as offset_ops
-from memsave_cli.kernels._layout import is_eager, memory_format
+from memsave_cli.kernels._layout import batched, is_eager, memory_format
 from memsave_cli.kernels.maxpool_maps import index_maps, offset_dtype
 
 aten = torch.ops.aten
@@ -98,15 +98,25 @@ def pool_backward(
         )
         return grad_input.view(input_shape)
     _, backward_kernel = _KERNELS[nd]
+    spatial = (input_shape[-nd:], offsets.shape[-nd:], args[:4])
     # 2d: the gradient is laid out like the input, as stock lays it out. 3d: ATen's out= kernel
     # restrides a channels-last-3d gradient to contiguous, which a block slice cannot follow.
     layout = input_layout if nd == 2 else torch.contiguous_format
+    if batched(grad_output):
+        # No out= form batches: one call of the functional kernel, handed a never-written
+        # stand-in of the input's layout (deliberate transient; NOTE in ``layers/avgpool.py``).
+        maps = index_maps(*spatial, offsets.device, cache=is_eager(offsets))
+        like = torch.empty(
+            input_shape, dtype=grad_output.dtype, device=offsets.device, memory_format=layout
+        )
+        return backward_kernel.overloadpacket.default(
+            grad_output, like, *args, maps.to_indices(offsets)
+        )
     grad_output = grad_output.contiguous(memory_format=layout)
     offsets = offsets.contiguous(memory_format=layout)
     # Deliberate: the gradient itself.
     grad_input = grad_output.new_empty(input_shape).contiguous(memory_format=layout)
     chunked = _is_chunked(grad_output, grad_output.numel())
-    spatial = (input_shape[-nd:], offsets.shape[-nd:], args[:4])
     maps = index_maps(*spatial, offsets.device, cache=is_eager(offsets))
     blocks = _blocks([grad_input, grad_output, offsets], nd, chunked)
     for gi_block, go_block, off_block in blocks:

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import torch
 from torch.amp.autocast_mode import is_autocast_available
+from torch.autograd import forward_ad
+
+from memsave_cli.kernels._layout import batched
 
 
 def forbid_double_backward(layer: str) -> None:
@@ -20,9 +23,21 @@ def forbid_double_backward(layer: str) -> None:
         )
 
 
+def refuse_batched(grad: torch.Tensor, layer: str) -> None:
+    """Raise a clear error for a batched backward (:func:`batched`) of a layer that regenerates
+    random noise: random ops cannot run under ``vmap``."""
+    if batched(grad):
+        raise RuntimeError(
+            f"{layer} regenerates its dropout noise in backward, which cannot run batched "
+            "(autograd.grad(..., is_grads_batched=True) or a vectorized jacobian). Use "
+            "torch.func.jacrev or vmap over torch.func.vjp, under which the layer runs stock "
+            "dropout, or vectorize=False, or stock layers (memsave_cli.layers.revert)."
+        )
+
+
 def records_backward() -> bool:
-    """Whether a memsave Function may record a backward here: grad mode is on, and no
-    ``torch.func`` transform (``grad``, ``vmap``, ``jacrev``) is active.
+    """Whether a memsave Function may record a backward here: grad mode is on, and neither a
+    ``torch.func`` transform (``grad``, ``vmap``, ``jacrev``) nor forward-mode AD is active.
 
     The Functions take their context in ``forward``, which the transforms refuse, so under one
     the layers run stock and save what stock saves (a converted model works wherever the stock
@@ -30,7 +45,10 @@ def records_backward() -> bool:
     """
     if not torch.is_grad_enabled():
         return False
-    return torch.compiler.is_compiling() or torch._C._functorch.peek_interpreter_stack() is None
+    if torch.compiler.is_compiling():
+        return True
+    # Forward-mode AD (``forward_ad.dual_level``) would ask the Functions for a ``jvp`` too.
+    return torch._C._functorch.peek_interpreter_stack() is None and forward_ad._current_level < 0
 
 
 #: Whether autocast exists for a device type (``torch.is_autocast_enabled`` raises where not).

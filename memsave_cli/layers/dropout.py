@@ -16,7 +16,7 @@ from torch import Tensor, nn
 
 from memsave_cli.kernels.dropout import dropout_mul, dropout_mul_
 from memsave_cli.kernels.dropout import dropout_noise as dropout_noise  # re-exported for tests
-from memsave_cli.layers._backward import forbid_double_backward, records_backward
+from memsave_cli.layers._backward import forbid_double_backward, records_backward, refuse_batched
 from memsave_cli.layers.registry import drop_in
 
 #: Seeds are drawn uniformly from [0, 2**62): any of them is a valid ``manual_seed`` argument.
@@ -66,6 +66,7 @@ class SeededDropout(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_output: Tensor) -> tuple[Tensor | None, None, None, None, None, None]:
         forbid_double_backward("MemSaveDropout")
+        refuse_batched(grad_output, "MemSaveDropout")
         if not ctx.needs_input_grad[0]:
             return None, None, None, None, None, None
         (seed,) = ctx.saved_tensors

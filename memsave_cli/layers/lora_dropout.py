@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from memsave_cli.layers._backward import forbid_double_backward
+from memsave_cli.layers._backward import forbid_double_backward, refuse_batched
 
 #: Casts the input as peft's ``_cast_input_dtype`` does before the adapter (identity if none).
 Cast = Callable[[Tensor], Tensor]
@@ -84,6 +84,8 @@ class DroppedProjection(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_output: Tensor) -> tuple[Tensor | None, ...]:
         forbid_double_backward("DroppedProjection (LoRA dropout)")
+        if ctx.p > 0:
+            refuse_batched(grad_output, "DroppedProjection (LoRA dropout)")
         x, *state = ctx.saved_tensors
         needs_x, params = ctx.needs_input_grad[0], list(ctx.project.parameters())
         wanted = [p for p, need in zip(params, ctx.needs_input_grad[4:], strict=True) if need]

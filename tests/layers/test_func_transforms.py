@@ -101,3 +101,76 @@ def test_relu_under_vmap_of_grad(inplace: bool) -> None:
     layer, x = MemSaveReLU(inplace=inplace), torch.randn(5, 8)
     per_row = vmap(grad(lambda t: layer(t * 1.0).sum()))(x)
     assert torch.equal(per_row, (x > 0).to(x.dtype))
+
+
+#: Layers whose backward must batch (``is_grads_batched``), with an input shape; channels-last
+#: inputs for the 2d pools, whose backward hands ATen a stand-in of the input's layout.
+BATCHED = {
+    "ReLU": (nn.ReLU, (2, 3, 8, 8)),
+    "ReLU(inplace)": (lambda: nn.ReLU(inplace=True), (2, 3, 8, 8)),
+    "LeakyReLU": (lambda: nn.LeakyReLU(0.2), (2, 3, 8, 8)),
+    "ReLU6": (nn.ReLU6, (2, 3, 8, 8)),
+    "MaxPool1d": (lambda: nn.MaxPool1d(3, 2, 1), (2, 3, 9)),
+    "MaxPool2d(2)": (lambda: nn.MaxPool2d(2), (2, 3, 8, 8)),
+    "MaxPool2d(3,2,1) channels-last": (lambda: nn.MaxPool2d(3, 2, 1), (2, 3, 9, 7)),
+    "MaxPool3d": (lambda: nn.MaxPool3d(2), (2, 3, 4, 4, 4)),
+    "AvgPool1d": (lambda: nn.AvgPool1d(3, 2), (2, 3, 9)),
+    "AvgPool2d channels-last": (lambda: nn.AvgPool2d(2), (2, 3, 8, 8)),
+    "AvgPool3d": (lambda: nn.AvgPool3d(2), (2, 3, 4, 4, 4)),
+    "AdaptiveAvgPool2d": (lambda: nn.AdaptiveAvgPool2d(3), (2, 3, 8, 7)),
+    "Conv2d, weight frozen": (lambda: nn.Conv2d(3, 4, 3).requires_grad_(False), (2, 3, 8, 8)),
+    "BatchNorm2d eval": (lambda: nn.BatchNorm2d(3).eval().requires_grad_(False), (2, 3, 8, 8)),
+}
+
+
+@pytest.mark.parametrize("name", list(BATCHED))
+def test_batched_backward_is_stocks(name: str) -> None:
+    """``autograd.grad(..., is_grads_batched=True)`` runs the drop-in's backward under vmap:
+    its ops must batch (no out= forms, no direct kernel calls on wrappers without data)."""
+    build, shape = BATCHED[name]
+    torch.manual_seed(0)
+    stock = build()
+    memsave = convert(nn.Sequential(copy.deepcopy(stock)))[0]
+    assert type(memsave) is not type(stock)
+    x = torch.randn(shape)
+    if "channels-last" in name:
+        x = x.contiguous(memory_format=torch.channels_last)
+    results = []
+    for layer in (stock, memsave):
+        leaf = x.detach().requires_grad_(True)
+        y = layer(leaf * 1.0)
+        vectors = torch.randn(3, *y.shape, generator=torch.Generator().manual_seed(1))
+        results.append(torch.autograd.grad(y, leaf, vectors, is_grads_batched=True)[0])
+    assert torch.equal(*results)
+
+
+def test_dropout_refuses_a_batched_backward_and_says_what_works() -> None:
+    layer = convert(nn.Sequential(nn.Dropout(0.3)))[0]
+    x = torch.randn(4, 6, requires_grad=True)
+    y = layer(x)
+    with pytest.raises(RuntimeError, match=r"is_grads_batched=True.*torch\.func\.jacrev"):
+        torch.autograd.grad(y, x, torch.randn(2, 4, 6), is_grads_batched=True)
+    # What the message offers: jacrev runs stock dropout, the same noise for the same seed.
+    stock = nn.Dropout(0.3)
+    jacobians = []
+    for model in (stock, layer):
+        torch.manual_seed(5)
+        jacobians.append(torch.func.jacrev(model)(x.detach()))
+    assert torch.equal(*jacobians)
+
+
+def test_forward_mode_ad_is_stocks() -> None:
+    """Inside ``forward_ad.dual_level`` (and under ``torch.func.jvp``) the layers run stock:
+    their Functions define no ``jvp``; tangents and values equal stock's."""
+    import torch.autograd.forward_ad as fwAD
+
+    torch.manual_seed(0)
+    stock, memsave = (model.eval() for model in _pair(_cnn()))
+    x, tangent = torch.randn(2, 3, 10, 10, requires_grad=True), torch.randn(2, 3, 10, 10)
+    results = []
+    for model in (stock, memsave):
+        with fwAD.dual_level():
+            out = fwAD.unpack_dual(model(fwAD.make_dual(x, tangent)))
+        results.append((out.primal, out.tangent, *torch.func.jvp(model, (x,), (tangent,))))
+    for expected, actual in zip(*results, strict=True):
+        assert torch.equal(expected, actual)
