@@ -174,3 +174,26 @@ def test_forward_mode_ad_is_stocks() -> None:
         results.append((out.primal, out.tangent, *torch.func.jvp(model, (x,), (tangent,))))
     for expected, actual in zip(*results, strict=True):
         assert torch.equal(expected, actual)
+
+
+@pytest.mark.parametrize("part", ["norm", "mlp", "mlp frozen"])
+def test_transformer_layers_batched_backward_is_stocks(part: str, tiny_llama_config) -> None:
+    """RMSNorm's and the gated MLP's recomputing backward, run batched."""
+    from transformers.models.llama import modeling_llama
+
+    torch.manual_seed(0)
+    hidden = tiny_llama_config.hidden_size
+    if part == "norm":
+        stock = modeling_llama.LlamaRMSNorm(hidden)
+    else:
+        stock = modeling_llama.LlamaMLP(tiny_llama_config).requires_grad_(part == "mlp")
+    memsave = convert(nn.Sequential(copy.deepcopy(stock)))[0]
+    assert type(memsave) is not type(stock)
+    x = torch.randn(2, 5, hidden)
+    results = []
+    for layer in (stock, memsave):
+        leaf = x.detach().requires_grad_(True)
+        y = layer(leaf * 1.0)
+        vectors = torch.randn(3, *y.shape, generator=torch.Generator().manual_seed(1))
+        results.append(torch.autograd.grad(y, leaf, vectors, is_grads_batched=True)[0])
+    assert torch.equal(*results)
