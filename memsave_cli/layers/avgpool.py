@@ -106,7 +106,7 @@ def _needs_memsave(input: Tensor, nd: int) -> bool:
     """Whether the shape-only path applies; otherwise stock runs (and raises stock's errors)."""
     return (
         input.requires_grad
-        and records_backward()
+        and records_backward(input)
         and input.numel() > 0
         and input.dim() in (nd + 1, nd + 2)
     )

@@ -147,7 +147,7 @@ class _MemSaveBatchNorm(nn.modules.batchnorm._BatchNorm):
     def _may_need_grad(self, input: Tensor) -> bool:
         """Whether autograd could record this call (otherwise stock saves nothing either)."""
         tensors = (input, self.weight, self.bias)
-        return records_backward() and any(t is not None and t.requires_grad for t in tensors)
+        return records_backward(input) and any(t is not None and t.requires_grad for t in tensors)
 
 
 @drop_in(nn.BatchNorm1d)

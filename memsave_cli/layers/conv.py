@@ -100,7 +100,7 @@ class _PadFunction(torch.autograd.Function):
 
 def _pad(x: Tensor, pad: Sequence[int], mode: str) -> Tensor:
     """``F.pad`` as stock convolutions use it, without saving the input for reflect/replicate."""
-    if mode in _PAD_KERNELS and x.requires_grad and records_backward():
+    if mode in _PAD_KERNELS and x.requires_grad and records_backward(x):
         return _PadFunction.apply(x, list(pad), mode)
     return F.pad(x, pad, mode=mode)
 
@@ -200,7 +200,7 @@ def _use_memsave(module: Conv | ConvTranspose, x: Tensor) -> bool:
     That needs a recorded backward, a valid input, and not the case of the NOTE above.
     """
     weight, bias = module.weight, module.bias
-    if not records_backward() or x.dim() not in (weight.dim() - 1, weight.dim()):
+    if not records_backward(x) or x.dim() not in (weight.dim() - 1, weight.dim()):
         return False
     if x.requires_grad and weight.requires_grad:
         return module.padding_mode in _PAD_KERNELS

@@ -105,7 +105,7 @@ def _needs_memsave(input: Tensor, p: float, training: bool) -> bool:
         and 0.0 < p < 1.0
         and input.numel() > 0
         and input.requires_grad
-        and records_backward()
+        and records_backward(input)
     )
 
 

@@ -59,7 +59,7 @@ class GatedProductFunction(Function):
 def gated_product(gate: Tensor, up: Tensor, activation: str) -> Tensor:
     """``act(gate) * up``; through the Function only where autograd records it and the factors
     have one shape and dtype (otherwise stock's ops, which then keep the same or nothing)."""
-    records = records_backward() and (gate.requires_grad or up.requires_grad)
+    records = records_backward(gate, up) and (gate.requires_grad or up.requires_grad)
     plain = gate.shape == up.shape and gate.dtype == up.dtype
     if not records or not plain or autocast_on(gate.device.type):
         return ACTIVATIONS[activation][0](gate) * up

@@ -75,7 +75,7 @@ def _project(
     else:
         return lora_A(dropout(cast(x)))
     needs_grad = x.requires_grad or any(w.requires_grad for w in lora_A.parameters())
-    if not (needs_grad and records_backward()):
+    if not (needs_grad and records_backward(x)):
         return lora_A(dropout(cast(x)))
     return dropped_projection(x, p, lora_A, cast)
 

@@ -63,7 +63,7 @@ def _needs_memsave(module: nn.Module, input: Tensor, nd: int) -> bool:
     return (
         not module.return_indices
         and input.requires_grad
-        and records_backward()
+        and records_backward(input)
         and input.numel() > 0
         and input.dim() in (nd + 1, nd + 2)
     )

@@ -259,9 +259,8 @@ def may_record(x: Tensor, weight: Tensor | None) -> bool:
     wants = x.requires_grad or (weight is not None and weight.requires_grad)
     return (
         wants
-        and records_backward()
+        and records_backward(x)
         and x.dtype.is_floating_point
-        and not x.is_nested
         and not autocast_on(x.device.type)
     )
 
