@@ -36,16 +36,22 @@ def refuse_batched(grad: torch.Tensor, layer: str) -> None:
 
 
 def records_backward(*inputs: torch.Tensor) -> bool:
-    """Whether a memsave Function may record a backward for ``inputs``: grad mode is on, no
-    input is a nested tensor, and neither a ``torch.func`` transform (``grad``, ``vmap``,
-    ``jacrev``) nor forward-mode AD is active.
+    """Whether a memsave Function may record a backward for ``inputs``: grad mode is on and
+    :func:`functions_run`."""
+    return torch.is_grad_enabled() and functions_run(*inputs)
+
+
+def functions_run(*inputs: torch.Tensor) -> bool:
+    """Whether memsave's Functions can run on ``inputs``: no input is a nested tensor, and
+    neither a ``torch.func`` transform (``grad``, ``vmap``, ``jacrev``) nor forward-mode AD is
+    active.
 
     The Functions take their context in ``forward`` and define no ``jvp``, which the transforms
     and forward AD refuse, and their ops take strided tensors; in those cases the layers run
     stock and save what stock saves (a converted model works wherever the stock one does).
     Under ``torch.compile`` Dynamo handles the transforms itself.
     """
-    if not torch.is_grad_enabled() or any(t.is_nested for t in inputs):
+    if any(t.is_nested for t in inputs):
         return False
     if torch.compiler.is_compiling():
         return True

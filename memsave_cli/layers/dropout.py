@@ -16,7 +16,7 @@ from torch import Tensor, nn
 
 from memsave_cli.kernels.dropout import dropout_mul, dropout_mul_
 from memsave_cli.kernels.dropout import dropout_noise as dropout_noise  # re-exported for tests
-from memsave_cli.layers._backward import forbid_double_backward, records_backward, refuse_batched
+from memsave_cli.layers._backward import forbid_double_backward, functions_run, refuse_batched
 from memsave_cli.layers.registry import drop_in
 
 #: Seeds are drawn uniformly from [0, 2**62): any of them is a valid ``manual_seed`` argument.
@@ -99,14 +99,17 @@ def _drop(input: Tensor, p: float, *, feature: bool, inplace: bool) -> Tensor:
 
 
 def _needs_memsave(input: Tensor, p: float, training: bool) -> bool:
-    """Whether the seeded path is needed: otherwise stock saves nothing of input size."""
-    return (
-        training
-        and 0.0 < p < 1.0
-        and input.numel() > 0
-        and input.requires_grad
-        and records_backward(input)
-    )
+    """Whether the seeded path runs: wherever dropout draws noise (stock special-cases p = 0
+    and p = 1), with a gradient or without.
+
+    NOTE [one noise with or without a gradient]: the seeded path draws its noise differently
+    from stock's ``bernoulli_``, so a call without a gradient must take it too. A recomputation
+    replays a forward that ran without one (reentrant ``torch.utils.checkpoint`` runs the
+    forward under ``no_grad`` and recomputes it with grad, restoring the random state): the
+    recomputed noise must be the noise the output was computed with, or the gradient belongs
+    to another output. Without a gradient nothing is saved either way.
+    """
+    return training and 0.0 < p < 1.0 and input.numel() > 0 and functions_run(input)
 
 
 def _check_p(p: float) -> None:

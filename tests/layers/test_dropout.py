@@ -283,3 +283,42 @@ def test_compile_gradient_matches_its_mask() -> None:
     assert 0 < noise.count_nonzero() < noise.numel()
     assert_close(output, x * noise, atol=0, rtol=0)
     assert_close(x.grad, grad * noise, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize(
+    ("stock", "shape"),
+    [(nn.Dropout, (3, 5, 7)), (nn.Dropout2d, (3, 5, 7, 2)), (nn.Dropout1d, (3, 5, 7))],
+    ids=["Dropout", "Dropout2d", "Dropout1d"],
+)
+def test_the_noise_is_the_same_with_or_without_a_gradient(stock: type, shape: tuple) -> None:
+    """NOTE [one noise with or without a gradient]: from the same random state, a call without a
+    gradient drops what a call with one drops."""
+    layer = DROP_INS[stock](0.3)
+    x = torch.randn(shape)
+    torch.manual_seed(4)
+    with torch.no_grad():
+        without = layer(x)
+    torch.manual_seed(4)
+    with_grad = layer(x.clone().requires_grad_(True))
+    assert torch.equal(without, with_grad.detach())
+    assert not torch.equal(without, x)  # something was dropped
+
+
+def test_reentrant_checkpoint_gives_the_plain_gradients() -> None:
+    """Reentrant checkpointing runs the forward without a gradient and recomputes it with one:
+    the gradients are those of the output it returned."""
+    from torch.utils.checkpoint import checkpoint
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), MemSaveDropout(0.3), nn.Linear(16, 2))
+    x = torch.randn(5, 8)
+    results = []
+    for run in (model, lambda t: checkpoint(model, t, use_reentrant=True)):
+        model.zero_grad()
+        torch.manual_seed(11)
+        leaf = x.clone().requires_grad_(True)
+        out = run(leaf)
+        out.square().sum().backward()
+        results.append([out.detach(), leaf.grad, *(p.grad for p in model.parameters())])
+    for expected, actual in zip(*results, strict=True):
+        assert torch.equal(expected, actual)
