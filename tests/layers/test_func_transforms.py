@@ -123,18 +123,10 @@ BATCHED = {
 }
 
 
-@pytest.mark.parametrize("name", list(BATCHED))
-def test_batched_backward_is_stocks(name: str) -> None:
-    """``autograd.grad(..., is_grads_batched=True)`` runs the drop-in's backward under vmap:
-    its ops must batch (no out= forms, no direct kernel calls on wrappers without data)."""
-    build, shape = BATCHED[name]
-    torch.manual_seed(0)
-    stock = build()
+def _assert_batched_backward_is_stocks(stock: nn.Module, x: torch.Tensor) -> None:
+    """The input gradient of ``stock`` and of its drop-in for three vectors at once."""
     memsave = convert(nn.Sequential(copy.deepcopy(stock)))[0]
     assert type(memsave) is not type(stock)
-    x = torch.randn(shape)
-    if "channels-last" in name:
-        x = x.contiguous(memory_format=torch.channels_last)
     results = []
     for layer in (stock, memsave):
         leaf = x.detach().requires_grad_(True)
@@ -142,6 +134,19 @@ def test_batched_backward_is_stocks(name: str) -> None:
         vectors = torch.randn(3, *y.shape, generator=torch.Generator().manual_seed(1))
         results.append(torch.autograd.grad(y, leaf, vectors, is_grads_batched=True)[0])
     assert torch.equal(*results)
+
+
+@pytest.mark.parametrize("name", list(BATCHED))
+def test_batched_backward_is_stocks(name: str) -> None:
+    """``autograd.grad(..., is_grads_batched=True)`` runs the drop-in's backward under vmap:
+    its ops must batch (no out= forms, no direct kernel calls on wrappers without data)."""
+    build, shape = BATCHED[name]
+    torch.manual_seed(0)
+    stock = build()
+    x = torch.randn(shape)
+    if "channels-last" in name:
+        x = x.contiguous(memory_format=torch.channels_last)
+    _assert_batched_backward_is_stocks(stock, x)
 
 
 def test_dropout_refuses_a_batched_backward_and_says_what_works() -> None:
@@ -187,16 +192,8 @@ def test_transformer_layers_batched_backward_is_stocks(part: str, tiny_llama_con
         stock = modeling_llama.LlamaRMSNorm(hidden)
     else:
         stock = modeling_llama.LlamaMLP(tiny_llama_config).requires_grad_(part == "mlp")
-    memsave = convert(nn.Sequential(copy.deepcopy(stock)))[0]
-    assert type(memsave) is not type(stock)
     x = torch.randn(2, 5, hidden)
-    results = []
-    for layer in (stock, memsave):
-        leaf = x.detach().requires_grad_(True)
-        y = layer(leaf * 1.0)
-        vectors = torch.randn(3, *y.shape, generator=torch.Generator().manual_seed(1))
-        results.append(torch.autograd.grad(y, leaf, vectors, is_grads_batched=True)[0])
-    assert torch.equal(*results)
+    _assert_batched_backward_is_stocks(stock, x)
 
 
 def _nested() -> torch.Tensor:
