@@ -30,6 +30,9 @@ from torch import Tensor, nn
 
 #: Tensor types the implementations may be handed directly (concrete sizes, no dispatch logic).
 _PLAIN = (Tensor, nn.Parameter)
+_dispatch_modes = torch._C._len_torch_dispatch_stack
+_transform = torch._C._functorch.peek_interpreter_stack
+_has_storage = torch._C._has_storage
 
 
 class EagerOp:
@@ -48,24 +51,24 @@ class EagerOp:
 
     def _direct(self, args: tuple[Any, ...]) -> Callable[..., Any] | None:
         """The implementation to call for ``args``, or None where the op must be called."""
-        device, grad_mode = None, torch.is_grad_enabled()
+        if _dispatch_modes() or _transform() is not None:
+            return None
+        grad_mode, cuda, cpu = torch.is_grad_enabled(), False, False
         for arg in args:
             if not isinstance(arg, Tensor):
                 continue
             if type(arg) not in _PLAIN or (grad_mode and arg.requires_grad):
                 return None
-            if not torch._C._has_storage(arg):  # a batching or transform wrapper of type Tensor
+            if not _has_storage(arg):  # a batching or transform wrapper of type Tensor
                 return None
-            kind = arg.device.type
-            if kind not in self.implementations:
+            if arg.is_cuda:  # ``device.type`` builds a device object: several times the cost
+                cuda = True
+            elif arg.is_cpu:
+                cpu = True
+            else:
                 return None
-            if device != "cuda":  # CUDA's dispatch key outranks the CPU's (a CPU seed, a scalar)
-                device = kind
-        if device is None or torch._C._len_torch_dispatch_stack() > 0:
-            return None
-        if torch._C._functorch.peek_interpreter_stack() is not None:  # vmap, grad: wrappers
-            return None
-        return self.implementations[device]
+        # CUDA's dispatch key outranks the CPU's (a CPU seed, a scalar), as in the dispatcher.
+        return self.implementations.get("cuda" if cuda else "cpu") if cuda or cpu else None
 
     def __repr__(self) -> str:
         return f"EagerOp({self.op})"
