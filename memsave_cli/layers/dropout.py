@@ -98,7 +98,7 @@ def _drop(input: Tensor, p: float, *, feature: bool, inplace: bool) -> Tensor:
     return seeded_dropout(input, draw_seed(), p, feature=feature, inplace=inplace)
 
 
-def _needs_memsave(input: Tensor, p: float, training: bool) -> bool:
+def _needs_memsave(input: Tensor, p: float, training: bool, inplace: bool) -> bool:
     """Whether the seeded path runs: wherever dropout draws noise (stock special-cases p = 0
     and p = 1), with a gradient or without.
 
@@ -109,6 +109,8 @@ def _needs_memsave(input: Tensor, p: float, training: bool) -> bool:
     recomputed noise must be the noise the output was computed with, or the gradient belongs
     to another output. Without a gradient nothing is saved either way.
     """
+    if inplace and input.is_leaf and input.requires_grad and torch.is_grad_enabled():
+        return False  # stock raises its own error for an in-place op on such a leaf
     return training and 0.0 < p < 1.0 and input.numel() > 0 and functions_run(input)
 
 
@@ -120,14 +122,14 @@ def _check_p(p: float) -> None:
 def dropout(input: Tensor, p: float = 0.5, training: bool = True, inplace: bool = False) -> Tensor:
     """Drop-in for ``F.dropout`` that saves a seed instead of its noise when a gradient is needed."""
     _check_p(p)
-    if not _needs_memsave(input, p, training):
+    if not _needs_memsave(input, p, training, inplace):
         return nn.functional.dropout(input, p, training, inplace)
     return _drop(input, p, feature=False, inplace=inplace)
 
 
 def _feature_dropout(input: Tensor, p: float, training: bool, inplace: bool) -> Tensor:
     """Channel-wise dropout of an input with batch and channel dimensions (``feature_dropout``)."""
-    if not _needs_memsave(input, p, training):
+    if not _needs_memsave(input, p, training, inplace):
         if inplace:
             return torch.feature_dropout_(input, p, training)
         return torch.feature_dropout(input, p, training)

@@ -322,3 +322,14 @@ def test_reentrant_checkpoint_gives_the_plain_gradients() -> None:
         results.append([out.detach(), leaf.grad, *(p.grad for p in model.parameters())])
     for expected, actual in zip(*results, strict=True):
         assert torch.equal(expected, actual)
+
+
+@pytest.mark.parametrize(("stock", "shape"), [(nn.Dropout, (4, 6)), (nn.Dropout2d, (2, 3, 4, 4))])
+def test_in_place_on_a_leaf_raises_stocks_error(stock: type, shape: tuple) -> None:
+    """An in-place dropout of a leaf that requires grad: stock's own error, word for word."""
+    messages = []
+    for layer in (stock(0.5, inplace=True), DROP_INS[stock](0.5, inplace=True)):
+        with pytest.raises(RuntimeError) as error:
+            layer(torch.randn(shape, requires_grad=True))
+        messages.append(str(error.value))
+    assert messages[0] == messages[1]
