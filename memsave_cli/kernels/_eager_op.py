@@ -72,3 +72,20 @@ class EagerOp:
 
     def __repr__(self) -> str:
         return f"EagerOp({self.op})"
+
+
+def register(
+    library: torch.library.Library,
+    name: str,
+    implementations: Mapping[str, Callable[..., Any]],
+    reference: Callable[..., Any],
+    fake: Callable[..., Any],
+) -> EagerOp:
+    """Register the defined op ``memsave::{name}`` with its ``"cpu"`` and ``"cuda"``
+    ``implementations``, ``reference`` for every other device and ``fake`` without data (NOTE
+    [one op, every way it runs] in ``activation.py``); return it as eager code calls it."""
+    library.impl(name, implementations["cpu"], "CPU")
+    library.impl(name, implementations["cuda"], "CUDA")
+    library.impl(name, reference, "CompositeExplicitAutograd")
+    torch.library.register_fake(f"memsave::{name}", fake, lib=library)
+    return EagerOp(getattr(torch.ops.memsave, name).default, implementations)

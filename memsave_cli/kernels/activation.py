@@ -31,7 +31,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from memsave_cli.kernels import native
 from memsave_cli.kernels import triton as triton_kernels
-from memsave_cli.kernels._eager_op import EagerOp
+from memsave_cli.kernels._eager_op import EagerOp, register
 from memsave_cli.kernels.bitmask import BitLayout, compare, pack_bits, packed_numel, unpack_as
 
 #: Dtypes the fused kernels serve (NOTE [NaN payloads in 16-bit types] in ``native.py``).
@@ -259,7 +259,7 @@ def _register_pack(kind: str, params: tuple[str, ...]) -> tuple[EagerOp, EagerOp
             return stock_result(kind, x, False, args), _fake_bits(x)
 
         implementations = {"cpu": implement(_cpu_pack), "cuda": implement(_cuda_pack)}
-        ops.append(_register(name, implementations, implement(reference_pack), fake))
+        ops.append(register(library, name, implementations, implement(reference_pack), fake))
     return ops[0], ops[1]
 
 
@@ -288,17 +288,7 @@ def _register_select(name: str) -> EagerOp:
         return torch.mul(grad, saved) if grad_first else torch.mul(saved, grad)
 
     implementations = {"cpu": implement(_cpu_select), "cuda": implement(_cuda_select)}
-    return _register(name, implementations, implement(reference_select), fake)
-
-
-def _register(name: str, implementations: dict, reference, fake) -> EagerOp:
-    """Register op ``name``'s CPU and CUDA ``implementations``, ``reference`` for every other
-    device and ``fake``; eager code calls the result (NOTE [eager calls skip the dispatcher])."""
-    library.impl(name, implementations["cpu"], "CPU")
-    library.impl(name, implementations["cuda"], "CUDA")
-    library.impl(name, reference, "CompositeExplicitAutograd")
-    torch.library.register_fake(f"memsave::{name}", fake, lib=library)
-    return EagerOp(getattr(torch.ops.memsave, name).default, implementations)
+    return register(library, name, implementations, implement(reference_select), fake)
 
 
 @functools.lru_cache(maxsize=512)

@@ -46,7 +46,7 @@ import torch
 from torch import Tensor
 
 from memsave_cli.kernels import triton as triton_kernels
-from memsave_cli.kernels._eager_op import EagerOp
+from memsave_cli.kernels._eager_op import register
 from memsave_cli.kernels._layout import is_dense, memory_format
 
 #: Integer dtype with the itemsize of each real floating dtype, to build the noise from its bits.
@@ -235,19 +235,12 @@ _IMPLS = {
     "dropout_mul": {"cpu": reference_mul, "cuda": _cuda_mul},
     "dropout_mul_": {"cpu": reference_mul_, "cuda": _cuda_mul_},
 }
-for _name, _impls in _IMPLS.items():
-    library.impl(_name, _impls["cpu"], "CPU")
-    library.impl(_name, _impls["cuda"], "CUDA")
-    # The CPU implementation is the reference itself.
-    library.impl(_name, _impls["cpu"], "CompositeExplicitAutograd")
 
 
-@torch.library.register_fake("memsave::dropout_noise", lib=library)
 def _noise_fake(like: Tensor, seed: Tensor, p: float, shape: Sequence[int]) -> Tensor:
     return like.new_empty(tuple(shape))
 
 
-@torch.library.register_fake("memsave::dropout_mul", lib=library)
 def _mul_fake(
     x: Tensor,
     seed: Tensor,
@@ -263,13 +256,17 @@ def _mul_fake(
     return torch.mul(x, x.new_empty(tuple(noise_shape)))
 
 
-@torch.library.register_fake("memsave::dropout_mul_", lib=library)
 def _mul_fake_(x: Tensor, seed: Tensor, p: float, noise_shape: Sequence[int]) -> None:
     return None
 
 
-#: The ops as eager code calls them (NOTE [eager calls skip the dispatcher] in ``_eager_op.py``).
-_OPS = {name: EagerOp(getattr(torch.ops.memsave, name).default, _IMPLS[name]) for name in _IMPLS}
+_FAKES = {"dropout_noise": _noise_fake, "dropout_mul": _mul_fake, "dropout_mul_": _mul_fake_}
+#: The ops as eager code calls them (NOTE [eager calls skip the dispatcher] in ``_eager_op.py``);
+#: the CPU implementation is the reference itself.
+_OPS = {
+    name: register(library, name, impls, impls["cpu"], _FAKES[name])
+    for name, impls in _IMPLS.items()
+}
 
 
 def dropout_noise(like: Tensor, seed: Tensor, p: float, shape: Sequence[int]) -> Tensor:

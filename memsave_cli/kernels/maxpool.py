@@ -17,7 +17,7 @@ from torch import Tensor
 
 from memsave_cli.kernels import native
 from memsave_cli.kernels import triton as triton_kernels
-from memsave_cli.kernels._eager_op import EagerOp
+from memsave_cli.kernels._eager_op import EagerOp, register
 from memsave_cli.kernels._layout import is_dense, shape_only
 
 
@@ -172,10 +172,8 @@ def _register(schema: str, implementation, fake) -> EagerOp:
     result (NOTE [eager calls skip the dispatcher])."""
     name = schema.split("(", 1)[0]
     library.define(schema)
-    library.impl(name, implementation, "CompositeExplicitAutograd")
-    torch.library.register_fake(f"memsave::{name}", fake, lib=library)
-    op = getattr(torch.ops.memsave, name).default
-    return EagerOp(op, {"cpu": implementation, "cuda": implementation})
+    both = {"cpu": implementation, "cuda": implementation}
+    return register(library, name, both, implementation, fake)
 
 
 library = torch.library.Library("memsave", "FRAGMENT")

@@ -148,7 +148,7 @@ def _activate(
     call, so gradients are the same. The Function's one output is the result: the bits are
     saved, not returned, so that it may modify a view in place as stock's op does.
     """
-    if not (records_backward(x) and x.requires_grad) or (inplace and x.is_leaf):
+    if not (x.requires_grad and records_backward(x)) or (inplace and x.is_leaf):
         return stock(x, *args, inplace)
     if inplace and torch.compiler.is_compiling():
         return x.copy_(function.apply(x, *args, False, True))
