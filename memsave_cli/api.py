@@ -75,9 +75,9 @@ def profile(
         "reshard": reshard,
     }
     _check_settings(spec, impls, chosen, settings)
-    plan_model = PlanModel(spec)  # NOTE [one build] in plan_model.py
-    selected = _select_cases(plan_model, cases, notes, lora)
     shape = settings["input_shape"]
+    plan_model = PlanModel(spec, batch_size=batch_size, input_shape=shape)  # NOTE [one build]
+    selected = _select_cases(plan_model, cases, notes, lora)
     check_plan(spec, selected, batch_size=batch_size, input_shape=shape, plan_model=plan_model)
     for case in selected:
         check_job(Job(spec, case, impls[0], chosen, **settings))

@@ -100,11 +100,11 @@ def fit(
     spec = parse_spec(model, model_kwargs)
     notes: list[str] = []
     device = resolve_device(device, notes, fsdp, reshard)
-    plan_model = PlanModel(spec)  # NOTE [one build] in plan_model.py
-    chosen, skipped = _cases(plan_model, cases)
-    notes.extend(skipped)
     settings = {"dtype": dtype, "input_shape": _shape(input_shape), "bn_eval": bn_eval}
     shape = settings["input_shape"]
+    plan_model = PlanModel(spec, batch_size=1, input_shape=shape)  # NOTE [one build]
+    chosen, skipped = _cases(plan_model, cases)
+    notes.extend(skipped)
     # before any run
     check_plan(spec, chosen, batch_size=1, input_shape=shape, plan_model=plan_model)
     settings |= {"optimizer": optimizer, "repeat": 1, "per_layer": False}

@@ -14,6 +14,7 @@ from torch import nn
 
 from memsave_cli.cases import apply_case
 from memsave_cli.inputs import Example, feeds_embeddings, loss_of, make_example
+from memsave_cli.lazy import has_lazy, materialize
 from memsave_cli.lora import apply_lora
 from memsave_cli.specs import build_model
 
@@ -41,6 +42,8 @@ def prepare(job: Job, model: nn.Module | None = None, world: fsdp.World | None =
         with torch.device(device), _default_dtype(dtype):
             model = build_model(job.spec)
     model = model.to(device=device, dtype=dtype)
+    if has_lazy(model):
+        materialize(model, _example(job, model, dtype, device))
     if job.case.lora is not None:  # adapters are part of the stock model, then converted
         with torch.device(device), _default_dtype(dtype):
             model = apply_lora(model, job.case.lora)
@@ -53,7 +56,16 @@ def prepare(job: Job, model: nn.Module | None = None, world: fsdp.World | None =
     apply_case(model, job.case)
     if world is not None:
         model = world.shard(model, job.reshard)
-    example = make_example(
+    example = _example(job, model, dtype, device)
+    if job.case.input_grad:
+        for tensor in example.differentiable:
+            tensor.requires_grad_(True)
+    return Prepared(model, example, make_optimizer(model, job.optimizer))
+
+
+def _example(job: Job, model: nn.Module, dtype: torch.dtype, device: torch.device) -> Example:
+    """The inputs ``job`` asks for, made for ``model``."""
+    return make_example(
         model,
         job.spec,
         batch_size=job.batch_size,
@@ -63,10 +75,6 @@ def prepare(job: Job, model: nn.Module | None = None, world: fsdp.World | None =
         input_grad=job.case.input_grad,
         embeds=feeds_embeddings(job.inputs, job.case),
     )
-    if job.case.input_grad:
-        for tensor in example.differentiable:
-            tensor.requires_grad_(True)
-    return Prepared(model, example, make_optimizer(model, job.optimizer))
 
 
 def convert_impl(model: nn.Module, impl: str) -> nn.Module:

@@ -47,6 +47,27 @@ def small_cnn_inputs(batch_size: int) -> torch.Tensor:
     return torch.randn(batch_size, 3, 32, 32)
 
 
+def lazy_cnn() -> nn.Module:
+    """``small_cnn`` with every layer that can be lazy built lazy: shapes come from the input."""
+    return nn.Sequential(
+        nn.LazyConv2d(16, 3, padding=1, bias=False),
+        nn.LazyBatchNorm2d(),
+        nn.ReLU(inplace=True),
+        nn.MaxPool2d(2),
+        nn.LazyConv2d(32, 3, padding=1),
+        nn.LazyBatchNorm2d(),
+        nn.ReLU(inplace=True),
+        nn.Dropout(0.2),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.LazyLinear(10),
+    )
+
+
+def lazy_cnn_inputs(batch_size: int) -> torch.Tensor:
+    return small_cnn_inputs(batch_size)
+
+
 class AttentionNet(nn.Module):
     """A pre-norm transformer block: layer norm, multi-head attention, GELU feed-forward."""
 
