@@ -67,8 +67,8 @@ def parse_shape(text: str | None) -> tuple[int, ...] | None:
     """A per-sample input shape such as ``3,224,224`` or ``3x224x224`` (no batch dimension)."""
     if text is None:
         return None
-    parts = [p for p in re.split(r"[,x×\s]+", text.strip()) if p]
-    if not parts or not all(p.isdigit() and int(p) > 0 for p in parts):
+    parts = re.split(r"\s*[,x×]\s*|\s+", text.strip())  # an empty size ("3,,8") is no size
+    if not all(p.isdecimal() and int(p) > 0 for p in parts):
         raise typer.BadParameter(
             f"{text!r} is not a shape: expected positive sizes such as 3,224,224 "
             "(one sample, without the batch dimension)",
@@ -82,7 +82,7 @@ def parse_ranks(text: str | None) -> int | None:
     if text is None:
         return None
     value = text.strip()
-    if not value.isdigit() or int(value) < 1:
+    if not value.isdecimal() or int(value) < 1:
         raise MemsaveError(
             f"--fsdp takes a number of ranks, a positive integer such as 4; got {text!r}"
         )

@@ -147,6 +147,8 @@ def test_memsave_fits_more_with_frozen_weights(tiny_models):
         ),
         (["--budget", "1GiB", "--case", "norm"], "case 'norm' selects nothing"),
         (["--budget", "1GiB", "--input-shape", "16,0"], "is not a shape"),
+        (["--budget", "1GiB", "--input-shape", "16,,4"], "is not a shape"),  # no size dropped
+        (["--budget", "1GiB", "--input-shape", "16,²"], "is not a shape"),  # a digit, not decimal
         (["--budget", "1GiB", "--max-batch-size", "0"], "--max-batch-size"),
         (["--budget", "1GiB", "--device", "tpu"], "--device"),
     ],
