@@ -17,7 +17,7 @@ from memsave_cli.preflight import check_plan
 from memsave_cli.report import Report, Run
 from memsave_cli.runner import run_jobs
 from memsave_cli.specs import ModelSpec, parse_spec
-from memsave_cli.timing import time_runs
+from memsave_cli.timing import check_threads, time_runs
 
 
 def profile(
@@ -75,6 +75,7 @@ def profile(
         "reshard": reshard,
     }
     _check_settings(spec, impls, chosen, settings)
+    check_threads(threads)
     shape = settings["input_shape"]
     plan_model = PlanModel(spec, batch_size=batch_size, input_shape=shape)  # NOTE [one build]
     selected = _select_cases(plan_model, cases, notes, lora)

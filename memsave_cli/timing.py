@@ -42,7 +42,7 @@ from functools import partial
 
 import torch
 
-from memsave_cli.errors import one_line
+from memsave_cli.errors import MemsaveError, one_line
 from memsave_cli.measure import Job, _cuda_time, _wall_time
 from memsave_cli.report import Run, Status
 from memsave_cli.step import Prepared, clear_grads, prepare, train_step
@@ -142,6 +142,17 @@ def median_iqr(values: Sequence[float]) -> tuple[float, float]:
 def resolved(ratio: float, iqr: float) -> bool:
     """Whether a ratio's spread is smaller than its difference from 1 (see NOTE)."""
     return iqr < abs(ratio - 1)
+
+
+def check_threads(threads: int | None) -> None:
+    """Raise MemsaveError unless ``threads`` (None: torch's default) is 1 to the usable cores:
+    more threads than cores time contention, and thousands of them crash the worker."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    if threads is not None and not 1 <= threads <= (cores or 1):
+        raise MemsaveError(
+            f"cannot time on {threads} threads: this process may use {cores} CPU core(s); "
+            f"give --threads 1 to {cores}"
+        )
 
 
 def time_case(

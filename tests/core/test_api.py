@@ -97,6 +97,8 @@ def test_explicit_meta_reports_why_it_cannot_run() -> None:
         ({"batch_size": 0}, MemsaveError, "batch size must be at least 1"),
         ({"cases": ("sideways",)}, CaseError, "unknown case 'sideways'"),
         ({"cases": ("norm",)}, MemsaveError, "every case was skipped"),
+        ({"threads": 0}, MemsaveError, "cannot time on 0 threads"),
+        ({"threads": 100_000}, MemsaveError, "give --threads 1 to"),  # crashed the worker
     ],
 )
 def test_bad_settings_fail_before_any_worker(settings: dict, error: type, message: str) -> None:
