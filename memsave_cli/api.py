@@ -10,6 +10,7 @@ import torch
 from memsave_cli.cases import PAPER_CASES, Case, has_norm_layers, resolve_case
 from memsave_cli.errors import MemsaveError
 from memsave_cli.fsdp import sharded_device
+from memsave_cli.input_shape import read_shape
 from memsave_cli.lora import LoraSettings, apply_lora
 from memsave_cli.measure import DEVICES, NEEDS_REAL_DATA, Job, check_job
 from memsave_cli.plan_model import PlanModel
@@ -65,7 +66,7 @@ def profile(
     settings = {
         "dtype": dtype,
         "batch_size": batch_size,
-        "input_shape": tuple(int(n) for n in input_shape) if input_shape is not None else None,
+        "input_shape": read_shape(input_shape),
         "bn_eval": bn_eval,
         "optimizer": optimizer,
         "repeat": repeat,
@@ -196,9 +197,6 @@ def _check_settings(spec: ModelSpec, impls: Sequence[str], device: str, settings
             f"--inputs tokens applies to Hugging Face language models (hf: specs); {spec.text} "
             "takes the inputs its family or companion gives: use --inputs auto"
         )
-    shape = settings["input_shape"]
-    if shape is not None and (not shape or min(shape) < 1):
-        raise MemsaveError(f"input shape must be positive sizes, got {shape}")
 
 
 def _run_with_fallback(

@@ -19,6 +19,7 @@ from memsave_cli.api import check_lora_cases, resolve_device
 from memsave_cli.budget import parse_bytes
 from memsave_cli.cases import PAPER_CASES, Case, has_norm_layers, resolve_case
 from memsave_cli.errors import MemsaveError, one_line
+from memsave_cli.input_shape import read_shape
 from memsave_cli.measure import Job, measure
 from memsave_cli.plan_model import PlanModel
 from memsave_cli.preflight import check_plan
@@ -100,7 +101,7 @@ def fit(
     spec = parse_spec(model, model_kwargs)
     notes: list[str] = []
     device = resolve_device(device, notes, fsdp, reshard)
-    settings = {"dtype": dtype, "input_shape": _shape(input_shape), "bn_eval": bn_eval}
+    settings = {"dtype": dtype, "input_shape": read_shape(input_shape), "bn_eval": bn_eval}
     shape = settings["input_shape"]
     plan_model = PlanModel(spec, batch_size=1, input_shape=shape)  # NOTE [one build]
     chosen, skipped = _cases(plan_model, cases)
@@ -255,7 +256,3 @@ def _measure_here(job: Job) -> Run:
 
 def _with_batch(job: Job, batch_size: int) -> Job:
     return replace(job, batch_size=batch_size)
-
-
-def _shape(input_shape: Sequence[int] | None) -> tuple[int, ...] | None:
-    return None if input_shape is None else tuple(int(n) for n in input_shape)

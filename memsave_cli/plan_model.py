@@ -25,8 +25,9 @@ from memsave_cli.specs import ModelSpec, build_model
 
 
 class PlanModel:
-    """The model of ``spec`` on the meta device, built at most once, when a check first asks;
-    lazy modules are shaped by the inputs of ``batch_size`` and ``input_shape``."""
+    """The model of ``spec`` on the meta device, built at most once, when a check first asks
+    (or ``built``, a model on meta that ``spec`` names); lazy modules are shaped by the inputs
+    of ``batch_size`` and ``input_shape``."""
 
     def __init__(
         self,
@@ -34,9 +35,11 @@ class PlanModel:
         *,
         batch_size: int | None = None,
         input_shape: Sequence[int] | None = None,
+        built: nn.Module | None = None,
     ) -> None:
         self.spec = spec
         self._inputs = {"batch_size": batch_size, "input_shape": input_shape}
+        self._built = built  # a model already on meta, which ``spec`` only names
         self._model: nn.Module | None = None
 
     @property
@@ -57,7 +60,7 @@ class PlanModel:
 
     def _build(self) -> nn.Module:
         with torch.device("meta"):
-            model = build_model(self.spec)
+            model = build_model(self.spec) if self._built is None else self._built
             if has_lazy(model):
                 # a forward that fails here fails in check_plan too, which says what went wrong
                 with contextlib.suppress(Exception):

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import re
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import typer
 
 from memsave_cli.errors import MemsaveError
+from memsave_cli.input_shape import read_shape
 
 if TYPE_CHECKING:
     from memsave_cli.cases import Case
@@ -65,16 +65,10 @@ def _lora_settings(names: Sequence[str], lora: LoraOptions | None) -> object:
 
 def parse_shape(text: str | None) -> tuple[int, ...] | None:
     """A per-sample input shape such as ``3,224,224`` or ``3x224x224`` (no batch dimension)."""
-    if text is None:
-        return None
-    parts = re.split(r"\s*[,x×]\s*|\s+", text.strip())  # an empty size ("3,,8") is no size
-    if not all(p.isdecimal() and int(p) > 0 for p in parts):
-        raise typer.BadParameter(
-            f"{text!r} is not a shape: expected positive sizes such as 3,224,224 "
-            "(one sample, without the batch dimension)",
-            param_hint="'--input-shape'",
-        )
-    return tuple(int(p) for p in parts)
+    try:
+        return read_shape(text)
+    except MemsaveError as error:
+        raise typer.BadParameter(str(error), param_hint="'--input-shape'") from None
 
 
 def parse_ranks(text: str | None) -> int | None:

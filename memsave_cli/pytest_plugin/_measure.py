@@ -9,8 +9,9 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.parameter import UninitializedBuffer, UninitializedParameter, is_lazy
 
-from memsave_cli.cases import Case, trainable_names
+from memsave_cli.cases import Case
 from memsave_cli.errors import MemsaveError
 from memsave_cli.pytest_plugin._settings import Settings
 from memsave_cli.report import Run
@@ -30,14 +31,14 @@ def measure_model(model: ModelLike, impl: str, chosen: Settings) -> Run:
     case = chosen.resolved_case()
     if isinstance(model, str) and chosen.device != "meta":
         return _in_worker(model, case, impl, chosen)
+    from memsave_cli.plan_model import PlanModel
+    from memsave_cli.preflight import check_plan
+
     spec, built = _resolve(model, chosen)
     job = Job(spec, case, impl, chosen.device, **chosen.job_settings())
-    if built is None:
-        from memsave_cli.preflight import check_plan
-
-        check_plan(spec, [case], batch_size=chosen.batch_size, input_shape=chosen.input_shape)
-    else:
-        trainable_names(built, case)  # raises CaseError: a glob that selects nothing
+    shape = {"batch_size": chosen.batch_size, "input_shape": chosen.input_shape}
+    on_meta = None if built is None else _copy_to(built, torch.device("meta"))
+    check_plan(spec, [case], **shape, plan_model=PlanModel(spec, **shape, built=on_meta))
     return measure(job, built)
 
 
@@ -90,12 +91,19 @@ def _object_spec(model: nn.Module) -> ModelSpec:
 
 def _copy_to(model: nn.Module, device: torch.device) -> nn.Module:
     """A copy of ``model`` whose parameters and buffers live on ``device``; on meta the copy
-    takes no memory, since tensors are never copied on the model's own device first."""
+    takes no memory, since tensors are never copied on the model's own device first. Lazy
+    modules' parameters, which hold no data yet, are made anew on ``device`` (``lazy.py``)."""
     memo: dict[int, Any] = {}
     for param in model.parameters():
-        memo[id(param)] = nn.Parameter(param.detach().to(device), param.requires_grad)
+        if is_lazy(param):  # moved, it would become a plain empty parameter
+            memo[id(param)] = UninitializedParameter(param.requires_grad, device, param.dtype)
+        else:
+            memo[id(param)] = nn.Parameter(param.detach().to(device), param.requires_grad)
     for buffer in model.buffers():
-        memo[id(buffer)] = buffer.detach().to(device)
+        if is_lazy(buffer):
+            memo[id(buffer)] = UninitializedBuffer(False, device, buffer.dtype)
+        else:
+            memo[id(buffer)] = buffer.detach().to(device)
     return copy.deepcopy(model, memo)
 
 

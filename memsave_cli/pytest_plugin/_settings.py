@@ -8,6 +8,7 @@ from typing import Any
 
 from memsave_cli.cases import Case, resolve_case
 from memsave_cli.errors import MemsaveError
+from memsave_cli.input_shape import read_shape
 
 
 @dataclass(frozen=True)
@@ -49,8 +50,7 @@ class Settings:
                 f"{', '.join(sorted(known))} (the options of memsave profile)"
             )
         values = dict(given)
-        if values.get("input_shape") is not None:
-            values["input_shape"] = tuple(int(n) for n in values["input_shape"])
+        values["input_shape"] = read_shape(values.get("input_shape"))
         return cls(**values)
 
     @property

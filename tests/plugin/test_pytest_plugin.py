@@ -164,6 +164,39 @@ def test_module_objects_and_builders(pytester: pytest.Pytester) -> None:
     result.stdout.fnmatch_lines(["E *AssertionError: build needs * KiB at its step peak, *"])
 
 
+def test_lazy_objects_and_inputs_they_cannot_take(pytester: pytest.Pytester) -> None:
+    """A lazy model object is shaped by its inputs; inputs no forward takes are one line, as for
+    a spec, not the forward's traceback."""
+    result = run_suite(
+        pytester,
+        """
+        from torch import nn
+
+        def lazy():
+            return nn.Sequential(nn.LazyConv2d(4, 3), nn.ReLU(), nn.Flatten(), nn.LazyLinear(3))
+
+        def test_lazy(memsave):
+            run = memsave.assert_fits(lazy(), budget="1MiB", batch_size=2, input_shape=(3, 8, 8))
+            assert run.saved_bytes > 0
+
+        def test_too_small(memsave):
+            memsave.assert_fits(lazy(), budget="1MiB", input_shape=(3, 2, 2))
+
+        def test_no_shape(memsave):
+            memsave.assert_fits(lazy(), budget="1MiB", input_shape="3,,8")
+        """,
+    )
+    result.assert_outcomes(passed=1, failed=2)
+    result.stdout.fnmatch_lines(
+        [
+            "memsave: Sequential model: the forward fails on one input of shape (64, 3, 2, 2)*",
+            "memsave: '3,,8' is not a shape: expected positive sizes*",
+        ],
+        consecutive=False,
+    )
+    assert "conv.py" not in result.stdout.str()
+
+
 def test_bad_settings_are_errors_not_failures(pytester: pytest.Pytester) -> None:
     result = run_suite(
         pytester,
