@@ -7,6 +7,7 @@ from dataclasses import replace
 
 import torch
 
+from memsave_cli.arguments import count, device_name, dtype_name, seconds, several
 from memsave_cli.cases import PAPER_CASES, Case, has_norm_layers, resolve_case
 from memsave_cli.errors import MemsaveError
 from memsave_cli.fsdp import sharded_device
@@ -61,11 +62,14 @@ def profile(
     cannot take, on one meta build of the model); a failing run is a Run with a status.
     """
     spec = parse_spec(model, model_kwargs)
+    cases, impls, dtype = several(cases), several(impls), dtype_name(dtype)
+    timeout, workers = seconds(timeout, "timeout"), count(workers, "workers", optional=True)
+    threads = count(threads, "threads", optional=True)
     notes: list[str] = []
-    chosen = resolve_device(device, notes, fsdp, reshard)
+    chosen = resolve_device(device_name(device), notes, fsdp, reshard)
     settings = {
         "dtype": dtype,
-        "batch_size": batch_size,
+        "batch_size": count(batch_size, "batch size", optional=True),
         "input_shape": read_shape(input_shape),
         "bn_eval": bn_eval,
         "optimizer": optimizer,
@@ -190,8 +194,6 @@ def _check_settings(spec: ModelSpec, impls: Sequence[str], device: str, settings
         raise MemsaveError("no implementation to measure: give stock, memsave or memsave-conv")
     for impl in impls:
         check_job(Job(spec, Case("all"), impl, device, **settings))
-    if settings["batch_size"] is not None and settings["batch_size"] < 1:
-        raise MemsaveError(f"batch size must be at least 1, got {settings['batch_size']}")
     if settings["inputs"] == "tokens" and spec.kind != "hf":
         raise MemsaveError(
             f"--inputs tokens applies to Hugging Face language models (hf: specs); {spec.text} "

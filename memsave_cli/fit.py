@@ -16,6 +16,7 @@ from collections.abc import Callable, Generator, Sequence
 from dataclasses import asdict, dataclass, replace
 
 from memsave_cli.api import check_lora_cases, resolve_device
+from memsave_cli.arguments import count, device_name, dtype_name, seconds, several
 from memsave_cli.budget import parse_bytes
 from memsave_cli.cases import PAPER_CASES, Case, has_norm_layers, resolve_case
 from memsave_cli.errors import MemsaveError, one_line
@@ -95,9 +96,10 @@ def fit(
     ``device="auto"`` is cuda when available, else meta. ``fsdp=N`` fits one rank of N under
     FSDP2 (``memsave_cli.fsdp``): the batch size is per rank, the budget one rank's memory.
     """
-    budget_bytes = parse_bytes(budget) if isinstance(budget, str) else int(budget)
-    if budget_bytes < 1 or max_batch_size < 1:
-        raise FitError("budget and maximum batch size must be positive")
+    budget_bytes = parse_bytes(budget if isinstance(budget, str) else str(budget))
+    max_batch_size = count(max_batch_size, "maximum batch size")
+    cases, impls, dtype = several(cases), several(impls), dtype_name(dtype)
+    timeout, device = seconds(timeout, "timeout"), device_name(device)
     spec = parse_spec(model, model_kwargs)
     notes: list[str] = []
     device = resolve_device(device, notes, fsdp, reshard)

@@ -41,6 +41,22 @@ def test_profile_runs_every_case_and_impl_like_measure() -> None:
     assert Report.from_json(report.to_json()) == report
 
 
+def test_torch_objects_and_single_names_are_taken_as_given() -> None:
+    """A torch dtype and device, one case and one impl as plain strings, a case given twice."""
+    report = profile(
+        "fixtures_tracker:flat_mlp",
+        cases=["all", "all"],
+        impls="stock",
+        device=torch.device("meta"),
+        dtype=torch.bfloat16,
+        batch_size=2,
+    )
+    assert [(r.case, r.impl) for r in report.runs] == [("all", "stock")]
+    assert (report.device, report.dtype) == ("meta", "bfloat16")
+    single = profile("fixtures_tracker:flat_mlp", cases="input", impls=["stock"], device="meta")
+    assert [r.case for r in single.runs] == ["input"]
+
+
 def test_norm_case_is_skipped_without_norm_layers() -> None:
     planned: list[int] = []
     report = profile(
@@ -94,10 +110,15 @@ def test_explicit_meta_reports_why_it_cannot_run() -> None:
         ({"device": "tpu"}, MemsaveError, "unknown device 'tpu'"),
         ({"dtype": "int8"}, MemsaveError, "unknown dtype 'int8'"),
         ({"optimizer": "lion"}, MemsaveError, "unknown optimizer 'lion'"),
-        ({"batch_size": 0}, MemsaveError, "batch size must be at least 1"),
+        ({"batch_size": 0}, MemsaveError, "batch size must be a positive integer, got 0"),
+        ({"batch_size": "4"}, MemsaveError, "batch size must be a positive integer, got '4'"),
+        ({"batch_size": 2.5}, MemsaveError, "batch size must be a positive integer"),
+        ({"timeout": 0}, MemsaveError, "timeout must be a positive number of seconds"),
+        ({"workers": 0}, MemsaveError, "workers must be a positive integer"),
+        ({"threads": 1.5}, MemsaveError, "threads must be a positive integer"),
         ({"cases": ("sideways",)}, CaseError, "unknown case 'sideways'"),
         ({"cases": ("norm",)}, MemsaveError, "every case was skipped"),
-        ({"threads": 0}, MemsaveError, "cannot time on 0 threads"),
+        ({"threads": 0}, MemsaveError, "threads must be a positive integer, got 0"),
         ({"threads": 100_000}, MemsaveError, "give --threads 1 to"),  # crashed the worker
     ],
 )
@@ -123,3 +144,16 @@ def test_auto_with_cuda_measures_on_cuda() -> None:
     report = profile("fixtures_tracker:mlp", cases=("all",), impls=("stock",), batch_size=2)
     assert report.device == "cuda"
     assert report.runs[0].ok and report.runs[0].time_s > 0
+
+
+def test_fit_reads_its_arguments_as_profile_does() -> None:
+    from memsave_cli.fit import fit
+
+    result = fit(
+        "fixtures_tracker:flat_mlp", budget=2**20, cases="all", impls="stock", dtype=torch.float32
+    )
+    assert [(row.case, row.impl) for row in result.rows] == [("all", "stock")]
+    with pytest.raises(MemsaveError, match="maximum batch size must be a positive integer"):
+        fit("fixtures_tracker:flat_mlp", budget="1MiB", max_batch_size="8")
+    with pytest.raises(MemsaveError, match="cannot read memory size 'None'"):
+        fit("fixtures_tracker:flat_mlp", budget=None)

@@ -1,0 +1,53 @@
+"""Arguments of the Python API (``profile``, ``fit``) as callers pass them: one case or
+implementation as a plain string, a ``torch.dtype``, a ``torch.device``. Each is read into the
+names the core uses; a count or duration no run could use is one MemsaveError before any work."""
+
+from __future__ import annotations
+
+import math
+import operator
+from collections.abc import Sequence
+from typing import TypeVar
+
+import torch
+
+from memsave_cli.errors import MemsaveError
+
+T = TypeVar("T")
+
+
+def several(given: T | Sequence[T]) -> tuple[T, ...]:
+    """``given`` as a tuple without repeats: one name (``"lora"``) is a tuple of one."""
+    items = (given,) if isinstance(given, str) or not isinstance(given, Sequence) else given
+    return tuple(dict.fromkeys(items))
+
+
+def dtype_name(dtype: str | torch.dtype) -> str:
+    """``torch.bfloat16`` -> ``"bfloat16"``; a string passes unchanged (checked by the job)."""
+    return str(dtype).removeprefix("torch.") if isinstance(dtype, torch.dtype) else dtype
+
+
+def device_name(device: str | torch.device) -> str:
+    """``torch.device("cuda")`` -> ``"cuda"``; a string passes unchanged (checked later)."""
+    return str(device) if isinstance(device, torch.device) else device
+
+
+def count(given: object, what: str, *, optional: bool = False) -> int | None:
+    """``given`` as a positive integer (None passes where ``optional``), else one MemsaveError."""
+    if given is None and optional:
+        return None
+    try:
+        value = None if isinstance(given, bool) else operator.index(given)  # type: ignore[arg-type]
+    except TypeError:
+        value = None
+    if value is None or value < 1:
+        raise MemsaveError(f"{what} must be a positive integer, got {given!r}")
+    return value
+
+
+def seconds(given: object, what: str) -> float:
+    """``given`` as a positive, finite number of seconds, else one MemsaveError."""
+    value = given if isinstance(given, int | float) and not isinstance(given, bool) else math.nan
+    if not math.isfinite(value) or value <= 0:
+        raise MemsaveError(f"{what} must be a positive number of seconds, got {given!r}")
+    return float(value)
