@@ -24,7 +24,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
-from benchmarks.gpu_acceptance import candidates
+from benchmarks.gpu_acceptance import candidates, capture
 from benchmarks.gpu_acceptance.budget import Deadline
 from benchmarks.gpu_acceptance.cells import Cell, Status, guarded
 from benchmarks.gpu_acceptance.plan import Plan, selected
@@ -84,8 +84,9 @@ def hugging_face_examples() -> dict[str, Example]:
 
 
 def run(plan: Plan, deadline: Deadline, emit: Callable[[Cell], None]) -> None:
-    """Emit one cell per layer and dtype, then per dropout class and dtype, then the cells of
-    the kernels not served yet (``candidates.py``; they never fail the run)."""
+    """Emit one cell per layer and dtype, then per dropout class and dtype, then the captured
+    CUDA graphs (``capture.py``), then the cells of the kernels not served yet
+    (``candidates.py``; they never fail the run)."""
     device = torch.device(plan.device)
     for name, (build, shape) in examples(plan.hugging_face).items():
         for dtype in plan.dtypes if selected(name, plan) else ():
@@ -101,6 +102,8 @@ def run(plan: Plan, deadline: Deadline, emit: Callable[[Cell], None]) -> None:
                 emit(Cell(PART, label, Status.SKIPPED, "time budget spent"))
                 continue
             emit(guarded(PART, dropout_cell, label, cls, dtype, plan, device))
+    if not deadline.passed():
+        capture.run(device, emit)
     if not deadline.passed():
         candidates.run(device, emit)
 

@@ -59,6 +59,22 @@ def functions_run(*inputs: torch.Tensor) -> bool:
     return torch._C._functorch.peek_interpreter_stack() is None and forward_ad._current_level < 0
 
 
+def graph_capturing(tensor: torch.Tensor) -> bool:
+    """Whether a CUDA graph is being captured on the current stream, for a CUDA ``tensor``.
+
+    NOTE [random layers under CUDA graph capture]: a captured launch replays the arguments it was
+    captured with, so noise drawn from a seed the host chose (memsave's dropout) would repeat at
+    every replay, and a generator's state cannot be read there (peft LoRA dropout's replay raised).
+    The random layers run stock while capturing: stock dropout draws from the CUDA generator,
+    which advances at every replay. What stock dropout saves is then saved.
+    """
+    return tensor.is_cuda and not torch.compiler.is_compiling() and _capturing()
+
+
+def _capturing() -> bool:
+    return torch.cuda.is_current_stream_capturing()
+
+
 #: Whether autocast exists for a device type (``torch.is_autocast_enabled`` raises where not).
 _AUTOCAST_EXISTS: dict[str, bool] = {}
 

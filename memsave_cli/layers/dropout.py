@@ -16,7 +16,12 @@ from torch import Tensor, nn
 
 from memsave_cli.kernels.dropout import dropout_mul, dropout_mul_
 from memsave_cli.kernels.dropout import dropout_noise as dropout_noise  # re-exported for tests
-from memsave_cli.layers._backward import forbid_double_backward, functions_run, refuse_batched
+from memsave_cli.layers._backward import (
+    forbid_double_backward,
+    functions_run,
+    graph_capturing,
+    refuse_batched,
+)
 from memsave_cli.layers.registry import drop_in
 
 #: Seeds are drawn uniformly from [0, 2**62): any of them is a valid ``manual_seed`` argument.
@@ -111,7 +116,9 @@ def _needs_memsave(input: Tensor, p: float, training: bool, inplace: bool) -> bo
     """
     if inplace and input.is_leaf and input.requires_grad and torch.is_grad_enabled():
         return False  # stock raises its own error for an in-place op on such a leaf
-    return training and 0.0 < p < 1.0 and input.numel() > 0 and functions_run(input)
+    if not (training and 0.0 < p < 1.0 and input.numel() > 0 and functions_run(input)):
+        return False
+    return not graph_capturing(input)  # NOTE [random layers under CUDA graph capture]
 
 
 def _check_p(p: float) -> None:

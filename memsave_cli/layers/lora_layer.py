@@ -23,7 +23,7 @@ from peft.tuners.lora import layer as peft_lora
 from peft.tuners.tuners_utils import BaseTunerLayer
 from torch import Tensor, nn
 
-from memsave_cli.layers._backward import records_backward
+from memsave_cli.layers._backward import graph_capturing, records_backward
 from memsave_cli.layers.lora_dropout import dropped_projection
 
 #: Arguments with which peft's forward leaves the vanilla path.
@@ -75,7 +75,8 @@ def _project(
     else:
         return lora_A(dropout(cast(x)))
     needs_grad = x.requires_grad or any(w.requires_grad for w in lora_A.parameters())
-    if not (needs_grad and records_backward(x)):
+    # NOTE [random layers under CUDA graph capture] in _backward.py
+    if not (needs_grad and records_backward(x)) or (p > 0 and graph_capturing(x)):
         return lora_A(dropout(cast(x)))
     return dropped_projection(x, p, lora_A, cast)
 

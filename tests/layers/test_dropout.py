@@ -333,3 +333,22 @@ def test_in_place_on_a_leaf_raises_stocks_error(stock: type, shape: tuple) -> No
             layer(torch.randn(shape, requires_grad=True))
         messages.append(str(error.value))
     assert messages[0] == messages[1]
+
+
+@pytest.mark.parametrize("capturing", [False, True], ids=["eager", "graph-capture"])
+def test_runs_stock_while_a_cuda_graph_is_captured(
+    capturing: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """NOTE [random layers under CUDA graph capture]: a seed drawn on the host would be baked
+    into the graph, so capture takes stock's dropout (stock's noise, stock's saved mask)."""
+    from memsave_cli.layers import dropout as layer
+
+    monkeypatch.setattr(layer, "graph_capturing", lambda tensor: capturing)
+    x = torch.randn(64, 9, requires_grad=True)
+    torch.manual_seed(3)
+    stock = nn.functional.dropout(x, 0.4, True)
+    torch.manual_seed(3)
+    with SavedTensorRecorder() as recorder:
+        ours = MemSaveDropout(0.4)(x)
+    assert torch.equal(ours, stock) is capturing
+    assert (recorder.activation_bytes >= x.numel()) is capturing  # a mask, not a seed

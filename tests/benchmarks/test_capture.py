@@ -1,0 +1,36 @@
+"""The CUDA graph cells of the GPU acceptance (``capture.py``): what they capture, and that they
+wait for a CUDA device."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from benchmarks.gpu_acceptance import capture
+from memsave_cli.layers import convert, converted_counts
+
+
+def test_models_hold_the_drop_ins_they_name() -> None:
+    pytest.importorskip("peft")
+    counts = {
+        label: converted_counts(convert(build())) for label, (build, _) in capture.MODELS.items()
+    }
+    cnn, lora = counts.values()
+    for stock in ("Conv2d", "BatchNorm2d", "ReLU", "MaxPool2d", "Dropout"):
+        assert cnn.get(stock) == 1, cnn
+    assert lora.get("lora.Linear") == 1, lora
+
+
+@pytest.mark.parametrize("label", list(capture.MODELS))
+def test_models_take_their_inputs(label: str) -> None:
+    pytest.importorskip("peft")
+    build, shape = capture.MODELS[label]
+    model = build()
+    model(torch.randn(shape)).square().sum().backward()
+    assert len(capture.names(model)) == 2 + sum(p.requires_grad for p in model.parameters())
+
+
+def test_no_cells_without_a_cuda_device() -> None:
+    cells: list = []
+    capture.run(torch.device("cpu"), cells.append)
+    assert cells == []
