@@ -63,13 +63,14 @@ def profile(
     """
     spec = parse_spec(model, model_kwargs)
     cases, impls, dtype = several(cases), several(impls), dtype_name(dtype)
+    device, batch_size = device_name(device), count(batch_size, "batch size", optional=True)
     timeout, workers = seconds(timeout, "timeout"), count(workers, "workers", optional=True)
     threads = count(threads, "threads", optional=True)
     notes: list[str] = []
-    chosen = resolve_device(device_name(device), notes, fsdp, reshard)
+    chosen = resolve_device(device, notes, fsdp, reshard)
     settings = {
         "dtype": dtype,
-        "batch_size": count(batch_size, "batch size", optional=True),
+        "batch_size": batch_size,
         "input_shape": read_shape(input_shape),
         "bn_eval": bn_eval,
         "optimizer": optimizer,
