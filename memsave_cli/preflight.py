@@ -18,7 +18,7 @@ from torch import nn
 
 from memsave_cli.cases import Case, trainable_names
 from memsave_cli.errors import SpecError, describe
-from memsave_cli.inputs import Example, make_example
+from memsave_cli.inputs import Example, loss_of, make_example
 from memsave_cli.plan_model import PlanModel
 from memsave_cli.specs import ModelSpec
 
@@ -73,10 +73,11 @@ _META_ONLY = ("meta", "no data", "data-dependent", "data dependent")
 
 def check_forward(model: nn.Module, spec: ModelSpec, example: Example, shape_given: bool) -> None:
     """Raise SpecError when the stock forward fails on meta with the inputs made for it, for a
-    reason real data would not change (a shape or channel mismatch, say)."""
+    reason real data would not change (a shape or channel mismatch, say), or when its output
+    holds nothing to take a loss of (an integer tensor, None)."""
     try:
         with torch.no_grad(), torch.device("meta"):
-            model(*example.args, **example.kwargs)
+            output = model(*example.args, **example.kwargs)
     except (RuntimeError, ValueError, TypeError, IndexError) as error:
         if any(word in str(error).lower() for word in _META_ONLY):
             return
@@ -91,6 +92,13 @@ def check_forward(model: nn.Module, spec: ModelSpec, example: Example, shape_giv
             hint = "give --input-shape (one sample, without the batch dimension)"
         raise SpecError(
             f"{spec.text}: the forward fails on {given} ({describe(error)}); {hint}"
+        ) from None
+    try:
+        loss_of(output)
+    except SpecError as error:
+        raise SpecError(
+            f"{spec.text}: {error}, so there is no loss to differentiate; return the logits or "
+            "the loss (a floating tensor, or a tuple, list or dict holding them)"
         ) from None
 
 

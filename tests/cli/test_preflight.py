@@ -75,6 +75,32 @@ def test_two_input_model_names_the_inputs_companion(runner, no_workers, tmp_path
     assert "Define build_inputs(batch_size) beside build" in line
 
 
+NO_LOSS = """
+from torch import nn
+
+
+class Ranks(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(4, 3)
+
+    def forward(self, x):
+        return self.a(x).argmax(-1)
+
+
+def build():
+    return Ranks()
+"""
+
+
+def test_output_without_a_loss_is_one_line(runner, no_workers, tmp_path):
+    path = tmp_path / "ranks.py"
+    path.write_text(NO_LOSS)
+    args = ["profile", f"{path}:build", "--device", "meta", "--input-shape", "4"]
+    line = one_error_line(runner.invoke(app, args))
+    assert "the model output (Tensor) holds no floating tensor, so there is no loss" in line
+
+
 def test_two_input_model_with_its_companion_runs(runner, tmp_path):
     path = tmp_path / "two.py"
     path.write_text(TWO_INPUTS)
