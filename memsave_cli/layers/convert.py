@@ -72,7 +72,7 @@ def convert(
     Models built under ``FakeTensorMode`` cannot be deep-copied: convert them with ``inplace=True``.
     """
     selected = select_drop_ins(include)
-    target = model if inplace else copy.deepcopy(model)
+    target = model if inplace else _copy(model, "convert")
     for module in target.modules():
         drop_in = selected.get(type(module))
         if drop_in is not None:
@@ -89,7 +89,7 @@ def convert(
 def revert(model: nn.Module, *, inplace: bool = False) -> nn.Module:
     """``model`` with every memsave drop-in swapped back to its stock layer (undoes ``convert``)."""
     stock_of = {drop_in: stock for stock, drop_in in DROP_INS.items()}
-    target = model if inplace else copy.deepcopy(model)
+    target = model if inplace else _copy(model, "revert")
     for module in target.modules():
         stock = stock_of.get(type(module)) or stock_class(type(module))
         if stock is not None:
@@ -99,6 +99,23 @@ def revert(model: nn.Module, *, inplace: bool = False) -> nn.Module:
     if (adapters := _adapter_module()) is not None:
         adapters.revert_lora(target)
     return target
+
+
+class UncopyableModelError(MemsaveError, RuntimeError):
+    """``convert`` or ``revert`` was asked for a copy of a model that cannot be deep-copied."""
+
+
+def _copy(model: nn.Module, action: str) -> nn.Module:
+    """A deep copy of ``model``, or one clear error naming what works instead."""
+    try:
+        return copy.deepcopy(model)
+    except Exception as error:
+        sentence = str(error).strip().split(". ")[0].splitlines()[0] if str(error).strip() else ""
+        raise UncopyableModelError(
+            f"cannot {action} a copy of {type(model).__name__}: deep-copying it failed "
+            f"({type(error).__name__}: {sentence[:200]}); {action} it in place instead: "
+            f"{action}(model, inplace=True)"
+        ) from error
 
 
 def converted_counts(model: nn.Module) -> dict[str, int]:

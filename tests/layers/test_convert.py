@@ -13,6 +13,7 @@ from torch import Tensor, nn
 from memsave_cli.errors import MemsaveError
 from memsave_cli.layers.batchnorm import MemSaveBatchNorm2d
 from memsave_cli.layers.convert import (
+    UncopyableModelError,
     UnknownLayerError,
     convert,
     converted_counts,
@@ -320,3 +321,15 @@ def test_apply_binds_no_signature_per_call(monkeypatch: pytest.MonkeyPatch) -> N
     x = torch.randn(2, 8, requires_grad=True)
     rms_norm(x, torch.ones(8), 1e-6, "llama").sum().backward()
     assert calls == []
+
+
+@pytest.mark.parametrize("action", [convert, revert])
+def test_a_model_deepcopy_refuses_is_one_error_naming_inplace(action) -> None:
+    """The hook form of ``weight_norm`` keeps a non-leaf weight, which ``deepcopy`` refuses."""
+    model = nn.Sequential(torch.nn.utils.weight_norm(nn.Conv2d(3, 4, 3)), nn.ReLU())
+    with pytest.raises(UncopyableModelError, match=r"inplace=True\)$") as raised:
+        action(model)
+    assert "Only Tensors created explicitly by the user" in str(raised.value)
+    done = action(model, inplace=True)
+    x = torch.randn(2, 3, 8, 8)
+    assert done is model and torch.equal(done(x), revert(model, inplace=True)(x))
