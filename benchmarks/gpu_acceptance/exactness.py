@@ -84,9 +84,9 @@ def hugging_face_examples() -> dict[str, Example]:
 
 
 def run(plan: Plan, deadline: Deadline, emit: Callable[[Cell], None]) -> None:
-    """Emit one cell per layer and dtype, then per dropout class and dtype, then the captured
-    CUDA graphs (``capture.py``), then the cells of the kernels not served yet
-    (``candidates.py``; they never fail the run)."""
+    """Emit one cell per layer and dtype, then per dropout class and dtype, then the cells of
+    the kernels not served yet (``candidates.py``; they never fail the run), then the captured
+    CUDA graphs (``capture.py``)."""
     device = torch.device(plan.device)
     for name, (build, shape) in examples(plan.hugging_face).items():
         for dtype in plan.dtypes if selected(name, plan) else ():
@@ -103,9 +103,9 @@ def run(plan: Plan, deadline: Deadline, emit: Callable[[Cell], None]) -> None:
                 continue
             emit(guarded(PART, dropout_cell, label, cls, dtype, plan, device))
     if not deadline.passed():
-        capture.run(device, emit)
-    if not deadline.passed():
         candidates.run(device, emit)
+    if not deadline.passed():  # last: a capture that fails may leave the CUDA context unusable
+        capture.run(device, emit)
 
 
 def layer_cell(
