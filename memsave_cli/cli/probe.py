@@ -13,6 +13,8 @@ from memsave_cli.cli._errors import USAGE_EXIT, reported_errors
 from memsave_cli.cli._help import DEBUG_HELP, examples
 from memsave_cli.cli._progress import progress_bar
 
+#: The largest --depth: a stack of every depth up to it is N(N + 1) / 2 layers (500: minutes).
+MAX_DEPTH = 500
 EPILOG = examples(
     "memsave probe conv2d --plot conv2d.png",
     "memsave probe bn2d --mode eval --depth 8",
@@ -48,7 +50,15 @@ def probe(
     layer: Annotated[
         ProbeLayerName, typer.Argument(metavar="LAYER", help="Layer type the stack is made of.")
     ],
-    depth: Annotated[int, typer.Option(min=1, help="Largest number of layers.")] = 10,
+    depth: Annotated[
+        int,
+        typer.Option(
+            min=1,
+            max=MAX_DEPTH,
+            help="Largest number of layers (every depth from 1 up is measured, so time grows "
+            "with its square).",
+        ),
+    ] = 10,
     mode: Annotated[Mode, typer.Option(help="Train or eval mode (matters for bn2d).")] = Mode.train,
     compiled: Annotated[
         bool, typer.Option("--compile", help="Run the stack through torch.compile.")
