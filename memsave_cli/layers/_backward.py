@@ -44,14 +44,17 @@ def records_backward(*inputs: torch.Tensor) -> bool:
 def functions_run(*inputs: torch.Tensor) -> bool:
     """Whether memsave's Functions can run on ``inputs``: no input is a nested tensor, and
     neither a ``torch.func`` transform (``grad``, ``vmap``, ``jacrev``) nor forward-mode AD is
-    active.
+    active, nor ``torch.export`` or ``torch.jit.trace``.
 
     The Functions take their context in ``forward`` and define no ``jvp``, which the transforms
     and forward AD refuse, and their ops take strided tensors; in those cases the layers run
     stock and save what stock saves (a converted model works wherever the stock one does).
-    Under ``torch.compile`` Dynamo handles the transforms itself.
+    Under ``torch.compile`` Dynamo handles the transforms itself. An exported program or a
+    traced one records no backward, and must not need memsave's ops to run: it gets stock's.
     """
-    if any(t.is_nested for t in inputs):
+    if any(t.is_nested for t in inputs) or torch.jit.is_tracing():
+        return False
+    if torch.compiler.is_exporting():
         return False
     if torch.compiler.is_compiling():
         return True

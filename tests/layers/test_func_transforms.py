@@ -234,3 +234,27 @@ def test_nested_inputs_run_stock(name: str) -> None:
             if isinstance(actual, torch.Tensor)
             else expected == actual
         )
+
+
+def _targets(program: torch.export.ExportedProgram) -> set[str]:
+    return {str(n.target) for n in program.graph.nodes if n.op == "call_function"}
+
+
+@pytest.mark.parametrize("strict", [False, True], ids=["non-strict", "strict"])
+def test_export_gives_stock_programs(strict: bool) -> None:
+    """An exported program records no backward and must not need memsave's ops to run: with
+    gradients enabled and parameters that require them, it is stock's op for op."""
+    stock, memsave = _pair(_cnn().eval())
+    x = torch.randn(2, 3, 8, 8)
+    programs = [torch.export.export(m, (x,), strict=strict) for m in (stock, memsave)]
+    assert _targets(programs[1]) == _targets(programs[0])
+    assert not any("memsave" in target for target in _targets(programs[1]))
+    assert torch.equal(programs[1].module()(x), stock(x))
+
+
+def test_jit_trace_with_gradients_enabled() -> None:
+    """``torch.jit.trace`` hands the layers sizes that are tensors; they run stock there."""
+    stock, memsave = _pair(_cnn().eval())
+    x = torch.randn(2, 3, 8, 8)
+    traced = torch.jit.trace(memsave, x)
+    assert torch.equal(traced(x), stock(x))
