@@ -84,6 +84,46 @@ def test_tiny_llama(backend: str, tiny_llama_config: object) -> None:
     _assert_bitwise(results[1], results[0])
 
 
+def _small_cnn() -> nn.Module:
+    """Every CNN drop-in that changes the traced graph: convolution, BatchNorm in training mode,
+    ReLU, max pooling, LeakyReLU, Hardtanh."""
+    return nn.Sequential(
+        nn.Conv2d(3, 6, 3, padding=1),
+        nn.BatchNorm2d(6),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Conv2d(6, 5, 3),
+        nn.LeakyReLU(0.1),
+        nn.Hardtanh(),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(5, 4),
+    )
+
+
+def test_dynamic_shapes() -> None:
+    """``dynamic=True`` traces the ops' fake implementations with symbolic sizes: three batch and
+    image sizes, bitwise under ``aot_eager``. (Inductor fuses stock's graph
+    and the converted one differently around memsave's opaque ops, so on such a model it may
+    round differently from compiled stock, as two fusions of one graph would.)"""
+    torch.manual_seed(0)
+    stock = _small_cnn()
+    memsave = convert(stock)
+    torch._dynamo.reset()
+    compiled = [
+        torch.compile(m, backend="aot_eager", fullgraph=True, dynamic=True)
+        for m in (stock, memsave)
+    ]
+    for batch, size in ((2, 8), (3, 10), (5, 9)):
+        x = torch.randn(batch, 3, size, size, generator=torch.Generator().manual_seed(batch))
+        results = []
+        for model, params in zip(compiled, (stock, memsave), strict=True):
+            leaf = x.clone().requires_grad_()
+            grads = _gradients(params, lambda m: model(leaf).square().sum())  # noqa: B023
+            results.append([*grads, leaf.grad])
+        _assert_bitwise(results[1], results[0])
+
+
 @contextmanager
 def _deterministic() -> Iterator[None]:
     previous = torch.are_deterministic_algorithms_enabled()
