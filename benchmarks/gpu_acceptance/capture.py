@@ -24,7 +24,7 @@ from memsave_cli.layers import convert
 
 PART = "exactness"
 REPLAYS = 3
-#: Input shape per model builder.
+#: A model's builder and the shape of its input.
 Model = tuple[Callable[[], nn.Module], tuple[int, ...]]
 
 

@@ -52,9 +52,7 @@ def functions_run(*inputs: torch.Tensor) -> bool:
     Under ``torch.compile`` Dynamo handles the transforms itself. An exported program or a
     traced one records no backward, and must not need memsave's ops to run: it gets stock's.
     """
-    if any(t.is_nested for t in inputs) or torch.jit.is_tracing():
-        return False
-    if torch.compiler.is_exporting():
+    if torch.jit.is_tracing() or torch.compiler.is_exporting() or any(t.is_nested for t in inputs):
         return False
     if torch.compiler.is_compiling():
         return True
@@ -71,11 +69,8 @@ def graph_capturing(tensor: torch.Tensor) -> bool:
     The random layers run stock while capturing: stock dropout draws from the CUDA generator,
     which advances at every replay. What stock dropout saves is then saved.
     """
-    return tensor.is_cuda and not torch.compiler.is_compiling() and _capturing()
-
-
-def _capturing() -> bool:
-    return torch.cuda.is_current_stream_capturing()
+    compiling = torch.compiler.is_compiling()
+    return tensor.is_cuda and not compiling and torch.cuda.is_current_stream_capturing()
 
 
 #: Whether autocast exists for a device type (``torch.is_autocast_enabled`` raises where not).
