@@ -9,6 +9,7 @@ import torch
 
 from memsave_cli.arguments import count, device_name, dtype_name, seconds, several
 from memsave_cli.cases import PAPER_CASES, Case, has_norm_layers, resolve_case
+from memsave_cli.checkpointing import checkpoint_notes, read_patterns
 from memsave_cli.errors import MemsaveError
 from memsave_cli.fsdp import sharded_device
 from memsave_cli.input_shape import read_shape
@@ -45,6 +46,7 @@ def profile(
     threads: int | None = None,
     fsdp: int | None = None,
     reshard: bool = True,
+    checkpoint: str | Sequence[str] = (),
 ) -> Report:
     """Measure ``model`` (a spec such as ``"torchvision:resnet101"``) for every case x impl.
 
@@ -57,7 +59,9 @@ def profile(
     ``embeds``: embeddings in every case, as the paper did); ``attention`` forces one attention
     kernel (``auto``: the one a CUDA device picks). Case ``"lora"`` adds peft LoRA adapters with
     ``lora`` settings (default ``lora_settings()``). ``fsdp=N`` estimates one rank of N under FSDP2
-    on meta (``reshard``: FSDP2's ``reshard_after_forward``). Settings that cannot work raise MemsaveError
+    on meta (``reshard``: FSDP2's ``reshard_after_forward``). ``checkpoint`` names the modules
+    whose forward is recomputed in backward (globs over module names, or ``"auto"``: a Hugging
+    Face model's decoder layers; NOTE [checkpointed modules]). Settings that cannot work raise MemsaveError
     before any worker starts (checked on meta: globs that select nothing, inputs the forward
     cannot take, on one meta build of the model); a failing run is a Run with a status.
     """
@@ -66,6 +70,7 @@ def profile(
     device, batch_size = device_name(device), count(batch_size, "batch size", optional=True)
     timeout, workers = seconds(timeout, "timeout"), count(workers, "workers", optional=True)
     threads = count(threads, "threads", optional=True)
+    checkpoint = read_patterns(checkpoint)
     notes: list[str] = []
     chosen = resolve_device(device, notes, fsdp, reshard)
     settings = {
@@ -79,11 +84,13 @@ def profile(
         "attention": attention,
         "fsdp": fsdp,
         "reshard": reshard,
+        "checkpoint": checkpoint,
     }
     _check_settings(spec, impls, chosen, settings)
     check_threads(threads)
     shape = settings["input_shape"]
     plan_model = PlanModel(spec, batch_size=batch_size, input_shape=shape)  # NOTE [one build]
+    notes.extend(checkpoint_notes(plan_model.model, checkpoint))  # raises: selects nothing
     selected = _select_cases(plan_model, cases, notes, lora)
     check_plan(spec, selected, batch_size=batch_size, input_shape=shape, plan_model=plan_model)
     for case in selected:
@@ -116,6 +123,7 @@ def profile(
         attention=attention,
         fsdp=fsdp,
         reshard=reshard,
+        checkpoint=checkpoint,
     )
 
 

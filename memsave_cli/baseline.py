@@ -11,7 +11,7 @@ from memsave_cli.report import Report, Run
 METRICS = ("forward_peak_bytes", "peak_bytes", "saved_bytes")
 
 #: Settings that must agree for two reports to be comparable at all.
-SETTINGS = ("model", "device", "dtype", "batch_size", "bn_eval", "fsdp", "reshard")
+SETTINGS = ("model", "device", "dtype", "batch_size", "bn_eval", "fsdp", "reshard", "checkpoint")
 
 
 class BaselineError(MemsaveError):

@@ -171,13 +171,14 @@ def _matching(names: list[str], patterns: tuple[str, ...]) -> list[str]:
         hits = {n for n in names if fnmatchcase(n, pattern) or fnmatchcase(n, pattern + ".*")}
         if not hits:
             raise CaseError(
-                f"pattern '{pattern}' selects no parameter; names look like {_sample(names)}"
+                f"pattern '{pattern}' selects no parameter; names look like {sample_names(names)}"
             )
         chosen |= hits
     return [n for n in names if n in chosen]
 
 
-def _sample(names: list[str], count: int = 4) -> str:
+def sample_names(names: list[str], count: int = 4) -> str:
+    """Up to ``count`` of ``names``, spread over the list, for an error message."""
     if not names:
         return "(the model has no parameters)"
     step = max(1, len(names) // count)

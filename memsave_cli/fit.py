@@ -19,6 +19,7 @@ from memsave_cli.api import check_lora_cases, resolve_device
 from memsave_cli.arguments import count, device_name, dtype_name, seconds, several
 from memsave_cli.budget import parse_bytes
 from memsave_cli.cases import PAPER_CASES, Case, has_norm_layers, resolve_case
+from memsave_cli.checkpointing import checkpoint_notes, read_patterns
 from memsave_cli.errors import MemsaveError, one_line
 from memsave_cli.input_shape import read_shape
 from memsave_cli.measure import Job, measure
@@ -61,14 +62,18 @@ class FitResult:
     max_batch_size: int = MAX_BATCH_SIZE
     fsdp: int | None = None  # ranks of an FSDP2 estimate: peaks and budget are one rank's
     reshard: bool = True
+    checkpoint: tuple[str, ...] = ()  # patterns of the modules recomputed in backward
 
     def to_json(self) -> str:
         """The rows as a JSON list of ``{case, impl, batch_size, peak_bytes}``; an FSDP2
-        estimate adds ``per_rank_of`` and ``reshard_after_forward`` to each."""
-        sharded = {} if self.fsdp is None else {"per_rank_of": self.fsdp}
-        if sharded:
-            sharded["reshard_after_forward"] = self.reshard
-        return json.dumps([asdict(row) | sharded for row in self.rows], indent=2)
+        estimate adds ``per_rank_of`` and ``reshard_after_forward`` to each, a checkpointed
+        step ``checkpoint`` (its patterns)."""
+        shared: dict[str, object] = {} if self.fsdp is None else {"per_rank_of": self.fsdp}
+        if shared:
+            shared["reshard_after_forward"] = self.reshard
+        if self.checkpoint:
+            shared["checkpoint"] = list(self.checkpoint)
+        return json.dumps([asdict(row) | shared for row in self.rows], indent=2)
 
 
 def fit(
@@ -88,6 +93,7 @@ def fit(
     on_measure: Callable[[Job, Run], None] | None = None,
     fsdp: int | None = None,
     reshard: bool = True,
+    checkpoint: str | Sequence[str] = (),
 ) -> FitResult:
     """Find, per case and implementation, the largest batch size whose step peak fits ``budget``.
 
@@ -95,23 +101,26 @@ def fit(
     On meta the measurements run in this process; on cpu and cuda each runs in its own worker.
     ``device="auto"`` is cuda when available, else meta. ``fsdp=N`` fits one rank of N under
     FSDP2 (``memsave_cli.fsdp``): the batch size is per rank, the budget one rank's memory.
+    ``checkpoint`` names the modules recomputed in backward, as for ``profile``.
     """
     budget_bytes = parse_bytes(budget if isinstance(budget, str) else str(budget))
     max_batch_size = count(max_batch_size, "maximum batch size")
     cases, impls, dtype = several(cases), several(impls), dtype_name(dtype)
     timeout, device = seconds(timeout, "timeout"), device_name(device)
     spec = parse_spec(model, model_kwargs)
+    checkpoint = read_patterns(checkpoint)
     notes: list[str] = []
     device = resolve_device(device, notes, fsdp, reshard)
     settings = {"dtype": dtype, "input_shape": read_shape(input_shape), "bn_eval": bn_eval}
     shape = settings["input_shape"]
     plan_model = PlanModel(spec, batch_size=1, input_shape=shape)  # NOTE [one build]
+    notes.extend(checkpoint_notes(plan_model.model, checkpoint))  # raises: selects nothing
     chosen, skipped = _cases(plan_model, cases)
     notes.extend(skipped)
     # before any run
     check_plan(spec, chosen, batch_size=1, input_shape=shape, plan_model=plan_model)
     settings |= {"optimizer": optimizer, "repeat": 1, "per_layer": False}
-    settings |= {"fsdp": fsdp, "reshard": reshard}
+    settings |= {"fsdp": fsdp, "reshard": reshard, "checkpoint": checkpoint}
     jobs = {(c, i): Job(spec, c, i, device, **settings) for c in chosen for i in impls}
     searches = {key: largest_fitting(budget_bytes, max_batch_size) for key in jobs}
     answers = run_searches(searches, jobs, _measurer(device, timeout), on_measure)
@@ -119,7 +128,15 @@ def fit(
         FitRow(case.label, impl, batch, peak) for (case, impl), (batch, peak) in answers.items()
     )
     return FitResult(
-        spec.text, device, budget_bytes, rows, tuple(notes), max_batch_size, fsdp, reshard
+        spec.text,
+        device,
+        budget_bytes,
+        rows,
+        tuple(notes),
+        max_batch_size,
+        fsdp,
+        reshard,
+        checkpoint,
     )
 
 

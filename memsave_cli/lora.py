@@ -14,6 +14,7 @@ left out because peft needs the rank to be divisible by the groups.
 from __future__ import annotations
 
 import importlib.util
+import warnings
 from dataclasses import dataclass
 
 from torch import nn
@@ -87,7 +88,11 @@ def apply_lora(model: nn.Module, settings: LoraSettings) -> nn.Module:
         target_modules=resolve_targets(model, settings.targets),
     )
     try:
-        return get_peft_model(model, config).get_base_model()
+        with warnings.catch_warnings():
+            # peft asks transformers' deprecated ``is_gradient_checkpointing`` (transformers 5.2x):
+            # a warning about the two libraries, not the user's model or settings.
+            warnings.filterwarnings("ignore", "`is_gradient_checkpointing`", FutureWarning)
+            return get_peft_model(model, config).get_base_model()
     except ValueError as error:
         raise CaseError(_no_target(model, settings.targets, error)) from error
 

@@ -62,6 +62,7 @@ class Job:
     attention: str = "auto"  # "auto" (as CUDA picks) | "math" | "flash" | "efficient"
     fsdp: int | None = None  # ranks FSDP2 shards the model over; None: one unsharded process
     reshard: bool = True  # FSDP2 default reshard_after_forward (False: --no-reshard)
+    checkpoint: tuple[str, ...] = ()  # modules recomputed in backward (memsave_cli.checkpointing)
 
 
 def measure(job: Job, model: nn.Module | None = None) -> Run:

@@ -76,6 +76,7 @@ class Report:
     attention: str = "auto"  # attention kernel: auto (as the device picks) or the one forced
     fsdp: int | None = None  # ranks of an FSDP2 estimate: every number is one rank's
     reshard: bool = True  # FSDP2's reshard_after_forward in that estimate
+    checkpoint: tuple[str, ...] = ()  # patterns of the modules recomputed in backward
 
     def run(self, case: str, impl: str) -> Run | None:
         """The run of ``case`` and ``impl``, or None when there is none."""
@@ -105,6 +106,7 @@ class Report:
             runs = tuple(_run_from_dict(r) for r in data["runs"])
             known = {f.name for f in fields(cls)} - {"runs", "notes"}
             settings = {k: v for k, v in data.items() if k in known}
+            settings["checkpoint"] = _patterns(settings.get("checkpoint", []))
             return cls(**settings, runs=runs, notes=tuple(data.get("notes", ())))
         except (TypeError, ValueError, KeyError) as exc:
             raise ReportError(f"malformed memsave report: {exc}") from exc
@@ -159,3 +161,10 @@ def _umask() -> int:
     mask = os.umask(0o022)
     os.umask(mask)
     return mask
+
+
+def _patterns(value: Any) -> tuple[str, ...]:
+    """A report's ``checkpoint`` patterns, a JSON list of strings, as the tuple runs compare."""
+    if not isinstance(value, list | tuple) or not all(isinstance(i, str) for i in value):
+        raise ValueError(f"checkpoint must be a list of module patterns, got {value!r}")
+    return tuple(value)

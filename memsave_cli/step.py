@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from memsave_cli.cases import apply_case
+from memsave_cli.checkpointing import enable_checkpointing
 from memsave_cli.inputs import Example, feeds_embeddings, loss_of, make_example
 from memsave_cli.lazy import has_lazy, materialize
 from memsave_cli.lora import apply_lora
@@ -35,8 +36,9 @@ class Prepared:
 
 
 def prepare(job: Job, model: nn.Module | None = None, world: fsdp.World | None = None) -> Prepared:
-    """Build the model on the job's device in its dtype (or take ``model``), convert it, set
-    modes and case, shard it over ``world``'s ranks, make inputs and the optimizer."""
+    """Build the model on the job's device in its dtype (or take ``model``), convert it,
+    checkpoint the modules the job names, set modes and case, shard it over ``world``'s ranks,
+    make inputs and the optimizer."""
     device, dtype = torch.device(job.device), DTYPES[job.dtype]
     if model is None:
         with torch.device(device), _default_dtype(dtype):
@@ -48,6 +50,8 @@ def prepare(job: Job, model: nn.Module | None = None, world: fsdp.World | None =
         with torch.device(device), _default_dtype(dtype):
             model = apply_lora(model, job.case.lora)
     model = convert_impl(model, job.impl)
+    if job.checkpoint:  # after the swaps, which would drop a wrapped forward
+        enable_checkpointing(model, job.checkpoint)
     model.train()
     if job.bn_eval:
         for module in model.modules():

@@ -159,3 +159,13 @@ ReshardOpt = Annotated[
         "reshard_after_forward).",
     ),
 ]
+CheckpointOpt = Annotated[
+    list[str] | None,
+    typer.Option(
+        metavar="GLOB",
+        help="Activation checkpointing: recompute in backward the modules whose names match "
+        "(e.g. 'model.layers.*'; auto: a Hugging Face model's decoder layers), for stock and "
+        "memsave alike (repeatable).",
+        show_default=False,
+    ),
+]

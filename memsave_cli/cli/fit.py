@@ -11,6 +11,7 @@ from memsave_cli.cli._errors import reported_errors
 from memsave_cli.cli._help import DEBUG_HELP, examples
 from memsave_cli.cli._options import (
     CasesOpt,
+    CheckpointOpt,
     Device,
     Dtype,
     FsdpOpt,
@@ -35,6 +36,7 @@ EPILOG = examples(
     "memsave fit torchvision:resnet50 --budget 8GB --case input --optimizer adam",
     "memsave fit mymodels.py:build --budget 1.5e9 --trainable 'head.*' --json fit.json",
     "memsave fit hf:configs/meta-llama-3-8b --budget 24GiB --case lora --dtype bfloat16 --fsdp 4",
+    "memsave fit hf:configs/meta-llama-3-8b --budget 24GiB --case lora --checkpoint auto",
 )
 
 
@@ -83,6 +85,7 @@ def fit(
     ] = None,
     fsdp: FsdpOpt = None,
     reshard: ReshardOpt = True,
+    checkpoint: CheckpointOpt = None,
     debug: Annotated[bool, typer.Option("--debug", help=DEBUG_HELP)] = False,
 ) -> None:
     """Find the largest batch size whose training-step peak fits BUDGET, per case and impl.
@@ -116,6 +119,7 @@ def fit(
                 timeout=timeout,
                 fsdp=ranks,
                 reshard=reshard,
+                checkpoint=checkpoint or (),
                 on_measure=lambda job, run: bar.advance(
                     f"{job.case.label}/{job.impl} batch {job.batch_size}"
                 ),

@@ -13,6 +13,7 @@ from memsave_cli.cli._options import (
     Attention,
     AttentionOpt,
     CasesOpt,
+    CheckpointOpt,
     Device,
     Dtype,
     FsdpOpt,
@@ -42,6 +43,7 @@ EPILOG = examples(
     "memsave profile hf:./llama-config --dtype bfloat16 --batch-size 8 --json report.json",
     "memsave profile torchvision:resnet50 --case lora --lora-rank 8 --batch-size 16",
     "memsave profile hf:configs/meta-llama-3-8b --case lora --dtype bfloat16 --fsdp 4",
+    "memsave profile hf:configs/meta-llama-3-8b --case lora --dtype bfloat16 --checkpoint auto",
 )
 
 
@@ -119,6 +121,7 @@ def profile(
     ] = None,
     fsdp: FsdpOpt = None,
     reshard: ReshardOpt = True,
+    checkpoint: CheckpointOpt = None,
     debug: Annotated[bool, typer.Option("--debug", help=DEBUG_HELP)] = False,
 ) -> None:
     """Measure peak memory (and time, on cpu/cuda) of MODEL with stock and memsave layers.
@@ -164,6 +167,7 @@ def profile(
                 attention=attention.value,
                 fsdp=ranks,
                 reshard=reshard,
+                checkpoint=checkpoint or (),
             )
         print_profile(human_console(json_path, csv_path), report, top=top)
         if json_path is not None:

@@ -31,6 +31,7 @@ def measure_model(model: ModelLike, impl: str, chosen: Settings) -> Run:
     case = chosen.resolved_case()
     if isinstance(model, str) and chosen.device != "meta":
         return _in_worker(model, case, impl, chosen)
+    from memsave_cli.checkpointing import checkpoint_targets
     from memsave_cli.plan_model import PlanModel
     from memsave_cli.preflight import check_plan
 
@@ -38,7 +39,9 @@ def measure_model(model: ModelLike, impl: str, chosen: Settings) -> Run:
     job = Job(spec, case, impl, chosen.device, **chosen.job_settings())
     shape = {"batch_size": chosen.batch_size, "input_shape": chosen.input_shape}
     on_meta = None if built is None else _copy_to(built, torch.device("meta"))
-    check_plan(spec, [case], **shape, plan_model=PlanModel(spec, **shape, built=on_meta))
+    plan_model = PlanModel(spec, **shape, built=on_meta)
+    checkpoint_targets(plan_model.model, chosen.checkpoint)  # a pattern that selects nothing raises
+    check_plan(spec, [case], **shape, plan_model=plan_model)
     return measure(job, built)
 
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from memsave_cli.cases import Case, resolve_case
+from memsave_cli.checkpointing import read_patterns
 from memsave_cli.errors import MemsaveError
 from memsave_cli.input_shape import read_shape
 
@@ -36,6 +37,7 @@ class Settings:
     lora_targets: str | None = None
     fsdp: int | None = None
     reshard: bool = True
+    checkpoint: str | Sequence[str] = ()
     timeout: float = 600.0
     kwargs: Mapping[str, object] | None = None
 
@@ -51,6 +53,7 @@ class Settings:
             )
         values = dict(given)
         values["input_shape"] = read_shape(values.get("input_shape"))
+        values["checkpoint"] = read_patterns(values.get("checkpoint"))
         return cls(**values)
 
     @property
@@ -93,6 +96,7 @@ class Settings:
             "attention": self.attention,
             "fsdp": self.fsdp,
             "reshard": self.reshard,
+            "checkpoint": self.checkpoint,
             "repeat": 0,
         }
 
@@ -103,5 +107,7 @@ class Settings:
         parts.append("stock PyTorch layers" if impl == "stock" else f"{impl} layers")
         if self.fsdp is not None:
             parts.append(f"one rank of {self.fsdp} under FSDP2")
+        if self.checkpoint:
+            parts.append(f"checkpointing {', '.join(self.checkpoint)}")
         parts.append("estimated on meta" if self.device == "meta" else f"measured on {self.device}")
         return ", ".join(parts)

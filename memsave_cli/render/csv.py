@@ -7,8 +7,18 @@ import io
 
 from memsave_cli.report import Report
 
-#: ``fsdp``: the ranks of a per-rank FSDP2 estimate (empty, with ``reshard``, for one process).
-SETTING_COLUMNS = ("model", "device", "dtype", "batch_size", "bn_eval", "fsdp", "reshard")
+#: ``fsdp``: the ranks of a per-rank FSDP2 estimate (empty, with ``reshard``, for one process);
+#: ``checkpoint``: the patterns of the checkpointed modules, separated by spaces.
+SETTING_COLUMNS = (
+    "model",
+    "device",
+    "dtype",
+    "batch_size",
+    "bn_eval",
+    "fsdp",
+    "reshard",
+    "checkpoint",
+)
 RUN_COLUMNS = (
     "case",
     "impl",
@@ -30,7 +40,8 @@ def report_csv(report: Report) -> str:
     writer.writerow((*SETTING_COLUMNS, *RUN_COLUMNS))
     settings = [getattr(report, name) for name in SETTING_COLUMNS]
     if report.fsdp is None:
-        settings[-1] = None
+        settings[-2] = None
+    settings[-1] = " ".join(report.checkpoint)
     for run in report.runs:
         values = [getattr(run, name) for name in RUN_COLUMNS]
         values[2] = run.status.value

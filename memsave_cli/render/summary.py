@@ -15,6 +15,11 @@ IMPL_LABELS = {"stock": "PyTorch", "memsave-conv": "+ memsave (conv only)", "mem
 NEGLIGIBLE = 0.005
 
 
+def checkpointed(patterns: tuple[str, ...]) -> str:
+    """`` with checkpointing of PATTERNS`` for a heading, or nothing without checkpointing."""
+    return f" with checkpointing of {', '.join(patterns)}" if patterns else ""
+
+
 @dataclass(frozen=True)
 class Cell:
     """One (impl, case) entry of a comparison table: a value and its ratio to the reference."""

@@ -8,6 +8,8 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
+import memsave_cli.api
+import memsave_cli.runner
 from memsave_cli.report import LayerSaved, Report, Run
 
 WIDTH = 160
@@ -26,6 +28,17 @@ def pinned_terminal(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.fixture
 def runner() -> CliRunner:
     return CliRunner()
+
+
+@pytest.fixture
+def no_workers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fail a test in which any measurement worker would start: its errors must come before."""
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a worker started")
+
+    monkeypatch.setattr(memsave_cli.api, "run_jobs", refuse)
+    monkeypatch.setattr(memsave_cli.runner, "run_jobs", refuse)
 
 
 def _run(case: str, impl: str, peak: int, *, saved: int | None = None, **extra) -> Run:

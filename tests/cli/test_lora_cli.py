@@ -18,17 +18,6 @@ from memsave_cli.lora import LoraSettings
 SMALL = ["--device", "meta", "--batch-size", "2", "--input-shape", "3,32,32"]
 
 
-@pytest.fixture
-def no_workers(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Fail a test in which any measurement worker would start."""
-
-    def refuse(*args, **kwargs):
-        raise AssertionError("a worker started")
-
-    monkeypatch.setattr(memsave_cli.api, "run_jobs", refuse)
-    monkeypatch.setattr(memsave_cli.runner, "run_jobs", refuse)
-
-
 def test_options_reach_the_core(runner, monkeypatch, paper_report) -> None:
     calls = []
 

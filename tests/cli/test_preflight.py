@@ -7,7 +7,6 @@ import sys
 
 import pytest
 
-import memsave_cli.api
 from memsave_cli.cli import app
 
 TWO_INPUTS = """
@@ -35,16 +34,6 @@ def paired():
 def paired_inputs(batch_size):
     return torch.randn(batch_size, 4), torch.randn(batch_size, 5)
 """
-
-
-@pytest.fixture
-def no_workers(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Starting a worker fails the test: every error here must come before."""
-
-    def refuse(*args, **kwargs):
-        raise AssertionError("a worker was started")
-
-    monkeypatch.setattr(memsave_cli.api, "run_jobs", refuse)
 
 
 def one_error_line(result) -> str:

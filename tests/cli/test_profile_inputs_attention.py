@@ -26,16 +26,6 @@ def recorded(monkeypatch, paper_report):
     return calls
 
 
-@pytest.fixture
-def no_workers(monkeypatch):
-    """Fail the test if a worker would start."""
-
-    def refuse(*args, **kwargs):
-        raise AssertionError("a worker started")
-
-    monkeypatch.setattr(memsave_cli.api, "run_jobs", refuse)
-
-
 def test_defaults_are_auto(runner, recorded):
     result = runner.invoke(app, ["profile", "torchvision:resnet18"])
     assert result.exit_code == 0, result.output

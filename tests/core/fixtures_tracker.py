@@ -12,6 +12,7 @@ import resource
 import signal
 import sys
 import time
+from collections import OrderedDict
 
 import torch
 from torch import nn
@@ -45,6 +46,29 @@ def small_cnn() -> nn.Module:
 
 def small_cnn_inputs(batch_size: int) -> torch.Tensor:
     return torch.randn(batch_size, 3, 32, 32)
+
+
+def blocks_cnn() -> nn.Module:
+    """A stem and two blocks (``blocks.0``, ``blocks.1``) of memsave's CNN layers, and a head:
+    the modules a checkpointing pattern selects."""
+
+    def block(channels: int) -> nn.Sequential:
+        return nn.Sequential(
+            nn.Conv2d(channels, channels, 3, padding=1, bias=False),
+            nn.BatchNorm2d(channels),
+            nn.ReLU(inplace=True),
+            nn.Dropout(0.2),
+        )
+
+    stem = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.MaxPool2d(3, 2, 1))
+    head = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 10))
+    return nn.Sequential(
+        OrderedDict(stem=stem, blocks=nn.Sequential(block(8), block(8)), head=head)
+    )
+
+
+def blocks_cnn_inputs(batch_size: int) -> torch.Tensor:
+    return small_cnn_inputs(batch_size)
 
 
 def lazy_cnn() -> nn.Module:

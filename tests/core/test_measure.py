@@ -167,21 +167,9 @@ def test_repeat_zero_measures_memory_only() -> None:
     assert memory(run) == memory(measure(job("mlp", device="cpu", repeat=2)))
 
 
-def test_hugging_face_causal_lm_meta_equals_cpu(tmp_path) -> None:
+def test_hugging_face_causal_lm_meta_equals_cpu(tiny_llama_dir) -> None:
     """A tiny Llama (grouped-query attention through SDPA, RMSNorm, its own loss)."""
-    transformers = pytest.importorskip("transformers")
-    config = transformers.LlamaConfig(
-        vocab_size=500,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        architectures=["LlamaForCausalLM"],
-    )
-    config.save_pretrained(tmp_path)
-    spec = parse_spec(f"hf:{tmp_path}")
+    spec = parse_spec(f"hf:{tiny_llama_dir}")
     for case in ("all", "input", "norm"):
         same = {"batch_size": 2, "attention": "math"}
         meta = measure(Job(spec, resolve_case(case), "stock", "meta", **same))

@@ -111,21 +111,10 @@ def test_transformer_with_dropout(case: str) -> None:
 @pytest.mark.parametrize(
     ("case", "inputs"), [("all", "auto"), ("input", "auto"), ("norm", "embeds")]
 )
-def test_llama_style_model(tmp_path: Path, case: str, inputs: str) -> None:
-    transformers = pytest.importorskip("transformers")
-    transformers.LlamaConfig(
-        vocab_size=300,
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        architectures=["LlamaForCausalLM"],
-    ).save_pretrained(tmp_path)
+def test_llama_style_model(tiny_llama_dir: Path, case: str, inputs: str) -> None:
     settings = {"batch_size": 2, "input_shape": (20,), "attention": "math", "inputs": inputs}
-    saved = assert_same_saved(f"hf:{tmp_path}", case, **settings)
-    assert_same_peaks(f"hf:{tmp_path}", case, **settings)
+    saved = assert_same_saved(f"hf:{tiny_llama_dir}", case, **settings)
+    assert_same_peaks(f"hf:{tiny_llama_dir}", case, **settings)
     if inputs == "auto" and case == "all":  # token ids and the model's own loss: float32 logits
         logits = [s for s in saved if s[1][-1:] == (300,) and s[3] >= 2 * 20 * 300 * 4]
         assert logits and all(dtype == torch.float32 for _, _, dtype, _ in logits)

@@ -299,6 +299,33 @@ def test_profile_options_reach_the_measurement(pytester: pytest.Pytester) -> Non
     assert "During handling" not in result.stdout.str()
 
 
+def test_checkpointed_steps(pytester: pytest.Pytester) -> None:
+    """``checkpoint=`` measures the step with those modules recomputed in backward, for model
+    objects as for specs; a pattern selecting nothing is one line."""
+    result = run_suite(
+        pytester,
+        """
+        from torch import nn
+
+        def net():
+            block = lambda: nn.Sequential(nn.Linear(256, 256), nn.ReLU())
+            return nn.Sequential(block(), block(), block(), nn.Linear(256, 10))
+
+        def test_checkpointed(memsave):
+            plain = memsave.measure(net(), batch_size=64)
+            checkpointed = memsave.measure(net(), batch_size=64, checkpoint="[0-2]")
+            assert checkpointed.saved_bytes < plain.saved_bytes
+            spec = memsave.measure("torchvision:resnet18", batch_size=2, checkpoint=["layer?"])
+            assert spec.ok
+
+        def test_selects_nothing(memsave):
+            memsave.assert_fits(net(), budget="1GiB", checkpoint="blocks.*")
+        """,
+    )
+    result.assert_outcomes(passed=1, failed=1)
+    result.stdout.fnmatch_lines(["*memsave: checkpoint pattern 'blocks.*' selects no module*"])
+
+
 def test_entry_point_is_declared() -> None:
     """``pip install memsave-cli`` registers the plugin with pytest through ``pytest11``."""
     tomllib = pytest.importorskip("tomllib")  # Python 3.11+
