@@ -117,3 +117,17 @@ def test_measured_on_meta_memsave_keeps_less() -> None:
 def test_settings_label_lists_what_differs() -> None:
     settings = lora.LoraSettings(rank=4, alpha=32.0, dropout=0.1, targets=("q", "v"))
     assert settings.label == "r=4,dropout=0.1,targets=q+v"
+
+
+def test_adapting_a_hugging_face_model_warns_nothing(tiny_llama_dir) -> None:
+    """peft asks transformers' deprecated ``is_gradient_checkpointing`` (transformers 5.2x);
+    that FutureWarning is about the two libraries, and would reach the user's terminal."""
+    import warnings
+
+    from memsave_cli.specs import build_model
+
+    model = build_model(parse_spec(f"hf:{tiny_llama_dir}"))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        apply_lora(model, lora_settings())
+    assert not [w for w in caught if "gradient_checkpointing" in str(w.message)]
