@@ -61,9 +61,9 @@ def profile(
     ``lora`` settings (default ``lora_settings()``). ``fsdp=N`` estimates one rank of N under FSDP2
     on meta (``reshard``: FSDP2's ``reshard_after_forward``). ``checkpoint`` names the modules
     whose forward is recomputed in backward (globs over module names, or ``"auto"``: a Hugging
-    Face model's decoder layers; NOTE [checkpointed modules]). Settings that cannot work raise MemsaveError
-    before any worker starts (checked on meta: globs that select nothing, inputs the forward
-    cannot take, on one meta build of the model); a failing run is a Run with a status.
+    Face model's decoder layers; NOTE [checkpointed modules]). Settings that cannot work raise
+    MemsaveError before any worker starts (checked on meta: globs that select nothing, inputs the
+    forward cannot take, on one meta build of the model); a failing run is a Run with a status.
     """
     spec = parse_spec(model, model_kwargs)
     cases, impls, dtype = several(cases), several(impls), dtype_name(dtype)

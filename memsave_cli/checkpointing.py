@@ -16,11 +16,15 @@ what the modules outside the checkpoints keep (both peaks).
   exactly those layers.
 - Every other module gets its ``forward`` wrapped on the instance, so its hooks (FSDP2's
   included) run once, outside the recomputation.
+
+transformers logs, once per process, that those layers then set ``use_cache=False``: what was
+asked for, so that line is filtered out (:class:`_CacheNotice`), and nothing else it logs.
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 import sys
 from collections.abc import Callable, Sequence
 from fnmatch import fnmatchcase
@@ -85,6 +89,7 @@ def enable_checkpointing(model: nn.Module, patterns: Sequence[str]) -> int:
     targets = checkpoint_targets(model, patterns)
     for _, module in targets:
         if _is_hf_layer(module):
+            _CacheNotice.install()
             module.gradient_checkpointing = True
             module._gradient_checkpointing_func = recompute_in_backward
         else:
@@ -102,6 +107,21 @@ def _checkpointed(forward: Callable[..., Any], *args: Any, **kwargs: Any) -> Any
     if not torch.is_grad_enabled():
         return forward(*args, **kwargs)
     return recompute_in_backward(forward, *args, **kwargs)
+
+
+class _CacheNotice(logging.Filter):
+    """Drops transformers' notice that checkpointed layers write no key/value cache."""
+
+    LOGGER = "transformers.modeling_layers"
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("Caching is incompatible with gradient")
+
+    @classmethod
+    def install(cls) -> None:
+        logger = logging.getLogger(cls.LOGGER)
+        if not any(isinstance(f, cls) for f in logger.filters):
+            logger.addFilter(cls())
 
 
 def _inside(name: str, chosen: set[str]) -> bool:

@@ -4,6 +4,7 @@ as the plain one does, bit for bit, and what it keeps, measured on meta as on cp
 from __future__ import annotations
 
 import copy
+import logging
 from pathlib import Path
 
 import pytest
@@ -185,6 +186,12 @@ def test_auto_trains_a_lora_llama_as_without_checkpointing(tiny_llama_dir: Path)
         assert torch.equal(loss, loss_c)
         assert len(grads) == len(grads_c) and all(map(torch.equal, grads, grads_c))
         assert cached_c == 0  # the checkpointed layers left the cache alone
+    # transformers' notice that they did is what was asked for: filtered, nothing else.
+    logger = logging.getLogger("transformers.modeling_layers")
+    notice = "Caching is incompatible with gradient checkpointing in LlamaDecoderLayer. Setting"
+    for message, shown in ((notice, False), ("anything else", True)):
+        record = logger.makeRecord(logger.name, logging.WARNING, __file__, 1, message, (), None)
+        assert logger.filter(record) is shown
 
 
 @pytest.mark.slow
