@@ -191,7 +191,7 @@ def test_auto_trains_a_lora_llama_as_without_checkpointing(tiny_llama_dir: Path)
     notice = "Caching is incompatible with gradient checkpointing in LlamaDecoderLayer. Setting"
     for message, shown in ((notice, False), ("anything else", True)):
         record = logger.makeRecord(logger.name, logging.WARNING, __file__, 1, message, (), None)
-        assert logger.filter(record) is shown
+        assert bool(logger.filter(record)) is shown  # Python 3.12 returns the record
 
 
 @pytest.mark.slow
