@@ -184,7 +184,7 @@ def finish(
         "command": command,
         "environment": device,
         "plan": plan.__dict__
-        | {"memory": [e.key for e in plan.memory], "timed": [e.key for e in plan.timed]},
+        | {key: [e.key for e in getattr(plan, key)] for key in ("memory", "lora", "timed")},
         "seconds": round(budget.elapsed(), 1),
         "passed": passed,
         **found,

@@ -37,27 +37,51 @@ def run(plan: Plan, budget: Budget, emit: Callable[[Cell], None]) -> dict[str, A
     reports: dict[str, Any] = {}
     for experiment in plan.memory:
         for case in plan.memory_cases:
-            label = f"{experiment.title} {case}"
-            if budget.left(PART) < MIN_PROFILE_S:
-                emit(Cell(PART, label, Status.SKIPPED, "time budget spent"))
-                continue
-            sides = {dev: _profile(experiment, dev, case, budget) for dev in (plan.device, "meta")}
-            reports[f"{experiment.key}/{case}"] = {
-                dev: r.to_dict() if isinstance(r, Report) else r for dev, r in sides.items()
-            }
-            for impl in IMPLS:
-                found = {dev: _run(r, case, impl) for dev, r in sides.items()}
-                emit(saved_cell(f"{label}/{impl}", found[plan.device], found["meta"], plan))
-                emit(view_cell(f"{label}/{impl}", found[plan.device]))
-    return reports
+            key, label = f"{experiment.key}/{case}", f"{experiment.title} {case}"
+            reports[key] = _compare(experiment, case, label, plan, budget, emit, {})
+    for experiment in plan.lora:  # after the paper's models, which the issue names
+        for patterns in plan.lora_checkpoints:
+            suffix = f" checkpoint {' '.join(patterns)}" if patterns else ""
+            # Token ids, as a LoRA fine-tune is fed (the paper's models take embeddings).
+            settings = {"checkpoint": patterns, "inputs": "auto"}
+            label = experiment.title + suffix
+            key = f"{experiment.key}/lora{suffix}"
+            reports[key] = _compare(experiment, "lora", label, plan, budget, emit, settings)
+    return {key: sides for key, sides in reports.items() if sides is not None}
 
 
-def _profile(experiment: Experiment, device: str, case: str, budget: Budget) -> Report | str:
+def _compare(
+    experiment: Experiment,
+    case: str,
+    label: str,
+    plan: Plan,
+    budget: Budget,
+    emit: Callable[[Cell], None],
+    settings: dict[str, Any],
+) -> dict[str, Any] | None:
+    """Emit the cells of one case measured on the device and on meta, with ``settings`` of
+    ``profile`` beyond the experiment's; return both reports (None: not measured)."""
+    if budget.left(PART) < MIN_PROFILE_S:
+        emit(Cell(PART, label, Status.SKIPPED, "time budget spent"))
+        return None
+    sides = {
+        dev: _profile(experiment, dev, case, budget, settings) for dev in (plan.device, "meta")
+    }
+    for impl in IMPLS:
+        found = {dev: _run(r, case, impl) for dev, r in sides.items()}
+        emit(saved_cell(f"{label}/{impl}", found[plan.device], found["meta"], plan))
+        emit(view_cell(f"{label}/{impl}", found[plan.device]))
+    return {dev: r.to_dict() if isinstance(r, Report) else r for dev, r in sides.items()}
+
+
+def _profile(
+    experiment: Experiment, device: str, case: str, budget: Budget, settings: dict[str, Any]
+) -> Report | str:
     """The report of one case on ``device``, or why there is none."""
     timeout = max(MIN_PROFILE_S, min(budget.left(PART), MAX_RUN_S))
     try:
         sized = replace(experiment, device=device, impls=IMPLS)
-        return measure_experiment(sized, cases=(case,), timeout=timeout)
+        return measure_experiment(sized, cases=(case,), timeout=timeout, **settings)
     except Exception as error:
         return one_line(error)
 

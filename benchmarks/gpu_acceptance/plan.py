@@ -35,6 +35,19 @@ TIMED_MODELS = (
     "cnn/deeplabv3_resnet101",
     "cnn/fcn_resnet101",
 )
+#: A LoRA fine-tune (peft adapters on every linear layer, case lora) of a LLaMA-family decoder
+#: cut to four layers, its saved bytes compared like the paper models', with and without every
+#: decoder layer recomputed in backward (``--checkpoint auto``).
+LORA_MODEL = Experiment(
+    "lora",
+    "mistral_7b_4_layers",
+    "Mistral 7B (4 layers, LoRA)",
+    "hf:configs/mistral-7b-v0.1",
+    impls=("stock", "memsave"),
+    dtype="bfloat16",
+    batch_size=4,
+    kwargs=(("num_hidden_layers", 4),),
+)
 #: Share of the budget by which each part must end (cumulative): later parts get what earlier
 #: parts leave unused.
 DEADLINES = {"exactness": 0.18, "memory": 0.5, "layer-time": 0.6, "model-time": 1.0}
@@ -57,6 +70,8 @@ class Plan:
     # memory: saved bytes on the device against the meta estimate
     memory: tuple[Experiment, ...] = ()
     memory_cases: tuple[str, ...] = PAPER_CASES
+    lora: tuple[Experiment, ...] = ()  # measured in case lora, once per ``lora_checkpoints``
+    lora_checkpoints: tuple[tuple[str, ...], ...] = ((), ("auto",))
     tolerance: float = 0.03
     layers: tuple[str, ...] = ()  # only these layer names, e.g. ("ReLU", "Conv2d"); empty: all
     # layer time: forward+backward of each drop-in against stock at a realistic size
@@ -74,8 +89,9 @@ class Plan:
     def from_json(cls, text: str) -> Plan:
         data = json.loads(text)
         tuples = {k: tuple(v) for k, v in data.items() if isinstance(v, list)}
-        for key in ("memory", "timed"):
-            tuples[key] = tuple(_experiment(e) for e in data[key])
+        for key in ("memory", "timed", "lora"):
+            tuples[key] = tuple(_experiment(e) for e in data.get(key, ()))
+        tuples["lora_checkpoints"] = tuple(map(tuple, data.get("lora_checkpoints", ())))
         return cls(**{**data, **tuples})
 
 
@@ -90,6 +106,7 @@ def full_plan(device: str = "cuda") -> Plan:
     return Plan(
         device=device,
         memory=experiments(MEMORY_MODELS, device),
+        lora=(LORA_MODEL if device == "cuda" else replace(LORA_MODEL, batch_size=1),),
         timed=experiments(TIMED_MODELS, device),
         layer_batch=32 if device == "cuda" else 2,
     )

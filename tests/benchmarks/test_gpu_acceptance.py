@@ -166,6 +166,43 @@ def test_a_memory_difference_beyond_the_tolerance_fails(tmp_path: Path) -> None:
     assert [c["status"] for c in by_part(record)["memory"]] == ["fail", "fail"]
 
 
+def test_lora_cells_with_and_without_checkpointing(tmp_path: Path) -> None:
+    """A LoRA model is compared once per checkpointing setting, after the paper's models, fed
+    token ids. On the cpu the numbers are not meta's (CPU dropout and attention keep other
+    tensors than a GPU's), so only the wiring is checked here: every cell holds both sides, and
+    recomputing the layers keeps less."""
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("peft")
+    transformers.LlamaConfig(
+        vocab_size=97,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    ).save_pretrained(tmp_path / "llama")
+    lora = Experiment("lora", "tiny", "tiny LLaMA", f"hf:{tmp_path / 'llama'}", batch_size=2)
+    plan = replace(TINY_PLAN, parts=("memory",), memory=(), lora=(lora,))
+    assert Plan.from_json(plan.to_json()) == plan
+    _, record = run_tiny(tmp_path, plan)
+    cells = {c["name"]: c for c in by_part(record)["memory"]}
+    assert list(cells) == [
+        "tiny LLaMA/stock",
+        "tiny LLaMA/memsave",
+        "tiny LLaMA checkpoint auto/stock",
+        "tiny LLaMA checkpoint auto/memsave",
+    ]
+    saved = {name: cell["values"]["saved_bytes"] for name, cell in cells.items()}
+    assert all(side["cpu"] and side["meta"] for side in saved.values())
+    for impl in ("stock", "memsave"):
+        plain, recomputed = saved[f"tiny LLaMA/{impl}"], saved[f"tiny LLaMA checkpoint auto/{impl}"]
+        assert recomputed["meta"] < plain["meta"] and recomputed["cpu"] < plain["cpu"]
+    reports = record["memory_reports"]
+    assert set(reports) == {"lora/tiny/lora", "lora/tiny/lora checkpoint auto"}
+    assert reports["lora/tiny/lora checkpoint auto"]["meta"]["checkpoint"] == ["auto"]
+
+
 def test_a_spent_budget_skips_with_a_note(tmp_path: Path) -> None:
     cells: list[Cell] = []
     exactness.run(TINY_PLAN, Deadline(0.0), cells.append)
