@@ -320,10 +320,19 @@ def test_checkpointed_steps(pytester: pytest.Pytester) -> None:
 
         def test_selects_nothing(memsave):
             memsave.assert_fits(net(), budget="1GiB", checkpoint="blocks.*")
+
+        def test_too_small(memsave):
+            memsave.assert_fits(net(), budget="1KiB", batch_size=64, checkpoint="0")
         """,
     )
-    result.assert_outcomes(passed=1, failed=1)
-    result.stdout.fnmatch_lines(["*memsave: checkpoint pattern 'blocks.*' selects no module*"])
+    result.assert_outcomes(passed=1, failed=2)
+    result.stdout.fnmatch_lines(
+        [
+            "*memsave: checkpoint pattern 'blocks.*' selects no module*",
+            "*case all, batch size 64, memsave layers, checkpointing 0, estimated on meta*",
+        ],
+        consecutive=False,
+    )
 
 
 def test_entry_point_is_declared() -> None:
