@@ -166,23 +166,13 @@ def test_a_memory_difference_beyond_the_tolerance_fails(tmp_path: Path) -> None:
     assert [c["status"] for c in by_part(record)["memory"]] == ["fail", "fail"]
 
 
-def test_lora_cells_with_and_without_checkpointing(tmp_path: Path) -> None:
+def test_lora_cells_with_and_without_checkpointing(tmp_path: Path, tiny_llama_dir: Path) -> None:
     """A LoRA model is compared once per checkpointing setting, after the paper's models, fed
     token ids. On the cpu the numbers are not meta's (CPU dropout and attention keep other
     tensors than a GPU's), so only the wiring is checked here: every cell holds both sides, and
     recomputing the layers keeps less."""
-    transformers = pytest.importorskip("transformers")
     pytest.importorskip("peft")
-    transformers.LlamaConfig(
-        vocab_size=97,
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-    ).save_pretrained(tmp_path / "llama")
-    lora = Experiment("lora", "tiny", "tiny LLaMA", f"hf:{tmp_path / 'llama'}", batch_size=2)
+    lora = Experiment("lora", "tiny", "tiny LLaMA", f"hf:{tiny_llama_dir}", batch_size=2)
     plan = replace(TINY_PLAN, parts=("memory",), memory=(), lora=(lora,))
     assert Plan.from_json(plan.to_json()) == plan
     _, record = run_tiny(tmp_path, plan)
