@@ -100,6 +100,13 @@ def _check_comparable(report: Report, baseline: Report, tolerance: float) -> Non
         mine, theirs = getattr(report, name), getattr(baseline, name)
         if mine != theirs:
             raise BaselineError(
-                f"report and baseline differ in {name} ({mine!r} vs {theirs!r}): "
+                f"report and baseline differ in {name} ({_setting(mine)} vs {_setting(theirs)}): "
                 "measure with the baseline's settings, or write a new baseline with --update"
             )
+
+
+def _setting(value: object) -> str:
+    """A setting as the report shows it: patterns as ``'a.*', 'b'`` (``none`` without)."""
+    if isinstance(value, tuple):
+        return ", ".join(map(repr, value)) or "none"
+    return repr(value)

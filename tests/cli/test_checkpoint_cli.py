@@ -49,7 +49,7 @@ def test_check_compares_only_reports_checkpointed_alike(
     args.append(str(write_report(paper_report, "baseline.json")))
     result = runner.invoke(app, args)
     assert result.exit_code == 2, result.output
-    assert "differ in checkpoint (('layer?.?',) vs ())" in result.output
+    assert "differ in checkpoint ('layer?.?' vs none)" in result.output
     same = write_report(checkpointed, "baseline2.json")
     result = runner.invoke(app, ["check", str(write_report(checkpointed)), "--baseline", str(same)])
     assert result.exit_code == 0, result.output
