@@ -17,7 +17,14 @@ import pytest
 import torch
 from torch import nn
 
-from benchmarks.gpu_acceptance import exactness, isolate, layer_time, main, model_time
+from benchmarks.gpu_acceptance import (
+    checkpointed,
+    exactness,
+    isolate,
+    layer_time,
+    main,
+    model_time,
+)
 from benchmarks.gpu_acceptance.budget import Budget, Deadline
 from benchmarks.gpu_acceptance.cells import Cell, Status, read_lines
 from benchmarks.gpu_acceptance.plan import Plan, full_plan, quick_plan
@@ -191,6 +198,29 @@ def test_lora_cells_with_and_without_checkpointing(tmp_path: Path, tiny_llama_di
     reports = record["memory_reports"]
     assert set(reports) == {"lora/tiny/lora", "lora/tiny/lora checkpoint auto"}
     assert reports["lora/tiny/lora checkpoint auto"]["meta"]["checkpoint"] == ["auto"]
+
+
+def test_checkpointed_steps_are_compared_bit_for_bit(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each model's checkpointed step matches its plain one, stock and memsave; a recomputation
+    that draws other noise fails its cell."""
+    pytest.importorskip("peft")
+    cells: list[Cell] = []
+    checkpointed.run(torch.device("cpu"), cells.append)
+    assert [(c.name, c.status) for c in cells] == [(n, Status.PASS) for n in checkpointed.MODELS]
+    enable = checkpointed.enable_checkpointing
+
+    def reseed(*_: object) -> None:
+        torch.manual_seed(7)
+
+    def reseeding(model: torch.nn.Module, patterns: tuple[str, ...]) -> int:
+        model.register_forward_pre_hook(reseed)
+        return enable(model, patterns)
+
+    monkeypatch.setattr(checkpointed, "enable_checkpointing", reseeding)
+    cells.clear()
+    checkpointed.run(torch.device("cpu"), cells.append)
+    assert [c.status for c in cells] == [Status.FAIL, Status.FAIL]
+    assert "stock: " in cells[0].detail and "differs first at" in cells[0].detail
 
 
 def test_a_spent_budget_skips_with_a_note(tmp_path: Path) -> None:
