@@ -13,7 +13,8 @@ convolution's weight gradient reproduces itself.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
@@ -68,17 +69,13 @@ def capture_cell(
     label: str, build: Callable[[], nn.Module], shape: tuple[int, ...], device: torch.device
 ) -> Cell:
     """Replays of the stock and the converted graph, compared replay by replay."""
-    deterministic = torch.backends.cudnn.deterministic
-    torch.backends.cudnn.deterministic = True
-    try:
+    with deterministic_cudnn(device):
         torch.manual_seed(0)
         stock = build().to(device)
         memsave = convert(stock)
         x = torch.randn(shape, device=device)
         stock_replays = replays(stock, x)
         memsave_replays = replays(memsave, x)
-    finally:
-        torch.backends.cudnn.deterministic = deterministic
     diffs = [
         f"replay {index}: {diff}"
         for index, (ours, theirs) in enumerate(zip(memsave_replays, stock_replays, strict=True))
@@ -91,6 +88,21 @@ def capture_cell(
         return Cell(PART, label, Status.FAIL, f"{len(diffs)} differences; first: {diffs[0]}")
     count = REPLAYS * len(names(stock))
     return Cell(PART, label, Status.PASS, f"{REPLAYS} replays, {count} tensors bit for bit")
+
+
+@contextlib.contextmanager
+def deterministic_cudnn(device: torch.device) -> Iterator[None]:
+    """cuDNN's deterministic algorithms while the body runs on a CUDA ``device`` (elsewhere
+    nothing is set: a process that imported torch's test utilities refuses to set cuDNN flags)."""
+    if device.type != "cuda":
+        yield
+        return
+    deterministic = torch.backends.cudnn.deterministic
+    torch.backends.cudnn.deterministic = True
+    try:
+        yield
+    finally:
+        torch.backends.cudnn.deterministic = deterministic
 
 
 def names(model: nn.Module) -> list[str]:

@@ -18,7 +18,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from benchmarks.gpu_acceptance.capture import names
+from benchmarks.gpu_acceptance.capture import deterministic_cudnn, names
 from benchmarks.gpu_acceptance.cells import Cell, Status, guarded
 from memsave_cli.checkpointing import enable_checkpointing
 from memsave_cli.exactness import bitwise_diff
@@ -82,9 +82,7 @@ def checkpointed_cell(
     device: torch.device,
 ) -> Cell:
     """The plain and the checkpointed step of the stock model and of its conversion."""
-    deterministic = torch.backends.cudnn.deterministic
-    torch.backends.cudnn.deterministic = True
-    try:
+    with deterministic_cudnn(device):
         torch.manual_seed(0)
         stock = build().to(device)
         x = torch.randn(shape, device=device)
@@ -98,8 +96,6 @@ def checkpointed_cell(
                 for name, a, b in zip(names(model), plain, checkpointed, strict=True)
                 if (diff := bitwise_diff(name, a, b)) is not None
             ]
-    finally:
-        torch.backends.cudnn.deterministic = deterministic
     if diffs:
         return Cell(PART, label, Status.FAIL, f"{len(diffs)} differences; first: {diffs[0]}")
     count = 2 * len(names(stock))
