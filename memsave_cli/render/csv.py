@@ -38,10 +38,11 @@ def report_csv(report: Report) -> str:
     buffer = io.StringIO()
     writer = csv.writer(buffer, lineterminator="\n")
     writer.writerow((*SETTING_COLUMNS, *RUN_COLUMNS))
-    settings = [getattr(report, name) for name in SETTING_COLUMNS]
+    values = {name: getattr(report, name) for name in SETTING_COLUMNS}
     if report.fsdp is None:
-        settings[-2] = None
-    settings[-1] = " ".join(report.checkpoint)
+        values["reshard"] = None
+    values["checkpoint"] = " ".join(report.checkpoint)
+    settings = list(values.values())
     for run in report.runs:
         values = [getattr(run, name) for name in RUN_COLUMNS]
         values[2] = run.status.value
