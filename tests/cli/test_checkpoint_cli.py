@@ -39,6 +39,13 @@ def test_profile_names_the_checkpointed_modules(runner, tiny_models, tmp_path):
     report = Report.load(out)
     assert report.checkpoint == ("[0-2]",) and all(run.ok for run in report.runs)
     assert json.loads(out.read_text())["checkpoint"] == ["[0-2]"]
+    # The workers checkpointed: each module keeps its input instead of what it saves itself.
+    plain_out = tmp_path / "plain.json"
+    args = ["profile", f"{tiny_models}:cnn", *SMALL, "--json", str(plain_out)]
+    assert runner.invoke(app, args).exit_code == 0
+    plain = Report.load(plain_out)
+    for impl in ("stock", "memsave"):
+        assert report.run("input", impl).saved_bytes != plain.run("input", impl).saved_bytes
 
 
 def test_check_compares_only_reports_checkpointed_alike(
@@ -72,3 +79,19 @@ def test_fit_with_checkpointing(runner, tiny_models):
     assert result.exit_code == 0, result.output
     rows = json.loads(result.stdout)
     assert rows and all(row["checkpoint"] == ["[0-2]"] and row["batch_size"] > 0 for row in rows)
+
+
+def test_fit_measures_checkpointed_steps(tiny_models):
+    from memsave_cli.fit import fit
+
+    jobs = []
+    result = fit(
+        f"{tiny_models}:cnn",
+        budget="2MiB",
+        cases="input",
+        input_shape=(3, 16, 16),
+        checkpoint="[0-2]",
+        on_measure=lambda job, run: jobs.append(job),
+    )
+    assert result.checkpoint == ("[0-2]",)
+    assert jobs and all(job.checkpoint == ("[0-2]",) for job in jobs)
