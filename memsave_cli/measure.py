@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import os
 import statistics
+import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
@@ -73,6 +74,7 @@ def measure(job: Job, model: nn.Module | None = None) -> Run:
     a Run with status ``error``).
     """
     check_job(job)
+    _forget_tables()
     try:
         with _ranks(job) as world:
             prepared = prepare(job, model, world)
@@ -81,6 +83,14 @@ def measure(job: Job, model: nn.Module | None = None) -> Run:
             return _measure_tracked(job, prepared, world)
     except (torch.OutOfMemoryError, MemoryError) as error:
         return Run(job.case.label, job.impl, status=Status.OOM, error=one_line(error))
+
+
+def _forget_tables() -> None:
+    """Drop max pooling's memoised index tables, so that every measurement makes and counts
+    them as a fresh worker does, whatever ran before it in this process (``fit``, the plugin)."""
+    maps = sys.modules.get("memsave_cli.kernels.maxpool_maps")  # not imported: nothing memoised
+    if maps is not None:
+        maps.clear_tables()
 
 
 def build_native(jobs: Sequence[Job]) -> None:

@@ -124,3 +124,9 @@ def index_maps(in_shape, out_shape, options, device: torch.device, cache: bool) 
     """:class:`IndexMaps` for one pooling, memoised where ``cache`` (real CPU tensors, eager)."""
     key = (tuple(in_shape), tuple(out_shape), tuple(options), device)
     return _cached_maps(*key) if cache else IndexMaps(*key)
+
+
+def clear_tables() -> None:
+    """Forget the memoised tables: the next pooling of each geometry makes them again (and a
+    memory tracker active then counts them, as it does in a process that never pooled)."""
+    _cached_maps.cache_clear()

@@ -21,7 +21,6 @@ from memsave_cli.checkpointing import (
     read_patterns,
 )
 from memsave_cli.errors import MemsaveError
-from memsave_cli.kernels import maxpool_maps
 from memsave_cli.layers.convert import convert
 from memsave_cli.measure import Job, measure
 from memsave_cli.specs import parse_spec
@@ -118,9 +117,6 @@ def _run(device: str, impl: str, checkpoint: tuple[str, ...], case: str = "all")
         repeat=0,
         checkpoint=checkpoint,
     )
-    # Max pooling's index tables are memoised per process and counted by the step that makes
-    # them: a fresh table for every run, as each run of ``memsave profile`` has its own worker.
-    maxpool_maps._cached_maps.cache_clear()
     run = measure(job)
     assert run.ok, run.error
     return run

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from torch import nn
@@ -89,6 +91,16 @@ def test_layer_rows_never_double_count() -> None:
     assert run.saved_bytes == sum(layer.saved_bytes for layer in run.layers)
     assert len({layer.name for layer in run.layers}) == len(run.layers)
     assert any(layer.shared for layer in run.layers)  # in-place ReLU output = next conv's input
+
+
+@pytest.mark.parametrize("device", ["meta", "cpu"])
+def test_a_measurement_does_not_depend_on_what_ran_before_it(device: str) -> None:
+    """Max pooling's index tables are memoised per process; each measurement makes and counts
+    them again, so that ``fit`` and the plugin (many jobs in one process) agree with a worker."""
+    memsave = replace(job("small_cnn", "all", device, repeat=0), impl="memsave")
+    first, again = measure(memsave), measure(memsave)
+    assert first.ok and again.ok, (first.error, again.error)
+    assert memory(again) == memory(first)
 
 
 def test_bn_eval_and_dtype_are_applied() -> None:
