@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch.amp.autocast_mode import is_autocast_available
 from torch.autograd import forward_ad
@@ -83,7 +85,32 @@ def autocast_on(device_type: str) -> bool:
     if torch.compiler.is_compiling():
         # Traced code runs on devices autocast knows, and torch 2.11 cannot trace the query.
         return torch.is_autocast_enabled(device_type)
+    return _autocast_exists(device_type) and torch.is_autocast_enabled(device_type)
+
+
+def _autocast_exists(device_type: str) -> bool:
     exists = _AUTOCAST_EXISTS.get(device_type)
     if exists is None:
         exists = _AUTOCAST_EXISTS[device_type] = is_autocast_available(device_type)
-    return exists and torch.is_autocast_enabled(device_type)
+    return exists
+
+
+def autocast_state(device_type: str) -> dict[str, object] | None:
+    """The current autocast settings for ``device_type`` as ``torch.autocast`` arguments (None
+    where autocast does not exist there), so that a replay in backward casts as forward did."""
+    if not _autocast_exists(device_type):
+        return None
+    return {
+        "device_type": device_type,
+        "enabled": torch.is_autocast_enabled(device_type),
+        "dtype": torch.get_autocast_dtype(device_type),
+        "cache_enabled": torch.is_autocast_cache_enabled(),
+    }
+
+
+def replayed_autocast(state: dict[str, object] | None) -> contextlib.AbstractContextManager:
+    """Autocast as :func:`autocast_state` recorded it, on or off: backward runs without
+    autocast unless a caller runs it inside one, and forward's state may be either."""
+    if state is None:
+        return contextlib.nullcontext()
+    return torch.autocast(**state)

@@ -15,7 +15,9 @@ stock's ``bernoulli_``, so a converted peft model could not match the stock one 
 replay costs, per adapter, the random state (5 KiB on CPU, 16 bytes on CUDA) and, in backward,
 ``lora_A``'s forward once more (a rank-``r`` projection, small beside the base layer). That
 replay calls ``lora_A`` as a module, so hooks on it run again in backward, as they do under
-``torch.utils.checkpoint``.
+``torch.utils.checkpoint``, and under the autocast settings forward ran with (backward itself
+runs without autocast: a replay in float32 of a forward autocast to bfloat16 would give other
+gradients).
 """
 
 from __future__ import annotations
@@ -27,7 +29,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from memsave_cli.layers._backward import forbid_double_backward, refuse_batched
+from memsave_cli.layers._backward import (
+    autocast_state,
+    forbid_double_backward,
+    refuse_batched,
+    replayed_autocast,
+)
 
 #: Casts the input as peft's ``_cast_input_dtype`` does before the adapter (identity if none).
 Cast = Callable[[Tensor], Tensor]
@@ -75,6 +82,7 @@ class DroppedProjection(torch.autograd.Function):
         ctx, x: Tensor, p: float, project: nn.Module, cast: Cast, *params: Tensor
     ) -> Tensor:
         ctx.p, ctx.project, ctx.cast = p, project, cast
+        ctx.autocast = autocast_state(x.device.type)
         if any(ctx.needs_input_grad):
             state = rng_state(x.device) if p > 0 else None
             # x is the layer's own input: it is kept once, whoever else keeps it too.
@@ -94,7 +102,8 @@ class DroppedProjection(torch.autograd.Function):
         hooks = torch.autograd.graph.saved_tensors_hooks(_unsaved, _unsaved)
         with hooks, replayed_rng(x.device, state[0] if state else None), torch.enable_grad():
             source = x.detach().requires_grad_(needs_x)
-            output = ctx.project(_dropout(ctx.cast(source), ctx.p))
+            with replayed_autocast(ctx.autocast):  # forward's casts, e.g. lora_A in bfloat16
+                output = ctx.project(_dropout(ctx.cast(source), ctx.p))
         grads = iter(torch.autograd.grad(output, [source] * needs_x + wanted, grad_output))
         grad_x = next(grads) if needs_x else None
         grad_params = [next(grads) if need else None for need in ctx.needs_input_grad[4:]]

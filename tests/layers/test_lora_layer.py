@@ -67,12 +67,13 @@ def _assert_same_step(stock: nn.Module, memsave: nn.Module, loss_of) -> tuple[in
 def test_tiny_llama_matches_stock_and_saves_less(
     dtype: torch.dtype, dropout: float, tiny_llama_config: object
 ) -> None:
-    """Without dropout, the saving is the float32 copy peft casts for its float32 adapters."""
+    """Without dropout, the saving is the float32 copy peft casts for its float32 adapters.
+    Random ``lora_B`` weights: with peft's zeros, every ``lora_A`` gradient would be zero."""
     transformers = pytest.importorskip("transformers")
     config = tiny_llama_config
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(config).to(dtype)
-    stock = _adapted(model, "all-linear", dropout=dropout)
+    stock = _adapted(model, "all-linear", dropout=dropout, init_lora_weights=False)
     memsave = convert(stock)
     assert converted_counts(memsave)["lora.Linear"] == 14
     ids = torch.randint(0, 61, (4, 37))
@@ -106,6 +107,38 @@ def test_tiny_cnn_matches_stock_and_saves_less() -> None:
     x = torch.randn(3, 3, 40, 36)
     saved = _assert_same_step(stock, memsave, lambda m: m(x).square().mean())
     assert saved[1] < 0.8 * saved[0]
+
+
+@pytest.mark.parametrize("dropout", [0.3, 0.0])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(
+    ("forward_cast", "backward_cast"), [(True, False), (True, True), (False, True)]
+)
+def test_autocast_matches_stock(
+    dtype: torch.dtype, dropout: float, forward_cast: bool, backward_cast: bool
+) -> None:
+    """The replay in backward casts as forward did, whatever autocast backward runs under: a
+    float32 replay of a bfloat16 forward gives other gradients. Random ``lora_B`` weights, so
+    that ``lora_A``'s gradients (where a wrong replay shows) are not zero."""
+    torch.manual_seed(2)
+    model = Attention()
+    if dropout == 0.0:  # peft's cast of a half-precision input up to its float32 adapters
+        model.to(dtype)
+    stock = _adapted(model, ["q", "k", "v"], dropout=dropout, init_lora_weights=False)
+    memsave = convert(stock)
+    x = torch.randn(3, 7, 32, dtype=model.norm.weight.dtype)
+    results = []
+    for module in (stock, memsave):
+        torch.manual_seed(5)
+        with torch.autocast("cpu", dtype, enabled=forward_cast):
+            loss = module(x).float().square().mean()
+        with torch.autocast("cpu", dtype, enabled=backward_cast):
+            grads = torch.autograd.grad(loss, [p for p in module.parameters() if p.requires_grad])
+        results.append((loss, grads))
+    (loss, grads), (loss_m, grads_m) = results
+    assert torch.equal(loss, loss_m) and len(grads) == len(grads_m) == 6
+    assert all(torch.equal(g, g_m) for g, g_m in zip(grads, grads_m, strict=True))
+    assert all(g.abs().sum() > 0 for g in grads)
 
 
 def test_several_adapters_on_one_layer() -> None:
