@@ -47,6 +47,7 @@ def profile(
     fsdp: int | None = None,
     reshard: bool = True,
     checkpoint: str | Sequence[str] = (),
+    autocast: str | torch.dtype | None = None,
 ) -> Report:
     """Measure ``model`` (a spec such as ``"torchvision:resnet101"``) for every case x impl.
 
@@ -61,7 +62,9 @@ def profile(
     ``lora`` settings (default ``lora_settings()``). ``fsdp=N`` estimates one rank of N under FSDP2
     on meta (``reshard``: FSDP2's ``reshard_after_forward``). ``checkpoint`` names the modules
     whose forward is recomputed in backward (globs over module names, or ``"auto"``: a Hugging
-    Face model's decoder layers; NOTE [checkpointed modules]). Settings that cannot work raise
+    Face model's decoder layers; NOTE [checkpointed modules]). ``autocast`` (``"bfloat16"`` or
+    ``"float16"``) runs forward and loss under ``torch.autocast``, as mixed-precision training
+    does, counted on meta as CUDA casts (NOTE [autocast on meta]). Settings that cannot work raise
     MemsaveError before any worker starts (checked on meta: globs that select nothing, inputs the
     forward cannot take, on one meta build of the model); a failing run is a Run with a status.
     """
@@ -71,6 +74,7 @@ def profile(
     timeout, workers = seconds(timeout, "timeout"), count(workers, "workers", optional=True)
     threads = count(threads, "threads", optional=True)
     checkpoint = read_patterns(checkpoint)
+    autocast = None if autocast is None else dtype_name(autocast)
     notes: list[str] = []
     chosen = resolve_device(device, notes, fsdp, reshard)
     settings = {
@@ -85,6 +89,7 @@ def profile(
         "fsdp": fsdp,
         "reshard": reshard,
         "checkpoint": checkpoint,
+        "autocast": autocast,
     }
     _check_settings(spec, impls, chosen, settings)
     check_threads(threads)
@@ -124,6 +129,7 @@ def profile(
         fsdp=fsdp,
         reshard=reshard,
         checkpoint=checkpoint,
+        autocast=autocast,
     )
 
 

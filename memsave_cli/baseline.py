@@ -11,7 +11,10 @@ from memsave_cli.report import Report, Run
 METRICS = ("forward_peak_bytes", "peak_bytes", "saved_bytes")
 
 #: Settings that must agree for two reports to be comparable at all.
-SETTINGS = ("model", "device", "dtype", "batch_size", "bn_eval", "fsdp", "reshard", "checkpoint")
+SETTINGS = (
+    *("model", "device", "dtype", "batch_size", "bn_eval", "fsdp", "reshard", "checkpoint"),
+    "autocast",
+)
 
 
 class BaselineError(MemsaveError):
@@ -109,4 +112,4 @@ def _setting(value: object) -> str:
     """A setting as the report shows it: patterns as ``'a.*', 'b'`` (``none`` without)."""
     if isinstance(value, tuple):
         return ", ".join(map(repr, value)) or "none"
-    return repr(value)
+    return "none" if value is None else repr(value)

@@ -34,9 +34,11 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from memsave_cli import meta_autocast
 from memsave_cli.arguments import several
 from memsave_cli.cases import sample_names
 from memsave_cli.errors import MemsaveError
+from memsave_cli.layers._backward import emulated_autocast, emulating_autocast
 
 #: The pattern that selects the modules a Hugging Face model checkpoints itself.
 AUTO = "auto"
@@ -98,8 +100,20 @@ def enable_checkpointing(model: nn.Module, patterns: Sequence[str]) -> int:
 
 
 def recompute_in_backward(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    """``function(*args, **kwargs)`` keeping only its inputs for backward, which recomputes it."""
+    """``function(*args, **kwargs)`` keeping only its inputs for backward, which recomputes it.
+
+    torch's checkpoint recomputes under the autocast forward had on the devices autocast knows;
+    under autocast emulated on meta (NOTE [autocast on meta]) the recomputation re-enters it.
+    """
+    emulated = emulated_autocast(meta_autocast.DEVICE)
+    if emulated is not None:
+        function = functools.partial(_emulating, emulated.dtype, function)
     return checkpoint(function, *args, use_reentrant=False, **kwargs)
+
+
+def _emulating(dtype: torch.dtype, function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    with emulating_autocast(meta_autocast.DEVICE, dtype):
+        return function(*args, **kwargs)
 
 
 def _checkpointed(forward: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:

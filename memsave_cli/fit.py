@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Generator, Sequence
 from dataclasses import asdict, dataclass, replace
+from typing import TYPE_CHECKING
 
 from memsave_cli.api import check_lora_cases, resolve_device
 from memsave_cli.arguments import count, device_name, dtype_name, seconds, several
@@ -22,11 +23,14 @@ from memsave_cli.cases import PAPER_CASES, Case, has_norm_layers, resolve_case
 from memsave_cli.checkpointing import checkpoint_notes, read_patterns
 from memsave_cli.errors import MemsaveError, one_line
 from memsave_cli.input_shape import read_shape
-from memsave_cli.measure import Job, measure
+from memsave_cli.measure import Job, check_job, measure
 from memsave_cli.plan_model import PlanModel
 from memsave_cli.preflight import check_plan
 from memsave_cli.report import Run, Status
 from memsave_cli.specs import parse_spec
+
+if TYPE_CHECKING:
+    import torch
 
 #: Upper end of the search when nothing else stops it (a peak that ignores the batch size).
 MAX_BATCH_SIZE = 1 << 20
@@ -63,16 +67,19 @@ class FitResult:
     fsdp: int | None = None  # ranks of an FSDP2 estimate: peaks and budget are one rank's
     reshard: bool = True
     checkpoint: tuple[str, ...] = ()  # patterns of the modules recomputed in backward
+    autocast: str | None = None  # dtype of the autocast forward and loss ran under, if any
 
     def to_json(self) -> str:
         """The rows as a JSON list of ``{case, impl, batch_size, peak_bytes}``; an FSDP2
         estimate adds ``per_rank_of`` and ``reshard_after_forward`` to each, a checkpointed
-        step ``checkpoint`` (its patterns)."""
+        step ``checkpoint`` (its patterns), an autocast one ``autocast`` (its dtype)."""
         shared: dict[str, object] = {} if self.fsdp is None else {"per_rank_of": self.fsdp}
         if shared:
             shared["reshard_after_forward"] = self.reshard
         if self.checkpoint:
             shared["checkpoint"] = list(self.checkpoint)
+        if self.autocast:
+            shared["autocast"] = self.autocast
         return json.dumps([asdict(row) | shared for row in self.rows], indent=2)
 
 
@@ -94,6 +101,7 @@ def fit(
     fsdp: int | None = None,
     reshard: bool = True,
     checkpoint: str | Sequence[str] = (),
+    autocast: str | torch.dtype | None = None,
 ) -> FitResult:
     """Find, per case and implementation, the largest batch size whose step peak fits ``budget``.
 
@@ -101,7 +109,8 @@ def fit(
     On meta the measurements run in this process; on cpu and cuda each runs in its own worker.
     ``device="auto"`` is cuda when available, else meta. ``fsdp=N`` fits one rank of N under
     FSDP2 (``memsave_cli.fsdp``): the batch size is per rank, the budget one rank's memory.
-    ``checkpoint`` names the modules recomputed in backward, as for ``profile``.
+    ``checkpoint`` names the modules recomputed in backward, and ``autocast`` the dtype of the
+    forward and loss, as for ``profile``.
     """
     budget_bytes = parse_bytes(budget if isinstance(budget, str) else str(budget))
     max_batch_size = count(max_batch_size, "maximum batch size")
@@ -109,6 +118,7 @@ def fit(
     timeout, device = seconds(timeout, "timeout"), device_name(device)
     spec = parse_spec(model, model_kwargs)
     checkpoint = read_patterns(checkpoint)
+    autocast = None if autocast is None else dtype_name(autocast)
     notes: list[str] = []
     device = resolve_device(device, notes, fsdp, reshard)
     settings = {"dtype": dtype, "input_shape": read_shape(input_shape), "bn_eval": bn_eval}
@@ -120,8 +130,10 @@ def fit(
     # before any run
     check_plan(spec, chosen, batch_size=1, input_shape=shape, plan_model=plan_model)
     settings |= {"optimizer": optimizer, "repeat": 1, "per_layer": False}
-    settings |= {"fsdp": fsdp, "reshard": reshard, "checkpoint": checkpoint}
+    settings |= {"fsdp": fsdp, "reshard": reshard, "checkpoint": checkpoint, "autocast": autocast}
     jobs = {(c, i): Job(spec, c, i, device, **settings) for c in chosen for i in impls}
+    for job in jobs.values():
+        check_job(job)
     searches = {key: largest_fitting(budget_bytes, max_batch_size) for key in jobs}
     answers = run_searches(searches, jobs, _measurer(device, timeout), on_measure)
     rows = tuple(
@@ -137,6 +149,7 @@ def fit(
         fsdp,
         reshard,
         checkpoint,
+        autocast,
     )
 
 

@@ -30,6 +30,8 @@ from memsave_cli.cases import Case
 from memsave_cli.errors import MemsaveError, NeedsRealDataError, one_line
 from memsave_cli.inputs import INPUTS
 from memsave_cli.meta_attention import ATTENTION_KERNELS, attention_kernels
+from memsave_cli.meta_autocast import DTYPES as AUTOCAST_DTYPES
+from memsave_cli.meta_autocast import autocast_as_on_cuda
 from memsave_cli.meta_dropout import dropout_as_on_cuda
 from memsave_cli.report import Run, Status
 from memsave_cli.saved import SavedTensorRecorder, layer_rows
@@ -64,6 +66,7 @@ class Job:
     fsdp: int | None = None  # ranks FSDP2 shards the model over; None: one unsharded process
     reshard: bool = True  # FSDP2 default reshard_after_forward (False: --no-reshard)
     checkpoint: tuple[str, ...] = ()  # modules recomputed in backward (memsave_cli.checkpointing)
+    autocast: str | None = None  # forward and loss under torch.autocast in this dtype
 
 
 def measure(job: Job, model: nn.Module | None = None) -> Run:
@@ -125,6 +128,10 @@ def check_job(job: Job) -> None:
             f"case {job.case.label} differentiates the input, which token ids cannot be: "
             "use --inputs auto or embeds"
         )
+    if job.autocast is not None and job.autocast not in AUTOCAST_DTYPES:
+        raise MemsaveError(
+            f"unknown autocast dtype '{job.autocast}': expected one of {', '.join(AUTOCAST_DTYPES)}"
+        )
     if job.repeat < 0:
         raise MemsaveError(f"repeat must be 0 (memory only) or more, got {job.repeat}")
     if job.fsdp is not None:
@@ -152,6 +159,7 @@ def _measure_tracked_step(job: Job, prepared: Prepared) -> Run:
         tracker,
         attention_kernels(job.device, job.attention) as kernels,
         dropout_as_on_cuda(job.device),
+        autocast_as_on_cuda(job.device, prepared.autocast),
     ):
         if prepared.optimizer is not None:
             train_step(prepared)  # creates the optimizer states

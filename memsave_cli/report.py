@@ -59,6 +59,10 @@ class Run:
         return self.status is Status.OK
 
 
+#: The dtypes a step's forward and loss may autocast to (``--autocast``).
+AUTOCAST_DTYPES = ("bfloat16", "float16")
+
+
 @dataclass(frozen=True)
 class Report:
     """Every run of one ``profile`` call, with the settings they share."""
@@ -77,6 +81,7 @@ class Report:
     fsdp: int | None = None  # ranks of an FSDP2 estimate: every number is one rank's
     reshard: bool = True  # FSDP2's reshard_after_forward in that estimate
     checkpoint: tuple[str, ...] = ()  # patterns of the modules recomputed in backward
+    autocast: str | None = None  # dtype of the autocast forward and loss ran under, if any
 
     def run(self, case: str, impl: str) -> Run | None:
         """The run of ``case`` and ``impl``, or None when there is none."""
@@ -107,6 +112,7 @@ class Report:
             known = {f.name for f in fields(cls)} - {"runs", "notes"}
             settings = {k: v for k, v in data.items() if k in known}
             settings["checkpoint"] = _patterns(settings.get("checkpoint", []))
+            settings["autocast"] = _autocast(settings.get("autocast"))
             return cls(**settings, runs=runs, notes=tuple(data.get("notes", ())))
         except (TypeError, ValueError, KeyError) as exc:
             raise ReportError(f"malformed memsave report: {exc}") from exc
@@ -161,6 +167,14 @@ def _umask() -> int:
     mask = os.umask(0o022)
     os.umask(mask)
     return mask
+
+
+def _autocast(value: Any) -> str | None:
+    """A report's ``autocast`` dtype: null, or a floating dtype's name."""
+    if value is not None and value not in AUTOCAST_DTYPES:
+        names = ", ".join(AUTOCAST_DTYPES)
+        raise ValueError(f"autocast must be null or one of {names}, got {value!r}")
+    return value
 
 
 def _patterns(value: Any) -> tuple[str, ...]:

@@ -17,6 +17,8 @@ from memsave_cli.checkpointing import enable_checkpointing
 from memsave_cli.inputs import Example, feeds_embeddings, loss_of, make_example
 from memsave_cli.lazy import has_lazy, materialize
 from memsave_cli.lora import apply_lora
+from memsave_cli.meta_autocast import DTYPES as AUTOCAST_DTYPES
+from memsave_cli.meta_autocast import step_autocast
 from memsave_cli.specs import build_model
 
 if TYPE_CHECKING:
@@ -28,11 +30,14 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 @dataclass
 class Prepared:
-    """A model ready to step: converted, cased, with inputs and an optimizer over its trainables."""
+    """A model ready to step: converted, cased, with inputs and an optimizer over its trainables;
+    ``autocast``: the dtype its forward and loss autocast to on ``device`` (None: none)."""
 
     model: nn.Module
     example: Example
     optimizer: torch.optim.Optimizer | None
+    device: str = "cpu"
+    autocast: torch.dtype | None = None
 
 
 def prepare(job: Job, model: nn.Module | None = None, world: fsdp.World | None = None) -> Prepared:
@@ -64,7 +69,8 @@ def prepare(job: Job, model: nn.Module | None = None, world: fsdp.World | None =
     if job.case.input_grad:
         for tensor in example.differentiable:
             tensor.requires_grad_(True)
-    return Prepared(model, example, make_optimizer(model, job.optimizer))
+    autocast = None if job.autocast is None else AUTOCAST_DTYPES[job.autocast]
+    return Prepared(model, example, make_optimizer(model, job.optimizer), device.type, autocast)
 
 
 def _example(job: Job, model: nn.Module, dtype: torch.dtype, device: torch.device) -> Example:
@@ -106,14 +112,16 @@ def make_optimizer(model: nn.Module, name: str | None) -> torch.optim.Optimizer 
 
 
 def train_step(prepared: Prepared, after_forward: Callable[[], None] = lambda: None) -> None:
-    """Forward, loss, backward and optimizer step, as a training loop does them.
+    """Forward, loss, backward and optimizer step, as a training loop does them (forward and loss
+    under autocast where the job asks for it, backward outside, as PyTorch recommends).
 
     The output is dropped once the loss is computed, so only what autograd saved outlives it.
     """
-    output = prepared.model(*prepared.example.args, **prepared.example.kwargs)
-    after_forward()
-    loss = loss_of(output)
-    del output
+    with step_autocast(prepared.device, prepared.autocast):
+        output = prepared.model(*prepared.example.args, **prepared.example.kwargs)
+        after_forward()
+        loss = loss_of(output)
+        del output
     if loss.requires_grad:  # the "none" case has nothing to differentiate
         loss.backward()
     del loss

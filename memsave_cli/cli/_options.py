@@ -18,6 +18,11 @@ class Dtype(str, Enum):
     float16 = "float16"
 
 
+class Autocast(str, Enum):
+    bfloat16 = "bfloat16"
+    float16 = "float16"
+
+
 class Device(str, Enum):
     auto = "auto"
     cuda = "cuda"
@@ -166,6 +171,15 @@ CheckpointOpt = Annotated[
         help="Activation checkpointing: recompute in backward the modules whose names match "
         "(e.g. 'model.layers.*'; auto: a Hugging Face model's decoder layers), for stock and "
         "memsave alike (repeatable).",
+        show_default=False,
+    ),
+]
+AutocastOpt = Annotated[
+    Autocast | None,
+    typer.Option(
+        help="Mixed precision: forward and loss under torch.autocast in this dtype (backward "
+        "outside, as PyTorch recommends), parameters kept in --dtype; on meta counted as CUDA "
+        "casts.",
         show_default=False,
     ),
 ]

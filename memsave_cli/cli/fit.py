@@ -10,6 +10,7 @@ from memsave_cli.cli._console import check_writable, human_console, write_output
 from memsave_cli.cli._errors import reported_errors
 from memsave_cli.cli._help import DEBUG_HELP, examples
 from memsave_cli.cli._options import (
+    AutocastOpt,
     CasesOpt,
     CheckpointOpt,
     Device,
@@ -86,6 +87,7 @@ def fit(
     fsdp: FsdpOpt = None,
     reshard: ReshardOpt = True,
     checkpoint: CheckpointOpt = None,
+    autocast: AutocastOpt = None,
     debug: Annotated[bool, typer.Option("--debug", help=DEBUG_HELP)] = False,
 ) -> None:
     """Find the largest batch size whose training-step peak fits BUDGET, per case and impl.
@@ -120,6 +122,7 @@ def fit(
                 fsdp=ranks,
                 reshard=reshard,
                 checkpoint=checkpoint or (),
+                autocast=autocast.value if autocast else None,
                 on_measure=lambda job, run: bar.advance(
                     f"{job.case.label}/{job.impl} batch {job.batch_size}"
                 ),

@@ -12,6 +12,7 @@ from memsave_cli.cli._help import DEBUG_HELP, examples
 from memsave_cli.cli._options import (
     Attention,
     AttentionOpt,
+    AutocastOpt,
     CasesOpt,
     CheckpointOpt,
     Device,
@@ -122,6 +123,7 @@ def profile(
     fsdp: FsdpOpt = None,
     reshard: ReshardOpt = True,
     checkpoint: CheckpointOpt = None,
+    autocast: AutocastOpt = None,
     debug: Annotated[bool, typer.Option("--debug", help=DEBUG_HELP)] = False,
 ) -> None:
     """Measure peak memory (and time, on cpu/cuda) of MODEL with stock and memsave layers.
@@ -168,6 +170,7 @@ def profile(
                 fsdp=ranks,
                 reshard=reshard,
                 checkpoint=checkpoint or (),
+                autocast=autocast.value if autocast else None,
             )
         print_profile(human_console(json_path, csv_path), report, top=top)
         if json_path is not None:

@@ -16,7 +16,13 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from memsave_cli.layers import stand_ins
-from memsave_cli.layers._backward import autocast_on, forbid_double_backward, records_backward
+from memsave_cli.layers._backward import (
+    autocast_dtype,
+    autocast_off,
+    autocast_on,
+    forbid_double_backward,
+    records_backward,
+)
 from memsave_cli.layers.registry import drop_in
 
 Conv = nn.Conv1d | nn.Conv2d | nn.Conv3d
@@ -145,9 +151,9 @@ def _convolve(x: Tensor, weight: Tensor, bias: Tensor | None, *params: object) -
     device_type = x.device.type
     if not autocast_on(device_type):
         return _ConvFunction.apply(x, weight, bias, *params)
-    dtype = torch.get_autocast_dtype(device_type)
+    dtype = autocast_dtype(device_type)
     x, weight, bias = (_autocast_cast(t, device_type, dtype) for t in (x, weight, bias))
-    with torch.autocast(device_type, enabled=False):
+    with autocast_off(device_type):
         return _ConvFunction.apply(x, weight, bias, *params)
 
 

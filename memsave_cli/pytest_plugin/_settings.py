@@ -6,6 +6,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
+from memsave_cli.arguments import dtype_name
 from memsave_cli.cases import Case, resolve_case
 from memsave_cli.checkpointing import read_patterns
 from memsave_cli.errors import MemsaveError
@@ -38,6 +39,7 @@ class Settings:
     fsdp: int | None = None
     reshard: bool = True
     checkpoint: str | Sequence[str] = ()
+    autocast: str | None = None
     timeout: float = 600.0
     kwargs: Mapping[str, object] | None = None
 
@@ -54,6 +56,8 @@ class Settings:
         values = dict(given)
         values["input_shape"] = read_shape(values.get("input_shape"))
         values["checkpoint"] = read_patterns(values.get("checkpoint"))
+        if values.get("autocast") is not None:  # torch.bfloat16 or "bfloat16"
+            values["autocast"] = dtype_name(values["autocast"])
         return cls(**values)
 
     @property
@@ -97,6 +101,7 @@ class Settings:
             "fsdp": self.fsdp,
             "reshard": self.reshard,
             "checkpoint": self.checkpoint,
+            "autocast": self.autocast,
             "repeat": 0,
         }
 
@@ -109,5 +114,7 @@ class Settings:
             parts.append(f"one rank of {self.fsdp} under FSDP2")
         if self.checkpoint:
             parts.append(f"checkpointing {', '.join(self.checkpoint)}")
+        if self.autocast:
+            parts.append(f"under {self.autocast} autocast")
         parts.append("estimated on meta" if self.device == "meta" else f"measured on {self.device}")
         return ", ".join(parts)

@@ -8,7 +8,8 @@ import io
 from memsave_cli.report import Report
 
 #: ``fsdp``: the ranks of a per-rank FSDP2 estimate (empty, with ``reshard``, for one process);
-#: ``checkpoint``: the patterns of the checkpointed modules, separated by spaces.
+#: ``checkpoint``: the patterns of the checkpointed modules, separated by spaces; ``autocast``:
+#: the dtype forward and loss autocast to (empty without autocast).
 SETTING_COLUMNS = (
     "model",
     "device",
@@ -18,6 +19,7 @@ SETTING_COLUMNS = (
     "fsdp",
     "reshard",
     "checkpoint",
+    "autocast",
 )
 RUN_COLUMNS = (
     "case",

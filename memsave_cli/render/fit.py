@@ -7,14 +7,14 @@ from rich.table import Table
 from rich.text import Text
 
 from memsave_cli.fit import FitResult, FitRow
-from memsave_cli.render.summary import IMPL_LABELS, checkpointed
+from memsave_cli.render.summary import IMPL_LABELS, autocast, checkpointed
 from memsave_cli.render.units import format_bytes
 
 
 def fit_view(result: FitResult) -> Group:
     """A heading that names the budget, and the table below it."""
     ranks = "" if result.fsdp is None else f" per rank of {result.fsdp} (FSDP2)"
-    step = f"a training step{checkpointed(result.checkpoint)}"
+    step = f"a training step{checkpointed(result.checkpoint)}{autocast(result.autocast)}"
     heading = Text(
         f"{result.model}: largest batch size{ranks} within {format_bytes(result.budget_bytes)} "
         f"(peak of {step}, on {result.device})",

@@ -57,7 +57,7 @@ def comparison_table(report: Report) -> RenderableType:
     caption = _CAPTION + (_PAIRED_CAPTION if paired else "")
     if report.fsdp is not None:
         measured += f" per rank of {report.fsdp} (FSDP2)"
-    measured += summary.checkpointed(report.checkpoint)
+    measured += summary.checkpointed(report.checkpoint) + summary.autocast(report.autocast)
     return titled(f"{report.model}: {measured}, ratio to {against}", table, caption)
 
 

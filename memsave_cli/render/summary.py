@@ -20,6 +20,11 @@ def checkpointed(patterns: tuple[str, ...]) -> str:
     return f" with checkpointing of {', '.join(patterns)}" if patterns else ""
 
 
+def autocast(dtype: str | None) -> str:
+    """`` under bfloat16 autocast`` for a heading, or nothing without autocast."""
+    return f" under {dtype} autocast" if dtype else ""
+
+
 @dataclass(frozen=True)
 class Cell:
     """One (impl, case) entry of a comparison table: a value and its ratio to the reference."""
