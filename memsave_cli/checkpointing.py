@@ -38,7 +38,7 @@ from memsave_cli import meta_autocast
 from memsave_cli.arguments import several
 from memsave_cli.cases import sample_names
 from memsave_cli.errors import MemsaveError
-from memsave_cli.layers._backward import emulated_autocast, emulating_autocast
+from memsave_cli.layers._autocast import STANDS_FOR_CUDA, autocast_state, replayed_autocast
 
 #: The pattern that selects the modules a Hugging Face model checkpoints itself.
 AUTO = "auto"
@@ -103,16 +103,15 @@ def recompute_in_backward(function: Callable[..., Any], *args: Any, **kwargs: An
     """``function(*args, **kwargs)`` keeping only its inputs for backward, which recomputes it.
 
     torch's checkpoint recomputes under the autocast forward had on the devices autocast knows;
-    under autocast emulated on meta (NOTE [autocast on meta]) the recomputation re-enters it.
+    where meta stands for cuda (NOTE [autocast on meta]), the recomputation restores CUDA's.
     """
-    emulated = emulated_autocast(meta_autocast.DEVICE)
-    if emulated is not None:
-        function = functools.partial(_emulating, emulated.dtype, function)
+    if meta_autocast.DEVICE in STANDS_FOR_CUDA:
+        function = functools.partial(_replaying, autocast_state(meta_autocast.DEVICE), function)
     return checkpoint(function, *args, use_reentrant=False, **kwargs)
 
 
-def _emulating(dtype: torch.dtype, function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    with emulating_autocast(meta_autocast.DEVICE, dtype):
+def _replaying(state: object, function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    with replayed_autocast(state):  # type: ignore[arg-type]
         return function(*args, **kwargs)
 
 

@@ -3,10 +3,13 @@
 NOTE [autocast on meta]: autocast is a dispatch key of the CUDA and CPU backends (and a few
 others), never of meta, and it casts only tensors on its own device type: on meta no cast
 happens, and the saved tensors of a mixed-precision step would all stay float32. While
-:func:`autocast_as_on_cuda` is active, a ``TorchFunctionMode`` applies CUDA's cast policy (the
-op lists of ATen's ``autocast_mode.h``) to every torch function a step calls on meta, above
-autograd as autocast sits, so that autograd records the casts and keeps the cast copies as it
-does on a GPU:
+:func:`autocast_as_on_cuda` is active, meta stands for cuda: autocast for meta tensors is CUDA's
+own state, which the step turns on for forward and loss (:func:`step_autocast`), and which model
+code asks (``torch.is_autocast_enabled()``) and turns off (``torch.autocast("cuda",
+enabled=False)``) as on a GPU. Where it is on, a ``TorchFunctionMode`` applies CUDA's cast
+policy (the op lists of ATen's ``autocast_mode.h``) to every torch function called on meta,
+above autograd as autocast sits, so that autograd records the casts and keeps the cast copies
+as it does on a GPU:
 
 - lower precision (matrix products, convolutions, attention): floating arguments cast to the
   autocast dtype; casts of float32 leaf tensors that require grad (trainable parameters) are
@@ -20,12 +23,12 @@ A function in none of the lists runs as it is. Autocast acts on ATen operators, 
 function (``F.multi_head_attention_forward``, ``F.normalize``) reaches them through other torch
 functions, which the mode sees only while the function's body runs inside it: such a body runs
 with its own ``has_torch_function`` checks answered False, so each torch function it calls
-comes back here. ``cross_entropy_loss``, a C++ composite of listed parts, is restated in Python
-(:func:`_cross_entropy`): its ``log_softmax`` runs in the input's dtype, and ``nll_loss`` and
-the label smoothing's sums in float32. Autocast is on where the layers' switch
-(``layers/_backward.py``, :func:`~memsave_cli.layers._backward.emulating_autocast`) says so: the
-step turns it on for forward and loss, a memsave layer that replays part of its forward in
-backward turns it on again, and a converted convolution casts explicitly, as on a GPU.
+comes back here (backward too, for the replays and recomputations in it). ``cross_entropy_loss``,
+a C++ composite of listed parts, is restated in Python (:func:`_cross_entropy`): its
+``log_softmax`` runs in the input's dtype, and ``nll_loss`` and label smoothing's sums in float32.
+memsave's layers ask autocast through ``layers/_autocast.py``: a converted convolution casts
+explicitly, RMSNorm and the gated MLP take stock's path, and LoRA replays and checkpointed
+recomputations in backward restore forward's autocast, as on a GPU.
 ``tests/core/test_meta_autocast.py`` checks all of this against CUDA's own autocast kernels,
 run on fake CUDA tensors (forward only: autograd's engine needs a real GPU for backward).
 """
@@ -42,7 +45,7 @@ import torch
 from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
-from memsave_cli.layers._backward import EmulatedAutocast, emulated_autocast, emulating_autocast
+from memsave_cli.layers._autocast import EMULATED_CASTS, STANDS_FOR_CUDA, autocast_region
 from memsave_cli.report import AUTOCAST_DTYPES
 
 #: The device type whose runs stand for a GPU's.
@@ -124,22 +127,27 @@ _CHECKS = ("has_torch_function", "has_torch_function_unary", "has_torch_function
 
 @contextlib.contextmanager
 def autocast_as_on_cuda(device: str, dtype: torch.dtype | None) -> Iterator[None]:
-    """On meta with a ``dtype``, apply CUDA's autocast casts wherever autocast is on (the
-    step's forward and loss: :func:`step_autocast`); elsewhere change nothing."""
-    if device != DEVICE or dtype is None:
+    """On meta with a ``dtype``, let meta stand for cuda and cast as CUDA's autocast does
+    wherever it is on (the step's forward and loss: :func:`step_autocast`); elsewhere change
+    nothing."""
+    if device != DEVICE or dtype is None or DEVICE in STANDS_FOR_CUDA:
         yield
         return
-    with _CudaAutocast():
-        yield
+    STANDS_FOR_CUDA.add(DEVICE)
+    try:
+        with _CudaAutocast():
+            yield
+    finally:
+        STANDS_FOR_CUDA.discard(DEVICE)
 
 
 def step_autocast(device: str, dtype: torch.dtype | None) -> contextlib.AbstractContextManager:
-    """Autocast for a step's forward and loss: ``torch.autocast`` on cpu and cuda, the
-    emulation on meta, nothing without a ``dtype``."""
+    """Autocast for a step's forward and loss: ``torch.autocast`` on cpu and cuda, CUDA's on
+    meta, nothing without a ``dtype``."""
     if dtype is None:
         return contextlib.nullcontext()
     if device == DEVICE:
-        return emulating_autocast(DEVICE, dtype)
+        return autocast_region("cuda", enabled=True, dtype=dtype, cache_enabled=True)
     return torch.autocast(device, dtype=dtype)
 
 
@@ -158,12 +166,13 @@ class _CudaAutocast(TorchFunctionMode):
             # Called from here, backward would run outside this mode: replays and
             # recomputations in it could not cast as their forward did.
             return self._expand(func, args, kwargs)
-        state = emulated_autocast(DEVICE)
-        if state is None or func is expanding or kwargs.get("out") is not None:
+        on = torch.is_autocast_enabled("cuda")
+        if not on or func is expanding or kwargs.get("out") is not None:
             return func(*args, **kwargs)
         name = getattr(func, "__name__", "")
         if name in self._lower:
-            return func(*_cast(args, state.dtype, state), **_cast(kwargs, state.dtype, state))
+            dtype, cache = torch.get_autocast_dtype("cuda"), torch.is_autocast_cache_enabled()
+            return func(*_cast(args, dtype, cache), **_cast(kwargs, dtype, cache))
         if name in self._float32:
             return func(*_cast(args, torch.float32), **_cast(kwargs, torch.float32))
         if name in self._unless_dtype:
@@ -210,31 +219,26 @@ def _eligible(t: object) -> bool:
     )
 
 
-def _cast(value: Any, dtype: torch.dtype, state: EmulatedAutocast | None = None) -> Any:
+def _cast(value: Any, dtype: torch.dtype, cache: bool = False) -> Any:
     """``value`` with its eligible tensors (also inside lists, tuples and dicts) cast to
-    ``dtype``; with ``state``, casts of trainable float32 leaves come from its cache."""
+    ``dtype``; with ``cache``, casts of trainable float32 leaves are kept for the region."""
     if _eligible(value):
-        return value if value.dtype == dtype else _cast_tensor(value, dtype, state)
+        return value if value.dtype == dtype else _cast_tensor(value, dtype, cache)
     if type(value) in (list, tuple):
-        return type(value)(_cast(item, dtype, state) for item in value)
+        return type(value)(_cast(item, dtype, cache) for item in value)
     if type(value) is dict:
-        return {key: _cast(item, dtype, state) for key, item in value.items()}
+        return {key: _cast(item, dtype, cache) for key, item in value.items()}
     return value
 
 
-def _cast_tensor(t: Tensor, dtype: torch.dtype, state: EmulatedAutocast | None) -> Tensor:
-    cacheable = (
-        state is not None
-        and t.dtype == torch.float32
-        and t.requires_grad
-        and t.is_leaf
-        and not t._is_view()
-    )
-    if not cacheable:
+def _cast_tensor(t: Tensor, dtype: torch.dtype, cache: bool) -> Tensor:
+    if not (cache and t.dtype == torch.float32 and t.requires_grad and t.is_leaf):
         return t.to(dtype)
-    hit = state.cache.get(id(t))
-    if hit is None or hit[0] is not t:
-        hit = state.cache[id(t)] = (t, t.to(dtype))
+    if t._is_view():
+        return t.to(dtype)
+    hit = EMULATED_CASTS.get(id(t))
+    if hit is None or hit[0] is not t or hit[1].dtype != dtype:
+        hit = EMULATED_CASTS[id(t)] = (t, t.to(dtype))
     return hit[1]
 
 

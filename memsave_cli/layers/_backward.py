@@ -2,12 +2,7 @@
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
-from dataclasses import dataclass, field
-
 import torch
-from torch.amp.autocast_mode import is_autocast_available
 from torch.autograd import forward_ad
 
 from memsave_cli.kernels._layout import batched
@@ -75,99 +70,3 @@ def graph_capturing(tensor: torch.Tensor) -> bool:
     """
     compiling = torch.compiler.is_compiling()
     return tensor.is_cuda and not compiling and torch.cuda.is_current_stream_capturing()
-
-
-#: Whether autocast exists for a device type (``torch.is_autocast_enabled`` raises where not).
-_AUTOCAST_EXISTS: dict[str, bool] = {}
-
-
-@dataclass
-class EmulatedAutocast:
-    """Autocast emulated on a device type that has none (``memsave_cli.meta_autocast``): its
-    dtype, and the casts of leaf parameters it keeps until the outermost region ends."""
-
-    dtype: torch.dtype
-    cache: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
-
-
-_EMULATED: dict[str, EmulatedAutocast] = {}
-
-
-def emulated_autocast(device_type: str) -> EmulatedAutocast | None:
-    """The autocast emulated on ``device_type`` now, None where it is off or not emulated."""
-    return _EMULATED.get(device_type)
-
-
-@contextlib.contextmanager
-def emulating_autocast(device_type: str, dtype: torch.dtype | None) -> Iterator[None]:
-    """Turn the emulated autocast of ``device_type`` on in ``dtype``, or off (None), for the
-    body, as ``torch.autocast`` does for device types it knows; a nested region shares the
-    cast cache of the one around it."""
-    previous = _EMULATED.get(device_type)
-    if dtype is None:
-        _EMULATED.pop(device_type, None)
-    elif previous is None or previous.dtype != dtype:
-        _EMULATED[device_type] = EmulatedAutocast(dtype)
-    try:
-        yield
-    finally:
-        if previous is None:
-            _EMULATED.pop(device_type, None)
-        else:
-            _EMULATED[device_type] = previous
-
-
-def autocast_on(device_type: str) -> bool:
-    """Whether autocast is enabled for ``device_type``, real or emulated (False for types
-    autocast does not know, such as ``meta``, unless a measurement emulates it there)."""
-    if torch.compiler.is_compiling():
-        # Traced code runs on devices autocast knows, and torch 2.11 cannot trace the query.
-        return torch.is_autocast_enabled(device_type)
-    if _EMULATED and device_type in _EMULATED:
-        return True
-    return _autocast_exists(device_type) and torch.is_autocast_enabled(device_type)
-
-
-def autocast_dtype(device_type: str) -> torch.dtype:
-    """The dtype autocast casts lower-precision ops to on ``device_type`` (where it is on)."""
-    emulated = _EMULATED.get(device_type)
-    return emulated.dtype if emulated is not None else torch.get_autocast_dtype(device_type)
-
-
-def autocast_off(device_type: str) -> contextlib.AbstractContextManager:
-    """Autocast off for ``device_type`` in the body, real or emulated."""
-    if _autocast_exists(device_type):
-        return torch.autocast(device_type, enabled=False)
-    return emulating_autocast(device_type, None)
-
-
-def _autocast_exists(device_type: str) -> bool:
-    exists = _AUTOCAST_EXISTS.get(device_type)
-    if exists is None:
-        exists = _AUTOCAST_EXISTS[device_type] = is_autocast_available(device_type)
-    return exists
-
-
-def autocast_state(device_type: str) -> dict[str, object]:
-    """The current autocast settings for ``device_type`` as ``torch.autocast`` arguments, so
-    that a replay in backward casts as forward did."""
-    if not _autocast_exists(device_type):
-        emulated = _EMULATED.get(device_type)
-        dtype = None if emulated is None else emulated.dtype
-        return {"device_type": device_type, "enabled": emulated is not None, "dtype": dtype}
-    return {
-        "device_type": device_type,
-        "enabled": torch.is_autocast_enabled(device_type),
-        "dtype": torch.get_autocast_dtype(device_type),
-        "cache_enabled": torch.is_autocast_cache_enabled(),
-    }
-
-
-def replayed_autocast(state: dict[str, object]) -> contextlib.AbstractContextManager:
-    """Autocast as :func:`autocast_state` recorded it, on or off: backward runs without
-    autocast unless a caller runs it inside one, and forward's state may be either."""
-    device_type = str(state["device_type"])
-    if _autocast_exists(device_type):
-        return torch.autocast(**state)
-    dtype = state["dtype"] if state["enabled"] else None
-    return emulating_autocast(device_type, dtype)  # type: ignore[arg-type]

@@ -16,13 +16,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from memsave_cli.layers import stand_ins
-from memsave_cli.layers._backward import (
-    autocast_dtype,
-    autocast_off,
-    autocast_on,
-    forbid_double_backward,
-    records_backward,
-)
+from memsave_cli.layers._autocast import autocast_dtype, autocast_off, autocast_on
+from memsave_cli.layers._backward import forbid_double_backward, records_backward
 from memsave_cli.layers.registry import drop_in
 
 Conv = nn.Conv1d | nn.Conv2d | nn.Conv3d

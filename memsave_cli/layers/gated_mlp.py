@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.autograd import Function
 
-from memsave_cli.layers._backward import autocast_on, forbid_double_backward, records_backward
+from memsave_cli.layers._backward import forbid_double_backward, records_backward
 
 #: Activations the gating product recomputes: name -> (forward, backward kernel on (grad, gate)).
 ACTIVATIONS = {
@@ -58,10 +58,11 @@ class GatedProductFunction(Function):
 
 def gated_product(gate: Tensor, up: Tensor, activation: str) -> Tensor:
     """``act(gate) * up``; through the Function only where autograd records it and the factors
-    have one shape and dtype (otherwise stock's ops, which then keep the same or nothing)."""
+    have one shape and dtype (otherwise stock's ops, which then keep the same or nothing).
+    Autocast changes nothing here: the activations and ``mul`` are in none of its lists."""
     records = records_backward(gate, up) and (gate.requires_grad or up.requires_grad)
     plain = gate.shape == up.shape and gate.dtype == up.dtype
-    if not records or not plain or autocast_on(gate.device.type):
+    if not records or not plain:
         return ACTIVATIONS[activation][0](gate) * up
     return GatedProductFunction.apply(gate, up, activation)
 

@@ -29,12 +29,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from memsave_cli.layers._backward import (
-    autocast_state,
-    forbid_double_backward,
-    refuse_batched,
-    replayed_autocast,
-)
+from memsave_cli.layers._autocast import autocast_state, replayed_autocast
+from memsave_cli.layers._backward import forbid_double_backward, refuse_batched
 
 #: Casts the input as peft's ``_cast_input_dtype`` does before the adapter (identity if none).
 Cast = Callable[[Tensor], Tensor]

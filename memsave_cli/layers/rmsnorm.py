@@ -24,7 +24,8 @@ from torch import Tensor, nn
 from torch.autograd import Function
 
 from memsave_cli.kernels._layout import memory_format
-from memsave_cli.layers._backward import autocast_on, forbid_double_backward, records_backward
+from memsave_cli.layers._autocast import autocast_on
+from memsave_cli.layers._backward import forbid_double_backward, records_backward
 from memsave_cli.layers.registry import drop_in
 
 # NOTE [RMSNorm styles]: with ``h`` the normalised tensor and ``w`` the weight,
@@ -255,14 +256,16 @@ def rms_norm(
 
 def may_record(x: Tensor, weight: Tensor | None) -> bool:
     """Whether autograd could record this call with plain eager ops (stock otherwise saves
-    nothing, or runs under autocast, whose casts the recorded graph would contain)."""
+    nothing).
+
+    NOTE [RMSNorm under autocast]: the styles that upcast (all but ``torch``) run the ops that
+    autocast lists (``pow``, ``rsqrt``) on float32 tensors only, which autocast leaves as they
+    are, and their other ops (``mean``, ``mul``, casts) are in no list: under autocast they
+    compute and keep what they do without it. ``torch.rms_norm`` itself is listed (cast to
+    float32 on cuda by torch 2.14, not 2.11): ``nn.RMSNorm`` runs stock's under autocast.
+    """
     wants = x.requires_grad or (weight is not None and weight.requires_grad)
-    return (
-        wants
-        and records_backward(x)
-        and x.dtype.is_floating_point
-        and not autocast_on(x.device.type)
-    )
+    return wants and records_backward(x) and x.dtype.is_floating_point
 
 
 def _composite_on(x: Tensor, weight: Tensor | None) -> bool:
@@ -289,6 +292,8 @@ class MemSaveRMSNorm(nn.RMSNorm):
         if torch.compiler.is_compiling():  # NOTE [RMSNorm under torch.compile]
             return super().forward(input)
         if not (fits and may_record(input, self.weight) and _composite_on(input, self.weight)):
+            return super().forward(input)
+        if autocast_on(input.device.type):  # NOTE [RMSNorm under autocast]
             return super().forward(input)
         eps = self.eps if self.eps is not None else torch.finfo(_opmath(input.dtype)).eps
         dims = tuple(input.dim() - i - 1 for i in range(len(shape)))

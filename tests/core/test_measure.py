@@ -103,6 +103,30 @@ def test_a_measurement_does_not_depend_on_what_ran_before_it(device: str) -> Non
     assert memory(again) == memory(first)
 
 
+@pytest.mark.parametrize("impl", ["stock", "memsave"])
+@pytest.mark.parametrize(
+    ("model", "checkpoint"), [("small_cnn", ()), ("blocks_cnn", ("blocks.*",))]
+)
+def test_autocast_on_meta_as_on_cpu(
+    monkeypatch: pytest.MonkeyPatch, model: str, checkpoint: tuple, impl: str
+) -> None:
+    """Convolutions, BatchNorm, ReLU, pooling, dropout and linear layers cast alike under CPU's
+    autocast and CUDA's (emulated on meta), also where checkpointing recomputes in backward; the
+    half-precision step keeps less."""
+    monkeypatch.setattr(meta_dropout, "DEVICES", ("meta", "cpu"))  # CUDA's dropout on both
+    settings = {"repeat": 0, "checkpoint": checkpoint, "optimizer": "sgd"}
+    mixed = {
+        device: measure(
+            replace(job(model, "all", device, **settings, autocast="bfloat16"), impl=impl)
+        )
+        for device in ("meta", "cpu")
+    }
+    assert mixed["meta"].ok and mixed["cpu"].ok, (mixed["meta"].error, mixed["cpu"].error)
+    assert memory(mixed["meta"]) == memory(mixed["cpu"])
+    plain = measure(replace(job(model, "all", **settings), impl=impl))
+    assert mixed["meta"].saved_bytes < plain.saved_bytes
+
+
 def test_bn_eval_and_dtype_are_applied() -> None:
     prepared = prepare(job("small_cnn", "all", bn_eval=True, dtype="bfloat16"))
     modes = {type(m).__name__: m.training for m in prepared.model.modules()}

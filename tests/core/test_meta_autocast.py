@@ -8,6 +8,7 @@ which saved tensors share storage, must be the same on both sides.
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Callable, Iterator
 
 import pytest
@@ -118,6 +119,30 @@ def test_converted_models_save_what_cuda_autocast_saves() -> None:
         lambda: _Named(convert(torchvision.models.resnet18(weights=None))), _images(32)
     )
     assert meta == cuda
+
+
+class _AsksAutocast(nn.Module):
+    """Model code that asks whether CUDA's autocast is on, and turns it off for one layer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.second = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x: Tensor) -> Tensor:
+        assert torch.is_autocast_enabled() and torch.get_autocast_dtype("cuda") == torch.bfloat16
+        with warnings.catch_warnings():  # torch.autocast warns where no GPU is
+            warnings.simplefilter("ignore")
+            with torch.autocast("cuda", enabled=False):
+                x = self.first(x)
+        return self.second(x)
+
+
+def test_model_code_sees_cudas_autocast() -> None:
+    cuda, meta = _both(_AsksAutocast, lambda d: {"x": torch.randn(4, 8, device=d)})
+    assert meta == cuda
+    dtypes = [dtype for dtype, *_ in meta[0]]
+    # The first layer keeps its input uncast; the second its input and weight, cast.
+    assert dtypes == [torch.float32, torch.bfloat16, torch.bfloat16]
 
 
 def _language(config: object, head: str, loss: str) -> tuple[Callable[[], nn.Module], Inputs]:

@@ -118,6 +118,34 @@ def test_whole_model_bitwise(family: str, dtype: torch.dtype) -> None:
     assert mine[2] < ref[2]
 
 
+@pytest.mark.parametrize("autocast", [torch.bfloat16, torch.float16], ids=["bf16", "f16"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_whole_model_bitwise_under_autocast(
+    family: str, dtype: torch.dtype, autocast: torch.dtype
+) -> None:
+    """Under autocast (forward and loss, as mixed-precision training runs them) the drop-ins
+    still run: loss and gradients bitwise stock's, and less is saved (NOTE [RMSNorm under
+    autocast])."""
+    stock = tiny_model(family, dtype)
+    converted = convert(stock)
+    ids = torch.randint(3, 50, (2, 9), generator=torch.Generator().manual_seed(1))
+    with torch.autocast("cpu", dtype=autocast):
+        ref, mine = loss_and_grads(stock, family, ids), loss_and_grads(converted, family, ids)
+    assert torch.equal(mine[0], ref[0])
+    for a, b in zip(mine[1], ref[1], strict=True):
+        assert (a is None and b is None) or torch.equal(a, b)
+    assert mine[2] < ref[2]
+
+
+def test_the_gated_product_is_in_no_autocast_list() -> None:
+    """What the gated MLP drop-in runs under autocast unchanged: its ops are on no device's
+    autocast list (a torch that lists one would make the drop-in fall back)."""
+    for op in ("silu", "gelu", "mul.Tensor", "silu_backward", "gelu_backward"):
+        for key in ("AutocastCPU", "AutocastCUDA"):
+            assert not torch._C._dispatch_has_kernel_for_dispatch_key(f"aten::{op}", key), op
+
+
 def test_revert_and_checkpoints() -> None:
     """revert restores the Hugging Face classes; state_dict keys and values are untouched."""
     stock = tiny_model("phi3", torch.float32)

@@ -335,6 +335,32 @@ def test_checkpointed_steps(pytester: pytest.Pytester) -> None:
     )
 
 
+def test_steps_under_autocast(pytester: pytest.Pytester) -> None:
+    """``autocast=`` measures the forward and loss under autocast (on meta as CUDA casts)."""
+    result = run_suite(
+        pytester,
+        """
+        import torch
+        from torch import nn
+
+        def net():
+            return nn.Sequential(nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 10))
+
+        def test_autocast(memsave):
+            plain = memsave.measure(net(), batch_size=64)
+            mixed = memsave.measure(net(), batch_size=64, autocast=torch.bfloat16)
+            assert mixed.saved_bytes < plain.saved_bytes
+
+        def test_too_small(memsave):
+            memsave.assert_fits(net(), budget="1KiB", batch_size=64, autocast="float16")
+        """,
+    )
+    result.assert_outcomes(passed=1, failed=1)
+    result.stdout.fnmatch_lines(
+        ["*case all, batch size 64, memsave layers, under float16 autocast, estimated on meta*"]
+    )
+
+
 def test_entry_point_is_declared() -> None:
     """``pip install memsave-cli`` registers the plugin with pytest through ``pytest11``."""
     tomllib = pytest.importorskip("tomllib")  # Python 3.11+

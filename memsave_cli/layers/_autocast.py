@@ -1,0 +1,121 @@
+"""Autocast as the layers see it: torch's own, or CUDA's standing in for meta.
+
+A measurement on meta stands for a GPU (NOTE [autocast on meta] in ``memsave_cli.meta_autocast``):
+there, autocast is CUDA's state (``torch.is_autocast_enabled("cuda")``, as model code asks it),
+which casts no meta tensor, so ``meta_autocast`` casts them and keeps the casts of trainable
+parameters in :data:`EMULATED_CASTS` until the outermost autocast region ends. A layer that casts
+explicitly, runs stock under autocast, or replays part of its forward in backward asks here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+from torch import Tensor
+from torch.amp.autocast_mode import is_autocast_available
+
+#: Device types whose tensors stand for CUDA's while a measurement emulates autocast on them.
+STANDS_FOR_CUDA: set[str] = set()
+#: Casts of trainable parameters made by the emulation, by ``id``: (parameter, cast).
+EMULATED_CASTS: dict[int, tuple[Tensor, Tensor]] = {}
+#: Whether autocast exists for a device type (``torch.is_autocast_enabled`` raises where not).
+_AUTOCAST_EXISTS: dict[str, bool] = {}
+
+
+def autocast_type(device_type: str) -> str:
+    """The device type whose autocast state applies to tensors of ``device_type``."""
+    return "cuda" if device_type in STANDS_FOR_CUDA else device_type
+
+
+def autocast_on(device_type: str) -> bool:
+    """Whether autocast is enabled for tensors of ``device_type`` (False for types autocast
+    does not know, such as ``meta``, unless a measurement lets meta stand for cuda)."""
+    if torch.compiler.is_compiling():
+        # Traced code runs on devices autocast knows, and torch 2.11 cannot trace the query.
+        return torch.is_autocast_enabled(device_type)
+    kind = autocast_type(device_type)
+    return _autocast_exists(kind) and torch.is_autocast_enabled(kind)
+
+
+def autocast_dtype(device_type: str) -> torch.dtype:
+    """The dtype autocast casts lower-precision ops to for tensors of ``device_type``."""
+    return torch.get_autocast_dtype(autocast_type(device_type))
+
+
+def autocast_off(device_type: str) -> contextlib.AbstractContextManager:
+    """Autocast off for tensors of ``device_type`` in the body (where it is on)."""
+    if device_type in STANDS_FOR_CUDA:
+        return autocast_region("cuda", enabled=False)
+    return torch.autocast(device_type, enabled=False)
+
+
+def autocast_state(device_type: str) -> tuple[bool, dict[str, object]] | None:
+    """The autocast settings for tensors of ``device_type`` now, and whether meta stands for
+    cuda (None where autocast does not exist), for a replay in backward to restore: backward
+    runs without autocast unless a caller runs it inside one, and forward's may be either."""
+    kind = autocast_type(device_type)
+    if not _autocast_exists(kind):
+        return None
+    settings = {
+        "device_type": kind,
+        "enabled": torch.is_autocast_enabled(kind),
+        "dtype": torch.get_autocast_dtype(kind),
+        "cache_enabled": torch.is_autocast_cache_enabled(),
+    }
+    return device_type in STANDS_FOR_CUDA, settings
+
+
+def replayed_autocast(
+    state: tuple[bool, dict[str, object]] | None,
+) -> contextlib.AbstractContextManager:
+    """The body under the autocast :func:`autocast_state` recorded (nothing without one)."""
+    if state is None:
+        return contextlib.nullcontext()
+    stands_for_cuda, settings = state
+    return (autocast_region if stands_for_cuda else torch.autocast)(**settings)  # type: ignore[arg-type]
+
+
+@contextlib.contextmanager
+def autocast_region(
+    device_type: str,
+    enabled: bool,
+    dtype: torch.dtype | None = None,
+    cache_enabled: bool | None = None,
+) -> Iterator[None]:
+    """What ``torch.autocast`` does on entry and exit, without its check for a device: it
+    turns CUDA's autocast off where no GPU is, and meta stands for one. Leaving the outermost
+    region clears the casts cached in it, torch's and the emulation's."""
+    saved = (
+        torch.is_autocast_enabled(device_type),
+        torch.get_autocast_dtype(device_type),
+        torch.is_autocast_cache_enabled(),
+    )
+    torch.set_autocast_enabled(device_type, enabled)
+    if dtype is not None:
+        torch.set_autocast_dtype(device_type, dtype)
+    if cache_enabled is not None:
+        torch.set_autocast_cache_enabled(cache_enabled)
+    torch.autocast_increment_nesting()
+    try:
+        yield
+    finally:
+        outermost = torch.autocast_decrement_nesting() == 0
+        if outermost:
+            torch.clear_autocast_cache()
+        if outermost or (enabled and not saved[0]):
+            # Also the outermost region autocast is on in: a recomputation in backward runs
+            # inside the cpu autocast region torch's checkpoint opens, which clears only
+            # torch's own cache when it ends.
+            EMULATED_CASTS.clear()
+        torch.set_autocast_enabled(device_type, saved[0])
+        torch.set_autocast_dtype(device_type, saved[1])
+        torch.set_autocast_cache_enabled(saved[2])
+
+
+def _autocast_exists(device_type: str) -> bool:
+    exists = _AUTOCAST_EXISTS.get(device_type)
+    if exists is None:
+        exists = _AUTOCAST_EXISTS[device_type] = is_autocast_available(device_type)
+    return exists
