@@ -76,24 +76,6 @@ def test_fit_under_autocast(runner, tiny_models):
     assert rows and all(row["autocast"] == "float16" and row["batch_size"] > 0 for row in rows)
 
 
-def test_fit_measures_autocast_steps(tiny_models):
-    import torch
-
-    from memsave_cli.fit import fit
-
-    jobs = []
-    result = fit(
-        f"{tiny_models}:cnn",
-        budget="2MiB",
-        cases="input",
-        input_shape=(3, 16, 16),
-        autocast=torch.bfloat16,
-        on_measure=lambda job, run: jobs.append(job),
-    )
-    assert result.autocast == "bfloat16"
-    assert jobs and all(job.autocast == "bfloat16" for job in jobs)
-
-
 def test_the_api_refuses_an_unknown_dtype_before_any_run(tiny_models, no_workers):
     from memsave_cli.api import profile
     from memsave_cli.errors import MemsaveError

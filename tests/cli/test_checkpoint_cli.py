@@ -79,19 +79,3 @@ def test_fit_with_checkpointing(runner, tiny_models):
     assert result.exit_code == 0, result.output
     rows = json.loads(result.stdout)
     assert rows and all(row["checkpoint"] == ["[0-2]"] and row["batch_size"] > 0 for row in rows)
-
-
-def test_fit_measures_checkpointed_steps(tiny_models):
-    from memsave_cli.fit import fit
-
-    jobs = []
-    result = fit(
-        f"{tiny_models}:cnn",
-        budget="2MiB",
-        cases="input",
-        input_shape=(3, 16, 16),
-        checkpoint="[0-2]",
-        on_measure=lambda job, run: jobs.append(job),
-    )
-    assert result.checkpoint == ("[0-2]",)
-    assert jobs and all(job.checkpoint == ("[0-2]",) for job in jobs)
