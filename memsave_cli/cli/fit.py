@@ -38,6 +38,7 @@ EPILOG = examples(
     "memsave fit mymodels.py:build --budget 1.5e9 --trainable 'head.*' --json fit.json",
     "memsave fit hf:configs/meta-llama-3-8b --budget 24GiB --case lora --dtype bfloat16 --fsdp 4",
     "memsave fit hf:configs/meta-llama-3-8b --budget 24GiB --case lora --checkpoint auto",
+    "memsave fit torchvision:resnet50 --budget 8GiB --case input --autocast bfloat16",
 )
 
 

@@ -45,6 +45,7 @@ EPILOG = examples(
     "memsave profile torchvision:resnet50 --case lora --lora-rank 8 --batch-size 16",
     "memsave profile hf:configs/meta-llama-3-8b --case lora --dtype bfloat16 --fsdp 4",
     "memsave profile hf:configs/meta-llama-3-8b --case lora --dtype bfloat16 --checkpoint auto",
+    "memsave profile torchvision:resnet50 --case input --autocast bfloat16",
 )
 
 
