@@ -46,7 +46,8 @@ def blocks() -> nn.Module:
 
 
 def lora() -> nn.Module:
-    """Two peft LoRA adapters with dropout, each in a block of its own."""
+    """Two peft LoRA adapters with dropout, each in a block of its own, their B matrices random
+    (peft's zeros would make every gradient of A zero)."""
     from peft import LoraConfig, get_peft_model
 
     base = nn.Sequential(
@@ -54,7 +55,13 @@ def lora() -> nn.Module:
         nn.Sequential(nn.Linear(64, 64), nn.ReLU()),
         nn.Linear(64, 8),
     )
-    config = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.2, target_modules=["0.0", "1.0"])
+    config = LoraConfig(
+        r=4,
+        lora_alpha=8,
+        lora_dropout=0.2,
+        target_modules=["0.0", "1.0"],
+        init_lora_weights=False,
+    )
     return get_peft_model(base, config).get_base_model()
 
 

@@ -24,7 +24,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
-from benchmarks.gpu_acceptance import candidates, capture, checkpointed
+from benchmarks.gpu_acceptance import candidates, capture, checkpointed, mixed_precision
 from benchmarks.gpu_acceptance.budget import Deadline
 from benchmarks.gpu_acceptance.cells import Cell, Status, guarded
 from benchmarks.gpu_acceptance.plan import Plan, selected
@@ -86,8 +86,8 @@ def hugging_face_examples() -> dict[str, Example]:
 def run(plan: Plan, deadline: Deadline, emit: Callable[[Cell], None]) -> None:
     """Emit one cell per layer and dtype, then per dropout class and dtype, then the cells of
     the kernels not served yet (``candidates.py``; they never fail the run), then, when every
-    layer is checked, the checkpointed steps (``checkpointed.py``), then the captured CUDA
-    graphs (``capture.py``)."""
+    layer is checked, the checkpointed steps (``checkpointed.py``) and the mixed-precision ones
+    (``mixed_precision.py``), then the captured CUDA graphs (``capture.py``)."""
     device = torch.device(plan.device)
     for name, (build, shape) in examples(plan.hugging_face).items():
         for dtype in plan.dtypes if selected(name, plan) else ():
@@ -107,6 +107,8 @@ def run(plan: Plan, deadline: Deadline, emit: Callable[[Cell], None]) -> None:
         candidates.run(device, emit)
     if not deadline.passed() and not plan.layers:
         checkpointed.run(device, emit)
+    if not deadline.passed() and not plan.layers:
+        mixed_precision.run(device, emit)
     if not deadline.passed():  # last: a capture that fails may leave the CUDA context unusable
         capture.run(device, emit)
 

@@ -47,6 +47,12 @@ def run(plan: Plan, budget: Budget, emit: Callable[[Cell], None]) -> dict[str, A
             label = experiment.title + suffix
             key = f"{experiment.key}/lora{suffix}"
             reports[key] = _compare(experiment, "lora", label, plan, budget, emit, settings)
+    for experiment in plan.autocast:  # last: a check of the emulation, not of the list
+        for case in plan.autocast_cases:
+            suffix = f" autocast {plan.autocast_dtype}"
+            label, key = f"{experiment.title} {case}{suffix}", f"{experiment.key}/{case}{suffix}"
+            settings = {"autocast": plan.autocast_dtype}
+            reports[key] = _compare(experiment, case, label, plan, budget, emit, settings)
     return {key: sides for key, sides in reports.items() if sides is not None}
 
 

@@ -48,6 +48,9 @@ LORA_MODEL = Experiment(
     batch_size=4,
     kwargs=(("num_hidden_layers", 4),),
 )
+#: Models measured under ``--autocast`` (float32 parameters, as automatic mixed precision trains
+#: them): the meta side counts CUDA's casts as memsave emulates them (NOTE [autocast on meta]).
+AUTOCAST_MODELS = ("resnet101/resnet101",)
 #: Share of the budget by which each part must end (cumulative): later parts get what earlier
 #: parts leave unused.
 DEADLINES = {"exactness": 0.18, "memory": 0.5, "layer-time": 0.6, "model-time": 1.0}
@@ -72,6 +75,9 @@ class Plan:
     memory_cases: tuple[str, ...] = PAPER_CASES
     lora: tuple[Experiment, ...] = ()  # measured in case lora, once per ``lora_checkpoints``
     lora_checkpoints: tuple[tuple[str, ...], ...] = ((), ("auto",))
+    autocast: tuple[Experiment, ...] = ()  # measured in ``autocast_cases`` under autocast
+    autocast_cases: tuple[str, ...] = ("all", "input")
+    autocast_dtype: str = "bfloat16"
     tolerance: float = 0.03
     layers: tuple[str, ...] = ()  # only these layer names, e.g. ("ReLU", "Conv2d"); empty: all
     # layer time: forward+backward of each drop-in against stock at a realistic size
@@ -89,7 +95,7 @@ class Plan:
     def from_json(cls, text: str) -> Plan:
         data = json.loads(text)
         tuples = {k: tuple(v) for k, v in data.items() if isinstance(v, list)}
-        for key in ("memory", "timed", "lora"):
+        for key in ("memory", "timed", "lora", "autocast"):
             tuples[key] = tuple(_experiment(e) for e in data.get(key, ()))
         tuples["lora_checkpoints"] = tuple(map(tuple, data.get("lora_checkpoints", ())))
         return cls(**{**data, **tuples})
@@ -107,6 +113,7 @@ def full_plan(device: str = "cuda") -> Plan:
         device=device,
         memory=experiments(MEMORY_MODELS, device),
         lora=(LORA_MODEL if device == "cuda" else replace(LORA_MODEL, batch_size=1),),
+        autocast=experiments(AUTOCAST_MODELS, device),
         timed=experiments(TIMED_MODELS, device),
         layer_batch=32 if device == "cuda" else 2,
     )

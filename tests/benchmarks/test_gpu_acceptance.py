@@ -6,6 +6,7 @@ sizes (``--device cpu`` in the script), so that the first real GPU run does not 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import stat
 import subprocess
@@ -23,6 +24,7 @@ from benchmarks.gpu_acceptance import (
     isolate,
     layer_time,
     main,
+    mixed_precision,
     model_time,
 )
 from benchmarks.gpu_acceptance.budget import Budget, Deadline
@@ -198,6 +200,43 @@ def test_lora_cells_with_and_without_checkpointing(tmp_path: Path, tiny_llama_di
     reports = record["memory_reports"]
     assert set(reports) == {"lora/tiny/lora", "lora/tiny/lora checkpoint auto"}
     assert reports["lora/tiny/lora checkpoint auto"]["meta"]["checkpoint"] == ["auto"]
+
+
+def test_mixed_precision_steps_are_compared_bit_for_bit(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each model's converted step matches stock's under autocast; a LoRA replay that ignores
+    forward's autocast fails its cell."""
+    pytest.importorskip("peft")
+    pytest.importorskip("transformers")
+    cells: list[Cell] = []
+    mixed_precision.run(torch.device("cpu"), cells.append)
+    passed = [(n, Status.PASS) for n in mixed_precision.MODELS]
+    assert [(c.name, c.status) for c in cells] == passed, [c.detail for c in cells]
+    from memsave_cli.layers import lora_dropout
+
+    monkeypatch.setattr(lora_dropout, "replayed_autocast", lambda state: contextlib.nullcontext())
+    cells.clear()
+    mixed_precision.run(torch.device("cpu"), cells.append)
+    statuses = {c.name: c.status for c in cells}
+    assert statuses["autocast: peft LoRA dropout"] == Status.FAIL
+
+
+def test_autocast_cells_after_the_others(tmp_path: Path) -> None:
+    """A model measured under autocast on both sides, case by case, after the plain cells; on
+    the cpu its casts are CPU autocast's, which cast this MLP as CUDA's do."""
+    plan = replace(TINY_PLAN, parts=("memory",), autocast=(TINY,), autocast_cases=("all",))
+    assert Plan.from_json(plan.to_json()) == plan
+    _, record = run_tiny(tmp_path, plan)
+    cells = {c["name"]: c for c in by_part(record)["memory"]}
+    mixed = [name for name in cells if "autocast" in name]
+    assert (
+        list(cells)[-2:]
+        == mixed
+        == [f"{TINY.title} all autocast bfloat16/{impl}" for impl in ("stock", "memsave")]
+    )
+    for name in mixed:
+        assert cells[name]["status"] == "pass", cells[name]["detail"]
+    report = record["memory_reports"][f"{TINY.key}/all autocast bfloat16"]
+    assert report["meta"]["autocast"] == report["cpu"]["autocast"] == "bfloat16"
 
 
 def test_checkpointed_steps_are_compared_bit_for_bit(monkeypatch: pytest.MonkeyPatch) -> None:
