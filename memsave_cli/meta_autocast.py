@@ -24,7 +24,7 @@ function (``F.multi_head_attention_forward``, ``F.normalize``) reaches them thro
 functions, which the mode sees only while the function's body runs inside it: such a body runs
 with its own ``has_torch_function`` checks answered False, so each torch function it calls
 comes back here (backward too, for the replays and recomputations in it). ``cross_entropy_loss``,
-a C++ composite of listed parts, is restated in Python (:func:`_cross_entropy`): its
+a C++ composite of listed parts, is restated in Python (``meta_cross_entropy.py``): its
 ``log_softmax`` runs in the input's dtype, and ``nll_loss`` and label smoothing's sums in float32.
 memsave's layers ask autocast through ``layers/_autocast.py``: a converted convolution casts
 explicitly, RMSNorm and the gated MLP take stock's path, and LoRA replays and checkpointed
@@ -46,6 +46,7 @@ from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
 from memsave_cli.layers._autocast import EMULATED_CASTS, STANDS_FOR_CUDA, autocast_region
+from memsave_cli.meta_cross_entropy import cross_entropy
 from memsave_cli.report import AUTOCAST_DTYPES
 
 #: The device type whose runs stand for a GPU's.
@@ -166,8 +167,11 @@ class _CudaAutocast(TorchFunctionMode):
             # Called from here, backward would run outside this mode: replays and
             # recomputations in it could not cast as their forward did.
             return self._expand(func, args, kwargs)
-        on = torch.is_autocast_enabled("cuda")
-        if not on or func is expanding or kwargs.get("out") is not None:
+        if (
+            not torch.is_autocast_enabled("cuda")
+            or func is expanding
+            or kwargs.get("out") is not None
+        ):
             return func(*args, **kwargs)
         name = getattr(func, "__name__", "")
         if name in self._lower:
@@ -183,7 +187,7 @@ class _CudaAutocast(TorchFunctionMode):
             raise RuntimeError(BANNED[name])
         if name == "cross_entropy_loss":
             with self:
-                return _cross_entropy(*args, **kwargs)
+                return cross_entropy(*args, **kwargs)
         if isinstance(func, types.FunctionType):
             return self._expand(func, args, kwargs)
         return func(*args, **kwargs)
@@ -232,9 +236,8 @@ def _cast(value: Any, dtype: torch.dtype, cache: bool = False) -> Any:
 
 
 def _cast_tensor(t: Tensor, dtype: torch.dtype, cache: bool) -> Tensor:
-    if not (cache and t.dtype == torch.float32 and t.requires_grad and t.is_leaf):
-        return t.to(dtype)
-    if t._is_view():
+    trainable = t.dtype == torch.float32 and t.requires_grad and t.is_leaf and not t._is_view()
+    if not (cache and trainable):
         return t.to(dtype)
     hit = EMULATED_CASTS.get(id(t))
     if hit is None or hit[0] is not t or hit[1].dtype != dtype:
@@ -260,48 +263,3 @@ def _widest(args: tuple, kwargs: dict) -> torch.dtype | None:
             if _eligible(t):
                 widest = t.dtype if widest is None else torch.promote_types(widest, t.dtype)
     return widest
-
-
-def _cross_entropy(
-    input: Tensor,
-    target: Tensor,
-    weight: Tensor | None = None,
-    reduction: int = 1,
-    ignore_index: int = -100,
-    label_smoothing: float = 0.0,
-) -> Tensor:
-    """ATen's ``cross_entropy_loss`` composite in torch functions, for the mode to cast part by
-    part as autocast casts the ATen calls (``LossNLL.cpp``): ``log_softmax`` names the input's
-    dtype, so it is not cast; ``nll_loss`` and ``sum`` are. Class indices with both a weight and
-    label smoothing run as one call (their mean gathers weights by data, which meta lacks)."""
-    class_dim = 0 if input.dim() == 1 else 1
-    soft = input.shape == target.shape
-    if weight is not None and not soft and label_smoothing > 0:
-        with torch._C.DisableTorchFunction():
-            return torch._C._nn.cross_entropy_loss(
-                input, target, weight, reduction, ignore_index, label_smoothing
-            )
-    log_probs = torch.log_softmax(input, class_dim, dtype=input.dtype)
-    n_classes = input.shape[class_dim]
-    if soft:
-        if label_smoothing > 0:
-            target = target * (1 - label_smoothing) + label_smoothing / n_classes
-        products = log_probs * target
-        if weight is not None:
-            shape = [1] * input.dim()
-            shape[class_dim] = n_classes
-            products = products * weight.view(shape)
-        if reduction == 0:
-            return -products.sum(class_dim)
-        total = -products.sum()
-        return total / (log_probs.numel() / n_classes) if reduction == 1 else total
-    nll = torch._C._nn.nll_loss_nd(log_probs, target, weight, reduction, ignore_index)
-    if label_smoothing <= 0:
-        return nll
-    ignored = target == ignore_index
-    smooth = (-log_probs.sum(class_dim)).masked_fill_(ignored, 0.0)
-    if reduction == 1:
-        smooth = smooth.sum() / (~ignored).sum()
-    elif reduction == 2:
-        smooth = smooth.sum()
-    return (1 - label_smoothing) * nll + smooth * (label_smoothing / n_classes)
