@@ -67,15 +67,6 @@ def test_csv_and_report_files_carry_the_dtype(make_report, paper_report):
         Report.from_dict(data)
 
 
-def test_fit_under_autocast(runner, tiny_models):
-    args = ["fit", f"{tiny_models}:cnn", "--budget", "2MiB", "--input-shape", "3,16,16"]
-    args += ["--case", "input", "--autocast", "float16", "--json", "-"]
-    result = runner.invoke(app, args)
-    assert result.exit_code == 0, result.output
-    rows = json.loads(result.stdout)
-    assert rows and all(row["autocast"] == "float16" and row["batch_size"] > 0 for row in rows)
-
-
 def test_the_api_refuses_an_unknown_dtype_before_any_run(tiny_models, no_workers):
     from memsave_cli.api import profile
     from memsave_cli.errors import MemsaveError

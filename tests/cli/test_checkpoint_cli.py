@@ -70,12 +70,3 @@ def test_csv_has_the_patterns(make_report, paper_report):
     assert rows and all(row["checkpoint"] == "a.* b" and row["fsdp"] == "" for row in rows)
     plain = list(csv.DictReader(io.StringIO(report_csv(paper_report))))
     assert all(row["checkpoint"] == "" for row in plain)
-
-
-def test_fit_with_checkpointing(runner, tiny_models):
-    args = ["fit", f"{tiny_models}:cnn", "--budget", "2MiB", "--input-shape", "3,16,16"]
-    args += ["--case", "input", "--checkpoint", "[0-2]", "--json", "-"]
-    result = runner.invoke(app, args)
-    assert result.exit_code == 0, result.output
-    rows = json.loads(result.stdout)
-    assert rows and all(row["checkpoint"] == ["[0-2]"] and row["batch_size"] > 0 for row in rows)
