@@ -8,9 +8,11 @@ import typer
 
 from memsave_cli import __version__
 from memsave_cli.cli import check, fit, layers, probe, profile
+from memsave_cli.cli._errors import OneLineUsageErrors
 
 app = typer.Typer(
     name="memsave",
+    cls=OneLineUsageErrors,
     help="Measure how much memory memsave's layers save when you train only part of a model.",
     no_args_is_help=True,
     rich_markup_mode="markdown",

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import typer
+from typer.core import TyperGroup
 
 from memsave_cli.cli._console import stderr_console
 from memsave_cli.errors import MemsaveError
@@ -44,6 +47,42 @@ def reported_errors(ctx: typer.Context | None, debug: bool = False) -> Iterator[
             message += " (run with --debug for the traceback)"
         _explain(exc, message, debug)
         raise typer.Exit(USAGE_EXIT) from None
+
+
+#: Click's exception classes, from whichever Click typer runs on (its own copy since 0.2x).
+_CLICK_ERROR = next(c for c in typer.BadParameter.__mro__ if c.__name__ == "ClickException")
+_NO_ARGS = getattr(sys.modules[_CLICK_ERROR.__module__], "NoArgsIsHelpError", ())
+
+
+class OneLineUsageErrors(TyperGroup):
+    """The ``memsave`` group: a command line Click cannot parse (an unknown option, a missing
+    argument, a value that is not one of the choices) is one line on stderr and exit 2, as every
+    other bad input, instead of Click's usage and a framed message."""
+
+    def main(self, *args: Any, standalone_mode: bool = True, **kwargs: Any) -> Any:
+        if not standalone_mode:
+            return super().main(*args, standalone_mode=False, **kwargs)
+        try:
+            code = super().main(*args, standalone_mode=False, **kwargs)
+        except _NO_ARGS:  # the help is the answer, already printed
+            sys.exit(USAGE_EXIT)
+        except _CLICK_ERROR as exc:
+            _say(_usage_line(exc))
+            sys.exit(exc.exit_code)
+        except typer.Abort:
+            _say("aborted")
+            sys.exit(1)
+        sys.exit(code if isinstance(code, int) else 0)
+
+
+def _usage_line(exc: Exception) -> str:
+    """Click's message, and where the options are listed."""
+    message = " ".join(exc.format_message().split())
+    ctx = getattr(exc, "ctx", None)
+    if ctx is None:
+        return message
+    listed = "commands and options" if isinstance(ctx.command, TyperGroup) else "options"
+    return f"{message} ({ctx.command_path} {ctx.help_option_names[0]} lists the {listed})"
 
 
 def _explain(exc: BaseException, message: str, debug: bool) -> None:
