@@ -1,4 +1,5 @@
-"""Example inputs for a model, by family, with the paper's defaults; and the scalar loss of an output.
+"""Example inputs for a model, by family, with the paper's defaults (the loss of its output is
+``loss.py``'s).
 
 Families: images (B, 3, 224, 224) with B = 64; video (B, 3, 16, 112, 112); optical flow (two images);
 segmentation (images; dict output); detection (B = 4 images and, in train mode, targets with 2 boxes
@@ -10,7 +11,7 @@ from __future__ import annotations
 
 import inspect
 import sys
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,6 +20,7 @@ from torch import nn
 
 from memsave_cli.cases import Case
 from memsave_cli.errors import SpecError
+from memsave_cli.loss import floating_tensors
 from memsave_cli.quick_import import import_torchvision
 from memsave_cli.specs import ModelSpec, companion_inputs
 
@@ -140,35 +142,6 @@ def make_example(
         return Example((first, second), {}, (first, second), batch, "flow")
     x = make.uniform((batch, *shape))
     return Example((x,), {}, (x,), batch, family or "tensor")
-
-
-def loss_of(output: object) -> torch.Tensor:
-    """The model's own loss if it returns one, else the sum of every floating tensor in ``output``.
-
-    A loss is an output's ``.loss`` (Hugging Face) or a mapping's ``"loss"``; a detection model's dict
-    of losses has no single one, and its sum is the sum of its values, as torchvision trains it.
-    """
-    loss = output.get("loss") if isinstance(output, Mapping) else getattr(output, "loss", None)
-    if isinstance(loss, torch.Tensor):
-        return loss
-    total: torch.Tensor | None = None
-    for tensor in _floating(output):
-        total = tensor.sum() if total is None else total + tensor.sum()
-    if total is None:
-        raise SpecError(f"the model output ({type(output).__name__}) holds no floating tensor")
-    return total
-
-
-def _floating(value: object) -> Iterator[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        if value.is_floating_point():
-            yield value
-    elif isinstance(value, Mapping):
-        for item in value.values():
-            yield from _floating(item)
-    elif isinstance(value, list | tuple):
-        for item in value:
-            yield from _floating(item)
 
 
 # -- torchvision families ------------------------------------------------------------------------
@@ -326,7 +299,7 @@ def _companion_example(
         raise SpecError(
             f"{spec.text}: {name} returned {type(made).__name__}; expected a tensor, tuple or dict"
         )
-    differentiable = tuple(_floating((args, kwargs)))
+    differentiable = tuple(floating_tensors((args, kwargs)))
     return Example(args, kwargs, differentiable, batch, "callable")
 
 

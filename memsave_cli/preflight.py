@@ -18,7 +18,8 @@ from torch import nn
 
 from memsave_cli.cases import Case, trainable_names
 from memsave_cli.errors import SpecError, describe
-from memsave_cli.inputs import Example, loss_of, make_example
+from memsave_cli.inputs import Example, make_example
+from memsave_cli.loss import loss_of
 from memsave_cli.plan_model import PlanModel
 from memsave_cli.specs import ModelSpec
 

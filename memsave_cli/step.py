@@ -14,9 +14,10 @@ from torch import nn
 
 from memsave_cli.cases import apply_case
 from memsave_cli.checkpointing import enable_checkpointing
-from memsave_cli.inputs import Example, feeds_embeddings, loss_of, make_example
+from memsave_cli.inputs import Example, feeds_embeddings, make_example
 from memsave_cli.lazy import has_lazy, materialize
 from memsave_cli.lora import apply_lora
+from memsave_cli.loss import loss_of
 from memsave_cli.meta_autocast import DTYPES as AUTOCAST_DTYPES
 from memsave_cli.meta_autocast import step_autocast
 from memsave_cli.specs import build_model

@@ -11,7 +11,8 @@ import torch
 from torch import nn
 
 from memsave_cli.errors import SpecError
-from memsave_cli.inputs import Example, loss_of, make_example
+from memsave_cli.inputs import Example, make_example
+from memsave_cli.loss import loss_of
 from memsave_cli.specs import ModelSpec, build_model, parse_spec
 
 MODELS_FILE = Path(__file__).parent / "fixtures" / "tiny_models.py"
