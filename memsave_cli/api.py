@@ -74,7 +74,7 @@ def profile(
     timeout, workers = seconds(timeout, "timeout"), count(workers, "workers", optional=True)
     threads = count(threads, "threads", optional=True)
     checkpoint = read_patterns(checkpoint)
-    autocast = None if autocast is None else dtype_name(autocast)
+    autocast = dtype_name(autocast)
     notes: list[str] = []
     chosen = resolve_device(device, notes, fsdp, reshard)
     settings = {

@@ -22,8 +22,9 @@ def several(given: T | Sequence[T]) -> tuple[T, ...]:
     return tuple(dict.fromkeys(items))
 
 
-def dtype_name(dtype: str | torch.dtype) -> str:
-    """``torch.bfloat16`` -> ``"bfloat16"``; a string passes unchanged (checked by the job)."""
+def dtype_name(dtype: str | torch.dtype | None) -> str | None:
+    """``torch.bfloat16`` -> ``"bfloat16"``; a string or None passes unchanged (checked by the
+    job)."""
     return str(dtype).removeprefix("torch.") if isinstance(dtype, torch.dtype) else dtype
 
 

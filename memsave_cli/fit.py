@@ -118,7 +118,7 @@ def fit(
     timeout, device = seconds(timeout, "timeout"), device_name(device)
     spec = parse_spec(model, model_kwargs)
     checkpoint = read_patterns(checkpoint)
-    autocast = None if autocast is None else dtype_name(autocast)
+    autocast = dtype_name(autocast)
     notes: list[str] = []
     device = resolve_device(device, notes, fsdp, reshard)
     settings = {"dtype": dtype, "input_shape": read_shape(input_shape), "bn_eval": bn_eval}

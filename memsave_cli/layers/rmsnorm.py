@@ -291,9 +291,8 @@ class MemSaveRMSNorm(nn.RMSNorm):
         fits = 0 < len(shape) <= input.dim() and tuple(input.shape[-len(shape) :]) == shape
         if torch.compiler.is_compiling():  # NOTE [RMSNorm under torch.compile]
             return super().forward(input)
-        if not (fits and may_record(input, self.weight) and _composite_on(input, self.weight)):
-            return super().forward(input)
-        if autocast_on(input.device.type):  # NOTE [RMSNorm under autocast]
+        own = fits and may_record(input, self.weight) and _composite_on(input, self.weight)
+        if not own or autocast_on(input.device.type):  # NOTE [RMSNorm under autocast]
             return super().forward(input)
         eps = self.eps if self.eps is not None else torch.finfo(_opmath(input.dtype)).eps
         dims = tuple(input.dim() - i - 1 for i in range(len(shape)))

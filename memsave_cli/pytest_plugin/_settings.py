@@ -56,8 +56,9 @@ class Settings:
         values = dict(given)
         values["input_shape"] = read_shape(values.get("input_shape"))
         values["checkpoint"] = read_patterns(values.get("checkpoint"))
-        if values.get("autocast") is not None:  # torch.bfloat16 or "bfloat16"
-            values["autocast"] = dtype_name(values["autocast"])
+        for key in ("dtype", "autocast"):  # torch.bfloat16 or "bfloat16"
+            if key in values:
+                values[key] = dtype_name(values[key])
         return cls(**values)
 
     @property

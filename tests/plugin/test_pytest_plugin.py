@@ -336,7 +336,8 @@ def test_checkpointed_steps(pytester: pytest.Pytester) -> None:
 
 
 def test_steps_under_autocast(pytester: pytest.Pytester) -> None:
-    """``autocast=`` measures the forward and loss under autocast (on meta as CUDA casts)."""
+    """``autocast=`` measures the forward and loss under autocast (on meta as CUDA casts); it and
+    ``dtype=`` take a ``torch.dtype`` or its name."""
     result = run_suite(
         pytester,
         """
@@ -348,7 +349,9 @@ def test_steps_under_autocast(pytester: pytest.Pytester) -> None:
 
         def test_autocast(memsave):
             plain = memsave.measure(net(), batch_size=64)
-            mixed = memsave.measure(net(), batch_size=64, autocast=torch.bfloat16)
+            mixed = memsave.measure(
+                net(), batch_size=64, autocast=torch.bfloat16, dtype=torch.float32
+            )
             assert mixed.saved_bytes < plain.saved_bytes
 
         def test_too_small(memsave):
