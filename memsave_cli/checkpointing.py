@@ -34,11 +34,10 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from memsave_cli import meta_autocast
 from memsave_cli.arguments import several
 from memsave_cli.cases import sample_names
 from memsave_cli.errors import MemsaveError
-from memsave_cli.layers._autocast import STANDS_FOR_CUDA, autocast_state, replayed_autocast
+from memsave_cli.layers._autocast import replayed_autocast, stand_in_state
 
 #: The pattern that selects the modules a Hugging Face model checkpoints itself.
 AUTO = "auto"
@@ -105,8 +104,9 @@ def recompute_in_backward(function: Callable[..., Any], *args: Any, **kwargs: An
     torch's checkpoint recomputes under the autocast forward had on the devices autocast knows;
     where meta stands for cuda (NOTE [autocast on meta]), the recomputation restores CUDA's.
     """
-    if meta_autocast.DEVICE in STANDS_FOR_CUDA:
-        function = functools.partial(_replaying, autocast_state(meta_autocast.DEVICE), function)
+    state = stand_in_state()
+    if state is not None:
+        function = functools.partial(_replaying, state, function)
     return checkpoint(function, *args, use_reentrant=False, **kwargs)
 
 

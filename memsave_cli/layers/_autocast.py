@@ -67,6 +67,12 @@ def autocast_state(device_type: str) -> tuple[bool, dict[str, object]] | None:
     return device_type in STANDS_FOR_CUDA, settings
 
 
+def stand_in_state() -> tuple[bool, dict[str, object]] | None:
+    """:func:`autocast_state` of the device types standing for cuda (they share CUDA's), None
+    where none does: for replays that torch's own machinery would restore only for cuda."""
+    return autocast_state(next(iter(STANDS_FOR_CUDA))) if STANDS_FOR_CUDA else None
+
+
 def replayed_autocast(
     state: tuple[bool, dict[str, object]] | None,
 ) -> contextlib.AbstractContextManager:
