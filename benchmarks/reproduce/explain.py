@@ -17,7 +17,12 @@ from typing import Any
 from benchmarks.reproduce import paper_script
 from benchmarks.reproduce.experiments import Experiment
 from benchmarks.reproduce.markdown import code, gib, provenance, table, with_ratio
-from benchmarks.reproduce.memory import TIMEOUT_S, measure_experiment, record_of
+from benchmarks.reproduce.memory import (
+    TIMEOUT_S,
+    cli_equivalent,
+    measure_experiment,
+    record_of,
+)
 from benchmarks.reproduce.memory import result_path as main_result_path
 from benchmarks.reproduce.paper import load_paper
 from benchmarks.reproduce.record import command_line, load, relative, save
@@ -41,8 +46,9 @@ def run(variants: Sequence[Variant]) -> None:
         record = record_of(experiment, report, command, time.perf_counter() - start)
         record.update(kind="explain", question=variant.question, base=variant.model)
         record.update(metric=variant.metric)
-        if variant.script:  # custom cases over hundreds of names have no short CLI call
-            record.update(cli=None)
+        # Custom cases over hundreds of names have no short CLI call.
+        cli = None if variant.script else cli_equivalent(experiment, settings=variant.settings)
+        record.update(cli=cli)
         save(variant.path, record)
         print(f"{variant.name} -> {relative(variant.path)}")
 

@@ -33,9 +33,14 @@ def result_path(experiment: Experiment, root: Path = RESULTS) -> Path:
 
 
 def cli_equivalent(
-    experiment: Experiment, *, repeat: int | None = None, cases: Sequence[str] = ()
+    experiment: Experiment,
+    *,
+    repeat: int | None = None,
+    cases: Sequence[str] = (),
+    settings: Sequence[tuple[str, object]] = (),
 ) -> str:
-    """The ``memsave profile`` call that measures the same runs from a shell."""
+    """The ``memsave profile`` call that measures the same runs from a shell, ``settings`` (of
+    ``memsave_cli.api.profile``, e.g. ``("attention", "math")``) as options."""
     args = ["memsave", "profile", experiment.spec, "--device", experiment.device]
     for case in cases:
         args += ["--case", case]
@@ -53,8 +58,11 @@ def cli_equivalent(
         args += ["--kwarg", f"{key}={value}"]
     if repeat is not None:
         args += ["--repeat", str(repeat)]
+    options: dict[str, object] = {}
     if experiment.spec.startswith("hf:"):  # the only models whose inputs the setting changes
-        args += ["--inputs", PAPER_INPUTS]
+        options["inputs"] = PAPER_INPUTS
+    for key, value in {**options, **dict(settings)}.items():
+        args += [f"--{key.replace('_', '-')}", str(value)]
     return shlex.join([*args, "--json", f"{experiment.model}.json"])
 
 

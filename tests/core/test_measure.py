@@ -271,3 +271,25 @@ def test_stock_dropout_on_meta_keeps_cudas_one_byte_mask() -> None:
 
     assert saved("meta") == [torch.bool]
     assert saved("cpu") == [torch.float32]
+
+
+def test_cudas_dropout_on_meta_nests_and_leaves_nothing_behind() -> None:
+    """The stand-in kernel is registered once however deeply the context nests, and removed
+    when the outermost ends; outside, meta runs its own composite. Where cuda does not fuse
+    (p = 0 or 1, evaluation, in place) the stand-in does not either."""
+    from memsave_cli.meta_dropout import dropout_as_on_cuda
+
+    x = torch.ones(4, 8, device="meta", requires_grad=True)
+
+    def node(p: float = 0.5, training: bool = True, inplace: bool = False) -> str:
+        out = torch.nn.functional.dropout(x * 1 if inplace else x, p, training, inplace)
+        return type(out.grad_fn).__name__
+
+    with dropout_as_on_cuda("meta"):
+        with dropout_as_on_cuda("meta"):
+            assert node() == "NativeDropoutBackward0"
+        assert node() == "NativeDropoutBackward0"
+        assert node(0.0) == node(training=False) == "NoneType"
+        assert node(1.0) == "MulBackward0"
+        assert node(inplace=True) == "MulBackward0"
+    assert node() == "MulBackward0"

@@ -7,8 +7,10 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 from memsave_cli.meta_attention import attention_kernels, cuda_kernel
+from memsave_cli.meta_dropout import dropout_as_on_cuda
 
 BF16, F32 = torch.bfloat16, torch.float32
 
@@ -93,6 +95,48 @@ def test_math_keeps_the_attention_matrix() -> None:
     saved, kernel = _saved(F32, "math", dropout_p=0.1)
     assert kernel == "math"
     assert any(shape == (2, 4, 16, 16) for shape, _ in saved)
+
+
+def _math_dropout_saves(device: str, dtype: torch.dtype, mask: str | None) -> list[tuple]:
+    """(dtype, shape, storage) of what math attention with dropout saves: grouped-query heads,
+    7 keys for 5 queries (storages numbered by first appearance, inputs included)."""
+    q, k, v = (
+        torch.randn(shape, device=device, dtype=dtype, requires_grad=True)
+        for shape in ((2, 4, 5, 8), (2, 2, 7, 8), (2, 2, 7, 8))
+    )
+    bias = {
+        "bool": lambda: torch.rand(5, 7, device=device) > 0.2,
+        "float": lambda: torch.randn(2, 1, 5, 7, device=device, dtype=dtype),
+    }
+    storages = {t.untyped_storage()._cdata: i for i, t in enumerate((q, k, v))}
+    saved = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = storages.setdefault(t.untyped_storage()._cdata, len(storages))
+        saved.append((t.dtype, tuple(t.shape), storage))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        F.scaled_dot_product_attention(
+            q, k, v, bias[mask]() if mask in bias else None, 0.1, mask == "causal",
+            enable_gqa=True,
+        )  # fmt: skip
+    return saved
+
+
+@pytest.mark.parametrize("mask", [None, "bool", "float", "causal"])
+@pytest.mark.parametrize("dtype", [F32, BF16])
+def test_math_with_dropout_saves_what_cudas_math_kernel_saves(dtype, mask) -> None:
+    """The math kernel drops out its attention weights inside PyTorch's composite, which keeps
+    a 1-byte mask on cuda (NOTE [dropout on meta]). CUDA's kernel runs on fake CUDA tensors,
+    forward only (autograd's engine needs a device for a CUDA backward)."""
+    with FakeTensorMode(allow_non_fake_inputs=True), torch.device("cuda"):
+        with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):
+            cuda = _math_dropout_saves("cuda", dtype, mask)
+    with attention_kernels("meta", "math"), dropout_as_on_cuda("meta"):
+        meta = _math_dropout_saves("meta", dtype, mask)
+    assert (torch.bool, (2, 4, 5, 7)) in [entry[:2] for entry in cuda]
+    assert meta == cuda
 
 
 def test_forced_kernel_refuses_what_cuda_refuses() -> None:
