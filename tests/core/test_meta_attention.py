@@ -130,9 +130,9 @@ def test_math_with_dropout_saves_what_cudas_math_kernel_saves(dtype, mask) -> No
     """The math kernel drops out its attention weights inside PyTorch's composite, which keeps
     a 1-byte mask on cuda (NOTE [dropout on meta]). CUDA's kernel runs on fake CUDA tensors,
     forward only (autograd's engine needs a device for a CUDA backward)."""
-    with FakeTensorMode(allow_non_fake_inputs=True), torch.device("cuda"):
-        with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):
-            cuda = _math_dropout_saves("cuda", dtype, mask)
+    math_kernel = torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH)
+    with FakeTensorMode(allow_non_fake_inputs=True), torch.device("cuda"), math_kernel:
+        cuda = _math_dropout_saves("cuda", dtype, mask)
     with attention_kernels("meta", "math"), dropout_as_on_cuda("meta"):
         meta = _math_dropout_saves("meta", dtype, mask)
     assert (torch.bool, (2, 4, 5, 7)) in [entry[:2] for entry in cuda]
