@@ -12,6 +12,7 @@ from memsave_cli.cases import PAPER_CASES, Case, has_norm_layers, resolve_case
 from memsave_cli.checkpointing import checkpoint_notes, read_patterns
 from memsave_cli.errors import MemsaveError
 from memsave_cli.fsdp import sharded_device
+from memsave_cli.hf_inputs import hf_inputs
 from memsave_cli.input_shape import read_shape
 from memsave_cli.lora import LoraSettings, apply_lora
 from memsave_cli.measure import DEVICES, NEEDS_REAL_DATA, Job, check_job
@@ -98,6 +99,7 @@ def profile(
     notes.extend(checkpoint_notes(plan_model.model, checkpoint))  # raises: selects nothing
     selected = _select_cases(plan_model, cases, notes, lora)
     check_plan(spec, selected, batch_size=batch_size, input_shape=shape, plan_model=plan_model)
+    fed = _fed(spec, plan_model, inputs)
     for case in selected:
         check_job(Job(spec, case, impls[0], chosen, **settings))
     if "memsave" in impls:
@@ -124,7 +126,7 @@ def profile(
         bn_eval=bn_eval,
         runs=tuple(runs),
         notes=tuple(notes),
-        inputs=inputs,
+        inputs=fed,
         attention=attention,
         fsdp=fsdp,
         reshard=reshard,
@@ -214,6 +216,19 @@ def _check_settings(spec: ModelSpec, impls: Sequence[str], device: str, settings
             f"--inputs tokens applies to Hugging Face language models (hf: specs); {spec.text} "
             "takes the inputs its family or companion gives: use --inputs auto"
         )
+
+
+def _fed(spec: ModelSpec, plan_model: PlanModel, inputs: str) -> str:
+    """What the report says the model was fed: the ``inputs`` setting, or ``pixels`` for a Hugging
+    Face vision model, which takes no other (MemsaveError for a setting that asks for tokens)."""
+    if spec.kind != "hf" or hf_inputs(plan_model.model) != "pixels":
+        return inputs
+    if inputs != "auto":
+        raise MemsaveError(
+            f"--inputs {inputs} applies to language models; {spec.text} is a vision model, fed "
+            "pixel values: use --inputs auto"
+        )
+    return "pixels"
 
 
 def _run_with_fallback(

@@ -3,13 +3,12 @@
 
 Families: images (B, 3, 224, 224) with B = 64; video (B, 3, 16, 112, 112); optical flow (two images);
 segmentation (images; dict output); detection (B = 4 images and, in train mode, targets with 2 boxes
-each); Hugging Face models (token ids (B, 256), or ``inputs_embeds`` when the input must be
-differentiable); user callables through a companion ``<callable>_inputs(batch_size)``.
+each); Hugging Face language models (token ids (B, 256), or ``inputs_embeds`` when the input must
+be differentiable) and vision models (pixel values as their config describes them); user callables through a companion ``<callable>_inputs(batch_size)``.
 """
 
 from __future__ import annotations
 
-import inspect
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -20,6 +19,7 @@ from torch import nn
 
 from memsave_cli.cases import Case
 from memsave_cli.errors import SpecError
+from memsave_cli.hf_inputs import hf_kwargs
 from memsave_cli.loss import floating_tensors
 from memsave_cli.quick_import import import_torchvision
 from memsave_cli.specs import ModelSpec, companion_inputs
@@ -28,7 +28,6 @@ BATCH_SIZE = 64
 DETECTION_BATCH_SIZE = 4
 IMAGE_SHAPE = (3, 224, 224)
 VIDEO_SHAPE = (3, 16, 112, 112)
-SEQUENCE_LENGTH = 256
 BOXES_PER_IMAGE = 2
 SEED = 0
 
@@ -43,9 +42,6 @@ SHAPE_OVERRIDES: dict[str, tuple[int, ...]] = {
 
 #: What language models are fed: ``auto`` (by case, ``feeds_embeddings``), token ids, embeddings.
 INPUTS = ("auto", "tokens", "embeds")
-
-#: Hugging Face heads that compute their own loss from ``labels`` of shape (B, sequence).
-_LM_HEADS = ("ForCausalLM", "LMHeadModel", "ForConditionalGeneration", "ForMaskedLM")
 
 
 @dataclass
@@ -130,7 +126,9 @@ def make_example(
         return _companion_example(spec, companion, make, _default(batch_size, BATCH_SIZE))
     if _is_hf_model(model):
         use_embeds = input_grad if embeds is None else embeds
-        return _hf_example(model, make, _default(batch_size, BATCH_SIZE), shape, use_embeds)
+        batch = _default(batch_size, BATCH_SIZE)
+        kwargs, differentiable = hf_kwargs(model, make, batch, shape, use_embeds)
+        return Example((), kwargs, differentiable, batch, "hf")
     family = _torchvision_family(spec)
     if family == "detection":
         batch = _default(batch_size, DETECTION_BATCH_SIZE)
@@ -235,41 +233,6 @@ def _detection_target(
 def _is_hf_model(model: nn.Module) -> bool:
     transformers = sys.modules.get("transformers")
     return transformers is not None and isinstance(model, transformers.PreTrainedModel)
-
-
-def _hf_example(
-    model: nn.Module, make: _Maker, batch: int, shape: tuple[int, ...] | None, embeds: bool
-) -> Example:
-    """Token ids or embeddings; labels for LM heads (so the model returns its loss); decoder ids for
-    encoder-decoders. No ``use_cache=False`` nor attention mask: with either, transformers inspects
-    position ids or mask values (``.all()``), which meta tensors do not have."""
-    params = inspect.signature(model.forward).parameters
-    table = model.get_input_embeddings()
-    if not isinstance(table, nn.Embedding):
-        raise SpecError(
-            f"{type(model).__name__} does not take token ids: wrap it in a callable spec with a "
-            "<callable>_inputs(batch_size) companion"
-        )
-    length = shape[0] if shape else min(SEQUENCE_LENGTH, _max_positions(model.config))
-    kwargs: dict[str, Any] = {}
-    if embeds:
-        kwargs["inputs_embeds"] = make.normal((batch, length, table.embedding_dim))
-    else:
-        kwargs["input_ids"] = make.integers((batch, length), table.num_embeddings)
-    if getattr(model.config, "is_encoder_decoder", False) and "decoder_input_ids" in params:
-        kwargs["decoder_input_ids"] = make.integers((batch, length), table.num_embeddings)
-    if "labels" in params and type(model).__name__.endswith(_LM_HEADS):
-        kwargs["labels"] = make.integers((batch, length), table.num_embeddings)
-    differentiable = (kwargs["inputs_embeds"],) if embeds else ()
-    return Example((), kwargs, differentiable, batch, "hf")
-
-
-def _max_positions(config: Any) -> int:
-    for key in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
-        value = getattr(config, key, None)
-        if isinstance(value, int) and value > 0:
-            return value
-    return SEQUENCE_LENGTH
 
 
 # -- user callables ------------------------------------------------------------------------------

@@ -160,7 +160,7 @@ def profile_view(report: Report, *, top: int = 5) -> RenderableType:
 
 
 def inputs_and_attention(report: Report) -> str:
-    """What a language model was fed and which attention kernels were counted, per case."""
+    """What a Hugging Face model was fed and which attention kernels were counted, per case."""
     lines = []
     if report.model.startswith("hf:") or report.inputs != "auto":
         what = {
@@ -168,6 +168,8 @@ def inputs_and_attention(report: Report) -> str:
             "differentiates the input",
             "tokens": "token ids and labels (the model's own loss)",
             "embeds": "embeddings in every case (the paper's setup)",
+            "pixels": "pixel values, and class labels where the model has a classification "
+            "head (its own loss)",
         }[report.inputs]
         lines.append(f"Inputs: {what}.")
     kernels = {f"{run.case}/{run.impl}": run.attention for run in report.runs if run.attention}

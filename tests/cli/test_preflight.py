@@ -90,6 +90,14 @@ def test_output_without_a_loss_is_one_line(runner, no_workers, tmp_path):
     assert "the model output (Tensor) holds no floating tensor, so there is no loss" in line
 
 
+def test_model_whose_inputs_cannot_be_guessed_is_one_line(runner, no_workers, tmp_path):
+    """No companion, no input shape, no linear or convolution layer to read one from."""
+    path = tmp_path / "norm.py"
+    path.write_text("import torch\ndef build():\n    return torch.nn.BatchNorm1d(4)\n")
+    line = one_error_line(runner.invoke(app, ["profile", f"{path}:build", "--device", "meta"]))
+    assert f"cannot guess inputs for {path}:build: define build_inputs(batch_size)" in line
+
+
 def test_two_input_model_with_its_companion_runs(runner, tmp_path):
     path = tmp_path / "two.py"
     path.write_text(TWO_INPUTS)

@@ -84,3 +84,48 @@ def test_report_names_inputs_and_kernel(runner, tmp_path: Path):
     assert "Inputs: token ids and labels" in text and "Attention kernel: flash" in text
     report = Report.load(out)
     assert report.inputs == "auto" and report.runs[0].attention == "flash"
+
+
+def _vision(tmp_path: Path, head: str = "ResNetForImageClassification") -> str:
+    transformers = pytest.importorskip("transformers")
+    transformers.ResNetConfig(
+        embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1], num_labels=4, architectures=[head],
+    ).save_pretrained(tmp_path)  # fmt: skip
+    return f"hf:{tmp_path}"
+
+
+def test_vision_model_is_fed_pixels_and_labels(runner, tmp_path: Path):
+    """A Hugging Face vision classifier is measured on pixel values and class labels; memsave's
+    convolution, BatchNorm and ReLU drop-ins keep less than stock."""
+    out = tmp_path / "report.json"
+    args = ["profile", _vision(tmp_path), *SMALL, "--case", "input", "--input-shape", "3,32,32"]
+    result = runner.invoke(app, [*args, "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    assert "Inputs: pixel values, and class labels" in " ".join(result.output.split())
+    report = Report.load(out)
+    assert report.inputs == "pixels"
+    stock, memsave = report.run("input", "stock"), report.run("input", "memsave")
+    assert stock.ok and memsave.ok and memsave.saved_bytes < stock.saved_bytes
+
+
+@pytest.mark.parametrize("inputs", ["tokens", "embeds"])
+def test_vision_model_refuses_language_inputs(runner, no_workers, tmp_path: Path, inputs: str):
+    args = ["profile", _vision(tmp_path), *SMALL, "--inputs", inputs]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 2, result.output
+    assert f"--inputs {inputs} applies to language models" in " ".join(result.output.split())
+    assert len(result.output.strip().splitlines()) == 1
+
+
+def test_model_fed_neither_way_is_one_line_before_any_worker(runner, no_workers, tmp_path):
+    transformers = pytest.importorskip("transformers")
+    tower = {"hidden_size": 16, "num_hidden_layers": 1, "num_attention_heads": 2}
+    transformers.CLIPConfig(
+        text_config={**tower, "intermediate_size": 32, "vocab_size": 50},
+        vision_config={**tower, "intermediate_size": 32, "image_size": 32, "patch_size": 8},
+        projection_dim=8,
+    ).save_pretrained(tmp_path)
+    result = runner.invoke(app, ["profile", f"hf:{tmp_path}", *SMALL])
+    assert result.exit_code == 2, result.output
+    assert "takes neither token ids alone nor pixel values alone" in result.output
+    assert len(result.output.strip().splitlines()) == 1 and "Traceback" not in result.output

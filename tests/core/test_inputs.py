@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections import OrderedDict
 from collections.abc import Iterator
 from pathlib import Path
@@ -298,7 +299,7 @@ def test_encoder_without_head_sums_its_outputs(tmp_path: Path, device: str) -> N
         )
 
 
-def test_hf_model_without_token_ids_says_what_to_do(tmp_path: Path) -> None:
+def _vit_dir(tmp_path: Path, head: str | None) -> str:
     transformers = pytest.importorskip("transformers")
     config = transformers.ViTConfig(
         hidden_size=16,
@@ -306,11 +307,50 @@ def test_hf_model_without_token_ids_says_what_to_do(tmp_path: Path) -> None:
         num_attention_heads=2,
         intermediate_size=32,
         image_size=32,
+        patch_size=8,
+        num_labels=5,
+        architectures=[head] if head else None,
     )
     config.save_pretrained(tmp_path)
-    with pytest.raises(
-        SpecError, match="ViTModel does not take token ids: wrap it in a callable spec"
-    ):
+    return f"hf:{tmp_path}"
+
+
+@pytest.mark.parametrize("device", ["meta", "cpu"])
+def test_vision_classifier_gets_pixels_and_class_labels(tmp_path: Path, device: str) -> None:
+    """Pixel values as the config describes its images, differentiable; class labels, so the
+    model returns its own loss."""
+    text = _vit_dir(tmp_path, "ViTForImageClassification")
+    model, _, example = _example(text, device, batch_size=2)
+    assert set(example.kwargs) == {"pixel_values", "labels"}
+    pixels, labels = example.kwargs["pixel_values"], example.kwargs["labels"]
+    assert (tuple(pixels.shape), pixels.dtype) == ((2, 3, 32, 32), torch.float32)
+    assert example.differentiable == (pixels,)
+    assert (tuple(labels.shape), labels.dtype) == ((2,), torch.int64)
+    if device == "cpu":
+        assert int(labels.min()) >= 0 and int(labels.max()) < 5
+    output, loss = _step(model, example)
+    assert loss is output.loss
+
+
+def test_vision_model_without_head_takes_the_shape_asked_for(tmp_path: Path) -> None:
+    model, _, example = _example(_vit_dir(tmp_path, None), "meta", input_shape=(3, 40, 48))
+    assert type(model).__name__ == "ViTModel"
+    assert set(example.kwargs) == {"pixel_values"}  # no head, no labels: the outputs are summed
+    assert tuple(example.kwargs["pixel_values"].shape) == (64, 3, 40, 48)
+
+
+def test_hf_model_fed_neither_way_says_what_to_do(tmp_path: Path) -> None:
+    """CLIP reads token ids and pixel values together (and has no one embedding table)."""
+    transformers = pytest.importorskip("transformers")
+    tower = {"hidden_size": 16, "num_hidden_layers": 1, "num_attention_heads": 2}
+    config = transformers.CLIPConfig(
+        text_config={**tower, "intermediate_size": 32, "vocab_size": 50},
+        vision_config={**tower, "intermediate_size": 32, "image_size": 32, "patch_size": 8},
+        projection_dim=8,
+    )
+    config.save_pretrained(tmp_path)
+    message = "CLIPModel takes neither token ids alone nor pixel values alone (its forward takes "
+    with pytest.raises(SpecError, match=re.escape(message) + "input_ids and pixel_values"):
         _example(f"hf:{tmp_path}", "meta", batch_size=2)
 
 
