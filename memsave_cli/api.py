@@ -98,7 +98,9 @@ def profile(
     plan_model = PlanModel(spec, batch_size=batch_size, input_shape=shape)  # NOTE [one build]
     notes.extend(checkpoint_notes(plan_model.model, checkpoint))  # raises: selects nothing
     selected = _select_cases(plan_model, cases, notes, lora)
-    check_plan(spec, selected, batch_size=batch_size, input_shape=shape, plan_model=plan_model)
+    check_plan(
+        spec, selected, batch_size=batch_size, input_shape=shape, plan_model=plan_model, dtype=dtype
+    )
     fed = _fed(spec, plan_model, inputs)
     for case in selected:
         check_job(Job(spec, case, impls[0], chosen, **settings))

@@ -128,7 +128,7 @@ def fit(
     chosen, skipped = _cases(plan_model, cases)
     notes.extend(skipped)
     # before any run
-    check_plan(spec, chosen, batch_size=1, input_shape=shape, plan_model=plan_model)
+    check_plan(spec, chosen, batch_size=1, input_shape=shape, plan_model=plan_model, dtype=dtype)
     settings |= {"optimizer": optimizer, "repeat": 1, "per_layer": False}
     settings |= {"fsdp": fsdp, "reshard": reshard, "checkpoint": checkpoint, "autocast": autocast}
     jobs = {(c, i): Job(spec, c, i, device, **settings) for c in chosen for i in impls}

@@ -11,6 +11,7 @@ computing with tensor values) is left to the workers.
 from __future__ import annotations
 
 import inspect
+import re
 from collections.abc import Sequence
 
 import torch
@@ -22,6 +23,7 @@ from memsave_cli.inputs import Example, make_example
 from memsave_cli.loss import loss_of
 from memsave_cli.plan_model import PlanModel
 from memsave_cli.specs import ModelSpec, companion_inputs
+from memsave_cli.step import DTYPES
 
 
 def check_plan(
@@ -31,9 +33,11 @@ def check_plan(
     batch_size: int | None = None,
     input_shape: Sequence[int] | None = None,
     plan_model: PlanModel | None = None,
+    dtype: str = "float32",
 ) -> None:
     """Raise CaseError or SpecError for what would fail every run of ``spec`` alike; the model is
-    ``plan_model``'s when the caller's other checks share it."""
+    ``plan_model``'s when the caller's other checks share it. The forward runs in ``dtype`` (the
+    runs' ``--dtype``): some kernels take half precision only (grouped experts' ``grouped_mm``)."""
     plan_model = plan_model or PlanModel(spec)
     model = plan_model.model
     for case in cases:
@@ -45,7 +49,7 @@ def check_plan(
                 spec,
                 batch_size=batch_size,
                 input_shape=input_shape,
-                dtype=torch.float32,
+                dtype=DTYPES[dtype],
                 device="meta",
             )
     except SpecError:
@@ -55,8 +59,9 @@ def check_plan(
     except Exception:
         return  # inputs that only real data can make: the worker says what went wrong
     check_inputs(model, spec, example)
-    forward_copy = plan_model.copy()  # a forward may change the model the other checks share
-    check_forward(forward_copy, spec, example, input_shape is not None)
+    # A forward may change the model the other checks share.
+    forward_copy = plan_model.copy().to(DTYPES[dtype])
+    check_forward(forward_copy, spec, example, input_shape is not None, dtype)
 
 
 def check_inputs(model: nn.Module, spec: ModelSpec, example: Example) -> None:
@@ -76,7 +81,13 @@ def check_inputs(model: nn.Module, spec: ModelSpec, example: Example) -> None:
 _META_ONLY = ("meta", "no data", "data-dependent", "data dependent")
 
 
-def check_forward(model: nn.Module, spec: ModelSpec, example: Example, shape_given: bool) -> None:
+#: Words of errors about a tensor's dtype (a kernel that takes half precision only, say).
+_DTYPE_WORDS = re.compile(r"float|half|dtype", re.IGNORECASE)
+
+
+def check_forward(
+    model: nn.Module, spec: ModelSpec, example: Example, shape_given: bool, dtype_name: str
+) -> None:
     """Raise SpecError when the stock forward fails on meta with the inputs made for it, for a
     reason real data would not change (a shape or channel mismatch, say), or when its output
     holds nothing to take a loss of (an integer tensor, None)."""
@@ -87,7 +98,9 @@ def check_forward(model: nn.Module, spec: ModelSpec, example: Example, shape_giv
         if any(word in str(error).lower() for word in _META_ONLY):
             return
         given = ", ".join(_describe(t) for t in (*example.args, *example.kwargs.values()))
-        if shape_given:
+        if _DTYPE_WORDS.search(str(error)):
+            hint = f"the model may need another --dtype than {dtype_name}"
+        elif shape_given:
             hint = "check --input-shape (one sample, without the batch dimension)"
         elif spec.kind in ("module", "file") and spec.attr:
             hint = (

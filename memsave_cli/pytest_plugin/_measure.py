@@ -41,7 +41,7 @@ def measure_model(model: ModelLike, impl: str, chosen: Settings) -> Run:
     on_meta = None if built is None else _copy_to(built, torch.device("meta"))
     plan_model = PlanModel(spec, **shape, built=on_meta)
     checkpoint_targets(plan_model.model, chosen.checkpoint)  # a pattern that selects nothing raises
-    check_plan(spec, [case], **shape, plan_model=plan_model)
+    check_plan(spec, [case], **shape, plan_model=plan_model, dtype=job.dtype)
     return measure(job, built)
 
 

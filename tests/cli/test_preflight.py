@@ -98,6 +98,42 @@ def test_model_whose_inputs_cannot_be_guessed_is_one_line(runner, no_workers, tm
     assert f"cannot guess inputs for {path}:build: define build_inputs(batch_size)" in line
 
 
+HALF_ONLY = """
+import torch
+from torch import nn
+
+
+class HalfOnly(nn.Module):
+    \"\"\"A kernel that takes half precision only, as grouped experts' grouped_mm on a GPU.\"\"\"
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(4, 3)
+
+    def forward(self, x):
+        if x.dtype != torch.bfloat16:
+            raise RuntimeError(f"Expected mat_a to be BFloat16, got {x.dtype}.")
+        return self.a(x)
+
+
+def build():
+    return HalfOnly()
+"""
+
+
+def test_forward_checked_in_the_runs_dtype(runner, tmp_path):
+    """The plan check runs the forward in --dtype: a model that runs only in bfloat16 is
+    measured in bfloat16, and in float32 the one line points at --dtype."""
+    path = tmp_path / "half.py"
+    path.write_text(HALF_ONLY)
+    args = ["profile", f"{path}:build", "--device", "meta", "--input-shape", "4", "--top", "0"]
+    result = runner.invoke(app, [*args, "--dtype", "bfloat16", "--case", "all"])
+    assert result.exit_code == 0, result.output
+    assert "memsave makes no difference in case all" in " ".join(result.output.split())
+    line = one_error_line(runner.invoke(app, args))
+    assert "got torch.float32.); the model may need another --dtype than float32" in line
+
+
 def test_two_input_model_with_its_companion_runs(runner, tmp_path):
     path = tmp_path / "two.py"
     path.write_text(TWO_INPUTS)
@@ -211,3 +247,18 @@ def test_fit_checks_the_plan_before_measuring(runner, tmp_path, monkeypatch):
     line = one_error_line(runner.invoke(app, ["fit", f"{path}:build", "--budget", "1GiB"]))
     assert "Two.forward() missing a required argument: 'y'" in line
     assert "Define build_inputs(batch_size) beside build" in line
+
+
+def test_mixture_of_experts_in_bfloat16_is_measured(runner, tmp_path):
+    """transformers runs Mixtral's experts through grouped_mm where torch has it, whose meta
+    kernel (as CUDA's) takes half precision only; the plan check ran float32 and refused."""
+    transformers = pytest.importorskip("transformers")
+    transformers.MixtralConfig(
+        hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=64, num_local_experts=4, max_position_embeddings=16,
+        architectures=["MixtralForCausalLM"],
+    ).save_pretrained(tmp_path)  # fmt: skip
+    args = ["profile", f"hf:{tmp_path}", "--device", "meta", "--batch-size", "2", "--top", "0"]
+    result = runner.invoke(app, [*args, "--dtype", "bfloat16", "--case", "all", "--json", "-"])
+    assert result.exit_code == 0, result.output
+    assert '"status": "ok"' in result.output and '"status": "error"' not in result.output
