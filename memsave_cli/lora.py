@@ -92,6 +92,8 @@ def apply_lora(model: nn.Module, settings: LoraSettings) -> nn.Module:
             # peft asks transformers' deprecated ``is_gradient_checkpointing`` (transformers 5.2x):
             # a warning about the two libraries, not the user's model or settings.
             warnings.filterwarnings("ignore", "`is_gradient_checkpointing`", FutureWarning)
+            # peft's own patterns for mixture-of-experts parameters (memsave sets none).
+            warnings.filterwarnings("ignore", "The following .*_pattern keys", RuntimeWarning)
             return get_peft_model(model, config).get_base_model()
     except ValueError as error:
         raise CaseError(_no_target(model, settings.targets, error)) from error
@@ -125,10 +127,16 @@ def _is_hugging_face(model: nn.Module) -> bool:
 
 
 def _no_target(model: nn.Module, targets: tuple[str, ...], error: ValueError) -> str:
-    """One line for peft's refusal: which targets, and what the model's layer names look like."""
+    """One line for peft's refusal: which targets, and what the model's layer names look like; or,
+    where peft found its targets but refuses the settings, what to change."""
+    first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    if "lora_dropout" in first:  # peft adapts experts' parameters (MoE) without dropout only
+        return (
+            f"peft cannot add LoRA adapters to {','.join(targets)} with these settings "
+            f"({first[:120]}); give --lora-dropout 0, or name the layers with --lora-targets"
+        )
     names = [n for n, m in model.named_modules() if type(m) in _CANDIDATES]
     sample = ", ".join(names[:3] + (["...", names[-1]] if len(names) > 3 else [])) or "(none)"
-    first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
     return (
         f"LoRA targets {','.join(targets)} select no layer peft can adapt ({first[:120]}); "
         f"expected module names (or name endings) such as: {sample}"

@@ -32,6 +32,7 @@ from memsave_cli.inputs import INPUTS
 from memsave_cli.meta_attention import ATTENTION_KERNELS, attention_kernels
 from memsave_cli.meta_autocast import DTYPES as AUTOCAST_DTYPES
 from memsave_cli.meta_autocast import autocast_as_on_cuda
+from memsave_cli.meta_autocast_regions import meta_regions_as_cuda
 from memsave_cli.meta_dropout import dropout_as_on_cuda
 from memsave_cli.report import Run, Status
 from memsave_cli.saved import SavedTensorRecorder, layer_rows
@@ -160,6 +161,7 @@ def _measure_tracked_step(job: Job, prepared: Prepared) -> Run:
         attention_kernels(job.device, job.attention) as kernels,
         dropout_as_on_cuda(job.device),
         autocast_as_on_cuda(job.device, prepared.autocast),
+        meta_regions_as_cuda(job.device),
     ):
         if prepared.optimizer is not None:
             train_step(prepared)  # creates the optimizer states

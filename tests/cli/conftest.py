@@ -31,6 +31,18 @@ def runner() -> CliRunner:
 
 
 @pytest.fixture
+def mixtral(tmp_path: Path) -> str:
+    """The spec of a one-layer Mixtral (four experts, whose weights are parameters)."""
+    transformers = pytest.importorskip("transformers")
+    transformers.MixtralConfig(
+        hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=64, num_local_experts=4, max_position_embeddings=16,
+        architectures=["MixtralForCausalLM"],
+    ).save_pretrained(tmp_path / "mixtral")  # fmt: skip
+    return f"hf:{tmp_path / 'mixtral'}"
+
+
+@pytest.fixture
 def no_workers(monkeypatch: pytest.MonkeyPatch) -> None:
     """Fail a test in which any measurement worker would start: its errors must come before."""
 

@@ -249,16 +249,10 @@ def test_fit_checks_the_plan_before_measuring(runner, tmp_path, monkeypatch):
     assert "Define build_inputs(batch_size) beside build" in line
 
 
-def test_mixture_of_experts_in_bfloat16_is_measured(runner, tmp_path):
+def test_mixture_of_experts_in_bfloat16_is_measured(runner, mixtral):
     """transformers runs Mixtral's experts through grouped_mm where torch has it, whose meta
     kernel (as CUDA's) takes half precision only; the plan check ran float32 and refused."""
-    transformers = pytest.importorskip("transformers")
-    transformers.MixtralConfig(
-        hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=4,
-        num_key_value_heads=2, vocab_size=64, num_local_experts=4, max_position_embeddings=16,
-        architectures=["MixtralForCausalLM"],
-    ).save_pretrained(tmp_path)  # fmt: skip
-    args = ["profile", f"hf:{tmp_path}", "--device", "meta", "--batch-size", "2", "--top", "0"]
+    args = ["profile", mixtral, "--device", "meta", "--batch-size", "2", "--top", "0"]
     result = runner.invoke(app, [*args, "--dtype", "bfloat16", "--case", "all", "--json", "-"])
     assert result.exit_code == 0, result.output
     assert '"status": "ok"' in result.output and '"status": "error"' not in result.output

@@ -155,6 +155,28 @@ def oom_net_inputs(batch_size: int) -> torch.Tensor:
     return torch.randn(batch_size, 8)
 
 
+class AutocastOffNet(nn.Module):
+    """Turns autocast off for the device of its weight around a matmul, as peft's LoRA on
+    mixture-of-experts parameters does in every forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 16), nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        with torch.autocast(device_type=self.b.weight.device.type, enabled=False):
+            return h.float() @ self.b.weight.t()
+
+
+def autocast_off_net() -> nn.Module:
+    return AutocastOffNet()
+
+
+def autocast_off_net_inputs(batch_size: int) -> torch.Tensor:
+    return torch.randn(batch_size, 8)
+
+
 def flat_mlp() -> nn.Module:
     """No normalisation layer: the norm case has nothing to train."""
     return nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4))

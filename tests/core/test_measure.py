@@ -127,6 +127,19 @@ def test_autocast_on_meta_as_on_cpu(
     assert mixed["meta"].saved_bytes < plain.saved_bytes
 
 
+@pytest.mark.parametrize("autocast", [None, "bfloat16"])
+def test_autocast_regions_opened_for_meta_tensors_count_as_on_cpu(autocast: str | None) -> None:
+    """``torch.autocast(device_type="meta", enabled=False)`` raised on meta (autocast has no meta
+    device); it now opens CUDA's region, as the GPU the estimate stands for would (NOTE
+    [autocast regions on meta]), and meta counts what cpu does, with and without autocast."""
+    runs = {
+        d: measure(job("autocast_off_net", "all", d, autocast=autocast)) for d in ("meta", "cpu")
+    }
+    assert runs["meta"].ok and runs["cpu"].ok, (runs["meta"].error, runs["cpu"].error)
+    assert memory(runs["meta"]) == memory(runs["cpu"])
+    assert torch.autocast is torch.amp.autocast_mode.autocast  # restored after the run
+
+
 def test_bn_eval_and_dtype_are_applied() -> None:
     prepared = prepare(job("small_cnn", "all", bn_eval=True, dtype="bfloat16"))
     modes = {type(m).__name__: m.training for m in prepared.model.modules()}
