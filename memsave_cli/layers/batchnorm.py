@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 from torch._prims_common import suggest_memory_format
+from torch.utils._python_dispatch import _disable_current_modes
 
 from memsave_cli.kernels._layout import shape_only
 from memsave_cli.layers._backward import forbid_double_backward, records_backward
@@ -100,7 +101,8 @@ def _input_stand_in(grad: Tensor, ctx: Any) -> tuple[Tensor, bool]:
 
 def _in_input_layout(grad_x: Tensor, size: Sequence[int], stride: Sequence[int]) -> Tensor:
     """``grad_x`` laid out as stock lays out ``dL/dx`` for an input of ``size`` and ``stride``."""
-    memory_format = suggest_memory_format(torch.empty_strided(size, stride, device="meta"))
+    with _disable_current_modes():  # a memory tracker must not count the probe
+        memory_format = suggest_memory_format(torch.empty_strided(size, stride, device="meta"))
     if memory_format == torch.contiguous_format:
         return grad_x
     # One copy of input size, only after a shape_only stand-in on a channels-last input, so that

@@ -25,6 +25,7 @@ from torch._prims_common import (
     make_channels_last_strides_for,
     make_contiguous_strides_for,
 )
+from torch.utils._python_dispatch import _disable_current_modes
 
 from memsave_cli.kernels._layout import is_dense, memory_format, shape_only
 
@@ -73,7 +74,8 @@ def geometry(t: Tensor) -> Geometry:
 @functools.lru_cache(maxsize=512)
 def _eager_geometry(shape: torch.Size, stride: tuple[int, ...]) -> Geometry:
     """``geometry`` of an eager tensor, which depends on its shape and strides only."""
-    return _computed_geometry(torch.empty_strided(shape, stride, device="meta"))
+    with _disable_current_modes():  # a memory tracker must not count the probe
+        return _computed_geometry(torch.empty_strided(shape, stride, device="meta"))
 
 
 def _computed_geometry(t: Tensor) -> Geometry:

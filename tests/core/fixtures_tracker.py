@@ -155,6 +155,18 @@ def oom_net_inputs(batch_size: int) -> torch.Tensor:
     return torch.randn(batch_size, 8)
 
 
+def patch_cnn() -> nn.Module:
+    """A patch embedding whose weight outweighs its activations (a vision transformer's first
+    layer at a small input), and a BatchNorm."""
+    return nn.Sequential(
+        nn.Conv2d(3, 32, 14, stride=14), nn.BatchNorm2d(32), nn.Flatten(), nn.Linear(128, 4)
+    )
+
+
+def patch_cnn_inputs(batch_size: int) -> torch.Tensor:
+    return torch.randn(batch_size, 3, 28, 28)
+
+
 class AutocastOffNet(nn.Module):
     """Turns autocast off for the device of its weight around a matmul, as peft's LoRA on
     mixture-of-experts parameters does in every forward."""
