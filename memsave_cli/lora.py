@@ -130,10 +130,11 @@ def _no_target(model: nn.Module, targets: tuple[str, ...], error: ValueError) ->
     """One line for peft's refusal: which targets, and what the model's layer names look like; or,
     where peft found its targets but refuses the settings, what to change."""
     first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-    if "lora_dropout" in first:  # peft adapts experts' parameters (MoE) without dropout only
+    if "not found" not in first:  # peft found its targets but refuses some
+        change = "give --lora-dropout 0, or " if "lora_dropout" in first else ""
         return (
             f"peft cannot add LoRA adapters to {','.join(targets)} with these settings "
-            f"({first[:120]}); give --lora-dropout 0, or name the layers with --lora-targets"
+            f"({first[:160]}); {change}name the layers with --lora-targets"
         )
     names = [n for n, m in model.named_modules() if type(m) in _CANDIDATES]
     sample = ", ".join(names[:3] + (["...", names[-1]] if len(names) > 3 else [])) or "(none)"
