@@ -4,7 +4,8 @@
 Families: images (B, 3, 224, 224) with B = 64; video (B, 3, 16, 112, 112); optical flow (two images);
 segmentation (images; dict output); detection (B = 4 images and, in train mode, targets with 2 boxes
 each); Hugging Face language models (token ids (B, 256), or ``inputs_embeds`` when the input must
-be differentiable) and vision models (pixel values as their config describes them); user callables through a companion ``<callable>_inputs(batch_size)``.
+be differentiable) and vision models (pixel values as their config describes them,
+``hf_inputs.py``); user callables through a companion ``<callable>_inputs(batch_size)``.
 """
 
 from __future__ import annotations

@@ -21,6 +21,7 @@ from memsave_cli.cases import Case, trainable_names
 from memsave_cli.errors import SpecError, describe
 from memsave_cli.inputs import Example, make_example
 from memsave_cli.loss import loss_of
+from memsave_cli.meta_autocast_regions import meta_regions_as_cuda
 from memsave_cli.plan_model import PlanModel
 from memsave_cli.specs import ModelSpec, companion_inputs
 from memsave_cli.step import DTYPES
@@ -92,7 +93,7 @@ def check_forward(
     reason real data would not change (a shape or channel mismatch, say), or when its output
     holds nothing to take a loss of (an integer tensor, None)."""
     try:
-        with torch.no_grad(), torch.device("meta"):
+        with torch.no_grad(), torch.device("meta"), meta_regions_as_cuda("meta"):
             output = model(*example.args, **example.kwargs)
     except (RuntimeError, ValueError, TypeError, IndexError) as error:
         if any(word in str(error).lower() for word in _META_ONLY):
@@ -102,6 +103,8 @@ def check_forward(
             hint = f"the model may need another --dtype than {dtype_name}"
         elif shape_given:
             hint = "check --input-shape (one sample, without the batch dimension)"
+        elif companion_inputs(spec) is not None:
+            hint = f"check what {spec.attr}_inputs(batch_size) returns"
         elif spec.kind in ("module", "file") and spec.attr:
             hint = (
                 f"give --input-shape, or define {spec.attr}_inputs(batch_size) beside {spec.attr}"

@@ -121,6 +121,52 @@ def build():
 """
 
 
+AUTOCAST_OFF = """
+import torch
+from torch import nn
+
+
+class Off(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(4, 3)
+
+    def forward(self, x):
+        with torch.autocast(device_type=x.device.type, enabled=False):
+            return self.a(x)
+
+
+def build():
+    return Off()
+
+
+def wrong():
+    return Off()
+
+
+def wrong_inputs(batch_size):
+    return torch.randn(batch_size, 5)
+"""
+
+
+def test_autocast_region_for_the_inputs_device_passes_the_check(runner, tmp_path):
+    """The check's meta forward opens CUDA's region where the model asks for meta's, as the
+    measurement does (NOTE [autocast regions on meta]); it refused such models."""
+    path = tmp_path / "off.py"
+    path.write_text(AUTOCAST_OFF)
+    args = ["profile", f"{path}:build", "--device", "meta", "--input-shape", "4", "--top", "0"]
+    result = runner.invoke(app, [*args, "--case", "all", "--json", "-"])
+    assert result.exit_code == 0, result.output
+    assert '"status": "ok"' in result.output and '"status": "error"' not in result.output
+
+
+def test_companion_whose_inputs_the_forward_refuses(runner, no_workers, tmp_path):
+    path = tmp_path / "off.py"
+    path.write_text(AUTOCAST_OFF)
+    line = one_error_line(runner.invoke(app, ["profile", f"{path}:wrong", "--device", "meta"]))
+    assert line.endswith("check what wrong_inputs(batch_size) returns"), line
+
+
 def test_forward_checked_in_the_runs_dtype(runner, tmp_path):
     """The plan check runs the forward in --dtype: a model that runs only in bfloat16 is
     measured in bfloat16, and in float32 the one line points at --dtype."""
