@@ -221,16 +221,18 @@ def _check_settings(spec: ModelSpec, impls: Sequence[str], device: str, settings
 
 
 def _fed(spec: ModelSpec, plan_model: PlanModel, inputs: str) -> str:
-    """What the report says the model was fed: the ``inputs`` setting, or ``pixels`` for a Hugging
-    Face vision model, which takes no other (MemsaveError for a setting that asks for tokens)."""
-    if spec.kind != "hf" or hf_inputs(plan_model.model) != "pixels":
+    """What the report says the model was fed: the ``inputs`` setting for a language model, else
+    what the Hugging Face model takes (``pixels``, ``audio``), which takes no other (MemsaveError
+    for a setting that asks for tokens or embeddings)."""
+    kind = hf_inputs(plan_model.model) if spec.kind == "hf" else "tokens"
+    if kind == "tokens":
         return inputs
     if inputs != "auto":
         raise MemsaveError(
-            f"--inputs {inputs} applies to language models; {spec.text} is a vision model, fed "
-            "pixel values: use --inputs auto"
+            f"--inputs {inputs} applies to language models; {spec.text} is fed {kind}, which "
+            "it takes in every case: use --inputs auto"
         )
-    return "pixels"
+    return kind
 
 
 def _run_with_fallback(
@@ -241,25 +243,37 @@ def _run_with_fallback(
     on_run: Callable[[Run], None] | None,
     notes: list[str],
 ) -> tuple[list[Run], str]:
-    """Run ``jobs``; with ``auto`` on meta, rerun on cpu those whose model needs real data."""
+    """Run ``jobs``; with ``auto`` on meta, rerun on cpu every run of a case in which a run needs
+    real data, so that the two implementations of a case are measured alike (a model that
+    computes with tensor values may do so in one run and not in another: random masking)."""
     fallback = device == "auto" and jobs[0].device == "meta"
-
-    def done(job: Job, run: Run) -> None:
-        if on_run is not None and not (fallback and _needs_real_data(run)):
-            on_run(run)
-
-    runs = run_jobs(jobs, timeout=timeout, workers=workers, on_done=done)
-    redo = [i for i, run in enumerate(runs) if fallback and _needs_real_data(run)]
+    report = on_run if on_run is not None else (lambda run: None)
+    runs = run_jobs(
+        jobs, timeout=timeout, workers=workers, on_done=None if fallback else _reporting(report)
+    )
+    if not fallback:
+        return runs, jobs[0].device
+    cases = {run.case for run in runs if _needs_real_data(run)}
+    redo = [i for i, run in enumerate(runs) if run.case in cases]
+    for i, run in enumerate(runs):
+        if i not in redo:
+            report(run)
     if not redo:
         return runs, jobs[0].device
     cpu_jobs = [_on_cpu(jobs[i]) for i in redo]
-    for i, run in zip(redo, run_jobs(cpu_jobs, timeout=timeout, on_done=done), strict=True):
+    cpu_runs = run_jobs(cpu_jobs, timeout=timeout, on_done=_reporting(report))
+    for i, run in zip(redo, cpu_runs, strict=True):
         runs[i] = run
     notes.append(
         f"{jobs[0].spec.text} computes with tensor values, which meta tensors do not have: "
-        "measured on cpu instead (exact tensor accounting, real times)"
+        f"case {', '.join(sorted(cases))} measured on cpu instead (exact tensor accounting, "
+        "real times)"
     )
     return runs, "cpu" if len(redo) == len(runs) else "meta"
+
+
+def _reporting(report: Callable[[Run], None]) -> Callable[[Job, Run], None]:
+    return lambda job, run: report(run)
 
 
 def _needs_real_data(run: Run) -> bool:

@@ -1,5 +1,6 @@
 """What a Hugging Face model is fed: token ids (or embeddings) for language models, pixel values
-for vision models, and the labels with which a model computes its own loss.
+for vision models, audio for speech models, and the labels with which a model computes its own
+loss.
 
 No ``use_cache=False`` nor attention mask: with either, transformers inspects position ids or mask
 values (``.all()``), which meta tensors do not have.
@@ -19,6 +20,16 @@ if TYPE_CHECKING:
     from memsave_cli.inputs import _Maker
 
 SEQUENCE_LENGTH = 256
+#: Config settings that bound a sequence's length, in the order they are asked.
+_POSITION_KEYS = (
+    "max_position_embeddings",
+    "max_target_positions",  # Whisper's decoder
+    "n_positions",
+    "max_sequence_length",
+    "seq_length",
+)
+#: Samples of one second of audio at the rate speech models take.
+SAMPLE_RATE = 16_000
 #: Heads that compute their own loss from ``labels`` of shape (B, sequence).
 _LM_HEADS = ("ForCausalLM", "LMHeadModel", "ForConditionalGeneration", "ForMaskedLM")
 #: Heads that compute their own loss from class ``labels`` of shape (B,).
@@ -28,17 +39,21 @@ _INPUT_NAMES = ("input_ids", "pixel_values", "input_values", "input_features", "
 
 
 def hf_inputs(model: nn.Module) -> str:
-    """``tokens`` (the forward takes token ids through an embedding table) or ``pixels`` (it takes
-    pixel values and no token ids); SpecError for any other model, which needs inputs of its own
-    (a callable spec's companion)."""
+    """``tokens`` (the forward takes token ids through an embedding table), ``pixels`` (pixel
+    values and no token ids) or ``audio`` (a waveform, or Whisper's log-mel features, and no token
+    ids); SpecError for any other model, which needs inputs of its own (a callable spec's
+    companion)."""
     params = inspect.signature(model.forward).parameters
     if "input_ids" in params and isinstance(_input_embeddings(model), nn.Embedding):
         return "tokens"
-    if "pixel_values" in params and "input_ids" not in params:
-        return "pixels"
-    takes = " and ".join(name for name in params if name in _INPUT_NAMES) or "neither"
+    if "input_ids" not in params:
+        if "pixel_values" in params:
+            return "pixels"
+        if "input_values" in params or ("input_features" in params and _mel_frames(model.config)):
+            return "audio"
+    takes = " and ".join(name for name in params if name in _INPUT_NAMES) or "none of them"
     raise SpecError(
-        f"{type(model).__name__} takes neither token ids alone nor pixel values alone (its "
+        f"{type(model).__name__} takes neither token ids, pixel values nor audio alone (its "
         f"forward takes {takes}): wrap it in a callable spec with a <callable>_inputs(batch_size) "
         "companion"
     )
@@ -58,10 +73,14 @@ def hf_kwargs(
     model's own where None), and those of them that may be differentiated.
 
     Language models: token ids, or embeddings with ``embeds``; decoder ids for encoder-decoders;
-    labels for LM heads. Vision models: pixel values, and labels for classification heads.
+    labels for LM heads. Vision models: pixel values, and labels for classification heads. Speech
+    models: a waveform or log-mel features, and decoder ids and labels where they decode text.
     """
-    if hf_inputs(model) == "pixels":
+    kind = hf_inputs(model)
+    if kind == "pixels":
         return _pixels(model, make, batch, shape)
+    if kind == "audio":
+        return _audio(model, make, batch, shape)
     params = inspect.signature(model.forward).parameters
     table = model.get_input_embeddings()
     length = shape[0] if shape else min(SEQUENCE_LENGTH, _max_positions(model.config))
@@ -98,8 +117,39 @@ def _pixels(
     return kwargs, (pixels,)
 
 
+def _audio(
+    model: nn.Module, make: _Maker, batch: int, shape: tuple[int, ...] | None
+) -> tuple[dict[str, Any], tuple[Tensor, ...]]:
+    """One second of 16 kHz waveform (``input_values``: wav2vec 2.0, HuBERT, WavLM), or the
+    log-mel frames Whisper's encoder takes (``input_features``: exactly twice its source
+    positions, the stride of its convolutions); decoder ids and labels for Whisper's text decoder.
+    CTC heads get no labels: their loss needs real lengths."""
+    params = inspect.signature(model.forward).parameters
+    name = "input_values" if "input_values" in params else "input_features"
+    audio = make.normal((batch, *(shape or _mel_frames(model.config) or (SAMPLE_RATE,))))
+    kwargs: dict[str, Any] = {name: audio}
+    if "decoder_input_ids" in params:
+        vocabulary = model.get_input_embeddings().num_embeddings
+        length = min(SEQUENCE_LENGTH, _max_positions(model.config))
+        kwargs["decoder_input_ids"] = make.integers((batch, length), vocabulary)
+        if "labels" in params and type(model).__name__.endswith(_LM_HEADS):
+            kwargs["labels"] = make.integers((batch, length), vocabulary)
+    # wav2vec 2.0's feature encoder sets requires_grad on a view of its waveform, which raises
+    # where the waveform itself requires grad: only Whisper's features may be differentiated.
+    return kwargs, (audio,) if name == "input_features" else ()
+
+
+def _mel_frames(config: Any) -> tuple[int, int] | None:
+    """(mel bins, frames) of Whisper's encoder input, or None for a config that is not Whisper's."""
+    bins = getattr(config, "num_mel_bins", None)
+    positions = getattr(config, "max_source_positions", None)
+    if isinstance(bins, int) and isinstance(positions, int):
+        return bins, 2 * positions
+    return None
+
+
 def _max_positions(config: Any) -> int:
-    for key in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
+    for key in _POSITION_KEYS:
         value = getattr(config, key, None)
         if isinstance(value, int) and value > 0:
             return value

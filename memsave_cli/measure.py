@@ -284,7 +284,8 @@ def nvml_process_bytes() -> int | None:
         pynvml.nvmlShutdown()
 
 
-_META_HINTS = ("meta tensor", "no data", "data-dependent", "data dependent")
+#: ``data-independent``: meta's ``nonzero`` (a boolean mask as an index) says none exists.
+_META_HINTS = ("meta tensor", "no data", "data-dependent", "data dependent", "data-independent")
 
 
 @contextlib.contextmanager

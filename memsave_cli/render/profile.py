@@ -170,6 +170,8 @@ def inputs_and_attention(report: Report) -> str:
             "embeds": "embeddings in every case (the paper's setup)",
             "pixels": "pixel values, and class labels where the model has a classification "
             "head (its own loss)",
+            "audio": "audio (a waveform, or Whisper's log-mel features with decoder token ids "
+            "and labels: its own loss)",
         }[report.inputs]
         lines.append(f"Inputs: {what}.")
     kernels = {f"{run.case}/{run.impl}": run.attention for run in report.runs if run.attention}

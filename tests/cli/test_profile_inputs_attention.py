@@ -127,5 +127,5 @@ def test_model_fed_neither_way_is_one_line_before_any_worker(runner, no_workers,
     ).save_pretrained(tmp_path)
     result = runner.invoke(app, ["profile", f"hf:{tmp_path}", *SMALL])
     assert result.exit_code == 2, result.output
-    assert "takes neither token ids alone nor pixel values alone" in result.output
+    assert "takes neither token ids, pixel values nor audio alone" in result.output
     assert len(result.output.strip().splitlines()) == 1 and "Traceback" not in result.output

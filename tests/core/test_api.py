@@ -96,6 +96,41 @@ def test_auto_falls_back_to_cpu_when_meta_cannot_run() -> None:
     assert any("measured on cpu instead" in note for note in report.notes)
 
 
+@no_cuda
+def test_fallback_reruns_both_implementations_of_a_case(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A model that computes with tensor values in one run only (random masking) is measured on
+    cpu for both implementations of that case, so that the case compares like with like; the
+    other cases stay on meta. Each run is reported once, as measured."""
+    from memsave_cli import api
+    from memsave_cli.measure import NEEDS_REAL_DATA
+    from memsave_cli.report import Run, Status
+
+    def run_jobs(jobs, *, timeout, workers=None, on_done=None):
+        runs = []
+        for job in jobs:
+            needs = job.device == "meta" and (job.case.label, job.impl) == ("all", "memsave")
+            error = f"{NEEDS_REAL_DATA}: masking" if needs else None
+            status = Status.ERROR if needs else Status.OK
+            run = Run(job.case.label, job.impl, status, error, param_bytes=len(job.device))
+            if on_done is not None:
+                on_done(job, run)
+            runs.append(run)
+        return runs
+
+    monkeypatch.setattr(api, "run_jobs", run_jobs)
+    seen: list[Run] = []
+    report = profile("fixtures_tracker:mlp", cases=("all", "input"), on_run=seen.append)
+    device = {(r.case, r.impl): "cpu" if r.param_bytes == 3 else "meta" for r in report.runs}
+    assert device == {
+        ("all", "stock"): "cpu",
+        ("all", "memsave"): "cpu",
+        ("input", "stock"): "meta",
+        ("input", "memsave"): "meta",
+    }
+    assert all(r.ok for r in report.runs) and sorted(seen, key=id) == sorted(report.runs, key=id)
+    assert any("case all measured on cpu instead" in note for note in report.notes)
+
+
 def test_explicit_meta_reports_why_it_cannot_run() -> None:
     report = profile("fixtures_tracker:item_net", cases=("all",), impls=("stock",), device="meta")
     (run,) = report.runs

@@ -339,6 +339,49 @@ def test_vision_model_without_head_takes_the_shape_asked_for(tmp_path: Path) -> 
     assert tuple(example.kwargs["pixel_values"].shape) == (64, 3, 40, 48)
 
 
+def _speech_dir(tmp_path: Path, family: str) -> str:
+    transformers = pytest.importorskip("transformers")
+    config = {
+        "whisper": lambda: transformers.WhisperConfig(
+            d_model=16, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+            decoder_attention_heads=2, encoder_ffn_dim=32, decoder_ffn_dim=32, vocab_size=40,
+            num_mel_bins=8, max_source_positions=12, max_target_positions=10, pad_token_id=1,
+            bos_token_id=1, eos_token_id=2, decoder_start_token_id=1,
+            architectures=["WhisperForConditionalGeneration"],
+        ),
+        "wav2vec2": lambda: transformers.Wav2Vec2Config(
+            hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32,
+            conv_dim=(8, 8), conv_stride=(5, 2), conv_kernel=(10, 3), num_conv_pos_embeddings=16,
+            num_conv_pos_embedding_groups=2, mask_time_prob=0.0,
+        ),
+    }[family]()  # fmt: skip
+    config.save_pretrained(tmp_path)
+    return f"hf:{tmp_path}"
+
+
+@pytest.mark.parametrize("device", ["meta", "cpu"])
+def test_whisper_gets_mel_frames_decoder_ids_and_labels(tmp_path: Path, device: str) -> None:
+    """Log-mel frames exactly as Whisper's encoder takes them (twice its source positions) and
+    token ids for its decoder, up to its target positions, with labels: its own loss."""
+    model, _, example = _example(_speech_dir(tmp_path, "whisper"), device, batch_size=2)
+    features = example.kwargs["input_features"]
+    assert set(example.kwargs) == {"input_features", "decoder_input_ids", "labels"}
+    assert tuple(features.shape) == (2, 8, 24) and example.differentiable == (features,)
+    assert tuple(example.kwargs["labels"].shape) == (2, 10)
+    output, loss = _step(model, example)
+    assert loss is output.loss
+
+
+def test_waveform_model_gets_a_second_of_audio(tmp_path: Path) -> None:
+    """Not differentiable: wav2vec 2.0 sets requires_grad on a view of its waveform in training,
+    which raises where the waveform requires grad."""
+    model, _, example = _example(_speech_dir(tmp_path, "wav2vec2"), "cpu", batch_size=2)
+    waveform = example.kwargs["input_values"]
+    assert set(example.kwargs) == {"input_values"} and tuple(waveform.shape) == (2, 16000)
+    assert example.differentiable == ()
+    _step(model.train(), example)
+
+
 def test_hf_model_fed_neither_way_says_what_to_do(tmp_path: Path) -> None:
     """CLIP reads token ids and pixel values together (and has no one embedding table)."""
     transformers = pytest.importorskip("transformers")
@@ -349,7 +392,7 @@ def test_hf_model_fed_neither_way_says_what_to_do(tmp_path: Path) -> None:
         projection_dim=8,
     )
     config.save_pretrained(tmp_path)
-    message = "CLIPModel takes neither token ids alone nor pixel values alone (its forward takes "
+    message = "CLIPModel takes neither token ids, pixel values nor audio alone (its forward takes "
     with pytest.raises(SpecError, match=re.escape(message) + "input_ids and pixel_values"):
         _example(f"hf:{tmp_path}", "meta", batch_size=2)
 
