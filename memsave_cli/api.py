@@ -12,7 +12,7 @@ from memsave_cli.cases import PAPER_CASES, Case, has_norm_layers, resolve_case
 from memsave_cli.checkpointing import checkpoint_notes, read_patterns
 from memsave_cli.errors import MemsaveError
 from memsave_cli.fsdp import sharded_device
-from memsave_cli.hf_inputs import hf_inputs
+from memsave_cli.hf_inputs import fed_inputs
 from memsave_cli.input_shape import read_shape
 from memsave_cli.lora import LoraSettings, apply_lora
 from memsave_cli.measure import DEVICES, NEEDS_REAL_DATA, Job, check_job
@@ -101,7 +101,7 @@ def profile(
     check_plan(
         spec, selected, batch_size=batch_size, input_shape=shape, plan_model=plan_model, dtype=dtype
     )
-    fed = _fed(spec, plan_model, inputs)
+    fed = fed_inputs(plan_model.model, inputs, spec.text)
     for case in selected:
         check_job(Job(spec, case, impls[0], chosen, **settings))
     if "memsave" in impls:
@@ -218,21 +218,6 @@ def _check_settings(spec: ModelSpec, impls: Sequence[str], device: str, settings
             f"--inputs tokens applies to Hugging Face language models (hf: specs); {spec.text} "
             "takes the inputs its family or companion gives: use --inputs auto"
         )
-
-
-def _fed(spec: ModelSpec, plan_model: PlanModel, inputs: str) -> str:
-    """What the report says the model was fed: the ``inputs`` setting for a language model, else
-    what the Hugging Face model takes (``pixels``, ``audio``), which takes no other (MemsaveError
-    for a setting that asks for tokens or embeddings)."""
-    kind = hf_inputs(plan_model.model) if spec.kind == "hf" else "tokens"
-    if kind == "tokens":
-        return inputs
-    if inputs != "auto":
-        raise MemsaveError(
-            f"--inputs {inputs} applies to language models; {spec.text} is fed {kind}, which "
-            "it takes in every case: use --inputs auto"
-        )
-    return kind
 
 
 def _run_with_fallback(

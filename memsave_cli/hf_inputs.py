@@ -9,6 +9,7 @@ values (``.all()``), which meta tensors do not have.
 from __future__ import annotations
 
 import inspect
+import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -36,6 +37,27 @@ _LM_HEADS = ("ForCausalLM", "LMHeadModel", "ForConditionalGeneration", "ForMaske
 _IMAGE_HEADS = ("ForImageClassification",)
 #: Forward arguments that name what a model reads, for ``hf_inputs``'s error.
 _INPUT_NAMES = ("input_ids", "pixel_values", "input_values", "input_features", "inputs_embeds")
+
+
+def is_hf_model(model: nn.Module) -> bool:
+    transformers = sys.modules.get("transformers")
+    return transformers is not None and isinstance(model, transformers.PreTrainedModel)
+
+
+def fed_inputs(model: nn.Module, inputs: str, text: str) -> str:
+    """What a report says ``model`` was fed: the ``inputs`` setting (``auto``, ``tokens``,
+    ``embeds``) for a language model or a model not from transformers, else what the Hugging Face
+    model takes (``pixels``, ``audio``), in every case; SpecError where ``inputs`` asks for tokens
+    or embeddings there."""
+    kind = hf_inputs(model) if is_hf_model(model) else "tokens"
+    if kind == "tokens":
+        return inputs
+    if inputs != "auto":
+        raise SpecError(
+            f"--inputs {inputs} applies to language models; {text} is fed {kind}, which it takes "
+            "in every case: use --inputs auto"
+        )
+    return kind
 
 
 def hf_inputs(model: nn.Module) -> str:

@@ -10,7 +10,6 @@ be differentiable) and vision models (pixel values as their config describes the
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,7 +19,7 @@ from torch import nn
 
 from memsave_cli.cases import Case
 from memsave_cli.errors import SpecError
-from memsave_cli.hf_inputs import hf_kwargs
+from memsave_cli.hf_inputs import hf_kwargs, is_hf_model
 from memsave_cli.loss import floating_tensors
 from memsave_cli.quick_import import import_torchvision
 from memsave_cli.specs import ModelSpec, companion_inputs
@@ -125,7 +124,7 @@ def make_example(
     companion = companion_inputs(spec) if shape is None else None
     if companion is not None:
         return _companion_example(spec, companion, make, _default(batch_size, BATCH_SIZE))
-    if _is_hf_model(model):
+    if is_hf_model(model):
         use_embeds = input_grad if embeds is None else embeds
         batch = _default(batch_size, BATCH_SIZE)
         kwargs, differentiable = hf_kwargs(model, make, batch, shape, use_embeds)
@@ -226,14 +225,6 @@ def _detection_target(
         visible = torch.ones((BOXES_PER_IMAGE, count, 1), device=make.device, dtype=make.dtype)
         target["keypoints"] = torch.cat([where, visible], dim=2)
     return target
-
-
-# -- Hugging Face --------------------------------------------------------------------------------
-
-
-def _is_hf_model(model: nn.Module) -> bool:
-    transformers = sys.modules.get("transformers")
-    return transformers is not None and isinstance(model, transformers.PreTrainedModel)
 
 
 # -- user callables ------------------------------------------------------------------------------

@@ -32,6 +32,7 @@ def measure_model(model: ModelLike, impl: str, chosen: Settings) -> Run:
     if isinstance(model, str) and chosen.device != "meta":
         return _in_worker(model, case, impl, chosen)
     from memsave_cli.checkpointing import checkpoint_targets
+    from memsave_cli.hf_inputs import fed_inputs
     from memsave_cli.plan_model import PlanModel
     from memsave_cli.preflight import check_plan
 
@@ -42,6 +43,7 @@ def measure_model(model: ModelLike, impl: str, chosen: Settings) -> Run:
     plan_model = PlanModel(spec, **shape, built=on_meta)
     checkpoint_targets(plan_model.model, chosen.checkpoint)  # a pattern that selects nothing raises
     check_plan(spec, [case], **shape, plan_model=plan_model, dtype=job.dtype)
+    fed_inputs(plan_model.model, job.inputs, spec.text)  # raises: tokens for a vision model
     return measure(job, built)
 
 

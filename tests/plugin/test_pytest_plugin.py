@@ -388,3 +388,30 @@ def test_budget_measured_on_cuda(pytester: pytest.Pytester) -> None:
     result.stdout.fnmatch_lines(
         ["E *(case input, batch size 16, memsave layers, measured on cuda)"]
     )
+
+
+def test_vision_model_objects_take_pixels_only(pytester: pytest.Pytester) -> None:
+    """A Hugging Face vision model object is fed pixel values; asking it for embeddings is one
+    line, as on the command line."""
+    pytest.importorskip("transformers")
+    result = run_suite(
+        pytester,
+        """
+        import transformers
+
+        def vit():
+            config = transformers.ViTConfig(
+                hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                intermediate_size=32, image_size=16, patch_size=8, num_labels=3,
+            )
+            return transformers.ViTForImageClassification(config)
+
+        def test_pixels(memsave):
+            assert memsave.measure(vit(), batch_size=2).saved_bytes > 0
+
+        def test_embeds(memsave):
+            memsave.measure(vit(), batch_size=2, inputs="embeds")
+        """,
+    )
+    result.assert_outcomes(passed=1, failed=1)
+    result.stdout.fnmatch_lines(["memsave: --inputs embeds applies to language models; *"])
