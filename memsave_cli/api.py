@@ -213,11 +213,6 @@ def _check_settings(spec: ModelSpec, impls: Sequence[str], device: str, settings
         raise MemsaveError("no implementation to measure: give stock, memsave or memsave-conv")
     for impl in impls:
         check_job(Job(spec, Case("all"), impl, device, **settings))
-    if settings["inputs"] == "tokens" and spec.kind != "hf":
-        raise MemsaveError(
-            f"--inputs tokens applies to Hugging Face language models (hf: specs); {spec.text} "
-            "takes the inputs its family or companion gives: use --inputs auto"
-        )
 
 
 def _run_with_fallback(

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import inspect
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from torch import Tensor, nn
@@ -46,10 +46,18 @@ def is_hf_model(model: nn.Module) -> bool:
 
 def fed_inputs(model: nn.Module, inputs: str, text: str) -> str:
     """What a report says ``model`` was fed: the ``inputs`` setting (``auto``, ``tokens``,
-    ``embeds``) for a language model or a model not from transformers, else what the Hugging Face
-    model takes (``pixels``, ``audio``), in every case; SpecError where ``inputs`` asks for tokens
-    or embeddings there."""
-    kind = hf_inputs(model) if is_hf_model(model) else "tokens"
+    ``embeds``) for a Hugging Face language model, what another Hugging Face model takes in every
+    case (``pixels``, ``audio``); SpecError where ``inputs`` asks for what the model is not fed:
+    tokens or embeddings there, tokens elsewhere (other models ignore ``embeds``, the paper's
+    setting for every model)."""
+    if not is_hf_model(model):
+        if inputs == "tokens":
+            raise SpecError(
+                f"--inputs tokens applies to Hugging Face language models; {text} takes the "
+                "inputs its family or companion gives: use --inputs auto"
+            )
+        return inputs
+    kind = hf_inputs(model)
     if kind == "tokens":
         return inputs
     if inputs != "auto":
@@ -99,11 +107,11 @@ def hf_kwargs(
     models: a waveform or log-mel features, and decoder ids and labels where they decode text.
     """
     kind = hf_inputs(model)
-    if kind == "pixels":
-        return _pixels(model, make, batch, shape)
-    if kind == "audio":
-        return _audio(model, make, batch, shape)
     params = inspect.signature(model.forward).parameters
+    if kind == "pixels":
+        return _pixels(model, params, make, batch, shape)
+    if kind == "audio":
+        return _audio(model, params, make, batch, shape)
     table = model.get_input_embeddings()
     length = shape[0] if shape else min(SEQUENCE_LENGTH, _max_positions(model.config))
     kwargs: dict[str, Any] = {}
@@ -119,7 +127,7 @@ def hf_kwargs(
 
 
 def _pixels(
-    model: nn.Module, make: _Maker, batch: int, shape: tuple[int, ...] | None
+    model: nn.Module, params: Mapping, make: _Maker, batch: int, shape: tuple[int, ...] | None
 ) -> tuple[dict[str, Any], tuple[Tensor, ...]]:
     """Pixel values (B, channels, height, width) as the config describes its images, and class
     labels for image classification heads. The pixels may be differentiated, as a torchvision
@@ -132,7 +140,6 @@ def _pixels(
     shape = shape or (getattr(config, "num_channels", None) or IMAGE_SHAPE[0], *sizes)
     pixels = make.normal((batch, *shape))
     kwargs: dict[str, Any] = {"pixel_values": pixels}
-    params = inspect.signature(model.forward).parameters
     classes = getattr(config, "num_labels", 0)
     if "labels" in params and type(model).__name__.endswith(_IMAGE_HEADS) and classes > 1:
         kwargs["labels"] = make.integers((batch,), classes)
@@ -140,13 +147,12 @@ def _pixels(
 
 
 def _audio(
-    model: nn.Module, make: _Maker, batch: int, shape: tuple[int, ...] | None
+    model: nn.Module, params: Mapping, make: _Maker, batch: int, shape: tuple[int, ...] | None
 ) -> tuple[dict[str, Any], tuple[Tensor, ...]]:
     """One second of 16 kHz waveform (``input_values``: wav2vec 2.0, HuBERT, WavLM), or the
     log-mel frames Whisper's encoder takes (``input_features``: exactly twice its source
     positions, the stride of its convolutions); decoder ids and labels for Whisper's text decoder.
     CTC heads get no labels: their loss needs real lengths."""
-    params = inspect.signature(model.forward).parameters
     name = "input_values" if "input_values" in params else "input_features"
     audio = make.normal((batch, *(shape or _mel_frames(model.config) or (SAMPLE_RATE,))))
     kwargs: dict[str, Any] = {name: audio}

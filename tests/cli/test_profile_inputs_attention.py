@@ -46,7 +46,7 @@ def test_choices_reach_the_core(runner, recorded, inputs: str, attention: str):
     [
         (["--attention", "foo"], "'foo' is not one of 'auto', 'math', 'flash', 'efficient'"),
         (["--inputs", "foo"], "'foo' is not one of 'auto', 'tokens', 'embeds'"),
-        (["--inputs", "tokens"], "--inputs tokens applies to Hugging Face language models"),
+        (["--inputs", "tokens"], "--inputs tokens applies to Hugging Face language models;"),
         (["--attention", "efficient", "--device", "cpu"], "'efficient' does not run on cpu"),
     ],
 )
