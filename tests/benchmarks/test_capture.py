@@ -30,6 +30,16 @@ def test_models_take_their_inputs(label: str) -> None:
     assert len(capture.names(model)) == 2 + sum(p.requires_grad for p in model.parameters())
 
 
+@pytest.mark.parametrize("label", list(capture.MODELS))
+def test_outputs_depend_on_the_dropout_mask(label: str) -> None:
+    """A cell sees a mask baked into the graph only where the output changes with the mask (with
+    peft's zero B matrices the LoRA model's did not)."""
+    pytest.importorskip("peft")
+    build, shape = capture.MODELS[label]
+    model, x = build(), torch.randn(shape)
+    assert not torch.equal(model(x), model(x))
+
+
 def test_no_cells_without_a_cuda_device() -> None:
     cells: list = []
     capture.run(torch.device("cpu"), cells.append)
