@@ -51,7 +51,8 @@ def provenance(
     for record in records:
         env = record.get("environment", {})
         name = record.get("experiment", {}).get("title") or record.get("title", "")
-        where = f"{env.get('machine', '?')}, torch {env.get('torch', '?')}"
+        gpu = f"{env['cuda']}, " if env.get("cuda") else ""  # ratios on CUDA differ by GPU
+        where = f"{gpu}{env.get('machine', '?')}, torch {env.get('torch', '?')}"
         commit = env.get("commit") or "?"
         dirty = " (uncommitted library changes)" if env.get("dirty") else ""
         lines.append(f"    - **{name}**: {code(record['command'])}")

@@ -128,6 +128,17 @@ def test_unpack_says_whether_the_run_ran_this_tree(tmp_path: Path) -> None:
     assert "no source digest" in main.provenance_line({})
 
 
+def test_pages_name_the_gpu_a_time_was_measured_on() -> None:
+    """Ratios on CUDA depend on the GPU and its host (an H100's and an H200's differ)."""
+    from benchmarks.reproduce.markdown import provenance
+
+    environment = {"machine": "x86_64, 16 CPU cores", "torch": "2.11.0", "cuda": "NVIDIA H200"}
+    record = {"command": "python -m benchmarks.gpu_acceptance", "environment": environment}
+    assert "on NVIDIA H200, x86_64, 16 CPU cores, torch 2.11.0" in provenance([record])
+    del environment["cuda"]
+    assert "on x86_64, 16 CPU cores" in provenance([record])
+
+
 def test_a_failing_layer_fails_the_run_and_the_others_finish(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
