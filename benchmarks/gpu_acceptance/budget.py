@@ -3,14 +3,15 @@
 NOTE [budget]: a lent GPU comes for minutes at a time and a command is cut off at ten, so the
 run never counts on finishing: every part gets a deadline (``plan.DEADLINES``, cumulative, so a
 part that ends early leaves its time to the next), checks it before each unit of work, and
-reports the units it had no time for as skipped cells. Workers get the seconds left to their
+reports the units it had no time for as skipped cells. A run of some parts only shares the budget
+among them in the same proportions (``--parts exactness`` gets all of it). Workers get the seconds left to their
 part as their timeout, so even a hung kernel cannot take the run past its budget.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from benchmarks.gpu_acceptance.plan import DEADLINES
 
@@ -18,8 +19,14 @@ from benchmarks.gpu_acceptance.plan import DEADLINES
 class Budget:
     """Seconds since the start, against a total and per-part deadlines."""
 
-    def __init__(self, total_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        total_s: float,
+        parts: Sequence[str] = tuple(DEADLINES),
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.total_s, self.clock = total_s, clock
+        self.deadlines = deadlines(parts)
         self.start = clock()
 
     def elapsed(self) -> float:
@@ -27,8 +34,23 @@ class Budget:
 
     def left(self, part: str | None = None) -> float:
         """Seconds left to ``part`` (its deadline), or to the whole run."""
-        share = 1.0 if part is None else DEADLINES[part]
+        share = 1.0 if part is None else self.deadlines[part]
         return max(0.0, share * self.total_s - self.elapsed())
+
+
+def deadlines(parts: Sequence[str]) -> dict[str, float]:
+    """The cumulative share of the budget by which each of ``parts`` must end: each part's own
+    share of ``DEADLINES``, scaled so that the parts run share the whole budget."""
+    own, before = {}, 0.0
+    for part, end in DEADLINES.items():
+        own[part], before = end - before, end
+    total = sum(own[part] for part in parts)
+    found, reached = {}, 0.0
+    for part in DEADLINES:
+        if part in parts:
+            reached += own[part] / total
+            found[part] = reached
+    return found
 
 
 class Deadline:

@@ -119,7 +119,7 @@ def plan_of(args: argparse.Namespace) -> Plan:
 
 def run(plan: Plan, docs: Path, out: Path, command: str, isolate: bool = True) -> int:
     """Every part of ``plan`` in order, within its budget; outputs, summary, exit code."""
-    budget = Budget(plan.budget_s)
+    budget = Budget(plan.budget_s, plan.parts)
     cells: list[Cell] = []
     found: dict[str, Any] = {}
 

@@ -294,6 +294,10 @@ def test_budget_deadlines_accumulate() -> None:
     now = [0.0]
     budget = Budget(100.0, clock=lambda: now[0])
     assert budget.left("exactness") == pytest.approx(18.0)
+    # Some parts only: they share the whole budget in the same proportions.
+    assert Budget(100.0, ["exactness"], clock=lambda: 0.0).left("exactness") == pytest.approx(100)
+    alone = Budget(100.0, ["exactness", "model-time"], clock=lambda: 0.0)
+    assert alone.left("exactness") == pytest.approx(100 * 18 / 58)
     now[0] = 10.0  # exactness ended early: memory gets its share and what exactness left
     assert budget.left("memory") == pytest.approx(40.0)
     now[0] = 120.0
