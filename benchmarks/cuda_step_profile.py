@@ -18,9 +18,11 @@ and from one more step under the profiler:
 - ``peak_mib``: the allocator's peak over the timed steps.
 
     python -m benchmarks.cuda_step_profile [--model resnet101] [--case input] [--batch 64]
-        [--layers] [--compile MODE] [--rounds 5] [--out FILE]
+        [--layers] [--compile MODE] [--rounds 5] [--python-profile N] [--out FILE]
 
-``--layers`` profiles single drop-ins instead of a model. ``--compile`` runs the model (stock
+``--layers`` profiles single drop-ins instead of a model. ``--python-profile N`` also runs N
+steps of each under ``cProfile`` and prints the Python functions with the most own host time
+(``python_top``): which Python a host-bound step spends its time in. ``--compile`` runs the model (stock
 and memsave alike) under ``torch.compile`` in that mode; ``reduce-overhead`` replays CUDA graphs,
 which take the host's Python out of the step. ``MEMSAVE_TRITON=0`` in the environment profiles
 memsave's CUDA layers on torch operations instead of its Triton kernels.
@@ -29,7 +31,9 @@ memsave's CUDA layers on torch operations instead of its Triton kernels.
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
+import pstats
 import statistics
 import time
 from collections.abc import Callable
@@ -134,6 +138,22 @@ def measure(step: Callable[[], None], rounds: int) -> dict:
     }
 
 
+def python_top(step: Callable[[], None], steps: int, count: int = 15) -> list:
+    """The ``count`` Python functions with the most own time over ``steps`` steps:
+    (function, calls, own ms per step, cumulative ms per step)."""
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(steps):
+        step()
+    profiler.disable()
+    rows = pstats.Stats(profiler).stats.items()  # type: ignore[attr-defined]
+    top = sorted(rows, key=lambda row: row[1][2], reverse=True)[:count]
+    return [
+        (pstats.func_std_string(where), calls, 1e3 * own / steps, 1e3 * cumulative / steps)
+        for where, (_, calls, own, cumulative, _) in top
+    ]
+
+
 def _row(event, self_us: float) -> tuple[str, int, float]:
     return event.key, event.count, round(self_us / 1e3, 3)
 
@@ -146,6 +166,7 @@ def main() -> None:
     parser.add_argument("--layers", action="store_true")
     parser.add_argument("--compile", choices=COMPILE_MODES, help="torch.compile the model")
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--python-profile", type=int, default=0, metavar="N")
     parser.add_argument("--out", help="write every number as JSON here")
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -163,7 +184,10 @@ def main() -> None:
     for label, make in targets.items():
         for impl in ("stock", "memsave"):
             try:
-                row = measure(make(impl), args.rounds)
+                step = make(impl)
+                row = measure(step, args.rounds)
+                if args.python_profile:
+                    row["python_top"] = python_top(step, args.python_profile)
             except Exception as error:  # reported in its row; the others still run
                 row = {"error": f"{type(error).__name__}: {error}"}
             results[f"{label} / {impl}"] = row
@@ -175,6 +199,9 @@ def main() -> None:
             for key in ("top_device", "top_host"):
                 for name, count, ms in row.get(key, [])[:8] if impl == "memsave" else []:
                     print(f"    {key:10} {ms:9.3f} ms  x{count:<5} {name[:80]}")
+            for name, calls, own, cumulative in row.get("python_top", []):
+                line = f"{own:8.3f} ms own {cumulative:8.3f} ms cum  x{calls:<6} {name[-90:]}"
+                print(f"    python {line}")
     if args.out:
         with open(args.out, "w") as handle:
             json.dump(results, handle, indent=1)

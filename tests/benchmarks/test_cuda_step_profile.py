@@ -48,3 +48,13 @@ def test_compiled_model_step_compiles_in_the_mode_asked_and_marks_each_step(
     step()
     step()
     assert compiled == [("MemSaveReLU", "reduce-overhead")] and len(marks) == 2
+
+
+def test_python_top_names_the_functions_a_step_spends_its_time_in() -> None:
+    def busy() -> int:
+        return sum(range(20000))
+
+    rows = cuda_step_profile.python_top(lambda: busy() + busy(), steps=3)
+    own = {name.rsplit("(", 1)[-1]: (calls, ms) for name, calls, ms, _ in rows}
+    assert own["busy)"][0] == 6
+    assert all(ms >= 0 for _, ms in own.values())
