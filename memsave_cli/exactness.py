@@ -86,6 +86,37 @@ def laid_out(
     return make(shape)
 
 
+_AS_FLOAT_BITS = {2: torch.int16, 4: torch.int32, 8: torch.int64}
+_MANTISSA = {torch.float64: 52, torch.float32: 23, torch.bfloat16: 7, torch.float16: 10}
+
+
+def special_bits(dtype: torch.dtype) -> list[int]:
+    """Bit patterns (as the signed integers of the element size) of both signs of: zero, the
+    smallest and largest denormal, the smallest normal, 1, the largest finite value, infinity,
+    a quiet NaN with a payload and a signalling NaN. ``SPECIAL`` holds only what Python floats
+    can say, which in 16-bit types leaves out payloads and signalling NaNs."""
+    mantissa, width = _MANTISSA[dtype], 8 * torch.empty((), dtype=dtype).element_size()
+    inf = ((1 << (width - 1 - mantissa)) - 1) << mantissa
+    one = int(torch.ones((), dtype=dtype).view(_AS_FLOAT_BITS[width // 8]).item())
+    positive = [0, 1, (1 << mantissa) - 1, 1 << mantissa, one, inf - 1, inf]
+    positive += [inf | (1 << (mantissa - 1)) | 3, inf | 5]
+    return positive + [bits - (1 << (width - 1)) for bits in positive]  # sign bit set, signed
+
+
+def with_special_bits(x: Tensor, g: torch.Generator) -> Tensor:
+    """``x`` (a CPU float tensor, any layout without overlap) with about a quarter of its
+    elements, at distinct positions drawn from ``g``, set to :func:`special_bits` patterns; in
+    place, and returned."""
+    if x.numel():
+        ints = x.view(_AS_FLOAT_BITS[x.element_size()])
+        flat = ints.flatten().clone()  # logical order, whatever the layout
+        picks = torch.randint(0, x.numel(), (max(1, x.numel() // 4),), generator=g).unique()
+        patterns = torch.tensor(special_bits(x.dtype), dtype=flat.dtype)
+        flat[picks] = patterns[torch.randint(0, len(patterns), picks.shape, generator=g)]
+        ints.copy_(flat.view(x.shape))
+    return x
+
+
 def _values(shape: list[int], dtype, g: torch.Generator, special: Sequence[float]) -> Tensor:
     x = torch.randn(shape, generator=g, dtype=torch.float64)
     if special and x.numel():

@@ -6,6 +6,7 @@ import pytest
 import torch
 from torch import Tensor
 
+from memsave_cli.exactness import special_bits
 from memsave_cli.kernels.bitmask import layout_of
 
 
@@ -27,7 +28,6 @@ WIDE = [torch.float32, torch.float64]
 LAYOUTS = {"channels_last": ((2, 3, 5, 7), "channels_last"), "permuted": ((5, 7, 9), (2, 0, 1))}
 
 _INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-_MANTISSA = {torch.float64: 52, torch.float32: 23, torch.bfloat16: 7, torch.float16: 10}
 
 
 def ids(value: object) -> str:
@@ -38,17 +38,6 @@ def ids(value: object) -> str:
 def raw(x: Tensor) -> Tensor:
     """``x``'s bits as integers of the same width."""
     return x.view(_INT[x.element_size()])
-
-
-def special_bits(dtype: torch.dtype) -> list[int]:
-    """Bit patterns of both signs of: zero, the smallest and largest denormal, the smallest
-    normal, 1, the largest finite value, infinity, a quiet NaN and a signalling NaN."""
-    mantissa, width = _MANTISSA[dtype], 8 * torch.empty((), dtype=dtype).element_size()
-    inf = ((1 << (width - 1 - mantissa)) - 1) << mantissa
-    one = int(raw(torch.ones((), dtype=dtype)).item())
-    positive = [0, 1, (1 << mantissa) - 1, 1 << mantissa, one, inf - 1, inf]
-    positive += [inf | (1 << (mantissa - 1)) | 3, inf | 5]
-    return positive + [bits - (1 << (width - 1)) for bits in positive]  # sign bit set, signed
 
 
 def samples(dtype: torch.dtype, numel: int, seed: int) -> Tensor:
