@@ -15,7 +15,7 @@ and from one more step under the profiler:
   (synchronisations, blocking copies);
 - memsave's operators with the largest device and host self times.
 
-- ``peak_mib``: the allocator's peak over the timed steps.
+- ``peak_mib``: the allocator's peak from the first step on, warm-up included.
 
     python -m benchmarks.cuda_step_profile [--model resnet101] [--case input] [--batch 64]
         [--layers] [--compile MODE] [--rounds 5] [--python-profile N] [--out FILE]
@@ -101,11 +101,14 @@ def layer_step(label: str, impl: str) -> Callable[[], None]:
 
 
 def measure(step: Callable[[], None], rounds: int) -> dict:
-    """Medians of step, host and kernel time, launch and wait counts over ``rounds`` steps."""
+    """Medians of step, host and kernel time, launch and wait counts over ``rounds`` steps, and
+    the allocator's peak from the first step on (CUDA graph trees fill their memory pools while
+    they warm up and record, which a peak taken after the warm-up would leave out)."""
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
     for _ in range(3):
         step()
     torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
     steps, hosts = [], []
     for _ in range(rounds):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
