@@ -125,6 +125,9 @@ def main(scenario: str, rank: str, world_size: str, rendezvous: str, out: str) -
     )
     try:
         result = SCENARIOS[scenario](int(rank), int(world_size))
+        # Both ranks finish before either tears down: under load a rank whose peer had already
+        # closed its connections aborted in gloo ("terminate called without an active exception").
+        dist.barrier()
     finally:
         dist.destroy_process_group()
     torch.save(result, out)
