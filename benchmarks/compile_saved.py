@@ -94,7 +94,9 @@ def main() -> None:
             saved_bytes(m, x, step) for m in models
         )
         equal = torch.equal(stock_grad, memsave_grad)
-        print(f"{' ' * len(args.model)}  {mode:<10} {stock_bytes:>12,} {memsave_bytes:>12,}  {equal}")
+        print(
+            f"{' ' * len(args.model)}  {mode:<10} {stock_bytes:>12,} {memsave_bytes:>12,}  {equal}"
+        )
 
 
 if __name__ == "__main__":
