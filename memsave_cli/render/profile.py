@@ -153,6 +153,9 @@ def profile_view(report: Report, *, top: int = 5) -> RenderableType:
     if setup:
         parts.append(Text(setup, style="dim"))
     parts.extend(Text(f"note: {note}", style="yellow") for note in report.notes)
+    hint = summary.host_bound_hint(report)
+    if hint is not None:
+        parts.append(Text(f"note: {hint}", style="yellow"))
     failures = failures_table(report)
     if failures is not None:
         parts.append(failures)

@@ -107,6 +107,33 @@ def time_cells(report: Report) -> dict[tuple[str, str], Cell]:
     return cells
 
 
+#: A memsave step at least this much slower than stock's on cuda gets :func:`host_bound_hint`.
+HOST_BOUND_RATIO = 1.10
+
+
+def host_bound_hint(report: Report) -> str | None:
+    """Why a memsave step on cuda took clearly longer than stock's, and what removes it: the
+    Python around its kernels, which sets the pace where the GPU runs small layers faster than
+    the host issues them (docs/benchmarks.md, "A run on an H200"). None where no step did."""
+    if report.device != "cuda":
+        return None
+    slow = [
+        (cell.ratio, case)
+        for (impl, case), cell in time_cells(report).items()
+        if impl != "stock" and cell.ratio is not None and cell.resolved
+        if cell.ratio >= HOST_BOUND_RATIO
+    ]
+    if not slow:
+        return None
+    ratio, case = max(slow)
+    return (
+        f"memsave's step took {ratio:.2f}x stock's (case {case}): its layers run Python around "
+        "each kernel, which sets the pace when the GPU finishes small layers faster than the host "
+        "issues them (memory is as measured). torch.compile removes that Python; "
+        'mode="reduce-overhead" took ResNet-18 to 1.05x stock\'s step on an H200.'
+    )
+
+
 def paired_rounds(report: Report) -> int:
     """Rounds of side-by-side timing behind the times (0 when they were timed apart)."""
     return max((len(run.times_s) for run in report.runs if run.ok), default=0)

@@ -109,6 +109,22 @@ def test_notes_and_provenance(paper_report):
     assert "Measured on cuda" in _render(replace(paper_report, device="cuda"))
 
 
+def test_a_clearly_slower_step_on_cuda_names_the_host_and_the_remedy(make_run, make_report):
+    def report(device: str, memsave_times: tuple[float, ...]):
+        stock_times = (1.0,) * len(memsave_times)
+        stock = make_run("input", "stock", 100, time_s=1.0, times_s=stock_times)
+        memsave = make_run("input", "memsave", 60, time_s=1.0, times_s=memsave_times)
+        return make_report((stock, memsave), device=device)
+
+    slow = (1.5, 1.6, 1.4, 1.5)
+    text = " ".join(_render(report("cuda", slow)).split())
+    assert "took 1.50x stock's (case input)" in text and "reduce-overhead" in text
+    assert "host" not in _render(report("cpu", slow))  # a CPU's time is its own kernels'
+    assert "took" not in _render(report("cuda", (1.02, 1.03, 1.01, 1.02)))
+    # Pairs at 0.8, 1.2 and 1.6: a median of 1.2 inside its spread says nothing.
+    assert "took" not in _render(report("cuda", (0.8, 0.8, 1.2, 1.2, 1.6, 1.6)))
+
+
 def test_csv_has_one_row_per_run(paper_report):
     rows = list(csv.DictReader(io.StringIO(report_csv(paper_report))))
     assert len(rows) == len(paper_report.runs)
