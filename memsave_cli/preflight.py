@@ -95,7 +95,8 @@ def check_forward(
     try:
         with torch.no_grad(), torch.device("meta"), meta_regions_as_cuda("meta"):
             output = model(*example.args, **example.kwargs)
-    except (RuntimeError, ValueError, TypeError, IndexError) as error:
+    except (RuntimeError, ValueError, TypeError, IndexError, AssertionError) as error:
+        # AssertionError: model code checks input sizes with assert (timm's window sizes).
         if any(word in str(error).lower() for word in _META_ONLY):
             return
         given = ", ".join(_describe(t) for t in (*example.args, *example.kwargs.values()))

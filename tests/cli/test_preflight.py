@@ -284,6 +284,24 @@ def test_input_shape_the_forward_cannot_take_is_one_line(runner, no_workers):
     assert line.endswith("check --input-shape (one sample, without the batch dimension)")
 
 
+def test_forward_asserting_on_its_input_size_is_one_line(runner, no_workers, tmp_path):
+    """Model code often checks sizes with assert (timm's window attention): the guessed image
+    size fails it, and the line says to give the size rather than crash in every run."""
+    path = tmp_path / "windowed.py"
+    path.write_text(
+        "import torch\n"
+        "class Windowed(torch.nn.Conv2d):\n"
+        "    def forward(self, x):\n"
+        "        assert x.shape[-1] % 256 == 0, f'width ({x.shape[-1]}) must be a multiple of 256'\n"
+        "        return super().forward(x)\n"
+        "def build():\n"
+        "    return Windowed(3, 4, 3)\n"
+    )
+    line = one_error_line(runner.invoke(app, ["profile", f"{path}:build", "--device", "meta"]))
+    assert "width (224) must be a multiple of 256" in line
+    assert line.endswith("give --input-shape, or define build_inputs(batch_size) beside build")
+
+
 def test_fit_checks_the_plan_before_measuring(runner, tmp_path, monkeypatch):
     import memsave_cli.fit
 
