@@ -129,8 +129,8 @@ def host_bound_hint(report: Report) -> str | None:
     return (
         f"memsave's step took {ratio:.2f}x stock's (case {case}): its layers run Python around "
         "each kernel, which sets the pace when the GPU finishes small layers faster than the host "
-        "issues them (memory is as measured). torch.compile removes that Python; "
-        'mode="reduce-overhead" took ResNet-18 to 1.05x stock\'s step on an H200.'
+        "issues them (memory is as measured). torch.compile(model, "
+        'mode="reduce-overhead") replays the step without that Python.'
     )
 
 
