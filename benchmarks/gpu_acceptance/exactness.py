@@ -7,7 +7,12 @@ signed zeros among its values; the gradient's layout rotates through all layouts
 layer and dtype. Where a comparison differs, stock is run against itself on the same inputs: a
 kernel that is not reproducible (atomic adds in some GPU backward kernels) cannot be matched bit
 for bit by anything, so such comparisons are counted apart rather than failed; one agreement
-of stock with itself proves little there, so it is asked up to ``STOCK_REPEATS`` times.
+of stock with itself proves little there, so it is asked up to ``STOCK_REPEATS`` times. A
+nondeterministic kernel may also agree with itself that often and still differ the once memsave
+ran it (AdaptiveAvgPool3d's atomic backward in float32, in 1 to 3 of 45 comparisons on the H100
+and the H200): so the comparison itself is repeated as often, and one that comes out equal shows
+that the difference came and went with the kernel's order. A memsave that differs every time
+still fails.
 Dropout with p > 0 draws its own noise, so it is checked by stock's rule
 (``dropout_rule_diffs``) instead.
 
@@ -139,7 +144,7 @@ def layer_cell(
             found = compare(*args, grad_layout=grad_layout)
             count += 1
             where = f"size {sized}, input {layout}, gradient {grad_layout}, {pattern}"
-            if found and _stock_varies(args, grad_layout):
+            if found and (_stock_varies(args, grad_layout) or _comes_and_goes(args, grad_layout)):
                 unreproducible.append(where)
             else:
                 diffs += [f"{where}: {diff}" for diff in found]
@@ -166,6 +171,12 @@ def _stock_varies(args: tuple, grad_layout: str) -> bool:
     return any(
         compare(*args, grad_layout=grad_layout, against="stock") for _ in range(STOCK_REPEATS)
     )
+
+
+def _comes_and_goes(args: tuple, grad_layout: str) -> bool:
+    """Whether the comparison, run again up to ``STOCK_REPEATS`` times, once finds no
+    difference: the first one came from a kernel's order, which changes from run to run."""
+    return any(not compare(*args, grad_layout=grad_layout) for _ in range(STOCK_REPEATS))
 
 
 def _verdict(label: str, diffs: list[str], count: int, unreproducible: Sequence[str] = ()) -> Cell:
