@@ -1,20 +1,29 @@
-"""Would a C++ autograd node close memsave's CUDA gap? Frozen convolutions, Python vs C++.
+"""Would C++ autograd nodes close memsave's CUDA gap? Convolutions and ReLUs, Python vs C++.
 
 On a fast GPU a CNN step under memsave is bound by the host: its autograd Functions run Python
 in forward and backward, where stock's nodes run C++ (``docs/benchmarks.md``, "Where a CUDA
-step's time goes"). This probe measures what moving one family to C++ would win, before the
-project commits to it: a frozen convolution that keeps only its weight (what memsave's
-``_ConvFunction`` keeps in the ``input`` case), written as a ``torch::autograd::Function`` with
-ATen calls only (built by ``torch.utils.cpp_extension``, no CUDA compiler needed), swapped into
-ResNet-101 in place of every convolution. Three implementations, timed alternating:
+step's time goes"). This probe measures what moving a family to C++ would win, before the
+project commits to it, with ``torch::autograd::Function``s of ATen calls only (built by
+``torch.utils.cpp_extension``, no CUDA compiler needed):
+
+- a frozen convolution that keeps only its weight and its input's sizes (what memsave's
+  ``_ConvFunction`` keeps in the ``input`` case);
+- a ReLU that keeps one bit per element, packed and unpacked with ATen operations (several
+  small kernels where memsave's Triton kernels take one each way: the probe says whether the
+  host time saved outweighs that device time).
+
+Swapped into ResNet-101 in the ``input`` case, timed alternating (CUDA events):
 
 - ``stock``: torchvision's model;
-- ``python``: ``convert(model, include=["conv"])``, memsave's convolutions as they are;
-- ``cpp``: the same saving in the C++ node.
+- ``python-conv``, ``cpp-conv``: memsave's convolutions (``convert(include=["conv"])``), and the
+  same saving in the C++ node;
+- ``python-conv-relu``, ``cpp-conv-relu``: memsave's convolutions and ReLUs
+  (``include=["conv", "activation"]``), and both in C++ nodes.
 
-It checks the input gradient of each against stock's bit for bit and reports the memory a
-forward leaves allocated (output and saved tensors). The node handles what ResNet-101 needs
-(no transposed convolutions, no padding modes, no autocast): it is a measurement, not a layer.
+It checks the input gradient of each against stock's bit for bit and reports what autograd
+keeps (distinct saved storages, any device) and, on CUDA, the memory a forward leaves allocated:
+each C++ variant must keep what its Python one keeps. The nodes handle what ResNet-101 needs (no bias, no transposed convolutions, no
+padding modes, no autocast, contiguous ReLU inputs): they are a measurement, not layers.
 
     python -m benchmarks.cpp_node_probe [--device cuda] [--batch 64] [--rounds 15]
         [--model resnet101] [--build DIR] [--out FILE]
@@ -31,6 +40,7 @@ import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -85,16 +95,54 @@ at::Tensor frozen_conv(const at::Tensor& x, const at::Tensor& weight, std::vecto
                        int64_t groups) {
   return FrozenConv::apply(x, weight, stride, padding, dilation, groups);
 }
+
+// 1, 2, 4, ..., 128 as uint8 on a device, made once per device.
+static at::Tensor bit_weights(const at::Device& device) {
+  static std::map<std::string, at::Tensor> cache;
+  auto& found = cache[device.str()];
+  if (!found.defined()) {
+    found = at::bitwise_left_shift(at::ones({8}, at::kByte), at::arange(8, at::kByte))
+                .to(device);
+  }
+  return found;
+}
+
+// A ReLU keeping one bit per element: set where threshold_backward passes the gradient.
+struct BitReLU : public torch::autograd::Function<BitReLU> {
+  static at::Tensor forward(AutogradContext* ctx, at::Tensor x, bool inplace) {
+    at::Tensor y = inplace ? at::relu_(x) : at::relu(x);
+    if (inplace) ctx->mark_dirty({x});
+    int64_t n = y.numel(), padded = (n + 7) / 8 * 8;
+    at::Tensor keep = y.reshape({-1}).le(0).logical_not_();  // NaN passes, as in stock
+    if (padded != n) keep = at::constant_pad_nd(keep, {0, padded - n}, 0);
+    at::Tensor bits = keep.view(at::kByte).view({-1, 8}).mul(bit_weights(y.device()))
+                          .sum({1}, false, at::kByte);
+    ctx->save_for_backward({bits});
+    ctx->saved_data["sizes"] = y.sizes().vec();
+    return y;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    at::Tensor bits = ctx->get_saved_variables()[0];
+    const at::Tensor& grad = grads[0];
+    std::vector<int64_t> sizes = ctx->saved_data["sizes"].toIntVector();
+    at::Tensor keep = bits.view({-1, 1}).bitwise_and(bit_weights(grad.device())).ne(0)
+                          .view({-1}).narrow(0, 0, grad.numel()).view(sizes);
+    return {at::where(keep, grad, at::zeros({}, grad.options())), at::Tensor()};
+  }
+};
+
+at::Tensor bit_relu(at::Tensor x, bool inplace) { return BitReLU::apply(x, inplace); }
 """
 
 
-def build(directory: Path | None) -> Callable[..., Tensor]:
-    """The C++ node's entry point, compiled into ``directory``. A library built there before from
-    the same source is imported as it is (one built for another torch fails to import, and is
-    rebuilt), so a build made ahead can travel to a lent GPU machine."""
+def build(directory: Path | None) -> Any:
+    """The C++ nodes' module (``frozen_conv``, ``bit_relu``), compiled into ``directory``. A
+    library built there before from the same source is imported as it is (one built for another
+    torch fails to import, and is rebuilt), so a build made ahead can travel to a GPU machine."""
     from torch.utils import cpp_extension
 
-    name = f"memsave_frozen_conv_probe_{hashlib.sha1(SOURCE.encode()).hexdigest()[:10]}"
+    name = f"memsave_cpp_node_probe_{hashlib.sha1(SOURCE.encode()).hexdigest()[:10]}"
     if directory is not None:
         directory.mkdir(parents=True, exist_ok=True)
         built = directory / f"{name}.so"
@@ -103,17 +151,16 @@ def build(directory: Path | None) -> Callable[..., Tensor]:
                 spec = importlib.util.spec_from_file_location(name, built)
                 module = importlib.util.module_from_spec(spec)
                 spec.loader.exec_module(module)
-                return module.frozen_conv
+                return module
             except ImportError as error:
-                print(f"rebuilding the C++ node ({error})")
-    module = cpp_extension.load_inline(
+                print(f"rebuilding the C++ nodes ({error})")
+    return cpp_extension.load_inline(
         name=name,
         cpp_sources=SOURCE,
-        functions=["frozen_conv"],
+        functions=["frozen_conv", "bit_relu"],
         build_directory=None if directory is None else str(directory),
         extra_cflags=["-O2"],
     )
-    return module.frozen_conv
 
 
 class CppConv(nn.Module):
@@ -133,26 +180,49 @@ class CppConv(nn.Module):
         )
 
 
-def with_cpp_convs(model: nn.Module, frozen_conv: Callable[..., Tensor]) -> nn.Module:
-    """``model`` with each ``nn.Conv2d`` wrapped in :class:`CppConv`, in place."""
+class CppReLU(nn.Module):
+    """``nn.ReLU`` calling the C++ bit node (stock where it does not apply)."""
+
+    def __init__(self, relu: nn.ReLU, bit_relu: Callable[..., Tensor]) -> None:
+        super().__init__()
+        self.inplace, self.bit_relu = relu.inplace, bit_relu
+
+    def forward(self, x: Tensor) -> Tensor:
+        if not (x.requires_grad and torch.is_grad_enabled() and x.is_contiguous()):
+            return torch.relu_(x) if self.inplace else torch.relu(x)
+        return self.bit_relu(x, self.inplace)
+
+
+def with_cpp_nodes(
+    model: nn.Module,
+    frozen_conv: Callable[..., Tensor],
+    bit_relu: Callable[..., Tensor] | None = None,
+) -> nn.Module:
+    """``model`` with each ``nn.Conv2d`` wrapped in :class:`CppConv` and, given ``bit_relu``,
+    each ``nn.ReLU`` replaced by :class:`CppReLU`, in place."""
     for name, child in model.named_children():
         if type(child) is nn.Conv2d and child.padding_mode == "zeros":
             setattr(model, name, CppConv(child, frozen_conv))
+        elif type(child) is nn.ReLU and bit_relu is not None:
+            setattr(model, name, CppReLU(child, bit_relu))
         else:
-            with_cpp_convs(child, frozen_conv)
+            with_cpp_nodes(child, frozen_conv, bit_relu)
     return model
 
 
-def models(name: str, device: str, frozen_conv: Callable[..., Tensor]) -> dict[str, nn.Module]:
-    """Stock, memsave's Python convolutions and the C++ node, in the ``input`` case."""
+def models(name: str, device: str, nodes: Any) -> dict[str, nn.Module]:
+    """Stock and each variant (module docstring), in the ``input`` case."""
     import torchvision
 
     torch.manual_seed(0)
     stock = getattr(torchvision.models, name)(weights=None).to(device)
+    conv, relu = nodes.frozen_conv, nodes.bit_relu
     found = {
         "stock": stock,
-        "python": convert(stock, include=["conv"]),
-        "cpp": with_cpp_convs(copy.deepcopy(stock), frozen_conv),
+        "python-conv": convert(stock, include=["conv"]),
+        "cpp-conv": with_cpp_nodes(copy.deepcopy(stock), conv),
+        "python-conv-relu": convert(stock, include=["conv", "activation"]),
+        "cpp-conv-relu": with_cpp_nodes(copy.deepcopy(stock), conv, relu),
     }
     for model in found.values():
         apply_case(model, resolve_case("input"))
@@ -163,6 +233,20 @@ def input_gradient(model: nn.Module, x: Tensor) -> Tensor:
     source = x.detach().requires_grad_()
     model(source).sum().backward()
     return source.grad
+
+
+def saved_bytes(model: nn.Module, x: Tensor) -> int:
+    """Bytes of the distinct storages autograd keeps for backward during one forward (C++ nodes'
+    saved tensors pass the same hooks)."""
+    storages: dict[int, int] = {}
+
+    def pack(t: Tensor) -> Tensor:
+        storages.setdefault(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(x.detach().requires_grad_())
+    return sum(storages.values())
 
 
 def forward_bytes(model: nn.Module, x: Tensor) -> int:
@@ -204,9 +288,9 @@ def main() -> None:
         print("no CUDA device: nothing to probe")
         return
     began = time.perf_counter()
-    frozen_conv = build(args.build)
-    print(f"C++ node ready in {time.perf_counter() - began:.1f} s")
-    found = models(args.model, args.device, frozen_conv)
+    nodes = build(args.build)
+    print(f"C++ nodes ready in {time.perf_counter() - began:.1f} s")
+    found = models(args.model, args.device, nodes)
     x = torch.randn(args.batch, 3, 224, 224, device=args.device, requires_grad=True)
     results: dict[str, object] = {"model": args.model, "batch": args.batch, "case": "input"}
     if args.device == "cuda":
@@ -219,6 +303,7 @@ def main() -> None:
         for label, model in found.items()
         if label != "stock"
     }
+    results["saved_mib"] = {label: saved_bytes(model, x) / 2**20 for label, model in found.items()}
     if args.device == "cuda":
         torch.backends.cudnn.deterministic = deterministic
         results["forward_mib"] = {
@@ -228,7 +313,7 @@ def main() -> None:
     times = alternate(steps, args.rounds)
     results["median_ms"] = {label: 1e3 * statistics.median(t) for label, t in times.items()}
     results["ratio_to_stock"] = {}
-    for label in ("python", "cpp"):
+    for label in [label for label in found if label != "stock"]:
         ratio, iqr = median_iqr(round_ratios(times["stock"], times[label]))
         results["ratio_to_stock"][label] = {"median": ratio, "iqr": iqr}
     print(json.dumps(results, indent=1))

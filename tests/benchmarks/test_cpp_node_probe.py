@@ -25,10 +25,28 @@ def test_frozen_bias_free_convolutions_call_the_node_and_the_others_run_stock() 
         nn.Sequential(nn.Conv2d(4, 4, 3, stride=2, groups=2, bias=False), nn.ReLU()),
         nn.Conv2d(4, 4, 1, bias=True),
     ).requires_grad_(False)
-    wrapped = cpp_node_probe.with_cpp_convs(copy.deepcopy(model), node)
+    wrapped = cpp_node_probe.with_cpp_nodes(copy.deepcopy(model), node)
     x = torch.randn(2, 3, 9, 9, requires_grad=True)
     assert torch.equal(wrapped(x), model(x))
     assert calls == [([1, 1], [1, 1], [1, 1], 1), ([2, 2], [0, 0], [1, 1], 2)]
     calls.clear()
     wrapped(x.detach())  # no gradient asked: stock everywhere
     assert calls == []
+
+
+def test_relus_call_the_bit_node_with_their_inplace_flag() -> None:
+    calls = []
+
+    def node(x, inplace):
+        calls.append(inplace)
+        return torch.relu_(x) if inplace else torch.relu(x)
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(inplace=True), nn.Linear(4, 4), nn.ReLU())
+    wrapped = cpp_node_probe.with_cpp_nodes(copy.deepcopy(model), None, node)
+    assert [type(m).__name__ for m in wrapped] == ["Linear", "CppReLU", "Linear", "CppReLU"]
+    x = torch.randn(3, 4)
+    assert torch.equal(wrapped(x), model(x))
+    assert calls == [True, False]
+    with torch.no_grad():
+        wrapped(x)
+    assert calls == [True, False]  # no backward recorded: stock
