@@ -23,6 +23,7 @@ from memsave_cli.hf_inputs import hf_kwargs, is_hf_model
 from memsave_cli.loss import floating_tensors
 from memsave_cli.quick_import import import_torchvision
 from memsave_cli.specs import ModelSpec, companion_inputs
+from memsave_cli.timm_models import declared_input_shape
 
 BATCH_SIZE = 64
 DETECTION_BATCH_SIZE = 4
@@ -172,7 +173,11 @@ def _default_shape(model: nn.Module, spec: ModelSpec, family: str | None) -> tup
 
 
 def _guess_shape(model: nn.Module, spec: ModelSpec) -> tuple[int, ...]:
-    """A user model's per-sample shape from its first layer (Linear or ConvNd), else an error."""
+    """A model's per-sample shape: the input size it declares (timm's ``pretrained_cfg``), else
+    from its first layer (Linear or ConvNd), else an error."""
+    declared = declared_input_shape(model)
+    if declared is not None:
+        return declared
     first = next(
         (
             m

@@ -1,7 +1,8 @@
 """Model specifications: what the user typed, and the model it builds (never with weights).
 
-Forms: ``torchvision:<name>``, ``<module.path>:<callable>``, ``<path/to/file.py>:<callable>`` and
-``hf:<config dir or hub id>``; model keyword arguments come as ``key=value`` strings.
+Forms: ``torchvision:<name>``, ``timm:<name>``, ``<module.path>:<callable>``,
+``<path/to/file.py>:<callable>`` and ``hf:<config dir or hub id>``; model keyword arguments come
+as ``key=value`` strings.
 """
 
 from __future__ import annotations
@@ -24,13 +25,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from memsave_cli import hf
+from memsave_cli import hf, timm_models
 from memsave_cli.errors import MemsaveError, SpecError, describe
 from memsave_cli.meta_build import build_on_default_device
 from memsave_cli.quick_import import import_torchvision
 
 FORMS = (
-    "torchvision:<name>, <module.path>:<callable>, <path/to/file.py>:<callable> "
+    "torchvision:<name>, timm:<name>, <module.path>:<callable>, <path/to/file.py>:<callable> "
     "or hf:<config dir or hub id>"
 )
 _LIST_TORCHVISION = (
@@ -43,7 +44,7 @@ class ModelSpec:
     """A parsed model specification; picklable, so that workers can build the model themselves."""
 
     text: str  # as the user wrote it, e.g. "torchvision:resnet101"
-    kind: str  # "torchvision" | "module" | "file" | "hf"
+    kind: str  # "torchvision" | "timm" | "module" | "file" | "hf"
     target: str  # model name, module path, file path, or hf config dir / hub id
     attr: str | None  # callable name for module/file specs
     kwargs: tuple[tuple[str, object], ...] = ()  # model kwargs (parsed from key=value strings)
@@ -63,6 +64,9 @@ def parse_spec(text: str, kwargs: Sequence[str] | Mapping[str, object] = ()) -> 
     if prefix == "hf" and rest:
         hf.check_target(text, rest)
         return ModelSpec(text, "hf", rest, None, pairs)
+    if prefix == "timm" and rest:
+        timm_models.check_name(text, rest)
+        return ModelSpec(text, "timm", rest, None, pairs)
     target, sep, attr = text.rpartition(":")
     if not sep or not target or not attr:
         raise SpecError(_unreadable(text))
@@ -283,4 +287,5 @@ _BUILDERS: dict[str, Callable[[ModelSpec], Any]] = {
     "module": _build_callable,
     "file": _build_callable,
     "hf": lambda spec: hf.build(spec.text, spec.target, spec.kwargs),
+    "timm": lambda spec: timm_models.build(spec.text, spec.target, spec.kwargs),
 }

@@ -75,7 +75,8 @@ ModelArg = Annotated[
     str,
     typer.Argument(
         metavar="MODEL",
-        help="torchvision:NAME, module.path:CALLABLE, path/to/file.py:CALLABLE or hf:CONFIG.",
+        help="torchvision:NAME, timm:NAME, module.path:CALLABLE, path/to/file.py:CALLABLE or "
+        "hf:CONFIG.",
     ),
 ]
 CasesOpt = Annotated[

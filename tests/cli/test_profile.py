@@ -150,6 +150,20 @@ def test_profile_tiny_cnn_end_to_end(runner, tiny_models, tmp_path):
     assert runner.invoke(app, ["check", str(path), "--baseline", str(path)]).exit_code == 0
 
 
+def test_profile_timm_model_at_its_declared_size(runner, tmp_path):
+    """``timm:NAME`` builds without weights and measures, fed the size the model declares
+    (``test_inputs.py`` checks the size); memsave never keeps more than stock."""
+    pytest.importorskip("timm")
+    path = tmp_path / "report.json"
+    args = ["profile", "timm:test_vit", "--device", "meta", "--batch-size", "2", "--top", "0"]
+    result = runner.invoke(app, [*args, "--case", "input", "--json", str(path)])
+    assert result.exit_code == 0, result.output
+    report = Report.load(path)
+    stock, memsave = report.run("input", "stock"), report.run("input", "memsave")
+    assert stock.ok and memsave.ok
+    assert memsave.forward_peak_bytes <= stock.forward_peak_bytes
+
+
 def test_model_without_norm_layers_skips_norm(runner, tiny_models):
     result = runner.invoke(
         app,

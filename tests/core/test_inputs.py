@@ -461,6 +461,31 @@ def test_shape_guess_for_a_linear_model(tmp_path: Path) -> None:
     assert tuple(example.args[0].shape) == (4, 7)
 
 
+def test_a_declared_input_size_beats_the_first_layer(tmp_path: Path) -> None:
+    """timm's convention (``pretrained_cfg["input_size"]``), whoever built the model: MaxViT's
+    windows fail at the 224x224 a first convolution would suggest."""
+    path = tmp_path / "declared.py"
+    path.write_text(
+        "import torch\n"
+        "def make():\n"
+        "    model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3))\n"
+        "    model.pretrained_cfg = {'input_size': (3, 40, 48)}\n"
+        "    return model\n"
+    )
+    _, _, example = _example(f"{path}:make", "meta", batch_size=2)
+    assert tuple(example.args[0].shape) == (2, 3, 40, 48)
+
+
+def test_timm_models_get_the_input_size_they_declare() -> None:
+    pytest.importorskip("timm")
+    model, _, example = _example("timm:test_vit", "meta", batch_size=2)
+    assert (
+        tuple(example.args[0].shape) == (2, *model.pretrained_cfg["input_size"]) == (2, 3, 160, 160)
+    )
+    _, _, example = _example("timm:test_vit", "meta", batch_size=2, input_shape=(3, 96, 96))
+    assert tuple(example.args[0].shape) == (2, 3, 96, 96)
+
+
 def test_nothing_to_guess_from_says_what_to_do() -> None:
     with pytest.raises(SpecError) as info:
         _user("make_activation", batch_size=2)

@@ -173,7 +173,51 @@ def test_bare_torchvision_name_suggests_the_prefix() -> None:
     assert message.endswith("did you mean torchvision:resnet18?")
 
 
-@pytest.mark.parametrize("text", ["foo", "torchvision:", ":make", "mod:", "hf:"])
+def test_timm_spec_builds_without_weights_on_meta(monkeypatch: pytest.MonkeyPatch) -> None:
+    timm = pytest.importorskip("timm")
+    seen: dict[str, object] = {}
+    original = timm.create_model
+
+    def recording(name: str, **kwargs: object) -> nn.Module:
+        seen.update(kwargs)
+        return original(name, **kwargs)
+
+    monkeypatch.setattr(timm, "create_model", recording)
+    spec = parse_spec("timm:test_vit", ["num_classes=7"])
+    assert (spec.kind, spec.target, spec.kwargs) == ("timm", "test_vit", (("num_classes", 7),))
+    with torch.device("meta"):
+        model = build_model(spec)
+    assert seen == {"num_classes": 7, "pretrained": False}
+    assert {p.device.type for p in model.parameters()} == {"meta"}
+    assert model.get_classifier().out_features == 7
+
+
+@pytest.mark.parametrize("key", ["pretrained", "checkpoint_path"])
+def test_timm_rejects_loading_weights(key: str) -> None:
+    pytest.importorskip("timm")
+    message = _error(
+        "timm:test_vit",
+        [f"{key}='w.pth'" if key != "pretrained" else "pretrained=True"],
+        build=True,
+    )
+    assert message.startswith(f"timm:test_vit: memsave never loads weights; drop {key}=")
+
+
+def test_unknown_timm_name_lists_close_matches() -> None:
+    pytest.importorskip("timm")
+    message = _error("timm:resnet18x")
+    assert message.startswith("unknown timm model 'resnet18x'; close matches: resnet18")
+    assert "timm.list_models()" in message
+
+
+def test_timm_spec_without_timm_says_how_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "timm", None)  # import timm raises ModuleNotFoundError
+    assert _error("timm:resnet18") == (
+        "timm:resnet18: timm is not installed; pip install timm (or memsave-cli[timm])"
+    )
+
+
+@pytest.mark.parametrize("text", ["foo", "torchvision:", ":make", "mod:", "hf:", "timm:"])
 def test_unreadable_specs_name_the_forms(text: str) -> None:
     assert "expected torchvision:<name>" in _error(text)
 
