@@ -52,15 +52,38 @@ def build(text: str, name: str, kwargs: tuple[tuple[str, object], ...]) -> nn.Mo
 
 
 def declared_input_shape(model: nn.Module) -> tuple[int, ...] | None:
-    """The per-sample input size a model declares in timm's way (``pretrained_cfg`` or the
-    older ``default_cfg``, key ``input_size``), whoever built it; None where it declares none."""
-    for attribute in ("pretrained_cfg", "default_cfg"):
-        cfg = getattr(model, attribute, None)
-        size = cfg.get("input_size") if isinstance(cfg, dict) else None
-        if (
-            isinstance(size, tuple | list)
-            and size
-            and all(isinstance(n, int) and n > 0 for n in size)
-        ):
-            return tuple(size)
-    return None
+    """The per-sample input size a model declares in timm's way (``pretrained_cfg`` or the older
+    ``default_cfg``, key ``input_size``), whoever built it; None where it declares none.
+
+    timm keeps the declared size of the configuration it started from when keyword arguments
+    change the model (``in_chans=1``, ``img_size=96``), so the model's own first convolution
+    gives the channels, and a patch embedding's ``img_size`` the image size, where they exist.
+    """
+    size = next(
+        filter(None, (_declared(model, name) for name in ("pretrained_cfg", "default_cfg"))), None
+    )
+    if size is None:
+        return None
+    channels, spatial = size[0], size[1:]
+    first = next((m for m in model.modules() if isinstance(m, nn.Conv2d)), None)
+    if first is not None and len(spatial) == 2:
+        channels = first.in_channels
+    image = getattr(getattr(model, "patch_embed", None), "img_size", None)
+    if _sizes(image) and len(image) == len(spatial):
+        spatial = tuple(image)
+    return (channels, *spatial)
+
+
+def _declared(model: nn.Module, attribute: str) -> tuple[int, ...] | None:
+    cfg = getattr(model, attribute, None)
+    size = cfg.get("input_size") if isinstance(cfg, dict) else None
+    return tuple(size) if _sizes(size) else None
+
+
+def _sizes(value: object) -> bool:
+    """Whether ``value`` is a non-empty tuple or list of positive ints."""
+    return (
+        isinstance(value, tuple | list)
+        and bool(value)
+        and all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in value)
+    )

@@ -484,6 +484,12 @@ def test_timm_models_get_the_input_size_they_declare() -> None:
     )
     _, _, example = _example("timm:test_vit", "meta", batch_size=2, input_shape=(3, 96, 96))
     assert tuple(example.args[0].shape) == (2, 3, 96, 96)
+    # Keyword arguments that change the model: timm keeps the declared size, the model does not.
+    for kwargs, shape in ((["img_size=96"], (2, 3, 96, 96)), (["in_chans=1"], (2, 1, 160, 160))):
+        model, _, example = _example("timm:test_vit", "meta", kwargs, batch_size=2)
+        assert tuple(example.args[0].shape) == shape
+    model, _, example = _example("timm:test_resnet", "meta", ["in_chans=1"], batch_size=2)
+    assert tuple(example.args[0].shape)[:2] == (2, 1)
 
 
 def test_nothing_to_guess_from_says_what_to_do() -> None:
