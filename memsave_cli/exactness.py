@@ -64,12 +64,15 @@ def laid_out(
     g: torch.Generator,
     special: Sequence[float] = (),
     device: torch.device | str = "cpu",
+    bit_patterns: bool = False,
 ) -> Tensor:
     """A random tensor of ``shape`` on ``device`` whose strides follow ``layout`` (where the shape
     allows it), with values drawn from ``special`` (e.g. ``SPECIAL``) in about a quarter of its
-    elements. Values are drawn on the CPU from ``g``, so every device sees the same numbers."""
+    elements and, with ``bit_patterns``, :func:`special_bits` patterns in about a quarter (NaN
+    payloads, signalling NaNs). Values are drawn on the CPU from ``g``, so every device sees the
+    same numbers."""
     shape = list(shape)
-    make = lambda s: _values(s, dtype, g, special).to(device)  # noqa: E731
+    make = lambda s: _values(s, dtype, g, special, bit_patterns).to(device)  # noqa: E731
     n = len(shape)
     if layout == "sliced" and n:
         return make([*shape[:-1], 2 * shape[-1]])[..., ::2]
@@ -117,7 +120,9 @@ def with_special_bits(x: Tensor, g: torch.Generator) -> Tensor:
     return x
 
 
-def _values(shape: list[int], dtype, g: torch.Generator, special: Sequence[float]) -> Tensor:
+def _values(
+    shape: list[int], dtype, g: torch.Generator, special: Sequence[float], bit_patterns: bool
+) -> Tensor:
     x = torch.randn(shape, generator=g, dtype=torch.float64)
     if special and x.numel():
         # Distinct positions: an index_put with repeated indices lets parallel threads decide
@@ -125,7 +130,8 @@ def _values(shape: list[int], dtype, g: torch.Generator, special: Sequence[float
         picks = torch.randint(0, x.numel(), (max(1, x.numel() // 4),), generator=g).unique()
         fill = torch.tensor(special, dtype=torch.float64)
         x.view(-1)[picks] = fill[torch.randint(0, len(special), picks.shape, generator=g)]
-    return x.to(dtype)
+    x = x.to(dtype)
+    return with_special_bits(x, g) if bit_patterns and x.is_floating_point() else x
 
 
 def _eval(module: nn.Module) -> nn.Module:

@@ -25,7 +25,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from benchmarks.gpu_acceptance.cells import Cell, Status, guarded
-from memsave_cli.exactness import SPECIAL, bitwise_diff, laid_out, with_special_bits
+from memsave_cli.exactness import SPECIAL, bitwise_diff, laid_out
 from memsave_cli.kernels import triton as triton_kernels
 from memsave_cli.kernels.bitmask import layout_of, pack_bits, packed_numel
 
@@ -64,10 +64,10 @@ def relu_cell(
     for shape in shapes:
         for layout in ("contiguous", "channels_last") if len(shape) == 4 else ("contiguous",):
             generator = torch.Generator().manual_seed(count)
-            x, grad = (laid_out(shape, dtype, layout, generator, SPECIAL) for _ in ("x", "grad"))
-            if bit_patterns:
-                x, grad = (with_special_bits(t, generator) for t in (x, grad))
-            x, grad = x.to(device), grad.to(device)  # dense: the layout travels
+            x, grad = (
+                laid_out(shape, dtype, layout, generator, SPECIAL, device, bit_patterns)
+                for _ in ("x", "grad")
+            )
             stock = torch.relu(x)
             stock_bits = pack_bits(stock.bool(), layout_of(x))
             stock_grad = torch.ops.aten.threshold_backward(grad, stock, 0)

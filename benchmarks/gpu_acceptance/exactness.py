@@ -3,7 +3,8 @@
 Each drop-in's example (``memsave_cli.exactness.EXAMPLES``, plus Hugging Face modules converted
 by behaviour and BatchNorm in training mode) runs at each leading size of the plan (odd ones: 1,
 7, 129), in each dtype, input layout and differentiability pattern, with NaN, infinities and
-signed zeros among its values; the gradient's layout rotates through all layouts. One cell per
+signed zeros among its values (on a GPU also every ``special_bits`` pattern: NaN payloads,
+signalling NaNs, denormals); the gradient's layout rotates through all layouts. One cell per
 layer and dtype. Where a comparison differs, stock is run against itself on the same inputs: a
 kernel that is not reproducible (atomic adds in some GPU backward kernels) cannot be matched bit
 for bit by anything, so such comparisons are counted apart rather than failed; one agreement
@@ -214,6 +215,9 @@ def _inputs(shape: list[int], dtype: torch.dtype, layout: str, special, device: 
 
     def make():
         generator = torch.Generator().manual_seed(0)
-        return (laid_out(shape, dtype, layout, generator, special, device),), {}
+        # On a GPU, NaN payloads and signalling NaNs too (``special_bits``): no Python float
+        # says them in 16 bits, and a CUDA kernel may quieten them where stock's does not.
+        patterns = device.type == "cuda"
+        return (laid_out(shape, dtype, layout, generator, special, device, patterns),), {}
 
     return make

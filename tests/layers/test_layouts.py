@@ -51,6 +51,22 @@ def test_special_bit_patterns_land_in_any_layout(dtype: torch.dtype) -> None:
     assert any(v not in (quiet, quiet - (1 << (8 * made[0].element_size() - 1))) for v in nans)
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_laid_out_inputs_take_bit_patterns_in_every_layout(layout: str) -> None:
+    """What the GPU acceptance feeds its layer cells: the layout asked for, SPECIAL's values and
+    the bit patterns (a NaN other than Python's among them)."""
+    plain = laid_out([4, 3, 5, 6], torch.float16, layout, torch.Generator().manual_seed(1))
+    x = laid_out(
+        [4, 3, 5, 6], torch.float16, layout, torch.Generator().manual_seed(1), SPECIAL, "cpu", True
+    )
+    assert x.stride() == plain.stride()
+    ints = x.contiguous().view(torch.int16).flatten().tolist()
+    quiet = int(torch.tensor(float("nan"), dtype=torch.float16).view(torch.int16))
+    nans = [v for v, nan in zip(ints, torch.isnan(x).flatten().tolist(), strict=True) if nan]
+    assert any(v not in (quiet, quiet - (1 << 15)) for v in nans)
+    assert sum(v in set(special_bits(torch.float16)) for v in ints) >= len(ints) // 8
+
+
 def test_every_drop_in_has_an_example() -> None:
     missing = [stock.__name__ for stock in DROP_INS if stock not in EXAMPLES]
     assert not missing, f"drop-ins without a layout example in EXAMPLES: {missing}"
