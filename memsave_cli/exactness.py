@@ -89,7 +89,6 @@ def laid_out(
     return make(shape)
 
 
-_AS_FLOAT_BITS = {2: torch.int16, 4: torch.int32, 8: torch.int64}
 _MANTISSA = {torch.float64: 52, torch.float32: 23, torch.bfloat16: 7, torch.float16: 10}
 
 
@@ -100,7 +99,7 @@ def special_bits(dtype: torch.dtype) -> list[int]:
     can say, which in 16-bit types leaves out payloads and signalling NaNs."""
     mantissa, width = _MANTISSA[dtype], 8 * torch.empty((), dtype=dtype).element_size()
     inf = ((1 << (width - 1 - mantissa)) - 1) << mantissa
-    one = int(torch.ones((), dtype=dtype).view(_AS_FLOAT_BITS[width // 8]).item())
+    one = int(torch.ones((), dtype=dtype).view(_AS_INT[width // 8]).item())
     positive = [0, 1, (1 << mantissa) - 1, 1 << mantissa, one, inf - 1, inf]
     positive += [inf | (1 << (mantissa - 1)) | 3, inf | 5]
     return positive + [bits - (1 << (width - 1)) for bits in positive]  # sign bit set, signed
@@ -111,7 +110,7 @@ def with_special_bits(x: Tensor, g: torch.Generator) -> Tensor:
     elements, at distinct positions drawn from ``g``, set to :func:`special_bits` patterns; in
     place, and returned."""
     if x.numel():
-        ints = x.view(_AS_FLOAT_BITS[x.element_size()])
+        ints = x.view(_AS_INT[x.element_size()])
         flat = ints.flatten().clone()  # logical order, whatever the layout
         picks = torch.randint(0, x.numel(), (max(1, x.numel() // 4),), generator=g).unique()
         patterns = torch.tensor(special_bits(x.dtype), dtype=flat.dtype)

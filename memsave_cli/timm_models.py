@@ -16,7 +16,7 @@ from memsave_cli.errors import SpecError
 
 _LIST = 'list them with: python -c "import timm; print(timm.list_models())"'
 #: Keyword arguments that would load weights, which memsave never does.
-_LOADING = ("pretrained", "checkpoint_path", "pretrained_cfg_overlay")
+_LOADING = ("pretrained", "checkpoint_path")
 
 
 def _timm(text: str) -> ModuleType:
