@@ -32,9 +32,12 @@ from memsave_cli.layers.registry import drop_in
 #   llama: w * h.to(x.dtype)                      (LLaMA, Mistral, Phi-3, Qwen2, ...)
 #   olmo:  (w * h).to(x.dtype)                    (OLMo-2 and others casting last)
 #   gemma: (h * (1.0 + w.float())).type_as(x)     (Gemma's zero-centred weight)
+#   helium: (w.float() * h).to(x.dtype)           (Helium, Moshi, Nemotron-H: float32 product)
 #   t5:    w * h.to(w.dtype) if w is half else w * h, with h = x * r (x not upcast)  (T5)
 #   torch: h.mul(w).contiguous().type_as(x)       (``torch.rms_norm`` on CPU and meta)
-STYLES = ("llama", "olmo", "gemma", "t5", "torch")
+STYLES = ("llama", "olmo", "gemma", "helium", "t5", "torch")
+#: Styles that scale by the weight in float32 whatever its dtype, and the factor each uses.
+_FLOAT_FACTORS = {"gemma": lambda w: 1.0 + w.float(), "helium": lambda w: w.float()}
 _HALF = (torch.float16, torch.bfloat16)
 
 
@@ -146,8 +149,8 @@ def _scale(operand: Tensor, weight: Tensor | None, dtype: torch.dtype, style: st
         return weight * operand
     if style == "olmo":
         return (weight * operand).to(dtype)
-    if style == "gemma":
-        return (operand * (1.0 + weight.float())).to(dtype)
+    if style in _FLOAT_FACTORS:
+        return (operand * _FLOAT_FACTORS[style](weight)).to(dtype)
     scaled = operand.mul(weight) if weight is not None else operand
     return scaled.contiguous().to(dtype)
 
@@ -157,8 +160,8 @@ def _weight_grad(ctx: Any, grad: Tensor, operand: Tensor) -> Tensor:
     w_shape, w_dtype = ctx.weight_shape, ctx.weight_dtype
     if ctx.style in ("olmo", "torch"):
         grad = grad.to(torch.promote_types(operand.dtype, w_dtype))  # the final cast's backward
-    elif ctx.style == "gemma":
-        grad = grad.to(torch.float32)  # ``type_as``'s backward
+    elif ctx.style in _FLOAT_FACTORS:
+        grad = grad.to(torch.float32)  # the final cast's backward
         # ``1.0 + w.float()`` passes its gradient through; ``float()``'s backward casts back.
         return _mul_grad(grad, operand, w_shape, torch.float32).to(w_dtype)
     return _mul_grad(grad, operand, w_shape, w_dtype)
@@ -182,9 +185,9 @@ def _scale_backward(
     if ctx.style in ("olmo", "torch"):
         grad = grad.to(torch.promote_types(h_dtype, weight.dtype))  # the final cast's backward
         return _mul_grad(grad, weight, base.shape, h_dtype), grad_w
-    if ctx.style == "gemma":
+    if ctx.style in _FLOAT_FACTORS:
         grad = grad.to(torch.float32)
-        return _mul_grad(grad, 1.0 + weight.float(), base.shape, h_dtype), grad_w
+        return _mul_grad(grad, _FLOAT_FACTORS[ctx.style](weight), base.shape, h_dtype), grad_w
     # llama, t5: the product's gradient, in the operand's dtype, then the cast's
     operand_dtype = dtype if ctx.style == "llama" else weight.dtype
     if ctx.style == "t5" and weight.dtype not in _HALF:

@@ -15,6 +15,7 @@ from memsave_cli.saved import SavedTensorRecorder
 
 transformers = pytest.importorskip("transformers")
 from transformers.models.gemma.modeling_gemma import GemmaRMSNorm  # noqa: E402
+from transformers.models.helium.modeling_helium import HeliumRMSNorm  # noqa: E402
 from transformers.models.llama.modeling_llama import LlamaRMSNorm  # noqa: E402
 from transformers.models.olmo2.modeling_olmo2 import Olmo2RMSNorm  # noqa: E402
 from transformers.models.t5.modeling_t5 import T5LayerNorm  # noqa: E402
@@ -22,7 +23,13 @@ from transformers.models.t5.modeling_t5 import T5LayerNorm  # noqa: E402
 DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16, "f64": torch.float64}
 # requires_grad of (input, weight), every combination with at least one.
 MASKS = {"xw": (True, True), "x": (True, False), "w": (False, True)}
-HF_NORMS = {"llama": LlamaRMSNorm, "olmo2": Olmo2RMSNorm, "gemma": GemmaRMSNorm, "t5": T5LayerNorm}
+HF_NORMS = {
+    "llama": LlamaRMSNorm,
+    "olmo2": Olmo2RMSNorm,
+    "gemma": GemmaRMSNorm,
+    "helium": HeliumRMSNorm,  # the weight cast to float32, unlike OLMo-2's (float64 tells them apart)
+    "t5": T5LayerNorm,
+}
 
 
 def assert_bitwise(mine: Tensor, ref: Tensor) -> None:
