@@ -22,6 +22,7 @@ from memsave_cli.errors import SpecError, describe
 from memsave_cli.inputs import Example, make_example
 from memsave_cli.loss import loss_of
 from memsave_cli.meta_autocast_regions import meta_regions_as_cuda
+from memsave_cli.meta_values import known_values
 from memsave_cli.plan_model import PlanModel
 from memsave_cli.specs import ModelSpec, companion_inputs
 from memsave_cli.step import DTYPES
@@ -93,7 +94,12 @@ def check_forward(
     reason real data would not change (a shape or channel mismatch, say), or when its output
     holds nothing to take a loss of (an integer tensor, None)."""
     try:
-        with torch.no_grad(), torch.device("meta"), meta_regions_as_cuda("meta"):
+        with (
+            torch.no_grad(),
+            torch.device("meta"),
+            meta_regions_as_cuda("meta"),
+            known_values("meta"),
+        ):
             output = model(*example.args, **example.kwargs)
     except (RuntimeError, ValueError, TypeError, IndexError, AssertionError) as error:
         # AssertionError: model code checks input sizes with assert (timm's window sizes).

@@ -18,6 +18,7 @@ from memsave_cli.cases import resolve_case
 from memsave_cli.measure import Job, measure
 from memsave_cli.meta_attention import attention_kernels
 from memsave_cli.meta_dropout import dropout_as_on_cuda
+from memsave_cli.meta_values import known_values
 from memsave_cli.saved import SavedTensorRecorder
 from memsave_cli.specs import parse_spec
 from memsave_cli.step import prepare, train_step
@@ -53,6 +54,7 @@ def saved_tensors(job: Job) -> list[Saved]:
     with (
         attention_kernels(job.device, job.attention),
         dropout_as_on_cuda(job.device),
+        known_values(job.device),
         _DetailRecorder(prepared.model) as recorder,
     ):
         train_step(prepared)
@@ -118,3 +120,50 @@ def test_llama_style_model(tiny_llama_dir: Path, case: str, inputs: str) -> None
     if inputs == "auto" and case == "all":  # token ids and the model's own loss: float32 logits
         logits = [s for s in saved if s[1][-1:] == (300,) and s[3] >= 2 * 20 * 300 * 4]
         assert logits and all(dtype == torch.float32 for _, _, dtype, _ in logits)
+
+
+@pytest.fixture(scope="module")
+def made_mask_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Two-layer BART (encoder-decoder) and BioGPT configs: both fill an attention mask with
+    ones themselves and read it back (NOTE [known values on meta])."""
+    transformers = pytest.importorskip("transformers")
+    small = dict(vocab_size=300, max_position_embeddings=64, dropout=0.0, attention_dropout=0.0)
+    configs = {
+        "bart": transformers.BartConfig(
+            d_model=32,
+            encoder_layers=1,
+            decoder_layers=1,
+            encoder_attention_heads=4,
+            decoder_attention_heads=4,
+            encoder_ffn_dim=48,
+            decoder_ffn_dim=48,
+            architectures=["BartForConditionalGeneration"],
+            **small,
+        ),
+        "biogpt": transformers.BioGptConfig(
+            hidden_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            intermediate_size=48,
+            hidden_dropout_prob=0.0,
+            attention_probs_dropout_prob=0.0,
+            architectures=["BioGptForCausalLM"],
+            vocab_size=300,
+            max_position_embeddings=64,
+        ),
+    }
+    dirs = {}
+    for name, config in configs.items():
+        dirs[name] = tmp_path_factory.mktemp(name)
+        config.save_pretrained(dirs[name])
+    return dirs
+
+
+@pytest.mark.parametrize("family", ["bart", "biogpt"])
+@pytest.mark.parametrize("case", ["all", "input"])
+def test_models_reading_their_own_mask(made_mask_dirs: dict, family: str, case: str) -> None:
+    """Meta runs these (they needed real data before) and saves and peaks as a cpu step."""
+    spec = f"hf:{made_mask_dirs[family]}"
+    settings = {"batch_size": 2, "input_shape": (12,), "attention": "math"}
+    assert_same_saved(spec, case, **settings)
+    assert_same_peaks(spec, case, **settings)
