@@ -1,0 +1,202 @@
+"""Every causal language model family this transformers ships, converted, against stock.
+
+Run: ``python -m benchmarks.family_sweep [--families llama,gpt2] [--jobs 2] [--out sweep.json]``.
+Each family's default configuration is cut to a small model (two layers, hidden 32, vocabulary
+128, four experts where it has experts; layer-type lists cut to one layer of each type) with
+dropout set to 0 and eager attention, built in float32 with ``AutoModelForCausalLM.from_config``,
+and trained one step on the same token ids, stock and ``convert``-ed, twice: every weight
+trainable, and weights frozen with the input embeddings differentiated (the paper's fine-tuning
+case). Loss and every gradient must be bitwise equal. Each family runs in a process of its own
+(a timeout or a crash is that family's result). A family whose small model cannot be built is
+reported, not counted.
+
+The result per family: ``ok`` with the classes ``convert`` swapped and the look-alikes it left
+stock (``unrecognised_counts``), ``differs`` (which gradient), ``fails`` (which error, with
+memsave only), or ``not built``. Models nobody tuned the drop-ins to must convert correctly or be
+left alone; this is the check of that over a library's whole zoo.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+#: Configuration keys of a model's size, and the small values they are cut to.
+SMALL = {
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_attention_heads": 4,
+    "n_head": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 8,
+    "vocab_size": 128,
+    "moe_intermediate_size": 16,
+    "shared_expert_intermediate_size": 32,
+    "num_experts": 4,
+    "num_local_experts": 4,
+    "n_routed_experts": 4,
+    "num_experts_per_tok": 2,
+    "n_embd": 32,
+    "d_model": 32,
+    "ffn_dim": 64,
+    "encoder_attention_heads": 4,
+    "decoder_attention_heads": 4,
+    "decoder_ffn_dim": 64,
+    "encoder_ffn_dim": 64,
+    "n_positions": 128,
+    "pad_token_id": 0,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "first_k_dense_replace": 1,
+}
+#: Configuration keys of a model's depth.
+LAYERS = ("num_hidden_layers", "num_layers", "n_layer", "encoder_layers", "decoder_layers")
+_TIMEOUT_S = 300
+
+
+def families() -> list[str]:
+    """Every model type with a causal language model class in this transformers."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+
+
+def small_config(family: str) -> Any:
+    """``family``'s default configuration cut to a small model (module docstring)."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.for_model(family)
+    _cut(config)
+    config._attn_implementation = "eager"
+    return config
+
+
+def _cut(config: Any) -> None:
+    settings = config.to_dict()
+    for key, value in SMALL.items():
+        if isinstance(settings.get(key), int) and not isinstance(settings[key], bool):
+            setattr(config, key, value)
+    types = settings.get("layer_types")
+    depth = 2
+    if isinstance(types, list) and types:
+        kept = list(dict.fromkeys(types))  # one layer of each type, in order of appearance
+        config.layer_types = kept + types[: max(0, 2 - len(kept))]
+        depth = len(config.layer_types)
+    for key in LAYERS:
+        if isinstance(settings.get(key), int):
+            setattr(config, key, depth)
+    for key, value in settings.items():
+        if isinstance(value, float) and ("dropout" in key or "pdrop" in key):
+            setattr(config, key, 0.0)
+    text = getattr(config, "text_config", None)
+    if text is not None and hasattr(text, "to_dict"):
+        _cut(text)
+
+
+def _step(model: nn.Module, ids: Tensor, frozen: bool) -> tuple[Tensor, list]:
+    """Loss and gradients of one step: every parameter's, or the input embeddings' alone."""
+    for p in model.parameters():
+        p.requires_grad_(not frozen)
+        p.grad = None
+    if frozen:
+        embeds = model.get_input_embeddings()(ids).detach().requires_grad_()
+        loss = model(inputs_embeds=embeds, labels=ids).loss
+        loss.backward()
+        return loss.detach(), [embeds.grad]
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    return loss.detach(), [p.grad for p in model.parameters()]
+
+
+def _same(a: Tensor | None, b: Tensor | None) -> bool:
+    return (a is None and b is None) or (a is not None and b is not None and torch.equal(a, b))
+
+
+def check_family(family: str) -> dict[str, Any]:
+    """The sweep's result for one family, in this process."""
+    import transformers
+
+    from memsave_cli.layers import convert, converted_counts
+    from memsave_cli.layers.recognise import unrecognised_counts
+
+    try:
+        torch.manual_seed(0)
+        stock = transformers.AutoModelForCausalLM.from_config(small_config(family)).float().train()
+    except Exception as error:  # the cut configuration is not one the family accepts
+        return {"family": family, "result": "not built", "detail": _line(error)}
+    converted = convert(stock)
+    result = {
+        "family": family,
+        "converted": converted_counts(converted),
+        "left stock": unrecognised_counts(converted),
+    }
+    ids = torch.randint(3, 100, (2, 9), generator=torch.Generator().manual_seed(1))
+    for frozen in (False, True):
+        pattern = "weights frozen" if frozen else "all trainable"
+        try:
+            ref = _step(stock, ids, frozen)
+        except Exception:  # stock itself cannot train this way: nothing to compare
+            continue
+        try:
+            mine = _step(converted, ids, frozen)
+        except Exception as error:
+            return {**result, "result": "fails", "detail": f"{pattern}: {_line(error)}"}
+        grads = [i for i, (a, b) in enumerate(zip(ref[1], mine[1], strict=True)) if not _same(a, b)]
+        if not torch.equal(ref[0], mine[0]) or grads:
+            detail = f"{pattern}: loss {'equal' if torch.equal(ref[0], mine[0]) else 'differs'}"
+            return {**result, "result": "differs", "detail": f"{detail}, gradients {grads[:5]}"}
+    return {**result, "result": "ok"}
+
+
+def _line(error: BaseException) -> str:
+    return f"{type(error).__name__}: {str(error).splitlines()[0][:160] if str(error) else ''}"
+
+
+def _in_worker(family: str) -> dict[str, Any]:
+    """``check_family`` in a process of its own."""
+    command = [sys.executable, "-m", "benchmarks.family_sweep", "--worker", family]
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        return {"family": family, "result": "fails", "detail": f"no result in {_TIMEOUT_S} s"}
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    if done.returncode or not lines:
+        tail = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        return {"family": family, "result": "fails", "detail": f"exit {done.returncode}: {tail}"}
+    return json.loads(lines[-1])
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--families", help="comma-separated model types (default: all)")
+    parser.add_argument("--jobs", type=int, default=2, help="families checked at once")
+    parser.add_argument("--out", help="write the results as JSON here")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        print(json.dumps(check_family(args.worker)))
+        return 0
+    names = args.families.split(",") if args.families else families()
+    with ThreadPoolExecutor(args.jobs) as pool:
+        results = []
+        for result in pool.map(_in_worker, names):
+            results.append(result)
+            swapped = ", ".join(f"{k} {v}" for k, v in result.get("converted", {}).items())
+            print(f"{result['family']:28} {result['result']:10} {result.get('detail', swapped)}")
+    counts = {r["result"]: sum(x["result"] == r["result"] for x in results) for r in results}
+    print("; ".join(f"{n} {k}" for k, n in counts.items()))
+    if args.out:
+        with open(args.out, "w") as handle:
+            json.dump(results, handle, indent=1)
+    return 1 if counts.get("differs") or counts.get("fails") else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
