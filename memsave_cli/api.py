@@ -98,7 +98,7 @@ def profile(
     plan_model = PlanModel(spec, batch_size=batch_size, input_shape=shape)  # NOTE [one build]
     notes.extend(checkpoint_notes(plan_model.model, checkpoint))  # raises: selects nothing
     selected = _select_cases(plan_model, cases, notes, lora)
-    check_plan(
+    notes += check_plan(
         spec, selected, batch_size=batch_size, input_shape=shape, plan_model=plan_model, dtype=dtype
     )
     fed = fed_inputs(plan_model.model, inputs, spec.text)

@@ -127,8 +127,10 @@ def fit(
     notes.extend(checkpoint_notes(plan_model.model, checkpoint))  # raises: selects nothing
     chosen, skipped = _cases(plan_model, cases)
     notes.extend(skipped)
-    # before any run
-    check_plan(spec, chosen, batch_size=1, input_shape=shape, plan_model=plan_model, dtype=dtype)
+    # before any run; notes on parts the inputs do not call (NOTE [idle parts])
+    notes += check_plan(
+        spec, chosen, batch_size=1, input_shape=shape, plan_model=plan_model, dtype=dtype
+    )
     settings |= {"optimizer": optimizer, "repeat": 1, "per_layer": False}
     settings |= {"fsdp": fsdp, "reshard": reshard, "checkpoint": checkpoint, "autocast": autocast}
     jobs = {(c, i): Job(spec, c, i, device, **settings) for c in chosen for i in impls}

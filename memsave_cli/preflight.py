@@ -19,6 +19,7 @@ from torch import nn
 
 from memsave_cli.cases import Case, trainable_names
 from memsave_cli.errors import SpecError, describe
+from memsave_cli.idle_parts import calls_recorded, idle_note, idle_parts
 from memsave_cli.inputs import Example, make_example
 from memsave_cli.loss import loss_of
 from memsave_cli.meta_autocast_regions import meta_regions_as_cuda
@@ -36,10 +37,11 @@ def check_plan(
     input_shape: Sequence[int] | None = None,
     plan_model: PlanModel | None = None,
     dtype: str = "float32",
-) -> None:
+) -> list[str]:
     """Raise CaseError or SpecError for what would fail every run of ``spec`` alike; the model is
     ``plan_model``'s when the caller's other checks share it. The forward runs in ``dtype`` (the
-    runs' ``--dtype``): some kernels take half precision only (grouped experts' ``grouped_mm``)."""
+    runs' ``--dtype``): some kernels take half precision only (grouped experts' ``grouped_mm``).
+    Returns the report's notes on what the forward showed (NOTE [idle parts])."""
     plan_model = plan_model or PlanModel(spec)
     model = plan_model.model
     for case in cases:
@@ -56,14 +58,14 @@ def check_plan(
             )
     except SpecError:
         if input_shape is None and companion_inputs(spec) is not None:
-            return  # the companion's own code may need real data: its worker says
+            return []  # the companion's own code may need real data: its worker says
         raise  # inputs memsave makes from the model alone fail every run alike
     except Exception:
-        return  # inputs that only real data can make: the worker says what went wrong
+        return []  # inputs that only real data can make: the worker says what went wrong
     check_inputs(model, spec, example)
     # A forward may change the model the other checks share.
     forward_copy = plan_model.copy().to(DTYPES[dtype])
-    check_forward(forward_copy, spec, example, input_shape is not None, dtype)
+    return check_forward(forward_copy, spec, example, input_shape is not None, dtype)
 
 
 def check_inputs(model: nn.Module, spec: ModelSpec, example: Example) -> None:
@@ -89,22 +91,25 @@ _DTYPE_WORDS = re.compile(r"float|half|dtype", re.IGNORECASE)
 
 def check_forward(
     model: nn.Module, spec: ModelSpec, example: Example, shape_given: bool, dtype_name: str
-) -> None:
+) -> list[str]:
     """Raise SpecError when the stock forward fails on meta with the inputs made for it, for a
     reason real data would not change (a shape or channel mismatch, say), or when its output
-    holds nothing to take a loss of (an integer tensor, None)."""
+    holds nothing to take a loss of (an integer tensor, None); else the notes on the parts of
+    the model those inputs do not call (NOTE [idle parts])."""
+    called: set[int] = set()
     try:
         with (
             torch.no_grad(),
             torch.device("meta"),
             meta_regions_as_cuda("meta"),
             known_values("meta"),
+            calls_recorded(called),
         ):
             output = model(*example.args, **example.kwargs)
     except (RuntimeError, ValueError, TypeError, IndexError, AssertionError) as error:
         # AssertionError: model code checks input sizes with assert (timm's window sizes).
         if any(word in str(error).lower() for word in _META_ONLY):
-            return
+            return []
         given = ", ".join(_describe(t) for t in (*example.args, *example.kwargs.values()))
         if _DTYPE_WORDS.search(str(error)):
             hint = f"the model may need another --dtype than {dtype_name}"
@@ -128,6 +133,7 @@ def check_forward(
             f"{spec.text}: {error}, so there is no loss to differentiate; return the logits or "
             "the loss (a floating tensor, or a tuple, list or dict holding them)"
         ) from None
+    return idle_note(spec.text, model, idle_parts(model, called))
 
 
 def _inputs_message(model: nn.Module, spec: ModelSpec, example: Example, error: TypeError) -> str:
