@@ -17,7 +17,7 @@ from memsave_cli.layers.rmsnorm import rms_norm
 #: Attributes an MLP keeps its activation module in.
 ACT_NAMES = ("act_fn", "activation_fn", "act")
 #: RMSNorm styles tried on a candidate (``torch`` is ``nn.RMSNorm``'s own, a registered drop-in).
-NORM_STYLES = ("llama", "olmo", "gemma", "helium", "t5")
+NORM_STYLES = ("llama", "olmo", "gemma", "helium", "gemma4", "t5")
 
 
 class Recipe(NamedTuple):

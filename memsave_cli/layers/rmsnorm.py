@@ -33,11 +33,18 @@ from memsave_cli.layers.registry import drop_in
 #   olmo:  (w * h).to(x.dtype)                    (OLMo-2 and others casting last)
 #   gemma: (h * (1.0 + w.float())).type_as(x)     (Gemma's zero-centred weight)
 #   helium: (w.float() * h).to(x.dtype)           (Helium, Moshi, Nemotron-H: float32 product)
+#   gemma4: as helium, with r = pow(mean + eps, -0.5) instead of rsqrt  (Gemma 4)
 #   t5:    w * h.to(w.dtype) if w is half else w * h, with h = x * r (x not upcast)  (T5)
 #   torch: h.mul(w).contiguous().type_as(x)       (``torch.rms_norm`` on CPU and meta)
-STYLES = ("llama", "olmo", "gemma", "helium", "t5", "torch")
+STYLES = ("llama", "olmo", "gemma", "helium", "gemma4", "t5", "torch")
 #: Styles that scale by the weight in float32 whatever its dtype, and the factor each uses.
-_FLOAT_FACTORS = {"gemma": lambda w: 1.0 + w.float(), "helium": lambda w: w.float()}
+_FLOAT_FACTORS = {
+    "gemma": lambda w: 1.0 + w.float(),
+    "helium": lambda w: w.float(),
+    "gemma4": lambda w: w.float(),
+}
+#: Styles whose statistic is ``pow(mean + eps, -0.5)`` rather than ``rsqrt(mean + eps)``.
+_POW_STYLES = ("gemma4",)
 _HALF = (torch.float16, torch.bfloat16)
 
 
@@ -64,9 +71,9 @@ class RMSNormFunction(Function):
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple, output: tuple[Tensor, Tensor, Tensor]) -> None:
-        x, _, weight, _, dims, style, upcast = inputs
+        x, _, weight, eps, dims, style, upcast = inputs
         _, r, operand = output
-        ctx.dims, ctx.style, ctx.upcast = dims, style, upcast
+        ctx.dims, ctx.style, ctx.upcast, ctx.eps = dims, style, upcast, eps
         ctx.mark_non_differentiable(r, operand)
         ctx.weight_shape = None if weight is None else tuple(weight.shape)
         ctx.weight_dtype = None if weight is None else weight.dtype
@@ -96,7 +103,8 @@ class RMSNormFunction(Function):
         grad_h, grad_weight = _scale_backward(ctx, grad, base, r, weight, x.dtype)
         if not ctx.needs_input_grad[0]:
             return None, None, grad_weight, None, None, None, None
-        direct, through_pow = _normalise_backward(grad_h, x, x_up, base, r, ctx.dims)
+        pow_base = _mean_eps(x_up, ctx.eps, ctx.dims) if ctx.style in _POW_STYLES else None
+        direct, through_pow = _normalise_backward(grad_h, x, x_up, base, r, ctx.dims, pow_base)
         if base is x:
             # NOTE [two edges into x]: both products read ``x`` itself, so stock's engine adds
             # their gradients into ``x``'s buffer one by one, after any newer consumer's. The
@@ -127,9 +135,17 @@ def _normalise(
     """``(base, r)``: the tensor ``r`` scales (``x`` upcast, or ``x`` itself for T5) and
     ``r = rsqrt(mean(x_up ** 2) + eps)``, by stock's ops."""
     x_up = x.to(upcast)
-    mean = x_up.pow(2).mean(list(dims), keepdim=True)
-    r = torch.rsqrt(mean.add_(eps) if style == "torch" else mean + eps)
+    if style in _POW_STYLES:
+        r = torch.pow(_mean_eps(x_up, eps, dims), -0.5)
+    else:
+        mean = x_up.pow(2).mean(list(dims), keepdim=True)
+        r = torch.rsqrt(mean.add_(eps) if style == "torch" else mean + eps)
     return (x if style == "t5" else x_up), r
+
+
+def _mean_eps(x_up: Tensor, eps: float, dims: tuple[int, ...]) -> Tensor:
+    """``mean(x_up ** 2) + eps`` by stock's ops (out of place, as the classes write it)."""
+    return x_up.pow(2).mean(list(dims), keepdim=True) + eps
 
 
 def _weight_operand(
@@ -196,14 +212,24 @@ def _scale_backward(
 
 
 def _normalise_backward(
-    grad_h: Tensor, x: Tensor, x_up: Tensor, base: Tensor, r: Tensor, dims: tuple[int, ...]
+    grad_h: Tensor,
+    x: Tensor,
+    x_up: Tensor,
+    base: Tensor,
+    r: Tensor,
+    dims: tuple[int, ...],
+    pow_base: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """The gradients of ``base`` and ``x_up`` from ``dL/dh`` through ``h = base * r``,
-    ``r = rsqrt(mean(x_up ** 2) + eps)``: the product's (its node is newer, so stock's engine
-    delivers it first) and the one through ``pow``."""
+    ``r = rsqrt(mean(x_up ** 2) + eps)`` (or ``pow(pow_base, -0.5)`` with ``pow_base`` that
+    mean plus eps): the product's (its node is newer, so stock's engine delivers it first) and
+    the one through ``pow``. ``+ eps`` passes the gradient through."""
     direct = _mul_grad(grad_h, r, base.shape, base.dtype)
     grad_r = _mul_grad(grad_h, base, r.shape, r.dtype)
-    grad_mean = grad_r.mul(-0.5) * r.pow(3)  # rsqrt; ``+ eps`` passes the gradient through
+    if pow_base is None:
+        grad_mean = grad_r.mul(-0.5) * r.pow(3)  # rsqrt_backward: -0.5 * grad * r ** 3
+    else:
+        grad_mean = grad_r * pow_base.pow(-1.5).mul(-0.5)  # pow_backward: grad * (-0.5 * t ** -1.5)
     count = 1
     for d in dims:
         count *= x.shape[d]

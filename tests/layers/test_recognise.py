@@ -43,7 +43,8 @@ FAMILIES = {
 #: olmoe), ``1 + weight`` norms and GELU-tanh MLPs (gemma2, gemma3), MoE blocks whose experts
 #: stay stock (mixtral, qwen3_moe, granitemoe), a shared expert that is a gated MLP (qwen2_moe),
 #: a LayerNorm that must stay stock and be reported (cohere), a weight cast to float32 before
-#: it scales (helium). Slow; skipped where this transformers does not ship the family.
+#: it scales (helium), ``pow(mean + eps, -0.5)`` for rsqrt (gemma4_text). Slow; skipped where
+#: this transformers does not ship the family.
 MORE_FAMILIES = {
     "qwen3": ({**_DECODER, "head_dim": 6}, {"Qwen3MLP": 2, "Qwen3RMSNorm": 9}),
     "gemma2": ({**_DECODER, "head_dim": 6}, {"Gemma2MLP": 2, "Gemma2RMSNorm": 9}),
@@ -60,6 +61,7 @@ MORE_FAMILIES = {
     "stablelm": (_DECODER, {"StableLmMLP": 2}),
     "llama4_text": (_DECODER, {"Llama4TextMLP": 2, "Llama4TextRMSNorm": 5}),
     "helium": ({**_DECODER, "head_dim": 6}, {"HeliumMLP": 2, "HeliumRMSNorm": 5}),
+    "gemma4_text": ({**_DECODER, "head_dim": 6}, {"Gemma4TextMLP": 2, "Gemma4RMSNorm": 16}),
 }
 #: Look-alikes a family keeps stock, which ``unrecognised_counts`` must name.
 LEFT_STOCK = {"cohere": {"CohereLayerNorm": 3}}

@@ -16,6 +16,11 @@ from memsave_cli.saved import SavedTensorRecorder
 transformers = pytest.importorskip("transformers")
 from transformers.models.gemma.modeling_gemma import GemmaRMSNorm  # noqa: E402
 from transformers.models.helium.modeling_helium import HeliumRMSNorm  # noqa: E402
+
+try:  # Gemma 4: pow(mean + eps, -0.5) where the others take rsqrt
+    from transformers.models.gemma4.modeling_gemma4 import Gemma4RMSNorm
+except ImportError:  # a transformers before Gemma 4
+    Gemma4RMSNorm = None
 from transformers.models.llama.modeling_llama import LlamaRMSNorm  # noqa: E402
 from transformers.models.olmo2.modeling_olmo2 import Olmo2RMSNorm  # noqa: E402
 from transformers.models.t5.modeling_t5 import T5LayerNorm  # noqa: E402
@@ -30,6 +35,8 @@ HF_NORMS = {
     "helium": HeliumRMSNorm,  # the weight cast to float32, unlike OLMo-2's (float64 tells them apart)
     "t5": T5LayerNorm,
 }
+if Gemma4RMSNorm is not None:
+    HF_NORMS["gemma4"] = Gemma4RMSNorm
 
 
 def assert_bitwise(mine: Tensor, ref: Tensor) -> None:
