@@ -1,6 +1,6 @@
 """What a Hugging Face model is fed: token ids (or embeddings) for language models, pixel values
-for vision models, audio for speech models, and the labels with which a model computes its own
-loss.
+for vision models, audio for speech models, token ids and pixel values together for image-text
+models of two towers (CLIP, SigLIP), and the labels with which a model computes its own loss.
 
 No ``use_cache=False`` nor attention mask: with either, transformers inspects position ids or mask
 values (``.all()``), which meta tensors do not have.
@@ -70,10 +70,14 @@ def fed_inputs(model: nn.Module, inputs: str, text: str) -> str:
 
 def hf_inputs(model: nn.Module) -> str:
     """``tokens`` (the forward takes token ids through an embedding table), ``pixels`` (pixel
-    values and no token ids) or ``audio`` (a waveform, or Whisper's log-mel features, and no token
-    ids); SpecError for any other model, which needs inputs of its own (a callable spec's
-    companion)."""
+    values and no token ids), ``audio`` (a waveform, or Whisper's log-mel features, and no token
+    ids) or ``pairs`` (token ids and pixel values for a text and a vision tower, as the config's
+    ``text_config`` and ``vision_config`` describe them, where the forward offers a contrastive
+    ``return_loss``: CLIP, SigLIP); SpecError for any other model, which needs inputs of its own
+    (a callable spec's companion)."""
     params = inspect.signature(model.forward).parameters
+    if {"input_ids", "pixel_values", "return_loss"} <= params.keys() and _towers(model.config):
+        return "pairs"  # a contrastive loss over both: not a vision-language model's generation
     if "input_ids" in params and isinstance(_input_embeddings(model), nn.Embedding):
         return "tokens"
     if "input_ids" not in params:
@@ -87,6 +91,14 @@ def hf_inputs(model: nn.Module) -> str:
         f"forward takes {takes}): wrap it in a callable spec with a <callable>_inputs(batch_size) "
         "companion"
     )
+
+
+def _towers(config: Any) -> tuple[Any, Any] | None:
+    """The text and vision configs of a model of two towers, None for any other model."""
+    text, vision = getattr(config, "text_config", None), getattr(config, "vision_config", None)
+    if isinstance(getattr(text, "vocab_size", None), int) and vision is not None:
+        return text, vision
+    return None
 
 
 def _input_embeddings(model: nn.Module) -> nn.Module | None:
@@ -110,6 +122,8 @@ def hf_kwargs(
     params = inspect.signature(model.forward).parameters
     if kind == "pixels":
         return _pixels(model, params, make, batch, shape)
+    if kind == "pairs":
+        return _pairs(model, params, make, batch, shape)
     if kind == "audio":
         return _audio(model, params, make, batch, shape)
     table = model.get_input_embeddings()
@@ -132,17 +146,40 @@ def _pixels(
     """Pixel values (B, channels, height, width) as the config describes its images, and class
     labels for image classification heads. The pixels may be differentiated, as a torchvision
     model's image may."""
-    from memsave_cli.inputs import IMAGE_SHAPE  # what a config that names no size gets
-
-    config = model.config
-    size = getattr(config, "image_size", None) or IMAGE_SHAPE[1:]
-    sizes = tuple(size) if isinstance(size, Sequence) else (size, size)
-    shape = shape or (getattr(config, "num_channels", None) or IMAGE_SHAPE[0], *sizes)
-    pixels = make.normal((batch, *shape))
+    pixels = make.normal((batch, *(shape or _image_shape(model.config))))
     kwargs: dict[str, Any] = {"pixel_values": pixels}
-    classes = getattr(config, "num_labels", 0)
+    classes = getattr(model.config, "num_labels", 0)
     if "labels" in params and type(model).__name__.endswith(_IMAGE_HEADS) and classes > 1:
         kwargs["labels"] = make.integers((batch,), classes)
+    return kwargs, (pixels,)
+
+
+def _image_shape(config: Any) -> tuple[int, ...]:
+    """(channels, height, width) of the images ``config`` describes (3x224x224 where it names
+    no size)."""
+    from memsave_cli.inputs import IMAGE_SHAPE  # what a config that names no size gets
+
+    size = getattr(config, "image_size", None) or IMAGE_SHAPE[1:]
+    sizes = tuple(size) if isinstance(size, Sequence) else (size, size)
+    return (getattr(config, "num_channels", None) or IMAGE_SHAPE[0], *sizes)
+
+
+def _pairs(
+    model: nn.Module, params: Mapping, make: _Maker, batch: int, shape: tuple[int, ...] | None
+) -> tuple[dict[str, Any], tuple[Tensor, ...]]:
+    """Token ids for the text tower (as long as its positions allow, up to ``SEQUENCE_LENGTH``)
+    and pixel values for the vision tower (``shape`` overrides the image's), with
+    ``return_loss`` where the model computes its contrastive loss. The pixels may be
+    differentiated."""
+    text, vision = _towers(model.config)
+    length = min(SEQUENCE_LENGTH, _max_positions(text))
+    pixels = make.normal((batch, *(shape or _image_shape(vision))))
+    kwargs: dict[str, Any] = {
+        "input_ids": make.integers((batch, length), text.vocab_size),
+        "pixel_values": pixels,
+    }
+    if "return_loss" in params:
+        kwargs["return_loss"] = True
     return kwargs, (pixels,)
 
 

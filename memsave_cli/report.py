@@ -76,7 +76,7 @@ class Report:
     tool_version: str = __version__
     schema: int = SCHEMA
     notes: tuple[str, ...] = field(default=())
-    inputs: str = "auto"  # language models: auto, tokens or embeds; else pixels or audio
+    inputs: str = "auto"  # language models: auto, tokens or embeds; else pixels, audio or pairs
     attention: str = "auto"  # attention kernel: auto (as the device picks) or the one forced
     fsdp: int | None = None  # ranks of an FSDP2 estimate: every number is one rank's
     reshard: bool = True  # FSDP2's reshard_after_forward in that estimate

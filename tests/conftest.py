@@ -37,3 +37,35 @@ def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
         architectures=["LlamaForCausalLM"],
     ).save_pretrained(path)
     return path
+
+
+@pytest.fixture(scope="module")
+def tiny_clip_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A one-layer CLIP config (two towers, token ids and 32x32 images), for ``hf:`` specs."""
+    transformers = pytest.importorskip("transformers")
+    path = tmp_path_factory.mktemp("clip")
+    tower = {"hidden_size": 16, "num_hidden_layers": 1, "num_attention_heads": 2}
+    transformers.CLIPConfig(
+        text_config={**tower, "intermediate_size": 32, "vocab_size": 50},
+        vision_config={**tower, "intermediate_size": 32, "image_size": 32, "patch_size": 8},
+        projection_dim=8,
+    ).save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def tiny_time_series_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A PatchTST config: a Hugging Face model fed neither tokens, pixels, audio nor pairs."""
+    transformers = pytest.importorskip("transformers")
+    path = tmp_path_factory.mktemp("patchtst")
+    transformers.PatchTSTConfig(
+        num_input_channels=2,
+        context_length=16,
+        patch_length=4,
+        d_model=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        ffn_dim=16,
+        architectures=["PatchTSTForPrediction"],
+    ).save_pretrained(path)
+    return path

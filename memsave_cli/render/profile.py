@@ -175,6 +175,8 @@ def inputs_and_attention(report: Report) -> str:
             "head (its own loss)",
             "audio": "audio (a waveform, or Whisper's log-mel features with decoder token ids "
             "and labels: its own loss)",
+            "pairs": "token ids and pixel values for its two towers (its own contrastive loss "
+            "where it has one)",
         }[report.inputs]
         lines.append(f"Inputs: {what}.")
     kernels = {f"{run.case}/{run.impl}": run.attention for run in report.runs if run.attention}

@@ -117,15 +117,18 @@ def test_vision_model_refuses_language_inputs(runner, no_workers, tmp_path: Path
     assert len(result.output.strip().splitlines()) == 1
 
 
-def test_model_fed_neither_way_is_one_line_before_any_worker(runner, no_workers, tmp_path):
-    transformers = pytest.importorskip("transformers")
-    tower = {"hidden_size": 16, "num_hidden_layers": 1, "num_attention_heads": 2}
-    transformers.CLIPConfig(
-        text_config={**tower, "intermediate_size": 32, "vocab_size": 50},
-        vision_config={**tower, "intermediate_size": 32, "image_size": 32, "patch_size": 8},
-        projection_dim=8,
-    ).save_pretrained(tmp_path)
-    result = runner.invoke(app, ["profile", f"hf:{tmp_path}", *SMALL])
+def test_model_fed_neither_way_is_one_line_before_any_worker(
+    runner, no_workers, tiny_time_series_dir: Path
+):
+    result = runner.invoke(app, ["profile", f"hf:{tiny_time_series_dir}", *SMALL])
     assert result.exit_code == 2, result.output
     assert "takes neither token ids, pixel values nor audio alone" in result.output
     assert len(result.output.strip().splitlines()) == 1 and "Traceback" not in result.output
+
+
+def test_model_of_two_towers_is_fed_pairs(runner, tiny_clip_dir: Path):
+    result = runner.invoke(app, ["profile", f"hf:{tiny_clip_dir}", *SMALL, "--case", "input"])
+    assert result.exit_code == 0, result.output
+    text = " ".join(result.output.split())
+    assert "Inputs: token ids and pixel values for its two towers" in text
+    assert "do not call" not in text  # both towers ran

@@ -382,19 +382,32 @@ def test_waveform_model_gets_a_second_of_audio(tmp_path: Path) -> None:
     _step(model.train(), example)
 
 
-def test_hf_model_fed_neither_way_says_what_to_do(tmp_path: Path) -> None:
-    """CLIP reads token ids and pixel values together (and has no one embedding table)."""
+@pytest.mark.parametrize("family", ["clip", "siglip"])
+def test_hf_models_of_two_towers_get_token_ids_and_pixels(tmp_path: Path, family: str) -> None:
+    """CLIP and SigLIP read token ids and pixel values together (and have no one embedding
+    table): ids as long as the text tower's positions allow, images as the vision tower's
+    config describes them, and the contrastive loss the model computes itself."""
     transformers = pytest.importorskip("transformers")
     tower = {"hidden_size": 16, "num_hidden_layers": 1, "num_attention_heads": 2}
-    config = transformers.CLIPConfig(
-        text_config={**tower, "intermediate_size": 32, "vocab_size": 50},
-        vision_config={**tower, "intermediate_size": 32, "image_size": 32, "patch_size": 8},
-        projection_dim=8,
-    )
-    config.save_pretrained(tmp_path)
-    message = "CLIPModel takes neither token ids, pixel values nor audio alone (its forward takes "
-    with pytest.raises(SpecError, match=re.escape(message) + "input_ids and pixel_values"):
-        _example(f"hf:{tmp_path}", "meta", batch_size=2)
+    text = {**tower, "intermediate_size": 32, "vocab_size": 50, "max_position_embeddings": 24}
+    vision = {**tower, "intermediate_size": 32, "image_size": 32, "patch_size": 8}
+    config_class = {"clip": transformers.CLIPConfig, "siglip": transformers.SiglipConfig}[family]
+    config_class(text_config=text, vision_config=vision).save_pretrained(tmp_path)
+    model, _, example = _example(f"hf:{tmp_path}", "cpu", batch_size=2)
+    assert set(example.kwargs) == {"input_ids", "pixel_values", "return_loss"}
+    assert tuple(example.kwargs["input_ids"].shape) == (2, 24)
+    assert int(example.kwargs["input_ids"].max()) < 50
+    assert tuple(example.kwargs["pixel_values"].shape) == (2, 3, 32, 32)
+    assert example.differentiable == (example.kwargs["pixel_values"],)
+    output, loss = _step(model.train(), example)
+    assert loss is output.loss  # the model's own contrastive loss
+
+
+def test_hf_model_fed_neither_way_says_what_to_do(tiny_time_series_dir: Path) -> None:
+    """A time-series model reads past values: neither tokens, pixels, audio nor pairs."""
+    message = "PatchTSTForPrediction takes neither token ids, pixel values nor audio alone (its "
+    with pytest.raises(SpecError, match=re.escape(message) + "forward takes none of them"):
+        _example(f"hf:{tiny_time_series_dir}", "meta", batch_size=2)
 
 
 # -- user callables ------------------------------------------------------------------------------

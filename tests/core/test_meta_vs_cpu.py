@@ -167,3 +167,11 @@ def test_models_reading_their_own_mask(made_mask_dirs: dict, family: str, case: 
     settings = {"batch_size": 2, "input_shape": (12,), "attention": "math"}
     assert_same_saved(spec, case, **settings)
     assert_same_peaks(spec, case, **settings)
+
+
+@pytest.mark.parametrize("case", ["all", "input"])
+def test_model_of_two_towers(tiny_clip_dir: Path, case: str) -> None:
+    """CLIP fed token ids and pixels together, its contrastive loss included."""
+    settings = {"batch_size": 3, "attention": "math"}
+    assert_same_saved(f"hf:{tiny_clip_dir}", case, **settings)
+    assert_same_peaks(f"hf:{tiny_clip_dir}", case, **settings)
