@@ -95,9 +95,10 @@ def _cut(config: Any) -> None:
     for key, value in settings.items():
         if isinstance(value, float) and ("dropout" in key or "pdrop" in key):
             setattr(config, key, 0.0)
-    text = getattr(config, "text_config", None)
-    if text is not None and hasattr(text, "to_dict"):
-        _cut(text)
+    for key in settings:  # nested configurations: text_config, vision_config, encoder_config, ...
+        nested = getattr(config, key, None) if key.endswith("_config") else None
+        if nested is not None and hasattr(nested, "to_dict"):
+            _cut(nested)
 
 
 def _step(model: nn.Module, ids: Tensor, frozen: bool) -> tuple[Tensor, list]:
