@@ -6,9 +6,10 @@ too, and then runs its language model only: the vision tower holds a few percent
 and, in training with images, a large share of the activations, none of which such a run counts.
 The plan check's one meta forward records which modules are called; a subtree none of whose
 modules is called and which holds at least ``SHARE`` of the parameters is named in the report,
-with what would run it (a companion giving the inputs). A module whose weights are used without
-calling it (``F.linear(x, self.proj.weight)``) would be named wrongly, so the share keeps small
-helpers out and the note says "not called", which is what was observed.
+with what would run it (a companion giving the inputs). A parameter shared with a called module
+(tied embeddings) counts as used. A module whose weights are used without calling it
+(``F.linear(x, self.proj.weight)``) would be named wrongly, so the share keeps small helpers out
+and the note says "not called", which is what was observed.
 """
 
 from __future__ import annotations
@@ -39,11 +40,18 @@ def calls_recorded(called: set[int]) -> Iterator[None]:
 def idle_parts(model: nn.Module, called: set[int]) -> list[tuple[str, int]]:
     """``(name, parameter count)`` of the largest subtrees of ``model`` that no call reached,
     each holding at least ``SHARE`` of its parameters; none where the model itself was not
-    called (the forward failed before it)."""
+    called (the forward failed before it). A parameter shared with a called module (tied
+    embeddings, T5's ``shared``) counts as used."""
     if id(model) not in called:
         return []
     total = sum(p.numel() for p in model.parameters())
     reached = _reached(model, called)
+    used = {
+        id(p)
+        for module in model.modules()
+        if id(module) in called
+        for p in module.parameters(recurse=False)
+    }
     parts = []
 
     def visit(module: nn.Module, prefix: str) -> None:
@@ -52,7 +60,7 @@ def idle_parts(model: nn.Module, called: set[int]) -> list[tuple[str, int]]:
             if id(child) in reached:
                 visit(child, f"{path}.")
                 continue
-            count = sum(p.numel() for p in child.parameters())
+            count = sum(p.numel() for p in child.parameters() if id(p) not in used)
             if total and count >= SHARE * total:
                 parts.append((path, count))
 

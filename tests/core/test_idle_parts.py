@@ -79,3 +79,25 @@ def test_profile_and_fit_report_the_uncalled_tower(tmp_path: Path) -> None:
     assert report.runs[0].ok
     fitted = fit(f"{source}:towers", budget="1MiB", cases=("all",), impls=("stock",))
     assert any("do not call image (" in note for note in fitted.notes), fitted.notes
+
+
+def test_weights_tied_to_a_called_module_are_used() -> None:
+    """T5 keeps its embedding table as ``shared`` and calls copies of the module that hold the
+    same weight: the table is not idle."""
+
+    class Tied(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.shared = nn.Embedding(50, 16)
+            self.embed = nn.Embedding(50, 16)
+            self.embed.weight = self.shared.weight
+            self.head = nn.Linear(16, 4)
+
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            return self.head(self.embed(ids))
+
+    model = Tied()
+    called: set[int] = set()
+    with calls_recorded(called):
+        model(torch.tensor([[1, 2]]))
+    assert idle_parts(model, called) == []
