@@ -34,6 +34,7 @@ from memsave_cli.meta_autocast import DTYPES as AUTOCAST_DTYPES
 from memsave_cli.meta_autocast import autocast_as_on_cuda
 from memsave_cli.meta_autocast_regions import meta_regions_as_cuda
 from memsave_cli.meta_dropout import dropout_as_on_cuda
+from memsave_cli.meta_grouped_mm import grouped_mm_as_on_cuda
 from memsave_cli.meta_values import known_values
 from memsave_cli.report import Run, Status
 from memsave_cli.saved import SavedTensorRecorder, layer_rows
@@ -164,6 +165,7 @@ def _measure_tracked_step(job: Job, prepared: Prepared) -> Run:
         autocast_as_on_cuda(job.device, prepared.autocast),
         meta_regions_as_cuda(job.device),
         known_values(job.device),
+        grouped_mm_as_on_cuda(job.device),
     ):
         if prepared.optimizer is not None:
             train_step(prepared)  # creates the optimizer states

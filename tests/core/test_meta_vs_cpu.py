@@ -18,6 +18,7 @@ from memsave_cli.cases import resolve_case
 from memsave_cli.measure import Job, measure
 from memsave_cli.meta_attention import attention_kernels
 from memsave_cli.meta_dropout import dropout_as_on_cuda
+from memsave_cli.meta_grouped_mm import grouped_mm_as_on_cuda
 from memsave_cli.meta_values import known_values
 from memsave_cli.saved import SavedTensorRecorder
 from memsave_cli.specs import parse_spec
@@ -55,6 +56,7 @@ def saved_tensors(job: Job) -> list[Saved]:
         attention_kernels(job.device, job.attention),
         dropout_as_on_cuda(job.device),
         known_values(job.device),
+        grouped_mm_as_on_cuda(job.device),
         _DetailRecorder(prepared.model) as recorder,
     ):
         train_step(prepared)
@@ -175,3 +177,27 @@ def test_model_of_two_towers(tiny_clip_dir: Path, case: str) -> None:
     settings = {"batch_size": 3, "attention": "math"}
     assert_same_saved(f"hf:{tiny_clip_dir}", case, **settings)
     assert_same_peaks(f"hf:{tiny_clip_dir}", case, **settings)
+
+
+@pytest.mark.parametrize("case", ["all", "input"])
+def test_experts_of_grouped_products_in_float32(tmp_path: Path, case: str) -> None:
+    """A mixture of experts whose experts run ``_grouped_mm`` (GraniteMoE), in float32, which
+    PyTorch's meta kernel refuses and CUDA takes (NOTE [grouped_mm on meta])."""
+    transformers = pytest.importorskip("transformers")
+    transformers.AutoConfig.for_model(
+        "granitemoe",
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=100,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        max_position_embeddings=64,
+        architectures=["GraniteMoeForCausalLM"],
+    ).save_pretrained(tmp_path)
+    settings = {"batch_size": 2, "input_shape": (12,), "attention": "math"}
+    saved = assert_same_saved(f"hf:{tmp_path}", case, **settings)
+    # the grouped product keeps its experts' weights (4 experts) for the tokens' gradient
+    assert any(len(shape) == 3 and shape[0] == 4 for _, shape, _, _ in saved)
