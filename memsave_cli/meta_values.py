@@ -10,8 +10,10 @@ remembers the one value of each tensor filled with a constant (``ones``, ``zeros
 their ``_like``/``new_`` forms) and carries it through ops whose result is that constant again:
 
 - views, copies, casts and gathers of a known tensor (the cast by CPU's own conversion);
-- pointwise ops whose tensor arguments are all known (computed by the op itself on one-element
-  CPU tensors of the same dtypes and dimensions, so promotion and rounding are the device's);
+- exactly rounded pointwise ops (arithmetic, comparisons, logic, ``where``, ``clamp``; no
+  transcendental function, whose last bit may differ between CPU and CUDA) whose tensor
+  arguments are all known, computed by the op itself on one-element CPU tensors of the same
+  dtypes and dimensions, so promotion and rounding are the device's;
 - ``all``, ``any`` and ``sum``, where the reduced count makes the result exact (a float sum only
   of integers below the dtype's exact range, where no order of additions rounds).
 
@@ -81,6 +83,13 @@ _REDUCTIONS = {
     aten.sum.default,
     aten.sum.dim_IntList,
 }
+#: Pointwise ops whose result is exactly rounded on every device (by their overload packet).
+_EXACT = {
+    "add", "sub", "rsub", "mul", "div", "neg", "abs", "sign", "floor", "ceil", "trunc",
+    "eq", "ne", "lt", "le", "gt", "ge", "minimum", "maximum", "clamp", "clamp_min", "clamp_max",
+    "logical_and", "logical_or", "logical_xor", "logical_not",
+    "bitwise_and", "bitwise_or", "bitwise_xor", "bitwise_not", "where", "masked_fill",
+}  # fmt: skip
 #: Scalar reads answered from a known value.
 _READS = {aten._local_scalar_dense.default, aten.is_nonzero.default}
 
@@ -124,7 +133,7 @@ class _KnownValues(TorchDispatchMode):
             return None if known is None else _cast(known, out.dtype)
         if func in _REDUCTIONS:
             return self._reduced(func, args, out)
-        if torch.Tag.pointwise in func.tags:
+        if func.overloadpacket.__name__ in _EXACT:
             return self._pointwise(func, args, kwargs, out)
         return None
 
