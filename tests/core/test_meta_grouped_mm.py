@@ -32,7 +32,7 @@ def test_output_as_cuda_allocates_it(dtype: torch.dtype) -> None:
 
 
 def test_stock_meta_refuses_float32_outside() -> None:
-    with pytest.raises(RuntimeError, match="BFloat16"):
+    with pytest.raises(RuntimeError, match=r"BF(loat)?16"):  # torch 2.11 and 2.14 word it apart
         GROUPED_MM(*operands("meta", torch.float32))
 
 
