@@ -29,13 +29,9 @@ from memsave_cli import fsdp
 from memsave_cli.cases import Case
 from memsave_cli.errors import MemsaveError, NeedsRealDataError, one_line
 from memsave_cli.inputs import INPUTS
+from memsave_cli.meta_as_cuda import counted_as_on_cuda
 from memsave_cli.meta_attention import ATTENTION_KERNELS, attention_kernels
 from memsave_cli.meta_autocast import DTYPES as AUTOCAST_DTYPES
-from memsave_cli.meta_autocast import autocast_as_on_cuda
-from memsave_cli.meta_autocast_regions import meta_regions_as_cuda
-from memsave_cli.meta_dropout import dropout_as_on_cuda
-from memsave_cli.meta_grouped_mm import grouped_mm_as_on_cuda
-from memsave_cli.meta_values import known_values
 from memsave_cli.report import Run, Status
 from memsave_cli.saved import SavedTensorRecorder, layer_rows
 from memsave_cli.specs import ModelSpec
@@ -161,11 +157,7 @@ def _measure_tracked_step(job: Job, prepared: Prepared) -> Run:
         _meta_errors(job),
         tracker,
         attention_kernels(job.device, job.attention) as kernels,
-        dropout_as_on_cuda(job.device),
-        autocast_as_on_cuda(job.device, prepared.autocast),
-        meta_regions_as_cuda(job.device),
-        known_values(job.device),
-        grouped_mm_as_on_cuda(job.device),
+        counted_as_on_cuda(job.device, prepared.autocast),
     ):
         if prepared.optimizer is not None:
             train_step(prepared)  # creates the optimizer states

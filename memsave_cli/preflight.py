@@ -22,9 +22,7 @@ from memsave_cli.errors import SpecError, describe
 from memsave_cli.idle_parts import calls_recorded, idle_note, idle_parts
 from memsave_cli.inputs import Example, make_example
 from memsave_cli.loss import loss_of
-from memsave_cli.meta_autocast_regions import meta_regions_as_cuda
-from memsave_cli.meta_grouped_mm import grouped_mm_as_on_cuda
-from memsave_cli.meta_values import known_values
+from memsave_cli.meta_as_cuda import counted_as_on_cuda
 from memsave_cli.plan_model import PlanModel
 from memsave_cli.specs import ModelSpec, companion_inputs
 from memsave_cli.step import DTYPES
@@ -102,9 +100,7 @@ def check_forward(
         with (
             torch.no_grad(),
             torch.device("meta"),
-            meta_regions_as_cuda("meta"),
-            known_values("meta"),
-            grouped_mm_as_on_cuda("meta"),
+            counted_as_on_cuda("meta"),
             calls_recorded(called),
         ):
             output = model(*example.args, **example.kwargs)

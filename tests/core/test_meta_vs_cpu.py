@@ -16,10 +16,8 @@ import torch
 from memsave_cli import meta_dropout
 from memsave_cli.cases import resolve_case
 from memsave_cli.measure import Job, measure
+from memsave_cli.meta_as_cuda import counted_as_on_cuda
 from memsave_cli.meta_attention import attention_kernels
-from memsave_cli.meta_dropout import dropout_as_on_cuda
-from memsave_cli.meta_grouped_mm import grouped_mm_as_on_cuda
-from memsave_cli.meta_values import known_values
 from memsave_cli.saved import SavedTensorRecorder
 from memsave_cli.specs import parse_spec
 from memsave_cli.step import prepare, train_step
@@ -54,9 +52,7 @@ def saved_tensors(job: Job) -> list[Saved]:
     prepared = prepare(job)
     with (
         attention_kernels(job.device, job.attention),
-        dropout_as_on_cuda(job.device),
-        known_values(job.device),
-        grouped_mm_as_on_cuda(job.device),
+        counted_as_on_cuda(job.device),
         _DetailRecorder(prepared.model) as recorder,
     ):
         train_step(prepared)

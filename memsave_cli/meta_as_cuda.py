@@ -1,0 +1,34 @@
+"""Every emulation by which a meta run keeps what a GPU's run keeps, as one context.
+
+Each emulation has its own module and NOTE: dropout as CUDA's fused kernel (``meta_dropout``),
+CUDA's autocast casts (``meta_autocast``), autocast regions opened for meta tensors
+(``meta_autocast_regions``), values model code made itself (``meta_values``) and grouped expert
+products in every dtype CUDA takes (``meta_grouped_mm``). Attention kernels are chosen apart
+(``meta_attention``), since callers read the log of kernels it keeps. Off meta, nothing changes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+
+from memsave_cli.meta_autocast import autocast_as_on_cuda
+from memsave_cli.meta_autocast_regions import meta_regions_as_cuda
+from memsave_cli.meta_dropout import dropout_as_on_cuda
+from memsave_cli.meta_grouped_mm import grouped_mm_as_on_cuda
+from memsave_cli.meta_values import known_values
+
+
+@contextlib.contextmanager
+def counted_as_on_cuda(device: str, autocast: torch.dtype | None = None) -> Iterator[None]:
+    """On meta, every emulation above (``autocast``: the dtype of an autocast step, if any)."""
+    with (
+        dropout_as_on_cuda(device),
+        autocast_as_on_cuda(device, autocast),
+        meta_regions_as_cuda(device),
+        known_values(device),
+        grouped_mm_as_on_cuda(device),
+    ):
+        yield
