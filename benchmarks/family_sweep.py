@@ -22,6 +22,7 @@ import argparse
 import json
 import subprocess
 import sys
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -191,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
             results.append(result)
             swapped = ", ".join(f"{k} {v}" for k, v in result.get("converted", {}).items())
             print(f"{result['family']:28} {result['result']:10} {result.get('detail', swapped)}")
-    counts = {r["result"]: sum(x["result"] == r["result"] for x in results) for r in results}
+    counts = Counter(result["result"] for result in results)
     print("; ".join(f"{n} {k}" for k, n in counts.items()))
     if args.out:
         with open(args.out, "w") as handle:

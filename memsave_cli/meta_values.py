@@ -118,7 +118,9 @@ class _KnownValues(TorchDispatchMode):
             if known is not None:
                 return bool(known) if func is aten.is_nonzero.default else known
         out = func(*args, **kwargs)
-        if type(out) is torch.Tensor and out.device.type == DEVICE:
+        # Nothing known (most of a run): only a filling op can make something known.
+        known = func in _FILLED or len(self._values) > 0
+        if known and type(out) is torch.Tensor and out.device.type == DEVICE:
             value = self._result(func, args, kwargs, out)
             if value is not None:
                 self._values[out] = (value, _version(out))

@@ -135,11 +135,12 @@ def _normalise(
     """``(base, r)``: the tensor ``r`` scales (``x`` upcast, or ``x`` itself for T5) and
     ``r = rsqrt(mean(x_up ** 2) + eps)``, by stock's ops."""
     x_up = x.to(upcast)
-    if style in _POW_STYLES:
+    if style == "torch":  # ``torch.rms_norm`` adds eps in place
+        r = torch.rsqrt(x_up.pow(2).mean(list(dims), keepdim=True).add_(eps))
+    elif style in _POW_STYLES:
         r = torch.pow(_mean_eps(x_up, eps, dims), -0.5)
     else:
-        mean = x_up.pow(2).mean(list(dims), keepdim=True)
-        r = torch.rsqrt(mean.add_(eps) if style == "torch" else mean + eps)
+        r = torch.rsqrt(_mean_eps(x_up, eps, dims))
     return (x if style == "t5" else x_up), r
 
 
