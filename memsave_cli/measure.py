@@ -96,13 +96,23 @@ def _forget_tables() -> None:
 
 
 def build_native(jobs: Sequence[Job]) -> None:
-    """Compile the native kernels here when a CPU job will use them, so that its worker loads
-    them from the cache instead of compiling them inside its measured step. Failures are left
-    for the layers to report and fall back from."""
-    if any(job.device == "cpu" and job.impl != "stock" for job in jobs):
+    """Compile the native kernels (when a CPU job will use them) and the C++ nodes (when any
+    memsave job will) here, so that each worker loads them from the cache instead of compiling
+    them inside its measured step. A first build of the nodes says so in one line on stderr.
+    Failures are left for the layers to report and fall back from."""
+    memsave_jobs = [job for job in jobs if job.impl != "stock"]
+    if any(job.device == "cpu" for job in memsave_jobs):
         from memsave_cli.kernels import native
 
         native.available()
+    if memsave_jobs:
+        from memsave_cli.kernels import nodes
+
+        if nodes.status(build=False).startswith("C++ nodes: not built yet"):
+            print(
+                "memsave: compiling its C++ nodes once for this torch (about 30 s)", file=sys.stderr
+            )
+        nodes.available()
 
 
 def check_job(job: Job) -> None:

@@ -22,16 +22,17 @@ app = typer.Typer(
 
 
 def _print_version(value: bool) -> None:
-    """The version, then what a bug report needs besides: torch's, the CPU kernels' and the
-    Triton kernels' state."""
+    """The version, then what a bug report needs besides: torch's, the CPU kernels', the C++
+    nodes' and the Triton kernels' state."""
     if value:
         import torch
 
-        from memsave_cli.kernels import native
+        from memsave_cli.kernels import native, nodes
         from memsave_cli.kernels import triton as triton_kernels
 
         typer.echo(f"memsave {__version__}")
         typer.echo(f"torch {torch.__version__}; {native.status()}")
+        typer.echo(nodes.status(build=False))
         typer.echo(triton_kernels.status())
         raise typer.Exit()
 

@@ -15,9 +15,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from memsave_cli.kernels import nodes
 from memsave_cli.layers import stand_ins
 from memsave_cli.layers._autocast import autocast_dtype, autocast_off, autocast_on
-from memsave_cli.layers._backward import forbid_double_backward, records_backward
+from memsave_cli.layers._backward import (
+    forbid_double_backward,
+    functions_run,
+    records_backward,
+)
 from memsave_cli.layers.registry import drop_in
 
 Conv = nn.Conv1d | nn.Conv2d | nn.Conv3d
@@ -145,11 +150,70 @@ def _convolve(x: Tensor, weight: Tensor, bias: Tensor | None, *params: object) -
     """Run ``_ConvFunction``, casting explicitly where autocast would cast a stock convolution."""
     device_type = x.device.type
     if not autocast_on(device_type):
-        return _ConvFunction.apply(x, weight, bias, *params)
+        return _apply(x, weight, bias, *params)
     dtype = autocast_dtype(device_type)
     x, weight, bias = (_autocast_cast(t, device_type, dtype) for t in (x, weight, bias))
     with autocast_off(device_type):
+        return _apply(x, weight, bias, *params)
+
+
+def _apply(x: Tensor, weight: Tensor, bias: Tensor | None, *params: object) -> Tensor:
+    """``_ConvFunction``, or its C++ node where that serves (NOTE [why a drop-in is a C++ node]
+    in ``nodes.cpp``): the same saved tensors and kernels, no Python in backward. On the CPU
+    the node takes the dense stand-ins made here; elsewhere it makes one-element ones."""
+    served = nodes.serving(x, weight, bias)
+    if served is None:
         return _ConvFunction.apply(x, weight, bias, *params)
+    return _by_node(served, x, weight, bias, params)
+
+
+def _by_node(
+    served: nodes.Nodes, x: Tensor, weight: Tensor, bias: Tensor | None, params: Sequence
+) -> Tensor:
+    """The convolution node, with the CPU stand-ins of what it does not save."""
+    x_stand_in = weight_stand_in = None
+    if x.device.type in stand_ins.DENSE_DEVICES:
+        if not weight.requires_grad:
+            x_stand_in = stand_ins.stand_in(x, stand_ins.geometry(x))
+        if not x.requires_grad:
+            weight_stand_in = stand_ins.stand_in(x, stand_ins.geometry(weight))
+    return served.convolution(x, weight, bias, *params, x_stand_in, weight_stand_in)
+
+
+#: ``output_padding`` of a plain convolution, by number of spatial dimensions.
+_NO_OUTPUT_PADDING = {1: (0,), 2: (0, 0), 3: (0, 0, 0)}
+
+
+def _common_case(module: Conv, x: Tensor) -> Tensor | None:
+    """The frozen-weight or frozen-input convolution by its node in few Python steps, else None.
+
+    The common case: a plain eager batched input of which exactly one of input and weight needs
+    a gradient (both: stock runs, NOTE [stock is already optimal when input and weight both
+    train]), zero padding given as numbers, grad mode on, no autocast, no transform or tracing
+    (``functions_run``), the nodes built. On a GPU every Python step before the kernel is host
+    time the device may wait for (NOTE [why a drop-in is a C++ node] in ``nodes.cpp``), on a
+    cold cache several times its microbenchmarked cost (NOTE [Python between kernels runs on a
+    cold cache]); this is most convolutions of a fine-tuned CNN. Everything else takes
+    ``conv_forward``, which reaches the same node.
+    """
+    parameters = module._parameters
+    weight, bias = parameters["weight"], parameters["bias"]
+    padding = module.padding
+    common = (
+        x.requires_grad != weight.requires_grad
+        and x.dim() == weight.dim()
+        and module.padding_mode == "zeros"
+        and not isinstance(padding, str)
+        and torch.is_grad_enabled()
+        and not autocast_on(x.device.type)
+        and functions_run(x)
+    )
+    served = nodes.serving(x, weight, bias) if common else None
+    if served is None:
+        return None
+    n = x.dim() - 2
+    params = (module.stride, padding, module.dilation, False, _NO_OUTPUT_PADDING[n], module.groups)
+    return _by_node(served, x, weight, bias, params)
 
 
 def _batched(x: Tensor, n: int, run: Callable[[Tensor], Tensor]) -> Tensor:
@@ -213,6 +277,9 @@ class MemSaveConv1d(nn.Conv1d):
     """``nn.Conv1d`` saving the input only if the weight is trained, and vice versa."""
 
     def forward(self, input: Tensor) -> Tensor:
+        output = _common_case(self, input)
+        if output is not None:
+            return output
         return conv_forward(self, input) if _use_memsave(self, input) else super().forward(input)
 
 
@@ -221,6 +288,9 @@ class MemSaveConv2d(nn.Conv2d):
     """``nn.Conv2d`` saving the input only if the weight is trained, and vice versa."""
 
     def forward(self, input: Tensor) -> Tensor:
+        output = _common_case(self, input)
+        if output is not None:
+            return output
         return conv_forward(self, input) if _use_memsave(self, input) else super().forward(input)
 
 
@@ -229,6 +299,9 @@ class MemSaveConv3d(nn.Conv3d):
     """``nn.Conv3d`` saving the input only if the weight is trained, and vice versa."""
 
     def forward(self, input: Tensor) -> Tensor:
+        output = _common_case(self, input)
+        if output is not None:
+            return output
         return conv_forward(self, input) if _use_memsave(self, input) else super().forward(input)
 
 

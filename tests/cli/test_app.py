@@ -12,7 +12,7 @@ from memsave_cli import __version__
 from memsave_cli.cli import app
 from memsave_cli.cli._errors import reported_errors
 from memsave_cli.errors import MemsaveError
-from memsave_cli.kernels import native
+from memsave_cli.kernels import native, nodes
 from memsave_cli.kernels import triton as triton_kernels
 
 COMMANDS = ("profile", "check", "fit", "probe", "layers")
@@ -21,10 +21,11 @@ COMMANDS = ("profile", "check", "fit", "probe", "layers")
 def test_version(runner):
     result = runner.invoke(app, ["--version"])
     assert result.exit_code == 0, result.output
-    first, second, third = result.output.strip().splitlines()
+    first, second, third, fourth = result.output.strip().splitlines()
     assert first == f"memsave {__version__}"
     assert second == f"torch {torch.__version__}; {native.status()}"
-    assert third == triton_kernels.status() and third.startswith("Triton kernels ")
+    assert third == nodes.status(build=False) and third.startswith("C++ nodes: ")
+    assert fourth == triton_kernels.status() and fourth.startswith("Triton kernels ")
 
 
 def test_no_arguments_shows_help(runner):
@@ -86,3 +87,13 @@ def test_errors_become_one_line_and_an_exit_code(capsys, error, code, line):
         raise error
     assert exit_info.value.exit_code == code
     assert capsys.readouterr().err.strip() == line
+
+
+def test_version_does_not_build_the_nodes(runner, monkeypatch, tmp_path):
+    """``--version`` answers at once: nodes neither loaded nor cached are "not built yet"."""
+    monkeypatch.setenv("MEMSAVE_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(nodes, "_LOADED", [])
+    result = runner.invoke(app, ["--version"])
+    assert result.exit_code == 0, result.output
+    assert "C++ nodes: not built yet (compiled on first use" in result.output
+    assert nodes._LOADED == [] and not list((tmp_path / "cache").glob("memsave_nodes_*"))

@@ -6,7 +6,7 @@ from collections.abc import Callable
 
 import pytest
 
-from memsave_cli.kernels import native
+from memsave_cli.kernels import native, nodes
 
 
 @pytest.fixture(params=["native", "torch"])
@@ -17,6 +17,17 @@ def kernels(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> 
         monkeypatch.setattr(native, "available", lambda: False)
     elif not native.available():
         pytest.skip(native.status())
+    return request.param
+
+
+@pytest.fixture(params=["node", "function"])
+def node_paths(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Run a test with the C++ nodes (where built) and with the Python Functions they stand
+    for, which traced tensors and machines without a C++ compiler run."""
+    if request.param == "function":
+        monkeypatch.setattr(nodes, "serving", lambda *tensors: None)
+    elif not nodes.available():
+        pytest.skip(nodes.status())
     return request.param
 
 

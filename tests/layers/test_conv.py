@@ -11,6 +11,7 @@ from torch import Tensor, nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from memsave_cli.kernels import nodes
 from memsave_cli.layers import stand_ins
 from memsave_cli.layers.conv import (
     MemSaveConv1d,
@@ -256,7 +257,7 @@ def _assert_all_needs(stock: nn.Module, ours: nn.Module, case: Case, x: Tensor, 
     "dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16], ids=str
 )
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
-def test_matches_stock_bitwise(case: Case, dtype: torch.dtype) -> None:
+def test_matches_stock_bitwise(node_paths: str, case: Case, dtype: torch.dtype) -> None:
     stock, ours = _pair(case, dtype)
     _assert_all_needs(stock, ours, case, _input(case, dtype))
 
@@ -278,14 +279,18 @@ def _channels_last(case: Case, dtype: torch.dtype, layout: tuple[bool, bool]) ->
 @pytest.mark.parametrize("layout", LAYOUTS.values(), ids=LAYOUTS.keys())
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("case", CL_CASES, ids=lambda c: c.name)
-def test_channels_last_matches_stock(case: Case, dtype: torch.dtype, layout: tuple) -> None:
+def test_channels_last_matches_stock(
+    node_paths: str, case: Case, dtype: torch.dtype, layout: tuple
+) -> None:
     stock, ours, x = _channels_last(case, dtype, layout)
     _assert_all_needs(stock, ours, case, x)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS.values(), ids=LAYOUTS.keys())
 @pytest.mark.parametrize("case", CL_CASES, ids=lambda c: c.name)
-def test_one_element_stand_ins(monkeypatch: pytest.MonkeyPatch, case: Case, layout: tuple) -> None:
+def test_one_element_stand_ins(
+    node_paths: str, monkeypatch: pytest.MonkeyPatch, case: Case, layout: tuple
+) -> None:
     """The path used off CPU (one-element stand-ins, layout carried by the weight), on CPU.
 
     Values must be bitwise stock; layouts may differ where a CPU kernel lays its gradient out
@@ -297,7 +302,7 @@ def test_one_element_stand_ins(monkeypatch: pytest.MonkeyPatch, case: Case, layo
 
 
 @pytest.mark.parametrize("case", [c for c in CASES if c.output_size is None], ids=lambda c: c.name)
-def test_unbatched_input(case: Case) -> None:
+def test_unbatched_input(node_paths: str, case: Case) -> None:
     stock, ours = _pair(case)
     x = _input(case)[0]
     _assert_same(_run(ours, case, x, (True, True, True)), _run(stock, case, x, (True, True, True)))
@@ -380,7 +385,7 @@ def _padded_input_bytes(case: Case, stock: nn.Module) -> int:
 
 
 @pytest.mark.parametrize("case", MEMORY_CASES, ids=lambda c: c.name)
-def test_saved_bytes(case: Case) -> None:
+def test_saved_bytes(node_paths: str, case: Case) -> None:
     stock, ours = _pair(case)
     x_bytes, w_bytes = _nbytes(_input(case)), _nbytes(stock.weight)
     conv_in = _padded_input_bytes(case, stock)
@@ -462,6 +467,7 @@ BACKWARD_KERNELS = ("convolution_backward", "pad2d_backward")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("name", ["c2-basic", "c2-reflect", "t2-all-options"])
 def test_backward_allocates_only_gradients(
+    node_paths: str,
     monkeypatch: pytest.MonkeyPatch,
     name: str,
     dtype: torch.dtype,
@@ -479,7 +485,7 @@ def test_backward_allocates_only_gradients(
 
 
 @pytest.mark.parametrize("name", ["c1-basic", "c2-basic", "c3-basic", "t2-all-options"])
-def test_cpu_kernels_do_not_copy_stand_ins(name: str) -> None:
+def test_cpu_kernels_do_not_copy_stand_ins(node_paths: str, name: str) -> None:
     """Every CPU backend calls ``input.contiguous(format)``: the CPU stand-ins pass through it."""
     case = next(c for c in CASES if c.name == name)
     _, ours = _pair(case)
@@ -504,7 +510,7 @@ def test_cpu_kernels_do_not_copy_stand_ins(name: str) -> None:
 @pytest.mark.parametrize(
     "name", ["c2-basic", "c2-reflect", "c2-same-even", "t2-all-options", "c1-basic", "t3-basic"]
 )
-def test_cpu_autocast_bf16(name: str, needs: tuple[bool, bool, bool]) -> None:
+def test_cpu_autocast_bf16(node_paths: str, name: str, needs: tuple[bool, bool, bool]) -> None:
     case = next(c for c in CASES if c.name == name)
     stock, ours = _pair(case)
     x = _input(case)
@@ -516,7 +522,7 @@ def test_cpu_autocast_bf16(name: str, needs: tuple[bool, bool, bool]) -> None:
 
 
 @pytest.mark.parametrize("name", ["c2-same-even", "c2-reflect", "t2-output-size", "c3-basic"])
-def test_meta_device(name: str) -> None:
+def test_meta_device(node_paths: str, name: str) -> None:
     case = next(c for c in CASES if c.name == name)
     stock, ours = (m.to("meta") for m in _pair(case))
     x = torch.empty(case.x, device="meta")
@@ -568,7 +574,7 @@ def test_registered_and_stock_compatible() -> None:
     assert repr(ours) == repr(stock).replace("Conv2d", "MemSaveConv2d", 1)
 
 
-def test_double_backward_names_the_layer() -> None:
+def test_double_backward_names_the_layer(node_paths: str) -> None:
     _, ours = _pair(CASES[6])
     ours.weight.requires_grad_(False)
     x = _input(CASES[6]).requires_grad_()
@@ -600,7 +606,7 @@ def test_input_and_weight_training_runs_stock(name: str) -> None:
     names = _graph_names(ours(x, *args))
     runs_stock = case.kwargs.get("padding_mode") not in ("reflect", "replicate")
     assert any(n.startswith("ConvolutionBackward") for n in names) == runs_stock, names
-    memsave_nodes = ("_ConvFunction", "torch::autograd::CppNode<(anonymous namespace)::MemSaveConv")
+    memsave_nodes = ("_ConvFunction", "torch::autograd::CppNode<(anonymous namespace)::Convolution")
     assert any(n.startswith(memsave_nodes) for n in names) != runs_stock, names
     if runs_stock:
         ys = [_set_needs(m, _input(case), (True, True, True)) for m in (stock, ours)]
@@ -612,6 +618,31 @@ def test_input_and_weight_training_runs_stock(name: str) -> None:
             torch.autograd.grad(g, m.weight)[0] for g, m in zip(grads, (stock, ours), strict=True)
         ]
         torch.testing.assert_close(second[1], second[0], atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("device", ["cpu", "meta"])
+def test_the_node_serves_eager_tensors(node_paths: str, device: str) -> None:
+    """Eager tensors on any device get the C++ node where it is built, and only then the Python
+    Function (which fake tensors and ``torch.compile`` always get, tests above)."""
+    _, ours = _pair(CASES[6])
+    ours.to(device).weight.requires_grad_(False)
+    x = _input(CASES[6]).to(device).requires_grad_()
+    names = _graph_names(ours(x))
+    node = any(n.startswith("torch::autograd::CppNode<") for n in names)
+    function = any(n.startswith("_ConvFunction") for n in names)
+    assert (node, function) == ((True, False) if node_paths == "node" else (False, True)), names
+
+
+def test_fake_tensors_run_the_function(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fake tensors keep the Python Function: its stand-ins are traced ``empty_strided`` calls."""
+    served: list[tuple] = []
+    monkeypatch.setattr(nodes, "nodes", lambda: served.append(()) or None)
+    with FakeTensorMode() as mode:
+        _, ours = _pair(CASES[6])
+        ours.weight.requires_grad_(False)
+        x = mode.from_tensor(_input(CASES[6])).requires_grad_()
+        assert "_ConvFunctionBackward" in _graph_names(ours(x))
+    assert served == []
 
 
 def test_cpu_stand_ins_are_reused_views_of_untouched_memory() -> None:

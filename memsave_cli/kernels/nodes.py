@@ -1,0 +1,132 @@
+"""C++ autograd nodes for the drop-ins whose backward is ATen calls only (``nodes.cpp``).
+
+See NOTE [why a drop-in is a C++ node] in ``nodes.cpp``. The source is compiled on first use
+like ``native.c`` (NOTE [building the native kernels] in ``build.py``), with the C++ compiler
+(``$CXX``, else ``c++``, ``g++`` or ``clang++``) against the installed torch's headers; the cache
+key adds the torch version and location. Without a C++ compiler or torch's headers, with
+``MEMSAVE_NATIVE=0`` or ``MEMSAVE_NODES=0``, or on any failure, :func:`available` is False,
+:func:`status` says why in one line, and the layers run their Python ``autograd.Function``
+instead: the same results and saved tensors, more host time per call.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+from torch import Tensor, nn
+
+from memsave_cli.kernels import build as builder
+
+#: The C++ source compiled on first use.
+SOURCE = Path(__file__).with_name("nodes.cpp")
+#: Seconds a first build takes on a 2-core machine, for the status line.
+_BUILD_SECONDS = 30
+
+
+class Nodes(NamedTuple):
+    """The loaded nodes' ops, bound once (a ``torch.ops`` lookup costs microseconds a call)."""
+
+    convolution: Callable[..., Tensor]
+
+
+_LOCK = threading.Lock()
+_LOADED: list[tuple[Nodes | None, str]] = []
+
+
+def _disabled() -> str | None:
+    """Why the environment switches the nodes off, or None."""
+    for variable in ("MEMSAVE_NATIVE", "MEMSAVE_NODES"):
+        if os.environ.get(variable, "").strip() == "0":
+            return f"C++ nodes: disabled by {variable}=0"
+    return None
+
+
+def _load() -> tuple[Nodes | None, str]:
+    """The nodes and a status line, or ``None`` and why not."""
+    disabled = _disabled()
+    if disabled is not None:
+        return None, disabled
+    try:
+        path = builder.build(recipe())
+        torch.ops.load_library(str(path))
+        nodes = Nodes(torch.ops.memsave_nodes.convolution.default)
+    except builder._Unavailable as error:
+        return None, f"C++ nodes: {error}"
+    except Exception as error:  # any failure means the Python Functions, never an exception
+        return None, f"C++ nodes: {type(error).__name__}: {error}"
+    return nodes, f"C++ nodes: loaded from {path}"
+
+
+def recipe() -> builder.Recipe:
+    """How to build the nodes against this torch."""
+    root = Path(torch.__file__).parent
+    include, lib = root / "include", root / "lib"
+    if not (include / "ATen" / "ATen.h").is_file():
+        raise builder._Unavailable(f"torch C++ headers not found under {include}")
+    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+    flags = (
+        "-O2",
+        "-std=c++20",
+        "-shared",
+        "-fPIC",
+        f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
+        f"-I{include}",
+        f"-I{include / 'torch' / 'csrc' / 'api' / 'include'}",
+    )
+    link = (f"-L{lib}", "-ltorch", "-ltorch_cpu", "-lc10", f"-Wl,-rpath,{lib}")
+    key = f"{torch.__version__}:{root}".encode()
+    return builder.Recipe(
+        "memsave_nodes_", (SOURCE,), "CXX", ("c++", "g++", "clang++"), flags, link, key
+    )
+
+
+def _loaded() -> tuple[Nodes | None, str]:
+    if not _LOADED:
+        with _LOCK:
+            if not _LOADED:
+                _LOADED.append(_load())
+    return _LOADED[0]
+
+
+def nodes() -> Nodes | None:
+    """The loaded nodes (building them on the first call), or None where unavailable."""
+    return _LOADED[0][0] if _LOADED else _loaded()[0]
+
+
+def available() -> bool:
+    """Whether the nodes are built and loaded (building them on the first call)."""
+    return nodes() is not None
+
+
+def status(*, build: bool = True) -> str:
+    """One line saying where the nodes were loaded from, or why they are unavailable.
+
+    ``build=False`` answers without compiling: when they are neither loaded nor cached, it says
+    that they will be built on first use.
+    """
+    if build or _LOADED or _disabled():
+        return _loaded()[1]
+    try:
+        cached = builder.cached(recipe())
+    except builder._Unavailable as error:
+        return f"C++ nodes: {error}"
+    if cached is None:
+        return f"C++ nodes: not built yet (compiled on first use, about {_BUILD_SECONDS} s)"
+    return f"C++ nodes: built at {cached}"
+
+
+#: Types of the tensors a node takes in eager mode (subclasses and fake tensors keep Python).
+_EAGER = (Tensor, nn.Parameter, type(None))
+
+
+def serving(*tensors: Tensor | None) -> Nodes | None:
+    """The nodes where they serve ``tensors``: plain eager tensors outside ``torch.compile``
+    (where Dynamo traces the Python Function), the nodes built; else None."""
+    if torch.compiler.is_compiling() or any(type(t) not in _EAGER for t in tensors):
+        return None
+    return nodes()

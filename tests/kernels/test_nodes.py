@@ -1,0 +1,83 @@
+"""The C++ nodes' build, load and fallback (``memsave_cli/kernels/nodes.py``); what they compute
+is tested against stock with the layers (``tests/layers/test_conv.py``, fixture ``node_paths``)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from memsave_cli.kernels import nodes
+from memsave_cli.measure import build_native
+
+
+@pytest.fixture
+def fresh(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    """Nodes not yet loaded, with an empty cache of their own."""
+    monkeypatch.setattr(nodes, "_LOADED", [])
+    monkeypatch.setenv("MEMSAVE_CACHE_DIR", str(tmp_path / "cache"))
+
+
+@pytest.mark.parametrize("variable", ["MEMSAVE_NODES", "MEMSAVE_NATIVE"])
+def test_switched_off_by_the_environment(
+    fresh: None, monkeypatch: pytest.MonkeyPatch, variable: str
+) -> None:
+    monkeypatch.setenv(variable, "0")
+    assert nodes.serving(torch.ones(1)) is None
+    assert nodes.status() == f"C++ nodes: disabled by {variable}=0"
+    assert nodes.status(build=False) == nodes.status()
+
+
+def test_no_compiler_is_one_line(fresh: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CXX", "no-such-compiler-here")
+    assert not nodes.available()
+    assert nodes.status() == "C++ nodes: compiler not found: no-such-compiler-here (set CXX to one)"
+
+
+def test_a_compile_error_is_one_line(
+    fresh: None, monkeypatch: pytest.MonkeyPatch, tmp_path
+) -> None:
+    broken = tmp_path / "nodes.cpp"
+    broken.write_text("this is not C++\n")
+    monkeypatch.setattr(nodes, "SOURCE", broken)
+    assert nodes.nodes() is None
+    line = nodes.status()
+    assert line.startswith("C++ nodes: compile failed (") and "\n" not in line
+
+
+def test_status_without_building(fresh: None) -> None:
+    """``build=False`` compiles nothing: an empty cache says when they will be built."""
+    assert nodes.status(build=False).startswith("C++ nodes: not built yet (compiled on first use")
+    assert nodes._LOADED == []
+
+
+def test_serving_takes_plain_eager_tensors_only() -> None:
+    if not nodes.available():
+        pytest.skip(nodes.status())
+    weight = torch.nn.Parameter(torch.ones(2, 2))
+    assert nodes.serving(torch.ones(2), weight, None) is nodes.nodes()
+    with FakeTensorMode() as mode:
+        assert nodes.serving(mode.from_tensor(torch.ones(2)), weight) is None
+
+    def compiled(x: torch.Tensor) -> torch.Tensor:
+        assert nodes.serving(x) is None  # Dynamo traces the Python Function instead
+        return x + 1
+
+    torch._dynamo.reset()
+    torch.compile(compiled, backend="eager", fullgraph=True)(torch.ones(2))
+
+
+def test_a_first_build_is_announced(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    """``memsave profile`` builds them before its workers start, and says so the first time."""
+    built: list[bool] = []
+    monkeypatch.setattr(nodes, "status", lambda build=True: "C++ nodes: not built yet (...)")
+    monkeypatch.setattr(nodes, "available", lambda: built.append(True) or True)
+    build_native([SimpleNamespace(device="meta", impl="stock")])
+    assert built == [] and capsys.readouterr().err == ""
+    build_native([SimpleNamespace(device="meta", impl="memsave")])
+    assert built == [True]
+    assert "compiling its C++ nodes once" in capsys.readouterr().err
