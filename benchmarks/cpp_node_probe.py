@@ -15,10 +15,13 @@ project commits to it, with ``torch::autograd::Function``s of ATen calls only (b
 Swapped into ResNet-101 in the ``input`` case, timed alternating (CUDA events):
 
 - ``stock``: torchvision's model;
-- ``python-conv``, ``cpp-conv``: memsave's convolutions (``convert(include=["conv"])``), and the
-  same saving in the C++ node;
+- ``python-conv``, ``cpp-conv``: memsave's convolutions (``convert(include=["conv"])``) on their
+  Python Function (memsave's C++ nodes switched off during their forward), and the same saving
+  in the probe's C++ node;
+- ``memsave-conv``: memsave's convolutions as they run now, on memsave's own C++ node
+  (``memsave_cli/kernels/nodes.cpp``, which this probe led to): it should time as ``cpp-conv``;
 - ``python-conv-relu``, ``cpp-conv-relu``: memsave's convolutions and ReLUs
-  (``include=["conv", "activation"]``), and both in C++ nodes.
+  (``include=["conv", "activation"]``, Python Functions), and both in the probe's C++ nodes.
 
 It checks the input gradient of each against stock's bit for bit and reports what autograd
 keeps (distinct saved storages, any device) and, on CUDA, the memory a forward leaves allocated:
@@ -46,6 +49,7 @@ import torch
 from torch import Tensor, nn
 
 from memsave_cli.cases import apply_case, resolve_case
+from memsave_cli.kernels import nodes as memsave_nodes
 from memsave_cli.layers import convert
 from memsave_cli.timing import alternate, median_iqr, round_ratios
 
@@ -210,6 +214,23 @@ def with_cpp_nodes(
     return model
 
 
+class PythonFunctions(nn.Module):
+    """``model`` with memsave's C++ nodes switched off while it runs forward: its layers take
+    their Python Functions (the backward they record is then Python too)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, x: Tensor) -> Tensor:
+        serving = memsave_nodes.serving
+        memsave_nodes.serving = lambda *tensors: None
+        try:
+            return self.model(x)
+        finally:
+            memsave_nodes.serving = serving
+
+
 def models(name: str, device: str, nodes: Any) -> dict[str, nn.Module]:
     """Stock and each variant (module docstring), in the ``input`` case."""
     import torchvision
@@ -219,9 +240,10 @@ def models(name: str, device: str, nodes: Any) -> dict[str, nn.Module]:
     conv, relu = nodes.frozen_conv, nodes.bit_relu
     found = {
         "stock": stock,
-        "python-conv": convert(stock, include=["conv"]),
+        "python-conv": PythonFunctions(convert(stock, include=["conv"])),
         "cpp-conv": with_cpp_nodes(copy.deepcopy(stock), conv),
-        "python-conv-relu": convert(stock, include=["conv", "activation"]),
+        "memsave-conv": convert(stock, include=["conv"]),
+        "python-conv-relu": PythonFunctions(convert(stock, include=["conv", "activation"])),
         "cpp-conv-relu": with_cpp_nodes(copy.deepcopy(stock), conv, relu),
     }
     for model in found.values():

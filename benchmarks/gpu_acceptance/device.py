@@ -7,6 +7,7 @@ from typing import Any
 import torch
 
 from benchmarks.reproduce.record import environment
+from memsave_cli.kernels import nodes
 
 
 def describe_device(device: str) -> dict[str, Any]:
@@ -14,6 +15,9 @@ def describe_device(device: str) -> dict[str, Any]:
     memory, CUDA, cuDNN and driver versions on cuda. Never raises: a field it cannot read says
     why."""
     info: dict[str, Any] = {**environment(), "device": device, "cuda_version": torch.version.cuda}
+    # Which path memsave's convolutions take (NOTE [why a drop-in is a C++ node]); building the
+    # nodes here also spares every worker the compile.
+    info["nodes"] = nodes.status()
     if device != "cuda":
         return info
     try:

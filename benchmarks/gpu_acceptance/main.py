@@ -25,6 +25,7 @@ from benchmarks.gpu_acceptance.plan import PARTS, Plan, experiments, full_plan, 
 from benchmarks.gpu_acceptance.summary import summary
 from benchmarks.reproduce.record import DOCS, relative, source_digest
 from memsave_cli.errors import one_line
+from memsave_cli.kernels import nodes
 
 #: Parts that call kernels themselves, run in a worker interpreter (NOTE [why a worker per part]).
 WORKER_PARTS: dict[str, Callable[[Plan, Deadline, Callable[[Cell], None]], None]] = {
@@ -132,6 +133,8 @@ def run(plan: Plan, docs: Path, out: Path, command: str, isolate: bool = True) -
         f"{', '.join(plan.parts)}",
         flush=True,
     )
+    # Built once here, so that no worker compiles them inside its own budget.
+    print(nodes.status(), flush=True)
     for part in plan.parts:
         print(f"== {part}: {budget.left(part):.0f} s left to it", flush=True)
         try:

@@ -50,3 +50,12 @@ def test_relus_call_the_bit_node_with_their_inplace_flag() -> None:
     with torch.no_grad():
         wrapped(x)
     assert calls == [True, False]  # no backward recorded: stock
+
+
+def test_python_variants_run_memsaves_functions() -> None:
+    """The ``python-*`` variants record memsave's Python Functions, not its C++ node."""
+    from memsave_cli.layers import convert
+
+    model = convert(nn.Sequential(nn.Conv2d(3, 4, 3, bias=False))).requires_grad_(False)
+    x = torch.randn(1, 3, 6, 6, requires_grad=True)
+    assert cpp_node_probe.PythonFunctions(model)(x).grad_fn.name() == "_ConvFunctionBackward"
