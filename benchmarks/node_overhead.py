@@ -1,5 +1,6 @@
 """What the C++ nodes save per call: one layer's forward+backward with its node, with its Python
-Function, and stock, alternating, on tiny inputs (``layer_overhead.py``'s rows and steps).
+Function, and stock, alternating, on tiny inputs (``layer_overhead.py``'s steps and convolution
+rows, and a batch norm with running statistics).
 
 Run: ``python -m benchmarks.node_overhead [--repeats 15] [--calls 300] [--only ...]``. On tiny
 inputs what a call costs is its fixed part (Python, dispatch, autograd bookkeeping), which on a
@@ -16,13 +17,17 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from benchmarks.layer_overhead import LAYERS, _step, parse_rows
+from benchmarks.layer_overhead import LAYERS, MAP, _step, parse_rows
 from memsave_cli.kernels import nodes
 from memsave_cli.layers.convert import convert
 from memsave_cli.timing import alternate, round_ratios
 
-#: The rows of ``layer_overhead.py`` whose memsave layer has a node.
-ROWS = [name for name in LAYERS if name.startswith("Conv")]
+#: The rows of ``layer_overhead.py`` whose memsave layer has a node, and batch norm with running
+#: statistics (``layer_overhead``'s batch norm trains, and then runs stock).
+ROWS = {
+    **{name: LAYERS[name] for name in LAYERS if name.startswith("Conv")},
+    "BatchNorm2d eval, frozen": (lambda: nn.BatchNorm2d(8).eval().requires_grad_(False), MAP),
+}
 
 
 def _without_nodes(step: Callable[[], float]) -> Callable[[], float]:
@@ -41,7 +46,7 @@ def _without_nodes(step: Callable[[], float]) -> Callable[[], float]:
 
 def measure(name: str, repeats: int, calls: int) -> dict[str, list[float]]:
     """Seconds per call of each round, for stock, the Function and the node."""
-    build, shape = LAYERS[name]
+    build, shape = ROWS[name]
     torch.manual_seed(0)
     stock = build()
     ours = convert(nn.Sequential(stock))[0]

@@ -6,8 +6,8 @@
 // the GPU finishes a layer's kernels before the host has issued the next ones. Measured on an
 // H200 (benchmarks/cpp_node_probe.py, ResNet-101, batch 64, frozen weights): memsave's Python
 // convolutions took 1.152x stock's step, the same saving in a C++ node 1.001x, bit for bit and
-// keeping the same bytes. A node here does the work of one Python Function of the layers (conv.py)
-// in one call: the dispatcher runs its composite kernel, whose torch::autograd::Function saves
+// keeping the same bytes. A node here does the work of one Python Function of the layers (conv.py,
+// batchnorm.py) in one call: the dispatcher runs its composite kernel, whose torch::autograd::Function saves
 // exactly what the Python Function saves and calls the same ATen kernels. nodes.py decides when
 // it serves (eager tensors, any device); traced and fake tensors, and machines without a C++
 // compiler, keep the Python Function.
@@ -19,6 +19,7 @@
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <array>
 #include <cstdint>
 #include <optional>
@@ -155,14 +156,111 @@ at::Tensor convolution(const at::Tensor &x, const at::Tensor &weight,
                               output_padding, groups, x_stand_in, weight_stand_in);
 }
 
+
+// Whether a tensor of these sizes and strides covers exactly numel consecutive elements.
+bool dense(at::IntArrayRef sizes, at::IntArrayRef strides) {
+    std::vector<std::pair<int64_t, int64_t>> steps;
+    for (size_t d = 0; d < sizes.size(); ++d) {
+        if (sizes[d] != 1) steps.emplace_back(strides[d], sizes[d]);
+    }
+    std::sort(steps.begin(), steps.end());
+    int64_t expected = 1;
+    for (const auto &[step, length] : steps) {
+        if (step != expected) return false;
+        expected *= length;
+    }
+    return true;
+}
+
+// Batch norm with running statistics, keeping its input only for the weight's gradient
+// (NOTE [batch norm with running statistics] in batchnorm.py, whose BatchNormEvalFunction this
+// is in C++: the same saved tensors, stand-in and kernels).
+struct BatchNormEval : public torch::autograd::Function<BatchNormEval> {
+    static at::Tensor forward(AutogradContext *ctx, const at::Tensor &x,
+                              const std::optional<at::Tensor> &weight,
+                              const std::optional<at::Tensor> &bias,
+                              const at::Tensor &running_mean, const at::Tensor &running_var,
+                              double eps) {
+        const auto needs = [](const std::optional<at::Tensor> &t) {
+            return t.has_value() && t->defined() && t->requires_grad();
+        };
+        const bool need_weight = needs(weight);
+        ctx->save_for_backward({need_weight ? x : at::Tensor(),
+                                weight.has_value() ? *weight : at::Tensor(), running_mean,
+                                running_var});
+        std::vector<int64_t> spec = {x.requires_grad(), need_weight, needs(bias),
+                                     format_code(x), x.dim()};
+        spec.insert(spec.end(), x.sizes().begin(), x.sizes().end());
+        spec.insert(spec.end(), x.strides().begin(), x.strides().end());
+        ctx->saved_data["spec"] = std::move(spec);
+        ctx->saved_data["eps"] = eps;
+        // The same ATen entry point as F.batch_norm, so backend choice and autocast match stock.
+        return at::batch_norm(x, weight, bias, running_mean, running_var, /*training=*/false,
+                              /*momentum=*/0.0, eps, at::globalContext().userEnabledCuDNN());
+    }
+
+    static variable_list backward(AutogradContext *ctx, variable_list grads) {
+        TORCH_CHECK(!at::GradMode::is_enabled(),
+                    "MemSaveBatchNorm does not support double backward (create_graph=True): it "
+                    "does not keep the tensors a second derivative needs. Use the stock layer "
+                    "there (memsave_cli.layers.revert) for higher-order gradients.");
+        const auto spec = ctx->saved_data["spec"].toIntVector();
+        const double eps = ctx->saved_data["eps"].toDouble();
+        const std::array<bool, 3> mask = {spec[0] != 0, spec[1] != 0, spec[2] != 0};
+        const int64_t format = spec[3], n = spec[4];
+        const at::IntArrayRef sizes(spec.data() + 5, n), strides(spec.data() + 5 + n, n);
+        const auto saved = ctx->get_saved_variables();
+        const at::Tensor &grad = grads[0];
+        // NOTE [input stand-in] (batchnorm.py): the gradient's own elements with the input's
+        // strides where both are dense, else one element and maybe one copy of dL/dx.
+        at::Tensor x = saved[0];
+        bool same_layout = true;
+        if (!x.defined()) {
+            if (grad.strides() == strides) {
+                x = grad;
+            } else if (dense(grad.sizes(), grad.strides()) && dense(sizes, strides)) {
+                x = grad.as_strided(sizes, strides, grad.storage_offset());
+            } else {
+                x = grad.new_empty({1}).expand(sizes);
+                same_layout = false;
+            }
+        }
+        const at::Tensor &running_mean = saved[2];
+        // Empty batch statistics, so that the kernel reads the running ones, in the dtype each
+        // device's kernel checks (batchnorm._empty_batch_statistics).
+        const at::Tensor stats =
+            grad.device().is_cpu()
+                ? running_mean.new_empty({0})
+                : running_mean.new_empty(
+                      {0}, running_mean.options().dtype(at::promote_types(grad.scalar_type(),
+                                                                          at::kFloat)));
+        auto [grad_x, grad_weight, grad_bias] = at::native_batch_norm_backward(
+            grad, x, saved[1], running_mean, saved[3], stats, stats, /*train=*/false, eps, mask);
+        if (grad_x.defined() && !same_layout && format != 0) {
+            // One copy of input size, only after a one-element stand-in on a channels-last input.
+            grad_x = at::empty_like(grad_x, grad_x.options(), format_of(format)).copy_(grad_x);
+        }
+        return {grad_x, grad_weight, grad_bias, at::Tensor(), at::Tensor(), at::Tensor()};
+    }
+};
+
+at::Tensor batch_norm_eval(const at::Tensor &x, const std::optional<at::Tensor> &weight,
+                           const std::optional<at::Tensor> &bias, const at::Tensor &running_mean,
+                           const at::Tensor &running_var, double eps) {
+    return BatchNormEval::apply(x, weight, bias, running_mean, running_var, eps);
+}
+
 }  // namespace
 
 TORCH_LIBRARY(memsave_nodes, m) {
     m.def("convolution(Tensor x, Tensor weight, Tensor? bias, int[] stride, int[] padding,"
           " int[] dilation, bool transposed, int[] output_padding, int groups,"
           " Tensor? x_stand_in, Tensor? weight_stand_in) -> Tensor");
+    m.def("batch_norm_eval(Tensor x, Tensor? weight, Tensor? bias, Tensor running_mean,"
+          " Tensor running_var, float eps) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(memsave_nodes, CompositeImplicitAutograd, m) {
     m.impl("convolution", &convolution);
+    m.impl("batch_norm_eval", &batch_norm_eval);
 }

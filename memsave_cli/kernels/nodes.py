@@ -32,6 +32,7 @@ class Nodes(NamedTuple):
     """The loaded nodes' ops, bound once (a ``torch.ops`` lookup costs microseconds a call)."""
 
     convolution: Callable[..., Tensor]
+    batch_norm_eval: Callable[..., Tensor]
 
 
 _LOCK = threading.Lock()
@@ -54,7 +55,8 @@ def _load() -> tuple[Nodes | None, str]:
     try:
         path = builder.build(recipe())
         torch.ops.load_library(str(path))
-        nodes = Nodes(torch.ops.memsave_nodes.convolution.default)
+        namespace = torch.ops.memsave_nodes
+        nodes = Nodes(namespace.convolution.default, namespace.batch_norm_eval.default)
     except builder._Unavailable as error:
         return None, f"C++ nodes: {error}"
     except Exception as error:  # any failure means the Python Functions, never an exception

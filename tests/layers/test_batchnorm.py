@@ -111,7 +111,9 @@ def assert_same_metadata(stock: dict, memsave: dict) -> None:
 @pytest.mark.parametrize("mask", MASKS, ids=MASK_IDS)
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
 @pytest.mark.parametrize("shape_id", SHAPES)
-def test_eval_matches_stock_bitwise(shape_id: str, dtype: torch.dtype, mask: tuple) -> None:
+def test_eval_matches_stock_bitwise(
+    node_paths: str, shape_id: str, dtype: torch.dtype, mask: tuple
+) -> None:
     """With running statistics every output and gradient is stock's, in every input layout."""
     stock_cls, shape = SHAPES[shape_id]
     stock, memsave = make_pair(stock_cls, shape[1], dtype)
@@ -125,7 +127,9 @@ def test_eval_matches_stock_bitwise(shape_id: str, dtype: torch.dtype, mask: tup
 @pytest.mark.parametrize("grad_layout", LAYOUTS, ids=LAYOUTS.keys())
 @pytest.mark.parametrize("x_layout", [k for k in LAYOUTS if k != "expanded"])
 @pytest.mark.parametrize("shape_id", ["2d", "2d-1x1", "3d"])
-def test_eval_layout_mismatch_bitwise(shape_id: str, x_layout: str, grad_layout: str) -> None:
+def test_eval_layout_mismatch_bitwise(
+    node_paths: str, shape_id: str, x_layout: str, grad_layout: str
+) -> None:
     """Gradients laid out unlike the input (or expanded) still give stock's values and strides."""
     stock_cls, shape = SHAPES[shape_id]
     stock, memsave = make_pair(stock_cls, shape[1], torch.float32)
@@ -137,7 +141,7 @@ def test_eval_layout_mismatch_bitwise(shape_id: str, x_layout: str, grad_layout:
 
 
 @pytest.mark.parametrize("mask", MASKS, ids=MASK_IDS)
-def test_eval_saved_bytes(mask: tuple) -> None:
+def test_eval_saved_bytes(node_paths: str, mask: tuple) -> None:
     """Frozen weight: no activation saved (stock saves the input); trainable weight: as stock."""
     stock, memsave = make_pair(nn.BatchNorm2d, 8, torch.float32)
     stock.eval(), memsave.eval()
@@ -150,7 +154,7 @@ def test_eval_saved_bytes(mask: tuple) -> None:
     assert mine["activations"] <= ref["activations"]
 
 
-def test_eval_without_affine_saves_nothing() -> None:
+def test_eval_without_affine_saves_nothing(node_paths: str) -> None:
     """``affine=False``: only the input's gradient, equal to stock, with nothing of input size kept."""
     stock, memsave = make_pair(nn.BatchNorm2d, 5, torch.float32, affine=False)
     stock.eval(), memsave.eval()
@@ -189,7 +193,7 @@ def test_eval_without_running_stats_is_stock() -> None:
 
 
 @pytest.mark.parametrize("mask", MASKS, ids=MASK_IDS)
-def test_gradcheck(mask: tuple) -> None:
+def test_gradcheck(node_paths: str, mask: tuple) -> None:
     """Eval-mode gradients are the true derivatives (float64 finite differences)."""
     _, memsave = make_pair(nn.BatchNorm2d, 3, torch.float64)
     memsave.eval()
@@ -217,7 +221,7 @@ def test_without_grad_saves_nothing(context: Callable) -> None:
     assert recorder.records == []
 
 
-def test_double_backward_raises_naming_layer() -> None:
+def test_double_backward_raises_naming_layer(node_paths: str) -> None:
     """create_graph=True through a frozen eval BatchNorm raises a clear error."""
     _, memsave = make_pair(nn.BatchNorm2d, 3, torch.float32)
     memsave.eval().weight.requires_grad_(False)
@@ -237,7 +241,7 @@ def test_module_surface_is_stock() -> None:
         torch.testing.assert_close(fresh.state_dict()[name], tensor, atol=0, rtol=0)
 
 
-def test_meta_device() -> None:
+def test_meta_device(node_paths: str) -> None:
     """Runs on the meta device with stock's shapes and strides, saving no activation."""
     stock, memsave = (m.eval().to("meta") for m in make_pair(nn.BatchNorm2d, 4, torch.float32))
     x = torch.empty(2, 4, 5, 5, device="meta").to(memory_format=torch.channels_last)
@@ -260,7 +264,7 @@ def test_fake_tensor_mode() -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32-input", "bf16-input"])
 @pytest.mark.parametrize("mask", MASKS, ids=MASK_IDS)
-def test_cpu_autocast(mask: tuple, dtype: torch.dtype) -> None:
+def test_cpu_autocast(node_paths: str, mask: tuple, dtype: torch.dtype) -> None:
     """Under CPU bf16 autocast: stock's output dtype and bitwise gradients."""
     stock, memsave = make_pair(nn.BatchNorm2d, 4, torch.float32)
     stock.eval(), memsave.eval()
@@ -283,7 +287,7 @@ def test_torch_compile_same_gradients() -> None:
 
 
 @pytest.mark.parametrize("mask", MASKS, ids=MASK_IDS)
-def test_backward_passes_defined_batch_statistics(mask: tuple) -> None:
+def test_backward_passes_defined_batch_statistics(node_paths: str, mask: tuple) -> None:
     """CUDA's ``native_batch_norm_backward`` asserts that the batch statistics are given; empty
     ones make it read the running statistics, as after cuDNN's eval forward. Omitted ones crash
     there (seen on an H100), while the CPU kernel accepts them."""
@@ -307,6 +311,24 @@ def test_backward_passes_defined_batch_statistics(mask: tuple) -> None:
     assert calls.stats, "backward did not call native_batch_norm_backward"
     for stats in calls.stats:
         assert all(isinstance(s, Tensor) and s.numel() == 0 for s in stats), stats
+    # Off the CPU in the accumulation type (CUDA's kernel checks it; meta runs the same code).
+    memsave.to("meta")
+    x16, grad16 = (t.to("meta", torch.bfloat16) for t in (x, grad))
+    with Calls() as calls:
+        run(memsave, x16, grad16, mask)
+    for stats in calls.stats:
+        assert all(s.dtype == torch.float32 for s in stats), stats
+
+
+@pytest.mark.parametrize("device", ["cpu", "meta"])
+def test_the_node_serves_eager_tensors(node_paths: str, device: str) -> None:
+    """Eager tensors get the C++ node where it is built, and only then the Python Function."""
+    _, memsave = make_pair(nn.BatchNorm2d, 3, torch.float32)
+    memsave.eval().to(device).weight.requires_grad_(False)
+    x = torch.randn(2, 3, 4, 5, device=device, requires_grad=True)
+    name = memsave(x).grad_fn.name()
+    expected = "torch::autograd::CppNode<" if node_paths == "node" else "BatchNormEvalFunction"
+    assert name.startswith(expected), name
 
 
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
