@@ -184,6 +184,21 @@ def _by_node(
 _NO_OUTPUT_PADDING = {1: (0,), 2: (0, 0), 3: (0, 0, 0)}
 
 
+def _weight_and_bias(module: Conv) -> tuple[Tensor, Tensor | None]:
+    """``module.weight`` and ``module.bias``, read from the parameter table where they are
+    registered there (a module attribute lookup costs about a microsecond each); a weight that a
+    hook or parametrization makes (``weight_norm``, ``parametrize``) is read as an attribute."""
+    parameters = module._parameters
+    weight, bias = parameters.get("weight"), parameters.get("bias", _MISSING)
+    return (
+        module.weight if weight is None else weight,
+        module.bias if bias is _MISSING else bias,
+    )
+
+
+_MISSING = object()
+
+
 def _common_case(module: Conv, x: Tensor) -> Tensor | None:
     """The frozen-weight or frozen-input convolution by its node in few Python steps, else None.
 
@@ -196,8 +211,7 @@ def _common_case(module: Conv, x: Tensor) -> Tensor | None:
     cold cache]); this is most convolutions of a fine-tuned CNN. Everything else takes
     ``conv_forward``, which reaches the same node.
     """
-    parameters = module._parameters
-    weight, bias = parameters["weight"], parameters["bias"]
+    weight, bias = _weight_and_bias(module)
     padding = module.padding
     common = (
         x.requires_grad != weight.requires_grad

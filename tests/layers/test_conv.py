@@ -12,7 +12,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from memsave_cli.kernels import nodes
-from memsave_cli.layers import stand_ins
+from memsave_cli.layers import convert, stand_ins
 from memsave_cli.layers.conv import (
     MemSaveConv1d,
     MemSaveConv2d,
@@ -665,3 +665,36 @@ def test_stock_errors_are_kept() -> None:
     transposed = MemSaveConvTranspose2d(3, 4, 3, stride=2)
     with pytest.raises(ValueError, match="requested an output size"):
         transposed(torch.randn(1, 3, 5, 5), output_size=(20, 20))
+
+
+def _weight_normed(parametrize: bool, memsave: bool) -> nn.Module:
+    """A Conv2d whose weight ``weight_norm`` makes: the hook form (before any conversion), or a
+    parametrization (applied to the converted module, which conversion would leave alone)."""
+    torch.manual_seed(0)
+    conv = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1))
+    if not parametrize:
+        torch.nn.utils.weight_norm(conv[0])
+    if memsave:
+        conv = convert(conv, inplace=True)
+        assert isinstance(conv[0], MemSaveConv2d)
+    if parametrize:
+        torch.nn.utils.parametrizations.weight_norm(conv[0])
+    return conv[0]
+
+
+@pytest.mark.parametrize("parametrize", [False, True], ids=["hook", "parametrization"])
+def test_weights_made_by_hooks_and_parametrizations(node_paths: str, parametrize: bool) -> None:
+    """A weight that is no registered parameter is read where the module makes it, on the
+    common path too; outputs and every gradient are stock's."""
+    stock, ours = (_weight_normed(parametrize, memsave) for memsave in (False, True))
+    x = torch.randn(2, 3, 6, 6, generator=torch.Generator().manual_seed(3))
+    for frozen in (True, False):
+        results = []
+        for module in (stock, ours):
+            module.requires_grad_(not frozen).zero_grad(set_to_none=True)
+            leaf = x.clone().requires_grad_(frozen)
+            out = module(leaf)
+            out.square().sum().backward()
+            results.append([out, leaf.grad, *(p.grad for p in module.parameters())])
+        for got, expected in zip(results[1], results[0], strict=True):
+            assert (got is None and expected is None) or torch.equal(got, expected)
