@@ -324,3 +324,26 @@ def test_cudas_dropout_on_meta_nests_and_leaves_nothing_behind() -> None:
         assert node(1.0) == "MulBackward0"
         assert node(inplace=True) == "MulBackward0"
     assert node() == "MulBackward0"
+
+
+@pytest.mark.parametrize("bn_eval", [False, True], ids=["bn-train", "bn-eval"])
+@pytest.mark.parametrize("case", ["all", "input", "norm", "surgical"])
+def test_nodes_and_functions_save_the_same(
+    monkeypatch: pytest.MonkeyPatch, case: str, bn_eval: bool
+) -> None:
+    """memsave's convolutions and batch norms as C++ nodes and as Python Functions: the same
+    estimate to the byte, every layer's saved tensors included (on meta, as a GPU runs them)."""
+    from memsave_cli.kernels import nodes
+
+    if not nodes.available():
+        pytest.skip(nodes.status())
+    ours = replace(job("small_cnn", case, bn_eval=bn_eval, repeat=1), impl="memsave")
+    served, serving = [], nodes.serving
+    monkeypatch.setattr(nodes, "serving", lambda *tensors: served.append(1) or serving(*tensors))
+    with_nodes = measure(ours)
+    assert served  # the convolution's common path at least asked
+    monkeypatch.setattr(nodes, "serving", lambda *tensors: None)
+    with_functions = measure(ours)
+    assert with_nodes.ok and with_functions.ok, (with_nodes.error, with_functions.error)
+    assert memory(with_nodes) == memory(with_functions)
+    assert with_nodes.saved_bytes < measure(job("small_cnn", case, bn_eval=bn_eval)).saved_bytes
