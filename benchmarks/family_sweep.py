@@ -1,19 +1,22 @@
-"""Every causal language model family this transformers ships, converted, against stock.
+"""Every language model family this transformers ships, converted, against stock.
 
-Run: ``python -m benchmarks.family_sweep [--families llama,gpt2] [--jobs 2] [--out sweep.json]``.
+Run: ``python -m benchmarks.family_sweep [--kind causal|masked|seq2seq] [--families llama,gpt2]
+[--jobs 2] [--out sweep.json]``. ``--kind`` picks the model classes: causal language models
+(``AutoModelForCausalLM``, the default), masked ones (``AutoModelForMaskedLM``: BERT and its kin)
+or encoder-decoders (``AutoModelForSeq2SeqLM``: T5, BART, ...).
 Each family's default configuration is cut to a small model (two layers, hidden 32, vocabulary
 128, four experts where it has experts; layer-type lists cut to one layer of each type) with
-dropout set to 0 and eager attention, built in float32 with ``AutoModelForCausalLM.from_config``,
+dropout set to 0 and eager attention, built in float32 with the kind's ``from_config``,
 and trained one step on the same token ids, stock and ``convert``-ed, twice: every weight
 trainable, and weights frozen with the input embeddings differentiated (the paper's fine-tuning
 case). Loss and every gradient must be bitwise equal. Each family runs in a process of its own
-(a timeout or a crash is that family's result). A family whose small model cannot be built is
-reported, not counted.
+(a timeout or a crash is that family's result). A family whose small model cannot be built, or
+that stock itself cannot train either way on these inputs, is reported, not counted.
 
 The result per family: ``ok`` with the classes ``convert`` swapped and the look-alikes it left
 stock (``unrecognised_counts``), ``differs`` (which gradient), ``fails`` (which error, with
-memsave only), or ``not built``. Models nobody tuned the drop-ins to must convert correctly or be
-left alone; this is the check of that over a library's whole zoo.
+memsave only), ``not built`` or ``not trained``. Models nobody tuned the drop-ins to must convert
+correctly or be left alone; this is the check of that over a library's whole zoo.
 """
 
 from __future__ import annotations
@@ -52,6 +55,7 @@ SMALL = {
     "decoder_ffn_dim": 64,
     "encoder_ffn_dim": 64,
     "n_positions": 128,
+    "embedding_size": 32,
     "pad_token_id": 0,
     "bos_token_id": 1,
     "eos_token_id": 2,
@@ -62,11 +66,19 @@ LAYERS = ("num_hidden_layers", "num_layers", "n_layer", "encoder_layers", "decod
 _TIMEOUT_S = 300
 
 
-def families() -> list[str]:
-    """Every model type with a causal language model class in this transformers."""
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+#: Kinds of model: the name of transformers' table of their model types, and their auto class.
+KINDS = {
+    "causal": ("MODEL_FOR_CAUSAL_LM_MAPPING_NAMES", "AutoModelForCausalLM"),
+    "masked": ("MODEL_FOR_MASKED_LM_MAPPING_NAMES", "AutoModelForMaskedLM"),
+    "seq2seq": ("MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES", "AutoModelForSeq2SeqLM"),
+}
 
-    return sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+
+def families(kind: str = "causal") -> list[str]:
+    """Every model type with a model class of ``kind`` in this transformers."""
+    from transformers.models.auto import modeling_auto
+
+    return sorted(getattr(modeling_auto, KINDS[kind][0]))
 
 
 def small_config(family: str) -> Any:
@@ -76,6 +88,9 @@ def small_config(family: str) -> Any:
     config = AutoConfig.for_model(family)
     _cut(config)
     config._attn_implementation = "eager"
+    if getattr(config, "decoder_start_token_id", None) is None:
+        # Encoder-decoders shift their labels right from it (T5's configuration names none).
+        config.decoder_start_token_id = config.to_dict().get("pad_token_id") or 0
     return config
 
 
@@ -121,16 +136,17 @@ def _same(a: Tensor | None, b: Tensor | None) -> bool:
     return (a is None and b is None) or (a is not None and b is not None and torch.equal(a, b))
 
 
-def check_family(family: str) -> dict[str, Any]:
+def check_family(family: str, kind: str = "causal") -> dict[str, Any]:
     """The sweep's result for one family, in this process."""
     import transformers
 
     from memsave_cli.layers import convert, converted_counts
     from memsave_cli.layers.recognise import unrecognised_counts
 
+    auto = getattr(transformers, KINDS[kind][1])
     try:
         torch.manual_seed(0)
-        stock = transformers.AutoModelForCausalLM.from_config(small_config(family)).float().train()
+        stock = auto.from_config(small_config(family)).float().train()
     except Exception as error:  # the cut configuration is not one the family accepts
         return {"family": family, "result": "not built", "detail": _line(error)}
     converted = convert(stock)
@@ -140,12 +156,15 @@ def check_family(family: str) -> dict[str, Any]:
         "left stock": unrecognised_counts(converted),
     }
     ids = torch.randint(3, 100, (2, 9), generator=torch.Generator().manual_seed(1))
+    compared, refused = [], []
     for frozen in (False, True):
         pattern = "weights frozen" if frozen else "all trainable"
         try:
             ref = _step(stock, ids, frozen)
-        except Exception:  # stock itself cannot train this way: nothing to compare
+        except Exception as error:  # stock itself cannot train this way: nothing to compare
+            refused.append(f"{pattern}: {_line(error)}")
             continue
+        compared.append(pattern)
         try:
             mine = _step(converted, ids, frozen)
         except Exception as error:
@@ -154,16 +173,18 @@ def check_family(family: str) -> dict[str, Any]:
         if not torch.equal(ref[0], mine[0]) or grads:
             detail = f"{pattern}: loss {'equal' if torch.equal(ref[0], mine[0]) else 'differs'}"
             return {**result, "result": "differs", "detail": f"{detail}, gradients {grads[:5]}"}
-    return {**result, "result": "ok"}
+    if not compared:
+        return {**result, "result": "not trained", "detail": refused[0]}
+    return {**result, "result": "ok", "compared": compared}
 
 
 def _line(error: BaseException) -> str:
     return f"{type(error).__name__}: {str(error).splitlines()[0][:160] if str(error) else ''}"
 
 
-def _in_worker(family: str) -> dict[str, Any]:
+def _in_worker(family: str, kind: str) -> dict[str, Any]:
     """``check_family`` in a process of its own."""
-    command = [sys.executable, "-m", "benchmarks.family_sweep", "--worker", family]
+    command = [sys.executable, "-m", "benchmarks.family_sweep", "--kind", kind, "--worker", family]
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=_TIMEOUT_S)
     except subprocess.TimeoutExpired:
@@ -177,18 +198,19 @@ def _in_worker(family: str) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--kind", choices=KINDS, default="causal", help="which model classes")
     parser.add_argument("--families", help="comma-separated model types (default: all)")
     parser.add_argument("--jobs", type=int, default=2, help="families checked at once")
     parser.add_argument("--out", help="write the results as JSON here")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
-        print(json.dumps(check_family(args.worker)))
+        print(json.dumps(check_family(args.worker, args.kind)))
         return 0
-    names = args.families.split(",") if args.families else families()
+    names = args.families.split(",") if args.families else families(args.kind)
     with ThreadPoolExecutor(args.jobs) as pool:
         results = []
-        for result in pool.map(_in_worker, names):
+        for result in pool.map(lambda name: _in_worker(name, args.kind), names):
             results.append(result)
             swapped = ", ".join(f"{k} {v}" for k, v in result.get("converted", {}).items())
             print(f"{result['family']:28} {result['result']:10} {result.get('detail', swapped)}")

@@ -49,3 +49,40 @@ def test_a_difference_is_reported(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_a_family_that_cannot_be_built_is_not_counted() -> None:
     result = family_sweep.check_family("no-such-family")
     assert result["result"] == "not built"
+
+
+@pytest.mark.parametrize(
+    ("kind", "family", "converted"),
+    [
+        ("masked", "bert", {"Dropout": 7}),
+        ("seq2seq", "t5", {"Dropout": 32, "ReLU": 8, "T5LayerNorm": 24}),
+        ("masked", "squeezebert", {"Dropout": 7}),
+    ],
+)
+def test_other_kinds_convert_bitwise(kind: str, family: str, converted: dict) -> None:
+    """Masked and encoder-decoder language models through their own auto class; SqueezeBERT's
+    1x1 ``Conv1d`` projections train through memsave's convolution."""
+    result = family_sweep.check_family(family, kind)
+    assert result["result"] == "ok", result
+    assert result["compared"] == ["all trainable", "weights frozen"]
+    assert {k: v for k, v in result["converted"].items() if "Conv" not in k} == converted
+    if family == "squeezebert":
+        assert result["converted"]["Conv1d"] > 0
+
+
+def test_a_family_stock_cannot_train_is_not_counted_as_ok(monkeypatch: pytest.MonkeyPatch) -> None:
+    def refuses(model, ids, frozen):
+        raise ValueError("no labels here")
+
+    monkeypatch.setattr(family_sweep, "_step", refuses)
+    result = family_sweep.check_family("llama")
+    assert result["result"] == "not trained"
+    assert result["detail"] == "all trainable: ValueError: no labels here"
+
+
+def test_each_kind_lists_its_families() -> None:
+    assert "llama" in family_sweep.families("causal")
+    assert "bert" in family_sweep.families("masked") and "llama" not in family_sweep.families(
+        "masked"
+    )
+    assert "t5" in family_sweep.families("seq2seq")
