@@ -58,4 +58,5 @@ def test_python_variants_run_memsaves_functions() -> None:
 
     model = convert(nn.Sequential(nn.Conv2d(3, 4, 3, bias=False))).requires_grad_(False)
     x = torch.randn(1, 3, 6, 6, requires_grad=True)
-    assert cpp_node_probe.PythonFunctions(model)(x).grad_fn.name() == "_ConvFunctionBackward"
+    out = cpp_node_probe.PythonFunctions(model)(x)
+    assert out.grad_fn.name() == "_ConvFunctionBackward"
