@@ -61,6 +61,11 @@ SMALL = {
     "eos_token_id": 2,
     "first_k_dense_replace": 1,
 }
+#: Words in the names of settings that draw random numbers in training (dropout, layer drop,
+#: router jitter): set to 0, so that a step is deterministic.
+_RANDOM_IN_TRAINING = ("dropout", "pdrop", "layerdrop", "jitter")
+#: Endings of the names of nested configurations (``text_config``; T5Gemma's ``encoder``).
+_NESTED = ("_config", "encoder", "decoder")
 #: Configuration keys of a model's depth.
 LAYERS = ("num_hidden_layers", "num_layers", "n_layer", "encoder_layers", "decoder_layers")
 _TIMEOUT_S = 300
@@ -109,16 +114,18 @@ def _cut(config: Any) -> None:
         if isinstance(settings.get(key), int):
             setattr(config, key, depth)
     for key, value in settings.items():
-        if isinstance(value, float) and ("dropout" in key or "pdrop" in key):
+        if isinstance(value, float) and any(word in key for word in _RANDOM_IN_TRAINING):
             setattr(config, key, 0.0)
-    for key in settings:  # nested configurations: text_config, vision_config, encoder_config, ...
-        nested = getattr(config, key, None) if key.endswith("_config") else None
+    for key in settings:  # nested configurations: text_config, encoder_config, encoder, ...
+        nested = getattr(config, key, None) if key.endswith(_NESTED) else None
         if nested is not None and hasattr(nested, "to_dict"):
             _cut(nested)
 
 
 def _step(model: nn.Module, ids: Tensor, frozen: bool) -> tuple[Tensor, list]:
-    """Loss and gradients of one step: every parameter's, or the input embeddings' alone."""
+    """Loss and gradients of one step: every parameter's, or the input embeddings' alone, from
+    the same random state for stock and converted (randomness left in a model draws alike)."""
+    torch.manual_seed(2)
     for p in model.parameters():
         p.requires_grad_(not frozen)
         p.grad = None

@@ -86,3 +86,15 @@ def test_each_kind_lists_its_families() -> None:
         "masked"
     )
     assert "t5" in family_sweep.families("seq2seq")
+
+
+def test_randomness_in_training_is_switched_off() -> None:
+    """Layer drop and router jitter draw random numbers in training as dropout does: cut to 0
+    (with them, M2M-100 and Switch Transformers differed from themselves between two runs)."""
+    for family, key in [
+        ("m2m_100", "encoder_layerdrop"),
+        ("switch_transformers", "router_jitter_noise"),
+    ]:
+        assert getattr(family_sweep.small_config(family), key) == 0.0
+    nested = family_sweep.small_config("t5gemma").encoder  # T5Gemma's nested configurations
+    assert nested.hidden_size == 32 and nested.vocab_size == 128
