@@ -56,10 +56,20 @@ SMALL = {
     "encoder_ffn_dim": 64,
     "n_positions": 128,
     "embedding_size": 32,
+    # Multi-head latent attention (DeepSeek-V2 and its kin): the rotary part is ``head_dim``.
+    "q_lora_rank": 16,
+    "kv_lora_rank": 16,
+    "qk_rope_head_dim": 8,
+    "qk_nope_head_dim": 8,
+    "qk_head_dim": 16,
+    "v_head_dim": 8,
+    "rotary_dim": 4,  # GPT-J, CodeGen: within a head of 32 / 4
     "pad_token_id": 0,
     "bos_token_id": 1,
     "eos_token_id": 2,
     "first_k_dense_replace": 1,
+    "n_group": 1,  # expert groups, of the four experts
+    "topk_group": 1,
 }
 #: Words in the names of settings that draw random numbers in training (dropout, layer drop,
 #: router jitter): set to 0, so that a step is deterministic.
@@ -104,6 +114,11 @@ def _cut(config: Any) -> None:
     for key, value in SMALL.items():
         if isinstance(settings.get(key), int) and not isinstance(settings[key], bool):
             setattr(config, key, value)
+    if isinstance(settings.get("kv_lora_rank"), int) and isinstance(
+        settings.get("num_key_value_heads"), int
+    ):
+        # Latent attention makes a key per query head; the eager kernel would repeat them.
+        config.num_key_value_heads = SMALL["num_attention_heads"]
     types = settings.get("layer_types")
     depth = 2
     if isinstance(types, list) and types:
