@@ -6,11 +6,12 @@
 // the GPU finishes a layer's kernels before the host has issued the next ones. Measured on an
 // H200 (benchmarks/cpp_node_probe.py, ResNet-101, batch 64, frozen weights): memsave's Python
 // convolutions took 1.152x stock's step, the same saving in a C++ node 1.001x, bit for bit and
-// keeping the same bytes. A node here does the work of one Python Function of the layers (conv.py,
-// batchnorm.py) in one call: the dispatcher runs its composite kernel, whose torch::autograd::Function saves
-// exactly what the Python Function saves and calls the same ATen kernels. nodes.py decides when
-// it serves (eager tensors, any device); traced and fake tensors, and machines without a C++
-// compiler, keep the Python Function.
+// keeping the same bytes. A node here does the work of one Python Function of the layers
+// (conv.py, batchnorm.py) in one call: the dispatcher runs its composite kernel, whose
+// torch::autograd::Function saves exactly what the Python Function saves and calls the same ATen
+// kernels. nodes.py decides when it serves (eager tensors, any device); traced and fake
+// tensors, and machines without a C++ compiler, keep the Python Function. Layers whose CUDA
+// kernels are Triton's (activations, dropout, pooling) would need those launched from C++.
 //
 // Compiled on first use against the installed torch (nodes.py, NOTE [building the native
 // kernels] in build.py).
