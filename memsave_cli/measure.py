@@ -108,10 +108,8 @@ def build_native(jobs: Sequence[Job]) -> None:
     if memsave_jobs:
         from memsave_cli.kernels import nodes
 
-        if nodes.status(build=False).startswith("C++ nodes: not built yet"):
-            print(
-                "memsave: compiling its C++ nodes once for this torch (about 30 s)", file=sys.stderr
-            )
+        if nodes.to_be_built():
+            print(f"memsave: building its C++ nodes ({nodes.BUILDING})", file=sys.stderr)
         nodes.available()
 
 

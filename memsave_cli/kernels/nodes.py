@@ -24,8 +24,8 @@ from memsave_cli.kernels import build as builder
 
 #: The C++ source compiled on first use.
 SOURCE = Path(__file__).with_name("nodes.cpp")
-#: Seconds a first build takes on a 2-core machine, for the status line.
-_BUILD_SECONDS = 30
+#: What a first build costs, for the lines that announce it (measured on a 2-core machine).
+BUILDING = "compiled on first use, once per torch version, about 20 s"
 
 
 class Nodes(NamedTuple):
@@ -118,8 +118,13 @@ def status(*, build: bool = True) -> str:
     except builder._Unavailable as error:
         return f"C++ nodes: {error}"
     if cached is None:
-        return f"C++ nodes: not built yet (compiled on first use, about {_BUILD_SECONDS} s)"
+        return f"C++ nodes: not built yet ({BUILDING})"
     return f"C++ nodes: built at {cached}"
+
+
+def to_be_built() -> bool:
+    """Whether the first use will compile the nodes (enabled, neither loaded nor cached)."""
+    return status(build=False).startswith("C++ nodes: not built yet")
 
 
 #: Types of the tensors a node takes in eager mode (subclasses and fake tensors keep Python).

@@ -28,6 +28,7 @@ def test_switched_off_by_the_environment(
     assert nodes.serving(torch.ones(1)) is None
     assert nodes.status() == f"C++ nodes: disabled by {variable}=0"
     assert nodes.status(build=False) == nodes.status()
+    assert not nodes.to_be_built()  # nothing to announce: the Functions run
 
 
 def test_no_compiler_is_one_line(fresh: None, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -49,8 +50,8 @@ def test_a_compile_error_is_one_line(
 
 def test_status_without_building(fresh: None) -> None:
     """``build=False`` compiles nothing: an empty cache says when they will be built."""
-    assert nodes.status(build=False).startswith("C++ nodes: not built yet (compiled on first use")
-    assert nodes._LOADED == []
+    assert nodes.status(build=False) == f"C++ nodes: not built yet ({nodes.BUILDING})"
+    assert nodes.to_be_built() and nodes._LOADED == []
 
 
 def test_serving_takes_plain_eager_tensors_only() -> None:
@@ -74,10 +75,10 @@ def test_a_first_build_is_announced(
 ) -> None:
     """``memsave profile`` builds them before its workers start, and says so the first time."""
     built: list[bool] = []
-    monkeypatch.setattr(nodes, "status", lambda build=True: "C++ nodes: not built yet (...)")
+    monkeypatch.setattr(nodes, "to_be_built", lambda: True)
     monkeypatch.setattr(nodes, "available", lambda: built.append(True) or True)
     build_native([SimpleNamespace(device="meta", impl="stock")])
     assert built == [] and capsys.readouterr().err == ""
     build_native([SimpleNamespace(device="meta", impl="memsave")])
     assert built == [True]
-    assert "compiling its C++ nodes once" in capsys.readouterr().err
+    assert "building its C++ nodes (compiled on first use" in capsys.readouterr().err
