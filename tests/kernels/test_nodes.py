@@ -82,3 +82,18 @@ def test_a_first_build_is_announced(
     build_native([SimpleNamespace(device="meta", impl="memsave")])
     assert built == [True]
     assert "building its C++ nodes (compiled on first use" in capsys.readouterr().err
+
+
+def test_an_unsafe_cache_loads_no_nodes(fresh: None, tmp_path) -> None:
+    """The nodes share the kernels' cache rules (NOTE [a safe library cache]): a cache directory
+    others may write to is refused in one line, and nothing is compiled into it or loaded."""
+    import os
+
+    unsafe = tmp_path / "cache"
+    unsafe.mkdir(mode=0o700)
+    os.chmod(unsafe, 0o777)
+    assert nodes.nodes() is None
+    assert (
+        nodes.status().startswith("C++ nodes: ") and "writable by group or others" in nodes.status()
+    )
+    assert list(unsafe.iterdir()) == []
