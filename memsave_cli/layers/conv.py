@@ -184,6 +184,10 @@ def _by_node(
 _NO_OUTPUT_PADDING = {1: (0,), 2: (0, 0), 3: (0, 0, 0)}
 
 
+#: Marks a bias the parameter table does not hold (``None`` there is a module without bias).
+_MISSING = object()
+
+
 def _weight_and_bias(module: Conv) -> tuple[Tensor, Tensor | None]:
     """``module.weight`` and ``module.bias``, read from the parameter table where they are
     registered there (a module attribute lookup costs about a microsecond each); a weight that a
@@ -194,9 +198,6 @@ def _weight_and_bias(module: Conv) -> tuple[Tensor, Tensor | None]:
         module.weight if weight is None else weight,
         module.bias if bias is _MISSING else bias,
     )
-
-
-_MISSING = object()
 
 
 def _common_case(module: Conv, x: Tensor) -> Tensor | None:
