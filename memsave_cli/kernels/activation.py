@@ -160,14 +160,15 @@ def _cuda_pack(kind, x, inplace, order, args) -> tuple[Tensor, Tensor]:
 def _cuda_kernels() -> SimpleNamespace:
     """The Triton pack kernels as ``fused_pack`` calls them, following stock's CUDA kernels where
     they differ from its CPU ones: ReLU turns ``-0.0`` into ``+0.0`` (``clamp_min`` takes the
-    maximum of ``x`` and 0), and Hardtanh's bits pass NaN's gradient (NOTE [NaN in
+    maximum of ``x`` and 0) and offers its kernel to the C++ ReLU node (NOTE [kernels called
+    from a node] in ``nodes.cpp``), and Hardtanh's bits pass NaN's gradient (NOTE [NaN in
     hardtanh_backward]). Hardtanh does not report whether it held elements, which would wait for
     the device on every call: stock's ``F.hardtanh`` finishes every element instead, one more
     pass over the result that leaves each clamped element as it is."""
     from memsave_cli.kernels.triton import activation
 
     return SimpleNamespace(
-        relu_pack=functools.partial(activation.relu_pack, positive_zero=True),
+        relu_pack=functools.partial(activation.relu_pack, positive_zero=True, offer="relu_pack"),
         leaky_pack=activation.leaky_pack,
         hardtanh_pack=functools.partial(
             activation.hardtanh_pack, nan_passes=True, report_held=False
@@ -186,7 +187,7 @@ def _cuda_select(grad, bits, order, out_strides, slope) -> Tensor:
         return reference_select(grad, bits, order, out_strides, slope)
     from memsave_cli.kernels.triton import activation, bitmask
 
-    kernels = (bitmask.select_bits, activation.select_scale)
+    kernels = (functools.partial(bitmask.select_bits, offer="select_bits"), activation.select_scale)
     return _select_with(kernels, True, grad, bits, order, out_strides, slope)
 
 

@@ -10,21 +10,30 @@
 // (conv.py, batchnorm.py) in one call: the dispatcher runs its composite kernel, whose
 // torch::autograd::Function saves exactly what the Python Function saves and calls the same ATen
 // kernels. nodes.py decides when it serves (eager tensors, any device); traced and fake
-// tensors, and machines without a C++ compiler, keep the Python Function. Layers whose CUDA
-// kernels are Triton's (activations, dropout, pooling) would need those launched from C++.
+// tensors, and machines without a C++ compiler, keep the Python Function. ReLU, whose kernels
+// are memsave's own, calls them from here too (NOTE [kernels called from a node]).
 //
 // Compiled on first use against the installed torch (nodes.py, NOTE [building the native
 // kernels] in build.py).
 
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <c10/core/DeviceGuard.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
+#include <dlfcn.h>
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/library.h>
 
 #include <algorithm>
 #include <array>
 #include <cstdint>
+#include <cstring>
+#include <map>
+#include <mutex>
 #include <optional>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -251,6 +260,290 @@ at::Tensor batch_norm_eval(const at::Tensor &x, const std::optional<at::Tensor> 
     return BatchNormEval::apply(x, weight, bias, running_mean, running_var, eps);
 }
 
+
+// NOTE [kernels called from a node]: the ReLU node runs memsave's own kernels without Python.
+// On the CPU these are the C kernels of native.c, whose addresses nodes.py hands over once
+// (set_cpu_kernels). On CUDA they are the Triton kernels, compiled by Triton in Python: the first
+// call of each kernel, dtype, device and block size goes through the Python op, whose launch
+// hands the compiled kernel over (register_kernel, from triton/handover.py), and later calls
+// launch it from here with the driver's cuLaunchKernel, on the current stream, with the
+// arguments Triton's own launcher passes: the kernel's non-constexpr parameters in order, then
+// one null pointer per scratch buffer its metadata declares (all of size 0). A compiled kernel
+// is specialised on whether each pointer and integer argument is a multiple of 16, so only
+// calls where all of them are (and the element count exceeds 1, which Triton would fold into a
+// constant) take it; every other call, and every call while nothing is registered, goes through
+// the Python op, which gives the same bytes.
+namespace kernels {
+
+// The C kernels (native.c), or null while not handed over.
+using ReluPack = int (*)(const void *, void *, uint8_t *, int64_t, int, uint64_t, int);
+using SelectBits = int (*)(const void *, const uint8_t *, void *, int64_t, int, int, int);
+using FlushesDenormals = int (*)();
+ReluPack relu_pack_c = nullptr;
+SelectBits select_bits_c = nullptr;
+FlushesDenormals flushes_denormals_c = nullptr;
+
+// A compiled Triton kernel as handover.py describes it: the CUfunction, threads per block,
+// dynamic shared memory, one code per argument the node passes ('p' pointer, 'i' int32,
+// 'l' int64, '-' folded into the kernel), and the trailing null scratch pointers.
+struct Compiled {
+    uint64_t function;
+    int64_t threads, shared;
+    std::string params;
+    int64_t scratch;
+};
+using Key = std::tuple<std::string, int64_t, int64_t, int64_t>;  // kernel, dtype, device, block
+std::mutex table_mutex;
+std::map<Key, Compiled> table;
+
+// cuLaunchKernel's signature, declared here: the nodes compile without CUDA's headers.
+using LaunchKernel = int (*)(void *, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned,
+                             unsigned, void *, void **, void **);
+LaunchKernel launcher = nullptr;  // set on first use, or by a test (set_launcher)
+bool cpu_launches = false;        // a test's launcher takes CPU tensors' calls (device -1)
+
+LaunchKernel driver_launcher() {
+    // libcuda is loaded already wherever a CUDA tensor exists.
+    void *library = dlopen("libcuda.so.1", RTLD_LAZY | RTLD_NOLOAD);
+    void *symbol = library ? dlsym(library, "cuLaunchKernel") : nullptr;
+    TORCH_CHECK(symbol != nullptr, "memsave nodes: cuLaunchKernel not found in libcuda.so.1");
+    return reinterpret_cast<LaunchKernel>(symbol);
+}
+
+// The elements per program of the elementwise kernels (triton/_launch.py's block()).
+int64_t block_of(int64_t numel) {
+    int64_t block = 64;
+    while (block < numel && block < 2048) block *= 2;
+    return block;
+}
+
+// The registered kernel `name` for a call of n elements like `like`, if one serves it.
+std::optional<Compiled> find(const char *name, const at::Tensor &like, int64_t n) {
+    const bool cpu = like.device().is_cpu();
+    if (!(like.is_cuda() || (cpu && cpu_launches)) || n <= 1 || n % 16 != 0) return std::nullopt;
+    const int64_t device = cpu ? -1 : like.device().index();
+    std::lock_guard<std::mutex> lock(table_mutex);
+    const auto found =
+        table.find(Key(name, static_cast<int64_t>(like.scalar_type()), device, block_of(n)));
+    if (found == table.end()) return std::nullopt;
+    return found->second;
+}
+
+bool aligned(std::initializer_list<const at::Tensor *> tensors) {
+    return std::all_of(tensors.begin(), tensors.end(), [](const at::Tensor *t) {
+        return reinterpret_cast<uintptr_t>(t->data_ptr()) % 16 == 0;
+    });
+}
+
+// Launch `kernel` over n elements with `pointers`, then n, as its arguments (find() chose it,
+// aligned() checked the pointers).
+void run(const Compiled &kernel, const char *name, const at::Tensor &like, int64_t n,
+         std::initializer_list<const at::Tensor *> pointers) {
+    TORCH_CHECK(kernel.params.size() == pointers.size() + 1 && kernel.scratch <= 2,
+                "memsave nodes: kernel ", name, " registered with parameters '", kernel.params,
+                "' for ", pointers.size() + 1, " arguments");
+    std::array<uint64_t, 8> values{};
+    std::array<void *, 8> params{};
+    size_t count = 0;
+    auto pointer = pointers.begin();
+    for (const char code : kernel.params) {
+        if (code == 'p') {
+            values[count] = reinterpret_cast<uintptr_t>((*pointer++)->data_ptr());
+        } else if (code == 'i') {
+            TORCH_CHECK(n <= INT32_MAX, "memsave nodes: ", name, " compiled for 32-bit sizes");
+            const auto value = static_cast<int32_t>(n);
+            std::memcpy(&values[count], &value, sizeof(value));
+        } else if (code == 'l') {
+            values[count] = static_cast<uint64_t>(n);
+        } else {
+            continue;  // folded into the kernel: nothing passed
+        }
+        params[count] = &values[count];
+        ++count;
+    }
+    for (int64_t s = 0; s < kernel.scratch; ++s, ++count) params[count] = &values[count];
+    void *stream = nullptr;
+    std::optional<c10::DeviceGuard> guard;
+    if (!like.device().is_cpu()) {
+        guard.emplace(like.device());
+        stream = c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)
+                     ->getStream(like.device())
+                     .native_handle();
+    }
+    if (launcher == nullptr) launcher = driver_launcher();
+    const int64_t block = block_of(n);
+    const auto grid = static_cast<unsigned>((n + block - 1) / block);
+    const int status =
+        launcher(reinterpret_cast<void *>(kernel.function), grid, 1, 1,
+                 static_cast<unsigned>(kernel.threads), 1, 1,
+                 static_cast<unsigned>(kernel.shared), stream, params.data(), nullptr);
+    TORCH_CHECK(status == 0, "memsave nodes: launching ", name, " failed (CUresult ", status, ")");
+}
+
+int threads() { return std::max(1, at::get_num_threads()); }
+
+// Whether the C kernels serve t: float32/float64 on the CPU in the default floating-point mode
+// (native.py; the caller checks that t is dense in its bit order).
+bool c_serves(const at::Tensor &t) {
+    return t.is_cpu() && !cpu_launches && relu_pack_c != nullptr && flushes_denormals_c() == 0 &&
+           (t.scalar_type() == at::kFloat || t.scalar_type() == at::kDouble);
+}
+
+const uint64_t INF_BITS_32 = 0x7F800000ULL, INF_BITS_64 = 0x7FF0000000000000ULL;
+
+// relu(x) and its bits into new tensors (y is x in place) by memsave's kernels, where they
+// serve x (dense in its bit order); false where they do not, having allocated nothing.
+bool relu_pack(const at::Tensor &x, bool inplace, at::Tensor &y, at::Tensor &bits) {
+    const int64_t n = x.numel();
+    const bool c = c_serves(x);
+    const auto kernel = c ? std::nullopt : find("relu_pack", x, n);
+    if (!c && !(kernel.has_value() && aligned({&x}))) return false;
+    y = inplace ? x : at::empty_like(x);
+    bits = at::empty({(n + 7) / 8}, x.options().dtype(at::kByte));
+    if (c) {
+        const uint64_t inf = x.scalar_type() == at::kFloat ? INF_BITS_32 : INF_BITS_64;
+        TORCH_CHECK(relu_pack_c(x.data_ptr(), y.data_ptr(), bits.data_ptr<uint8_t>(), n,
+                                static_cast<int>(x.element_size()), inf, threads()) == 0,
+                    "memsave nodes: relu_pack rejected its arguments");
+    } else {
+        TORCH_CHECK(aligned({&y, &bits}), "memsave nodes: unaligned allocation");
+        run(*kernel, "relu_pack", x, n, {&x, &y, &bits});
+    }
+    return true;
+}
+
+// The input gradient, grad where a bit is set and +0 elsewhere, in grad's layout, by memsave's
+// kernels where they serve grad (dense in the bits' order); an undefined tensor where not.
+at::Tensor select_bits(const at::Tensor &grad, const at::Tensor &bits) {
+    const int64_t n = grad.numel();
+    const bool c = c_serves(grad);
+    const auto kernel = c ? std::nullopt : find("select_bits", grad, n);
+    if (!c && !(kernel.has_value() && aligned({&grad, &bits}))) return at::Tensor();
+    at::Tensor out = at::empty_like(grad);
+    if (c) {
+        TORCH_CHECK(select_bits_c(grad.data_ptr(), bits.data_ptr<uint8_t>(), out.data_ptr(), n,
+                                  static_cast<int>(grad.element_size()), 0, threads()) == 0,
+                    "memsave nodes: select_bits rejected its arguments");
+    } else {
+        TORCH_CHECK(aligned({&out}), "memsave nodes: unaligned allocation");
+        run(*kernel, "select_bits", grad, n, {&grad, &bits, &out});
+    }
+    return out;
+}
+
+}  // namespace kernels
+
+// The op memsave::<name> (kernels/activation.py) called through the dispatcher with these
+// arguments; its results replace them on the stack.
+torch::jit::Stack call_op(const char *name, torch::jit::Stack stack) {
+    const auto op = c10::Dispatcher::singleton().findSchemaOrThrow(name, "");
+    op.callBoxed(stack);
+    return stack;
+}
+
+// The input's dimensions from the largest stride to the smallest, ties in dimension order
+// (bitmask.layout_of): the order of its bits.
+std::vector<int64_t> memory_order(const at::Tensor &x) {
+    std::vector<int64_t> order(x.dim());
+    for (int64_t d = 0; d < x.dim(); ++d) order[d] = d;
+    const auto strides = x.strides();
+    std::stable_sort(order.begin(), order.end(),
+                     [&](int64_t a, int64_t b) { return strides[a] > strides[b]; });
+    return order;
+}
+
+// Whether a tensor of these sizes and strides is dense in memory order `order`
+// (activation._strides_follow).
+bool follows(at::IntArrayRef sizes, at::IntArrayRef strides, const std::vector<int64_t> &order) {
+    int64_t step = 1;
+    for (auto d = order.rbegin(); d != order.rend(); ++d) {
+        if (sizes[*d] != 1 && strides[*d] != step) return false;
+        step *= sizes[*d];
+    }
+    return true;
+}
+
+// ReLU keeping one bit per element where the gradient passes (layers/activation.py's
+// _ReLUFunction in C++: the same bits, saved strides and ops).
+struct Relu : public torch::autograd::Function<Relu> {
+    static at::Tensor forward(AutogradContext *ctx, const at::Tensor &x, bool inplace) {
+        auto order = memory_order(x);
+        at::Tensor y, bits;
+        if (!(follows(x.sizes(), x.strides(), order) && kernels::relu_pack(x, inplace, y, bits))) {
+            const auto name = inplace ? "memsave::relu_pack_" : "memsave::relu_pack";
+            auto results = call_op(name, {x, c10::IValue(order)});
+            bits = results.back().toTensor();
+            y = inplace ? x : results.front().toTensor();
+        }
+        if (inplace) ctx->mark_dirty({x});
+        ctx->save_for_backward({bits});
+        order.insert(order.end(), y.strides().begin(), y.strides().end());
+        ctx->saved_data["spec"] = std::move(order);  // the bit order, then the saved strides
+        return y;
+    }
+
+    static variable_list backward(AutogradContext *ctx, variable_list grads) {
+        TORCH_CHECK(!at::GradMode::is_enabled(),
+                    "MemSaveReLU does not support double backward (create_graph=True): it does "
+                    "not keep the tensors a second derivative needs. Use the stock layer there "
+                    "(memsave_cli.layers.revert) for higher-order gradients.");
+        if (!ctx->needs_input_grad(0)) return {at::Tensor(), at::Tensor()};
+        const auto spec = ctx->saved_data["spec"].toIntVector();
+        const auto half = static_cast<std::ptrdiff_t>(spec.size() / 2);
+        const std::vector<int64_t> order(spec.begin(), spec.begin() + half),
+            saved(spec.begin() + half, spec.end());
+        const at::Tensor &grad = grads[0];
+        const at::Tensor bits = ctx->get_saved_variables()[0];
+        // Where the gradient has the saved tensor's strides, stock's kernel lays its result out
+        // the same way (NOTE [gradient layout] in layers/activation.py).
+        if (grad.strides() == at::IntArrayRef(saved) && follows(grad.sizes(), saved, order)) {
+            at::Tensor out = kernels::select_bits(grad, bits);
+            if (out.defined()) return {out, at::Tensor()};
+        }
+        auto results = call_op("memsave::select_bits",
+                               {grad, bits, c10::IValue(order), c10::IValue(saved), false});
+        return {results.front().toTensor(), at::Tensor()};
+    }
+};
+
+at::Tensor relu(const at::Tensor &x) { return Relu::apply(x, false); }
+
+at::Tensor &relu_(at::Tensor &x) {
+    Relu::apply(x, true);
+    return x;
+}
+
+// Hand the C kernels' addresses over (nodes.py; 0 forgets them).
+void set_cpu_kernels(int64_t relu_pack, int64_t select_bits, int64_t flushes_denormals) {
+    const bool all = relu_pack != 0 && select_bits != 0 && flushes_denormals != 0;
+    kernels::relu_pack_c = all ? reinterpret_cast<kernels::ReluPack>(relu_pack) : nullptr;
+    kernels::select_bits_c = all ? reinterpret_cast<kernels::SelectBits>(select_bits) : nullptr;
+    kernels::flushes_denormals_c =
+        all ? reinterpret_cast<kernels::FlushesDenormals>(flushes_denormals) : nullptr;
+}
+
+// Register a compiled Triton kernel (NOTE [kernels called from a node]).
+void register_kernel(const std::string &name, at::ScalarType dtype, int64_t device,
+                     int64_t block, int64_t function, int64_t threads, int64_t shared,
+                     const std::string &params, int64_t scratch) {
+    std::lock_guard<std::mutex> lock(kernels::table_mutex);
+    kernels::table[kernels::Key(name, static_cast<int64_t>(dtype), device, block)] = {
+        static_cast<uint64_t>(function), threads, shared, params, scratch};
+}
+
+// Forget every registered kernel (a test's, or before handing over anew).
+void forget_kernels() {
+    std::lock_guard<std::mutex> lock(kernels::table_mutex);
+    kernels::table.clear();
+}
+
+// A test's stand-in for cuLaunchKernel (0 restores the driver's), and whether CPU tensors'
+// calls go to it instead of the C kernels.
+void set_launcher(int64_t address, bool cpu) {
+    kernels::launcher = reinterpret_cast<kernels::LaunchKernel>(address);
+    kernels::cpu_launches = cpu;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(memsave_nodes, m) {
@@ -259,9 +552,20 @@ TORCH_LIBRARY(memsave_nodes, m) {
           " Tensor? x_stand_in, Tensor? weight_stand_in) -> Tensor");
     m.def("batch_norm_eval(Tensor x, Tensor? weight, Tensor? bias, Tensor running_mean,"
           " Tensor running_var, float eps) -> Tensor");
+    m.def("relu(Tensor x) -> Tensor");
+    m.def("relu_(Tensor(a!) x) -> Tensor(a!)");
+    m.def("set_cpu_kernels(int relu_pack, int select_bits, int flushes_denormals) -> ()",
+          &set_cpu_kernels);
+    m.def("register_kernel(str name, ScalarType dtype, int device, int block, int function,"
+          " int threads, int shared, str params, int scratch) -> ()",
+          &register_kernel);
+    m.def("forget_kernels() -> ()", &forget_kernels);
+    m.def("set_launcher(int address, bool cpu) -> ()", &set_launcher);
 }
 
 TORCH_LIBRARY_IMPL(memsave_nodes, CompositeImplicitAutograd, m) {
     m.impl("convolution", &convolution);
     m.impl("batch_norm_eval", &batch_norm_eval);
+    m.impl("relu", &relu);
+    m.impl("relu_", &relu_);
 }

@@ -1,6 +1,6 @@
-"""C++ autograd nodes for the drop-ins whose backward is ATen calls only (``nodes.cpp``).
+"""C++ autograd nodes of the drop-ins whose host time matters most (``nodes.cpp``).
 
-See NOTE [why a drop-in is a C++ node] in ``nodes.cpp``. The source is compiled on first use
+See NOTE [why a drop-in is a C++ node] and NOTE [kernels called from a node] in ``nodes.cpp``. The source is compiled on first use
 like ``native.c`` (NOTE [building the native kernels] in ``build.py``), with the C++ compiler
 (``$CXX``, else ``c++``, ``g++`` or ``clang++``) against the installed torch's headers; the cache
 key adds the torch version and location. Without a C++ compiler or torch's headers, with
@@ -11,6 +11,7 @@ instead: the same results and saved tensors, more host time per call.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import threading
 from collections.abc import Callable
@@ -33,6 +34,11 @@ class Nodes(NamedTuple):
 
     convolution: Callable[..., Tensor]
     batch_norm_eval: Callable[..., Tensor]
+    relu: Callable[[Tensor], Tensor]
+    relu_: Callable[[Tensor], Tensor]
+    #: ``register_kernel(name, dtype, device, block, function, threads, shared, params,
+    #: scratch)``: a compiled Triton kernel for the nodes to launch (``triton/handover.py``).
+    register_kernel: Callable[..., None]
 
 
 _LOCK = threading.Lock()
@@ -56,12 +62,31 @@ def _load() -> tuple[Nodes | None, str]:
         path = builder.build(recipe())
         torch.ops.load_library(str(path))
         namespace = torch.ops.memsave_nodes
-        nodes = Nodes(namespace.convolution.default, namespace.batch_norm_eval.default)
+        nodes = Nodes(
+            namespace.convolution.default,
+            namespace.batch_norm_eval.default,
+            namespace.relu.default,
+            namespace.relu_.default,
+            namespace.register_kernel.default,
+        )
+        namespace.set_cpu_kernels(*_c_kernels())
     except builder._Unavailable as error:
         return None, f"C++ nodes: {error}"
     except Exception as error:  # any failure means the Python Functions, never an exception
         return None, f"C++ nodes: {type(error).__name__}: {error}"
     return nodes, f"C++ nodes: loaded from {path}"
+
+
+def _c_kernels() -> tuple[int, int, int]:
+    """The addresses of the C kernels the ReLU node calls (``relu_pack``, ``select_bits``,
+    ``flushes_denormals`` of ``native.c``), or zeros where they are unavailable: the node then
+    calls the ops, whose CPU implementation is the reference."""
+    library = builder.loaded().library
+    if library is None:
+        return 0, 0, 0
+    names = ("memsave_relu_pack", "memsave_select_bits", "memsave_flushes_denormals")
+    addresses = [ctypes.cast(getattr(library, name), ctypes.c_void_p).value for name in names]
+    return tuple(address or 0 for address in addresses)  # type: ignore[return-value]
 
 
 def recipe() -> builder.Recipe:
@@ -98,6 +123,11 @@ def _loaded() -> tuple[Nodes | None, str]:
 def nodes() -> Nodes | None:
     """The loaded nodes (building them on the first call), or None where unavailable."""
     return _LOADED[0][0] if _LOADED else _loaded()[0]
+
+
+def loaded() -> Nodes | None:
+    """The nodes if already loaded, else None; builds nothing."""
+    return _LOADED[0][0] if _LOADED else None
 
 
 def available() -> bool:

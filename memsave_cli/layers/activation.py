@@ -27,6 +27,7 @@ from torch import Tensor, nn
 from torch.autograd import Function
 
 from memsave_cli.kernels import activation as ops
+from memsave_cli.kernels import nodes
 from memsave_cli.kernels.bitmask import layout_of
 from memsave_cli.layers._backward import forbid_double_backward, records_backward
 from memsave_cli.layers.registry import drop_in
@@ -150,8 +151,12 @@ def _activate(
     """
     if not (x.requires_grad and records_backward(x)) or (inplace and x.is_leaf):
         return stock(x, *args, inplace)
-    if inplace and torch.compiler.is_compiling():
-        return x.copy_(function.apply(x, *args, False, True))
+    if torch.compiler.is_compiling():
+        if inplace:
+            return x.copy_(function.apply(x, *args, False, True))
+    elif function is _ReLUFunction and (served := nodes.serving(x)) is not None:
+        # The same Function in C++ (NOTE [why a drop-in is a C++ node] in nodes.cpp).
+        return served.relu_(x) if inplace else served.relu(x)
     return function.apply(x, *args, inplace, inplace)
 
 

@@ -15,6 +15,7 @@ import pytest
 pytest.importorskip("triton", reason="triton is not installed (it ships with PyTorch)")
 
 import inspect
+import re
 from collections.abc import Iterator
 
 import torch
@@ -28,7 +29,7 @@ from memsave_cli.kernels import activation, dropout
 from memsave_cli.kernels import triton as triton_package
 from memsave_cli.kernels.bitmask import layout_of
 from memsave_cli.kernels.maxpool_maps import IndexMaps
-from memsave_cli.kernels.triton import _launch, bitmask, maxpool
+from memsave_cli.kernels.triton import _launch, bitmask, handover, maxpool
 from memsave_cli.kernels.triton import activation as triton_activation
 from memsave_cli.kernels.triton import dropout as triton_dropout
 
@@ -162,3 +163,31 @@ def test_every_kernel_compiles_for_sm90(compiled: dict[str, list]) -> None:
         for kernel in kernels:
             ptx, cubin = kernel.asm["ptx"], kernel.asm["cubin"]
             assert ".target sm_90" in ptx and len(cubin) > 0, name
+
+
+def _entry_params(ptx: str) -> list[int]:
+    """The widths in bits of the parameters of the PTX's one kernel entry, in order."""
+    head = ptx[ptx.index(".entry") :]
+    head = head[: head.index(")")]
+    return [int(width) for width in re.findall(r"\.param\s+\.[usb](\d+)", head)]
+
+
+@pytest.mark.parametrize("numel", [4096, 48], ids=lambda n: f"numel={n}")
+def test_nodes_pass_what_the_compiled_kernels_take(compiled: dict[str, list], numel) -> None:
+    """NOTE [kernels called from a node] in nodes.cpp: the arguments the C++ nodes pass, as
+    ``handover.describe`` tells them, are the compiled kernel's parameters in number and width."""
+    width = {"p": 64, "i": 32, "l": 64}
+    for dtype in activation.FUSED_DTYPES:
+        x = torch.randn(numel, dtype=dtype)
+        bits = torch.empty(-(-numel // 8), dtype=torch.uint8)
+        triton_activation.relu_pack(x, torch.empty_like(x), bits, positive_zero=True)
+        bitmask.select_bits(x, bits, torch.empty_like(x))
+    for name in ("_relu_pack_kernel", "_select_bits_kernel"):
+        assert len(compiled[name]) == 2, name  # one per dtype
+        for kernel in compiled[name]:
+            described = handover.describe(kernel)
+            assert described.params == "pppi", name  # three pointers, then a 32-bit count
+            expected = [width[code] for code in described.params if code != "-"]
+            assert _entry_params(kernel.asm["ptx"]) == expected + [64] * described.scratch
+            assert described.threads == 32 * kernel.metadata.num_warps
+            assert described.shared == kernel.metadata.shared

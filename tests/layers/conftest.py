@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import pytest
+import torch
 
 from memsave_cli.kernels import native, nodes
 
@@ -15,6 +16,11 @@ def kernels(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> 
     so that the torch/numpy paths they replace stay tested on this machine too."""
     if request.param == "torch":
         monkeypatch.setattr(native, "available", lambda: False)
+        if nodes.available():  # the ReLU node was handed the C kernels' addresses
+            torch.ops.memsave_nodes.set_cpu_kernels(0, 0, 0)
+            request.addfinalizer(
+                lambda: torch.ops.memsave_nodes.set_cpu_kernels(*nodes._c_kernels())
+            )
     elif not native.available():
         pytest.skip(native.status())
     return request.param

@@ -11,7 +11,7 @@ import torch
 from torch import Tensor, nn
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
-from memsave_cli.kernels import bitmask, native
+from memsave_cli.kernels import bitmask, native, nodes
 from memsave_cli.kernels.bitmask import packed_numel
 from memsave_cli.layers import convert
 from memsave_cli.layers.activation import (
@@ -150,7 +150,7 @@ def _assert_same(expected: object, actual: object) -> None:
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda dtype: str(dtype).removeprefix("torch."))
 @pytest.mark.parametrize("case", CASES, ids=lambda case: case.name)
 def test_matches_stock(
-    case: Case, dtype: torch.dtype, inplace: bool, layout: str, kernels: str
+    node_paths: str, case: Case, dtype: torch.dtype, inplace: bool, layout: str, kernels: str
 ) -> None:
     x = _input(dtype, case, layout)
     grad = _grad_output(x)
@@ -187,7 +187,9 @@ def test_dense_cpu_tensors_take_the_fused_kernels(
     native_calls: Callable[..., list[str]],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Forward packs with one native pass and backward selects with another."""
+    """Forward packs with one native pass and backward selects with another (the Python
+    Functions: ``tests/kernels/test_node_launches.py`` checks the ReLU node's calls)."""
+    monkeypatch.setattr(nodes, "serving", lambda *tensors: None)
     kernels = ("relu_pack", "leaky_pack", "hardtanh_pack", "select_bits", "select_scale")
     used = native_calls(*kernels)
     x = _input(dtype, case, "channels_last")
@@ -199,7 +201,9 @@ def test_dense_cpu_tensors_take_the_fused_kernels(
 
 
 @pytest.mark.skipif(not native.available(), reason=native.status())
-def test_flushed_denormals_take_the_stock_comparisons(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_flushed_denormals_take_the_stock_comparisons(
+    node_paths: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """With denormals flushed, stock compares them as zero; the drop-in follows it there."""
     x = torch.tensor([1e-40, -1e-40, 1.0, -1.0, 0.0] * 3, dtype=torch.float32)
     grad = torch.ones_like(x)
@@ -279,7 +283,7 @@ def test_kernel_bounds_are_representable_and_tight(dtype: torch.dtype) -> None:
 
 @pytest.mark.parametrize("inplace", [False, True], ids=lambda flag: f"inplace={flag}")
 @pytest.mark.parametrize("case", CASES, ids=lambda case: case.name)
-def test_gradcheck(case: Case, inplace: bool) -> None:
+def test_gradcheck(node_paths: str, case: Case, inplace: bool) -> None:
     generator = torch.Generator().manual_seed(3)
     x = torch.randn(3, 4, 5, generator=generator, dtype=torch.float64) * 4
     for bound in case.bounds:  # stay clear of the kinks, where finite differences are meaningless
@@ -304,7 +308,9 @@ def _saved_bytes(module: nn.Module, x: Tensor, inplace: bool) -> int:
 @pytest.mark.parametrize("inplace", [False, True], ids=lambda flag: f"inplace={flag}")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("case", CASES, ids=lambda case: case.name)
-def test_saves_one_bit_per_element(case: Case, dtype: torch.dtype, inplace: bool) -> None:
+def test_saves_one_bit_per_element(
+    node_paths: str, case: Case, dtype: torch.dtype, inplace: bool
+) -> None:
     x = torch.randn(4, 16, 9, 9).to(dtype)
     stock, memsave = case.build(inplace)
     assert _saved_bytes(stock, x, inplace) == x.numel() * x.element_size()
@@ -314,7 +320,9 @@ def test_saves_one_bit_per_element(case: Case, dtype: torch.dtype, inplace: bool
 @pytest.mark.parametrize("mode", ["no_grad", "inference_mode", "input_without_grad"])
 @pytest.mark.parametrize("inplace", [False, True], ids=lambda flag: f"inplace={flag}")
 @pytest.mark.parametrize("case", CASES, ids=lambda case: case.name)
-def test_nothing_saved_without_gradients(case: Case, inplace: bool, mode: str) -> None:
+def test_nothing_saved_without_gradients(
+    node_paths: str, case: Case, inplace: bool, mode: str
+) -> None:
     x = _input(torch.float32, case)
     stock, memsave = case.build(inplace)
     context = {"no_grad": torch.no_grad, "inference_mode": torch.inference_mode}.get(mode)
@@ -328,7 +336,7 @@ def test_nothing_saved_without_gradients(case: Case, inplace: bool, mode: str) -
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda case: case.name)
-def test_inplace_on_view_of_non_leaf(case: Case) -> None:
+def test_inplace_on_view_of_non_leaf(node_paths: str, case: Case) -> None:
     results = []
     for module in case.build(inplace=True):
         leaf = _input(torch.float32, case)[..., :4].clone().requires_grad_()
@@ -341,7 +349,7 @@ def test_inplace_on_view_of_non_leaf(case: Case) -> None:
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda case: case.name)
-def test_inplace_on_views_behaves_as_stock(case: Case) -> None:
+def test_inplace_on_views_behaves_as_stock(node_paths: str, case: Case) -> None:
     """In place on a view runs in place (NOTE [in-place drop-ins]): a transposed view gives
     stock's base and gradient, and a view of a multi-output op raises stock's error."""
     results, errors = [], []
@@ -386,7 +394,7 @@ def test_negative_slope_out_of_place_matches_stock() -> None:
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda case: case.name)
-def test_double_backward_raises_naming_the_layer(case: Case) -> None:
+def test_double_backward_raises_naming_the_layer(node_paths: str, case: Case) -> None:
     _, memsave = case.build(inplace=False)
     x = torch.randn(5, requires_grad=True)
     (grad,) = torch.autograd.grad(memsave(x).sum(), x, create_graph=False)
@@ -406,7 +414,7 @@ def test_is_a_registered_drop_in(case: Case) -> None:
 
 @pytest.mark.parametrize("inplace", [False, True], ids=lambda flag: f"inplace={flag}")
 @pytest.mark.parametrize("case", CASES, ids=lambda case: case.name)
-def test_meta_device(case: Case, inplace: bool) -> None:
+def test_meta_device(node_paths: str, case: Case, inplace: bool) -> None:
     _, memsave = case.build(inplace)
     leaf = torch.empty(SHAPE, device="meta", requires_grad=True)
     with SavedTensorRecorder() as recorder:
@@ -454,7 +462,9 @@ def _model_gradients(model: nn.Module, x: Tensor) -> tuple[Tensor, ...]:
     return (out.detach(), leaf.grad, *(p.grad for p in model.parameters()))
 
 
-def test_cpu_bf16_autocast_matches_stock() -> None:
+def test_cpu_bf16_autocast_matches_stock(
+    node_paths: str,
+) -> None:
     x = torch.randn(4, 3, 12, 12, generator=torch.Generator().manual_seed(4))
     results = []
     for memsave in (False, True):
@@ -485,7 +495,7 @@ def test_compiled_with_dynamic_shapes_matches_stock() -> None:
 
 
 @pytest.mark.parametrize("cls", [nn.ReLU, nn.LeakyReLU, nn.ReLU6])
-def test_expanded_input_gradient_reaches_base_as_stock(kernels: str, cls) -> None:
+def test_expanded_input_gradient_reaches_base_as_stock(node_paths: str, kernels: str, cls) -> None:
     """A stride-0 input: the gradient takes stock's layout, so expand's sum adds as stock's."""
     grads = []
     for module in (cls(), convert(cls())):

@@ -22,6 +22,7 @@ import triton.language as tl
 from torch import Tensor
 
 from memsave_cli.kernels.native_checks import INF_BITS
+from memsave_cli.kernels.triton import handover
 from memsave_cli.kernels.triton._launch import (
     as_bits,
     block,
@@ -43,7 +44,13 @@ _TL_BITS = {torch.float32: tl.int32, torch.float64: tl.int64}
 
 
 def relu_pack(
-    x: Tensor, out: Tensor, bits: Tensor, *, positive_zero: bool = False, checked: bool = True
+    x: Tensor,
+    out: Tensor,
+    bits: Tensor,
+    *,
+    positive_zero: bool = False,
+    checked: bool = True,
+    offer: str | None = None,
 ) -> None:
     """Write ``torch.relu(x)`` to ``out`` and set bit ``i`` of ``bits`` where it is nonzero.
 
@@ -51,7 +58,8 @@ def relu_pack(
     with ``positive_zero`` becomes ``+0.0`` as stock's CUDA ``clamp_min`` makes it; NaN payloads
     are copied), so the bit is set exactly where ``not x <= 0``, where ``threshold_backward``
     passes the gradient. Integer tests on the bits, no float arithmetic: float64, float32,
-    bfloat16 and float16 alike, and denormals never flushed. ``native.relu_pack``.
+    bfloat16 and float16 alike, and denormals never flushed. ``native.relu_pack``. ``offer``
+    names the kernel for the C++ nodes (``handover.offer``).
     """
     if checked:
         check_dense(x, "x")
@@ -60,7 +68,7 @@ def relu_pack(
         check_bits(bits, x.numel(), x)
     width = 8 * x.element_size()
     launch = _relu_pack_kernel[grid(x.numel())]
-    launch(
+    compiled = launch(
         as_bits(x),
         as_bits(out),
         bits,
@@ -70,6 +78,8 @@ def relu_pack(
         POSITIVE_ZERO=positive_zero,
         BLOCK=block(x.numel()),
     )
+    if offer is not None:
+        handover.offer(offer, compiled, (x, out, bits), x.numel())
 
 
 def leaky_pack(x: Tensor, out: Tensor, bits: Tensor, slope: float, *, checked: bool = True) -> None:

@@ -13,6 +13,7 @@ import torch
 import triton.language as tl
 from torch import Tensor
 
+from memsave_cli.kernels.triton import handover
 from memsave_cli.kernels.triton._launch import (
     BITS_DTYPE,
     as_bits,
@@ -52,14 +53,20 @@ def unpack(bits: Tensor, numel: int, dtype: torch.dtype, invert: bool = False) -
 
 
 def select_bits(
-    grad: Tensor, bits: Tensor, out: Tensor, *, invert: bool = False, checked: bool = True
+    grad: Tensor,
+    bits: Tensor,
+    out: Tensor,
+    *,
+    invert: bool = False,
+    checked: bool = True,
+    offer: str | None = None,
 ) -> None:
     """Write ``grad`` where bit ``i`` is set (clear if ``invert``) and ``+0`` elsewhere to ``out``.
 
     Mirrors ``native.select_bits``: elements are copied bit for bit (NaN payloads and infinities
     pass unchanged), which is ``threshold_backward(grad, mask01, 0)`` for the unpacked mask. Any
     dtype of 2, 4 or 8 bytes; ``grad`` and ``out`` dense with the same memory order; ``out`` may
-    be ``grad``.
+    be ``grad``. ``offer`` names the kernel for the C++ nodes (``handover.offer``).
     """
     if checked:
         check_dense(grad, "grad")
@@ -68,9 +75,11 @@ def select_bits(
         check_like(out, grad, "out", "grad")
         check_bits(bits, grad.numel(), grad)
     launch = _select_bits_kernel[grid(grad.numel())]
-    launch(
+    compiled = launch(
         as_bits(grad), bits, as_bits(out), grad.numel(), INVERT=invert, BLOCK=block(grad.numel())
     )
+    if offer is not None:
+        handover.offer(offer, compiled, (grad, bits, out), grad.numel())
 
 
 # -------------------------------------------------------------------------------------------

@@ -1,0 +1,210 @@
+"""The C++ ReLU node's kernel calls: the C kernels on the CPU, Triton's compiled kernels on CUDA.
+
+NOTE [kernels called from a node] in ``nodes.cpp``. Without a GPU the CUDA launch is tested with
+a stand-in for ``cuLaunchKernel``: a callback that reads the argument array the node built, checks
+it against what the compiled kernel takes (``handover.describe``, checked against real sm_90
+compiles in ``test_triton_cuda_compile.py``), and runs the C kernel over the same memory. The
+node then takes this path for CPU tensors, and its results must be stock's bit for bit.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+from torch import nn
+
+from memsave_cli.kernels import build, nodes
+from memsave_cli.kernels.native_checks import INF_BITS
+from memsave_cli.layers.activation import MemSaveReLU
+
+pytestmark = pytest.mark.skipif(not nodes.available(), reason=nodes.status(build=False))
+
+_LAUNCH = ctypes.CFUNCTYPE(
+    ctypes.c_int,
+    ctypes.c_void_p,
+    *[ctypes.c_uint] * 7,
+    ctypes.c_void_p,
+    ctypes.POINTER(ctypes.c_void_p),
+    ctypes.c_void_p,
+)
+#: Stand-in CUfunctions of the two kernels.
+RELU, SELECT = 0x1000, 0x2000
+THREADS, SHARED = 128, 256
+
+
+@dataclass
+class Launches:
+    """What the stand-in launcher saw: one (kernel, grid, n, pointers) per launch."""
+
+    params: str
+    seen: list[tuple[int, int, int, tuple[int, ...]]] = field(default_factory=list)
+
+
+def _value(params, index: int, code: str) -> int:
+    kind = {"p": ctypes.c_uint64, "i": ctypes.c_int32, "l": ctypes.c_int64}[code]
+    return ctypes.cast(params[index], ctypes.POINTER(kind)).contents.value
+
+
+@pytest.fixture(params=["pppi", "pppl"])
+def launches(request: pytest.FixtureRequest) -> Iterator[Launches]:
+    """The nodes launching through a stand-in for every CPU float32/float64 call they serve,
+    with the count passed as the code says (int32 or int64)."""
+    library = build.loaded().library
+    if library is None:
+        pytest.skip(build.loaded().status)
+    record = Launches(request.param)
+    sizes: dict[int, int] = {}
+
+    def launch(function, gx, gy, gz, bx, by, bz, shared, stream, params, extra) -> int:
+        values = [_value(params, i, code) for i, code in enumerate(record.params)]
+        scratch = [_value(params, 4 + i, "p") for i in range(2)]
+        assert (gy, gz, bx, by, bz, shared, stream, extra) == (
+            1,
+            1,
+            THREADS,
+            1,
+            1,
+            SHARED,
+            None,
+            None,
+        )
+        assert scratch == [0, 0]
+        *pointers, n = values
+        record.seen.append((function, gx, n, tuple(pointers)))
+        size = sizes[n]
+        if function == RELU:
+            x, out, bits = pointers
+            inf = INF_BITS[torch.float32 if size == 4 else torch.float64]
+            return library.memsave_relu_pack(x, out, bits, n, size, inf, 1)
+        grad, bits, out = pointers
+        return library.memsave_select_bits(grad, bits, out, n, size, 0, 1)
+
+    callback = _LAUNCH(launch)
+    namespace = torch.ops.memsave_nodes
+    for dtype in (torch.float32, torch.float64):
+        for block in (64, 128, 256, 512, 1024, 2048):
+            for name, function in (("relu_pack", RELU), ("select_bits", SELECT)):
+                namespace.register_kernel(
+                    name, dtype, -1, block, function, THREADS, SHARED, request.param, 2
+                )
+    namespace.set_launcher(ctypes.cast(callback, ctypes.c_void_p).value, True)
+    record.sizes = sizes  # type: ignore[attr-defined]
+    try:
+        yield record
+    finally:
+        namespace.set_launcher(0, False)
+        namespace.forget_kernels()
+
+
+def _run(module: nn.Module, x: torch.Tensor, grad: torch.Tensor, inplace: bool):
+    leaf = x.clone().requires_grad_()
+    out = module(leaf.clone() if inplace else leaf)
+    out.backward(grad)
+    return out.detach(), leaf.grad
+
+
+@pytest.mark.parametrize("inplace", [False, True], ids=lambda flag: f"inplace={flag}")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+@pytest.mark.parametrize(
+    "shape", [(2, 3, 4, 8), (4, 8, 16, 17)], ids=lambda shape: "x".join(map(str, shape))
+)
+def test_launched_kernels_give_stock_results(
+    launches: Launches, shape: tuple[int, ...], dtype: torch.dtype, inplace: bool
+) -> None:
+    x = torch.randn(shape, dtype=dtype)
+    x.view(-1)[:4] = torch.tensor([float("nan"), -0.0, float("inf"), -float("inf")])
+    x = x.contiguous(memory_format=torch.channels_last)
+    grad = torch.randn(shape, dtype=dtype).contiguous(memory_format=torch.channels_last)
+    n = x.numel()
+    launches.sizes[n] = x.element_size()  # type: ignore[attr-defined]
+    expected = _run(nn.ReLU(inplace), x, grad, inplace)
+    actual = _run(MemSaveReLU(inplace), x, grad, inplace)
+    for want, got in zip(expected, actual, strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
+        assert got.stride() == want.stride()
+    block = min(2048, max(64, 1 << (n - 1).bit_length()))
+    grid = -(-n // block)
+    assert [(f, g, count) for f, g, count, _ in launches.seen] == [
+        (RELU, grid, n),
+        (SELECT, grid, n),
+    ]
+
+
+def test_calls_the_kernels_cannot_take_go_to_the_ops(launches: Launches) -> None:
+    """Counts that are not multiples of 16, and pointers that are not, take the Python op
+    (the gradient of the unaligned input is aligned: its backward launches)."""
+    launches.sizes[64] = 4  # type: ignore[attr-defined]
+    for size, start in ((105, 0), (65, 1)):  # 105 elements; 64 starting 4 bytes past alignment
+        base = torch.randn(size)
+        results = []
+        for module in (nn.ReLU(), MemSaveReLU()):
+            leaf = base.clone().requires_grad_()
+            x = leaf[start:]
+            assert (x.data_ptr() % 16 != 0) == (start == 1)
+            out = module(x)
+            out.backward(torch.ones_like(out))
+            results.append((out.detach(), leaf.grad))
+        for want, got in zip(*results, strict=True):
+            assert torch.equal(got, want)
+    assert [function for function, *_ in launches.seen] == [SELECT]
+
+
+def test_launch_arguments_are_the_tensors(launches: Launches) -> None:
+    x = torch.randn(64)
+    launches.sizes[64] = 4  # type: ignore[attr-defined]
+    leaf = x.clone().requires_grad_()
+    out = MemSaveReLU()(leaf)
+    (_, _, _, (x_ptr, out_ptr, _)) = launches.seen[0]
+    assert (x_ptr, out_ptr) == (leaf.data_ptr(), out.data_ptr())
+    grad = torch.randn(64)
+    out.backward(grad)
+    (_, _, _, (grad_ptr, _, result_ptr)) = launches.seen[1]
+    assert (grad_ptr, result_ptr) == (grad.data_ptr(), leaf.grad.data_ptr())
+
+
+def test_cpu_tensors_take_the_c_kernels() -> None:
+    """Without a stand-in launcher the node calls native.c's kernels, handed over by address."""
+    library = build.loaded().library
+    if library is None:
+        pytest.skip(build.loaded().status)
+    called: list[str] = []
+    pack_type = ctypes.CFUNCTYPE(
+        ctypes.c_int,
+        *[ctypes.c_void_p] * 3,
+        ctypes.c_int64,
+        ctypes.c_int,
+        ctypes.c_uint64,
+        ctypes.c_int,
+    )
+    select_type = ctypes.CFUNCTYPE(
+        ctypes.c_int, *[ctypes.c_void_p] * 3, ctypes.c_int64, *[ctypes.c_int] * 3
+    )
+
+    def pack(*args):
+        called.append("relu_pack")
+        return library.memsave_relu_pack(*args)
+
+    def select(*args):
+        called.append("select_bits")
+        return library.memsave_select_bits(*args)
+
+    spies = (pack_type(pack), select_type(select))
+    addresses = [ctypes.cast(spy, ctypes.c_void_p).value for spy in spies]
+    flushes = ctypes.cast(library.memsave_flushes_denormals, ctypes.c_void_p).value
+    torch.ops.memsave_nodes.set_cpu_kernels(*addresses, flushes)
+    try:
+        x = torch.randn(3, 5, 7, dtype=torch.float64)
+        grad = torch.randn_like(x)
+        expected, actual = _run(nn.ReLU(), x, grad, False), _run(MemSaveReLU(), x, grad, False)
+        for want, got in zip(expected, actual, strict=True):
+            assert torch.equal(got, want)
+        assert called == ["relu_pack", "select_bits"]
+        called.clear()
+        _run(MemSaveReLU(), x.to(torch.bfloat16), grad.to(torch.bfloat16), False)
+        assert called == []  # 16-bit types take the op (NOTE [NaN payloads in 16-bit types])
+    finally:
+        torch.ops.memsave_nodes.set_cpu_kernels(*nodes._c_kernels())
