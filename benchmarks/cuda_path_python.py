@@ -10,7 +10,10 @@ an H100's host, measured there), and the results are garbage: only the time coun
 
 Run: ``python -m benchmarks.cuda_path_python [--repeats 7] [--calls 300] [--only ReLU ...]``.
 Rows are those of ``layer_overhead.py`` whose ops have a CUDA implementation of their own
-(activations and dropout); stock runs its CPU kernels, alternating with memsave.
+(activations and dropout); stock runs its CPU kernels, alternating with memsave. The layers run
+their Python Functions here: the ReLU node launches its CUDA kernels from C++ once they are
+registered (NOTE [kernels called from a node] in ``nodes.cpp``), so its rows show the path of
+ReLU's first calls and of the calls the node passes to the op.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import torch
 from torch import nn
 
 from benchmarks import layer_overhead
-from memsave_cli.kernels import activation, dropout
+from memsave_cli.kernels import activation, dropout, nodes
 from memsave_cli.kernels._eager_op import EagerOp
 from memsave_cli.kernels.triton import _launch
 from memsave_cli.layers.convert import convert
@@ -43,6 +46,7 @@ def cuda_path_on_cpu(launches: list[int]) -> Iterator[None]:
     everything is restored on exit."""
     saved = [(op, op.implementations["cpu"]) for op in _ops()]
     getitem, interpret = _launch.Kernel.__getitem__, os.environ.get("TRITON_INTERPRET")
+    serving = nodes.serving
 
     def count(kernel: _launch.Kernel, grid: tuple[int, ...]):
         def launch(*args, **kwargs) -> None:
@@ -53,6 +57,7 @@ def cuda_path_on_cpu(launches: list[int]) -> Iterator[None]:
     try:
         os.environ["TRITON_INTERPRET"] = "1"  # Triton "available", CPU tensors accepted
         _launch.Kernel.__getitem__ = count
+        nodes.serving = lambda *tensors: None  # the Python Functions: see the docstring
         for op, _ in saved:
             op.implementations["cpu"] = op.implementations["cuda"]
         yield
@@ -60,6 +65,7 @@ def cuda_path_on_cpu(launches: list[int]) -> Iterator[None]:
         for op, cpu in saved:
             op.implementations["cpu"] = cpu
         _launch.Kernel.__getitem__ = getitem
+        nodes.serving = serving
         if interpret is None:
             os.environ.pop("TRITON_INTERPRET", None)
         else:

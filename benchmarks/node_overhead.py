@@ -1,6 +1,6 @@
 """What the C++ nodes save per call: one layer's forward+backward with its node, with its Python
 Function, and stock, alternating, on tiny inputs (``layer_overhead.py``'s steps and convolution
-rows, and a batch norm with running statistics).
+rows, ReLU's, and a batch norm with running statistics).
 
 Run: ``python -m benchmarks.node_overhead [--repeats 15] [--calls 300] [--only ...]``. On tiny
 inputs what a call costs is its fixed part (Python, dispatch, autograd bookkeeping), which on a
@@ -25,7 +25,7 @@ from memsave_cli.timing import alternate, round_ratios
 #: The rows of ``layer_overhead.py`` whose memsave layer has a node, and batch norm with running
 #: statistics (``layer_overhead``'s batch norm trains, and then runs stock).
 ROWS = {
-    **{name: LAYERS[name] for name in LAYERS if name.startswith("Conv")},
+    **{name: LAYERS[name] for name in LAYERS if name.startswith(("Conv", "ReLU"))},
     "BatchNorm2d eval, frozen": (lambda: nn.BatchNorm2d(8).eval().requires_grad_(False), MAP),
 }
 

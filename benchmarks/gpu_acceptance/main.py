@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.gpu_acceptance import exactness, layer_time, memory, model_time
+from benchmarks.gpu_acceptance import exactness, launch_check, layer_time, memory, model_time
 from benchmarks.gpu_acceptance.budget import Budget, Deadline
 from benchmarks.gpu_acceptance.cells import Cell, Status, failed, progress, write_line
 from benchmarks.gpu_acceptance.device import describe_device
@@ -135,6 +135,8 @@ def run(plan: Plan, docs: Path, out: Path, command: str, isolate: bool = True) -
     )
     # Built once here, so that no worker compiles them inside its own budget.
     print(nodes.status(), flush=True)
+    found["node_launches"] = launch_check.check(plan.device)
+    print(found["node_launches"], flush=True)
     for part in plan.parts:
         print(f"== {part}: {budget.left(part):.0f} s left to it", flush=True)
         try:

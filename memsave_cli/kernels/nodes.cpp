@@ -270,9 +270,10 @@ at::Tensor batch_norm_eval(const at::Tensor &x, const std::optional<at::Tensor> 
 // arguments Triton's own launcher passes: the kernel's non-constexpr parameters in order, then
 // one null pointer per scratch buffer its metadata declares (all of size 0). A compiled kernel
 // is specialised on whether each pointer and integer argument is a multiple of 16, so only
-// calls where all of them are (and the element count exceeds 1, which Triton would fold into a
-// constant) take it; every other call, and every call while nothing is registered, goes through
-// the Python op, which gives the same bytes.
+// calls where all of them are take it (and whose element count exceeds 1, which Triton would
+// fold into a constant, and fits in int32, beyond which Triton compiles another kernel). Every
+// other call, and every call while nothing is registered, goes through the Python op, which
+// gives the same bytes.
 namespace kernels {
 
 // The C kernels (native.c), or null while not handed over.
@@ -321,11 +322,14 @@ int64_t block_of(int64_t numel) {
 std::optional<Compiled> find(const char *name, const at::Tensor &like, int64_t n) {
     const bool cpu = like.device().is_cpu();
     if (!(like.is_cuda() || (cpu && cpu_launches)) || n <= 1 || n % 16 != 0) return std::nullopt;
+    if (!like.has_storage()) return std::nullopt;  // a vmap wrapper: the op batches
     const int64_t device = cpu ? -1 : like.device().index();
     std::lock_guard<std::mutex> lock(table_mutex);
     const auto found =
         table.find(Key(name, static_cast<int64_t>(like.scalar_type()), device, block_of(n)));
     if (found == table.end()) return std::nullopt;
+    // A count beyond int32 takes another specialisation: the Python op launches that one.
+    if (n > INT32_MAX && found->second.params.find('i') != std::string::npos) return std::nullopt;
     return found->second;
 }
 
@@ -350,7 +354,6 @@ void run(const Compiled &kernel, const char *name, const at::Tensor &like, int64
         if (code == 'p') {
             values[count] = reinterpret_cast<uintptr_t>((*pointer++)->data_ptr());
         } else if (code == 'i') {
-            TORCH_CHECK(n <= INT32_MAX, "memsave nodes: ", name, " compiled for 32-bit sizes");
             const auto value = static_cast<int32_t>(n);
             std::memcpy(&values[count], &value, sizeof(value));
         } else if (code == 'l') {
@@ -385,7 +388,8 @@ int threads() { return std::max(1, at::get_num_threads()); }
 // Whether the C kernels serve t: float32/float64 on the CPU in the default floating-point mode
 // (native.py; the caller checks that t is dense in its bit order).
 bool c_serves(const at::Tensor &t) {
-    return t.is_cpu() && !cpu_launches && relu_pack_c != nullptr && flushes_denormals_c() == 0 &&
+    return t.is_cpu() && !cpu_launches && relu_pack_c != nullptr && t.has_storage() &&
+           flushes_denormals_c() == 0 &&
            (t.scalar_type() == at::kFloat || t.scalar_type() == at::kDouble);
 }
 

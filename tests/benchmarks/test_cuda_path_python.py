@@ -11,7 +11,7 @@ import torch
 pytest.importorskip("triton", reason="triton is not installed (it ships with PyTorch on Linux)")
 
 from benchmarks import cuda_path_python
-from memsave_cli.kernels import activation
+from memsave_cli.kernels import activation, nodes
 from memsave_cli.kernels.triton import _launch
 
 
@@ -19,6 +19,7 @@ def test_launches_are_counted_and_everything_is_restored() -> None:
     getitem = _launch.Kernel.__getitem__
     cpu = activation.relu_pack.implementations["cpu"]
     interpret = os.environ.get("TRITON_INTERPRET")
+    serving = nodes.serving
     # One launch forward (pack), one backward (select); dropout one each way.
     assert cuda_path_python.launches_per_call("ReLU") == 2
     assert cuda_path_python.launches_per_call("LeakyReLU") == 2
@@ -26,6 +27,7 @@ def test_launches_are_counted_and_everything_is_restored() -> None:
     assert _launch.Kernel.__getitem__ is getitem
     assert activation.relu_pack.implementations["cpu"] is cpu
     assert os.environ.get("TRITON_INTERPRET") == interpret
+    assert nodes.serving is serving
 
 
 def test_inside_the_context_cpu_tensors_take_the_cuda_implementation() -> None:

@@ -5,13 +5,16 @@ launch of a kernel for a dtype, device and block size runs in Python, where Trit
 :func:`offer` then describes the compiled kernel to the nodes (``describe``: the argument list
 Triton's own launcher would pass) and registers it once. Only launches of the kind the nodes
 make are offered: CUDA tensors whose pointers are all multiples of 16 and an element count that
-is a multiple of 16 above 1, the specialisation the compiled kernel was made for. A kernel whose
+is a multiple of 16 above 1 and within int32, the specialisation the compiled kernel was made
+for. A kernel whose
 launch needs more than the nodes do (scratch memory, clusters, cooperative or programmatic
-launches) is not registered, and its calls keep the Python launch.
+launches) is not registered, and its calls keep the Python launch. ``MEMSAVE_NODE_LAUNCH=0``
+registers nothing: every CUDA call of the nodes then goes through the Python op.
 """
 
 from __future__ import annotations
 
+import os
 from typing import Any, NamedTuple
 
 import torch
@@ -20,6 +23,8 @@ from torch import Tensor
 from memsave_cli.kernels import nodes
 from memsave_cli.kernels.triton._launch import block
 
+#: Counts above this take a kernel specialised for 64-bit sizes: never registered.
+_INT32_MAX = 2**31 - 1
 #: Keys (name, dtype, device, block) already offered: registered or refused.
 _OFFERED: dict[tuple[str, torch.dtype, int, int], str] = {}
 
@@ -42,10 +47,15 @@ def offer(name: str, compiled: Any, tensors: tuple[Tensor, ...], numel: int) -> 
     ``name``, if the nodes are loaded and would launch it for such a call; once per key.
     ``tensors[0]`` gives the dtype and device (the kernel may have read views of other types)."""
     like = tensors[0]
-    if not like.is_cuda or numel <= 1 or numel % 16 or any(t.data_ptr() % 16 for t in tensors):
+    if not like.is_cuda or numel <= 1 or numel % 16 or numel > _INT32_MAX:
+        return
+    if any(t.data_ptr() % 16 for t in tensors):
         return
     key = (name, like.dtype, like.device.index, block(numel))
     if key in _OFFERED:
+        return
+    if os.environ.get("MEMSAVE_NODE_LAUNCH", "").strip() == "0":
+        _OFFERED[key] = "refused: MEMSAVE_NODE_LAUNCH=0"
         return
     served = nodes.loaded()
     if served is None:
