@@ -16,7 +16,8 @@ measured by the same core as ``memsave profile`` (``memsave_cli.measure``), with
 as keyword arguments (``trainable=``, ``input_grad=``, ``dtype=``, ``lora_rank=``, ...): on the
 meta device by default, an exact estimate that needs no GPU and takes a second or two, or for
 real with ``device="cuda"``. A failed assertion reads like pytest's own: the peak, the budget
-and the layers keeping most.
+and the layers keeping most. What ``memsave profile`` would note under its numbers (parts of the
+model the inputs do not run) becomes a :class:`MemsaveNote` warning, listed after the run.
 """
 
 from __future__ import annotations
@@ -30,11 +31,16 @@ import pytest
 from memsave_cli.budget import parse_bytes
 from memsave_cli.errors import MemsaveError
 from memsave_cli.pytest_plugin._measure import ModelLike, measure_model, name_of
-from memsave_cli.pytest_plugin._messages import fits_message, metric_of, saves_message
+from memsave_cli.pytest_plugin._messages import (
+    MemsaveNote,
+    fits_message,
+    metric_of,
+    saves_message,
+)
 from memsave_cli.pytest_plugin._settings import Settings
 from memsave_cli.report import Run
 
-__all__ = ["MARKER", "MemsaveFixture", "Settings", "memsave"]
+__all__ = ["MARKER", "MemsaveFixture", "MemsaveNote", "Settings", "memsave"]
 
 #: The marker form of ``assert_fits`` and ``assert_saves``.
 MARKER = "memsave_budget"

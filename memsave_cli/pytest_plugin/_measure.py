@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import copy
 import inspect
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -13,6 +14,7 @@ from torch.nn.parameter import UninitializedBuffer, UninitializedParameter, is_l
 
 from memsave_cli.cases import Case
 from memsave_cli.errors import MemsaveError
+from memsave_cli.pytest_plugin._messages import MemsaveNote
 from memsave_cli.pytest_plugin._settings import Settings
 from memsave_cli.report import Run
 from memsave_cli.specs import ModelSpec, parse_spec
@@ -42,9 +44,18 @@ def measure_model(model: ModelLike, impl: str, chosen: Settings) -> Run:
     on_meta = None if built is None else _copy_to(built, torch.device("meta"))
     plan_model = PlanModel(spec, **shape, built=on_meta)
     checkpoint_targets(plan_model.model, chosen.checkpoint)  # a pattern that selects nothing raises
-    check_plan(spec, [case], **shape, plan_model=plan_model, dtype=job.dtype)
+    notes = check_plan(spec, [case], **shape, plan_model=plan_model, dtype=job.dtype)
     fed_inputs(plan_model.model, job.inputs, spec.text)  # raises: tokens for a vision model
-    return measure(job, built)
+    run = measure(job, built)
+    warn_notes(spec.text, notes)
+    return run
+
+
+def warn_notes(name: str, notes: Sequence[str]) -> None:
+    """Each note a report would print, as a :class:`MemsaveNote` warning, which pytest lists
+    after the run (a number measured without part of the model must not pass silently)."""
+    for note in notes:
+        warnings.warn(MemsaveNote(f"memsave: {name}: {note}"), stacklevel=4)
 
 
 def _in_worker(model: str, case: Case, impl: str, chosen: Settings) -> Run:
@@ -61,6 +72,7 @@ def _in_worker(model: str, case: Case, impl: str, chosen: Settings) -> Run:
         model_kwargs=dict(chosen.kwargs or {}),
         **settings,
     )
+    warn_notes(model, report.notes)
     return report.runs[0]
 
 

@@ -17,6 +17,11 @@ METRICS = {
 TOP_LAYERS = 5
 
 
+class MemsaveNote(UserWarning):
+    """What ``memsave profile`` would print under its table about a measurement: parts of the
+    model that the inputs do not run, and so are not in the numbers (NOTE [idle parts])."""
+
+
 def metric_of(metric: str) -> tuple[str, str]:
     """The Run attribute and label of ``metric``; MemsaveError naming the known ones otherwise."""
     if metric not in METRICS:

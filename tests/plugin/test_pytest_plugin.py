@@ -415,3 +415,44 @@ def test_vision_model_objects_take_pixels_only(pytester: pytest.Pytester) -> Non
     )
     result.assert_outcomes(passed=1, failed=1)
     result.stdout.fnmatch_lines(["memsave: --inputs embeds applies to language models; *"])
+
+
+def test_notes_become_warnings(pytester: pytest.Pytester) -> None:
+    """A part of the model that the inputs do not call is not in the numbers: the plugin says
+    so as ``profile`` does, with a MemsaveNote warning, and the test still passes."""
+    result = run_suite(
+        pytester,
+        """
+        import warnings
+
+        import pytest
+        import torch
+        from torch import nn
+
+        from memsave_cli.pytest_plugin import MemsaveNote
+
+        class Towers(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.text, self.image = nn.Linear(16, 16), nn.Linear(16, 64)
+
+            def forward(self, x):
+                return self.text(x)
+
+        def towers():
+            return Towers()
+
+        def towers_inputs(batch_size):
+            return torch.randn(batch_size, 16)
+
+        def test_uncalled_tower(memsave):
+            with pytest.warns(MemsaveNote, match="do not call image"):
+                memsave.assert_fits(towers, budget="1MiB", batch_size=4)
+
+        def test_every_part_called(memsave):
+            with warnings.catch_warnings():
+                warnings.simplefilter("error", MemsaveNote)
+                memsave.assert_fits(nn.Sequential(nn.Linear(16, 16)), budget="1MiB", batch_size=4)
+        """,
+    )
+    result.assert_outcomes(passed=2)
