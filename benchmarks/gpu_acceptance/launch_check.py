@@ -84,15 +84,24 @@ def main() -> int:
         print(f"not checked: {nodes.status()}")
         return 0
     count, differ = compare()
-    registered = sorted({k[0] for k, v in handover.offered().items() if v == "registered"})
-    refused = sorted({f"{k[0]} ({v})" for k, v in handover.offered().items() if v != "registered"})
+    offered = handover.offered().items()
+    registered = sorted({key[0] for key, how in offered if how == "registered"})
+    refused = sorted({f"{key[0]} ({how})" for key, how in offered if how != "registered"})
+    launched, failed, error = torch.ops.memsave_nodes.launch_counts()
     if differ:
         print(f"{len(differ)} of {count} comparisons differ from stock; first: {differ[0]}")
         return 1
-    if registered != ["relu_pack", "select_bits"]:
+    if failed:
+        print(
+            f"{count} comparisons bit for bit, but {failed} launch from C++ failed (CUresult {error})"
+        )
+        return 1
+    if registered != ["relu_pack", "select_bits"] or not launched:
         print(f"{count} comparisons bit for bit, but registered {registered}, refused {refused}")
         return 1
-    print(f"{count} comparisons bit for bit, kernels launched from C++: {', '.join(registered)}")
+    print(
+        f"{count} comparisons bit for bit; {launched} launches from C++ ({', '.join(registered)})"
+    )
     return 0
 
 

@@ -27,6 +27,7 @@
 
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <map>
@@ -273,7 +274,8 @@ at::Tensor batch_norm_eval(const at::Tensor &x, const std::optional<at::Tensor> 
 // calls where all of them are take it (and whose element count exceeds 1, which Triton would
 // fold into a constant, and fits in int32, beyond which Triton compiles another kernel). Every
 // other call, and every call while nothing is registered, goes through the Python op, which
-// gives the same bytes.
+// gives the same bytes. A launch the driver refuses runs nothing: it warns once, turns the
+// launches off for the process and takes the op too (launch_counts says how many were made).
 namespace kernels {
 
 // The C kernels (native.c), or null while not handed over.
@@ -297,18 +299,49 @@ using Key = std::tuple<std::string, int64_t, int64_t, int64_t>;  // kernel, dtyp
 std::mutex table_mutex;
 std::map<Key, Compiled> table;
 
-// cuLaunchKernel's signature, declared here: the nodes compile without CUDA's headers.
+// The driver functions the launches need, declared here: the nodes compile without CUDA's
+// headers, and find libcuda loaded wherever a CUDA tensor exists.
 using LaunchKernel = int (*)(void *, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned,
                              unsigned, void *, void **, void **);
-LaunchKernel launcher = nullptr;  // set on first use, or by a test (set_launcher)
-bool cpu_launches = false;        // a test's launcher takes CPU tensors' calls (device -1)
+struct Driver {
+    LaunchKernel launch = nullptr;
+    int (*current_context)(void **) = nullptr;
+    int (*device)(int *, int) = nullptr;
+    int (*retain_primary)(void **, int) = nullptr;
+    int (*set_context)(void *) = nullptr;
+};
+std::once_flag driver_once;
+Driver driver;
+LaunchKernel test_launcher = nullptr;  // a test's stand-in for cuLaunchKernel (set_launcher)
+bool cpu_launches = false;             // the stand-in takes CPU tensors' calls (device -1)
+// Launches made and failed since loading, and the last failure's CUresult.
+std::atomic<int64_t> launched{0}, failed{0}, last_error{0};
+std::atomic<bool> launches_off{false};  // after a failure: every call takes the Python op
 
-LaunchKernel driver_launcher() {
-    // libcuda is loaded already wherever a CUDA tensor exists.
+void load_driver() {
     void *library = dlopen("libcuda.so.1", RTLD_LAZY | RTLD_NOLOAD);
-    void *symbol = library ? dlsym(library, "cuLaunchKernel") : nullptr;
-    TORCH_CHECK(symbol != nullptr, "memsave nodes: cuLaunchKernel not found in libcuda.so.1");
-    return reinterpret_cast<LaunchKernel>(symbol);
+    if (library == nullptr) return;
+    const auto symbol = [&](const char *name) { return dlsym(library, name); };
+    driver.launch = reinterpret_cast<LaunchKernel>(symbol("cuLaunchKernel"));
+    driver.current_context = reinterpret_cast<int (*)(void **)>(symbol("cuCtxGetCurrent"));
+    driver.device = reinterpret_cast<int (*)(int *, int)>(symbol("cuDeviceGet"));
+    driver.retain_primary =
+        reinterpret_cast<int (*)(void **, int)>(symbol("cuDevicePrimaryCtxRetain"));
+    driver.set_context = reinterpret_cast<int (*)(void *)>(symbol("cuCtxSetCurrent"));
+}
+
+// Make a context current on this thread where none is (as Triton's launcher does): the
+// autograd engine's device threads may not have one until a runtime call makes it. The
+// device's primary context, which torch and Triton use. 0, or the failing CUresult.
+int ensure_context(int device_index) {
+    void *context = nullptr;
+    if (int status = driver.current_context(&context); status != 0 || context != nullptr) {
+        return status;
+    }
+    int device = 0;
+    if (int status = driver.device(&device, device_index); status != 0) return status;
+    if (int status = driver.retain_primary(&context, device); status != 0) return status;
+    return driver.set_context(context);
 }
 
 // The elements per program of the elementwise kernels (triton/_launch.py's block()).
@@ -322,7 +355,8 @@ int64_t block_of(int64_t numel) {
 std::optional<Compiled> find(const char *name, const at::Tensor &like, int64_t n) {
     const bool cpu = like.device().is_cpu();
     if (!(like.is_cuda() || (cpu && cpu_launches)) || n <= 1 || n % 16 != 0) return std::nullopt;
-    if (!like.has_storage()) return std::nullopt;  // a vmap wrapper: the op batches
+    // After a failed launch, and for vmap's wrappers (no storage: the op batches), the op runs.
+    if (launches_off || !like.has_storage()) return std::nullopt;
     const int64_t device = cpu ? -1 : like.device().index();
     std::lock_guard<std::mutex> lock(table_mutex);
     const auto found =
@@ -340,8 +374,9 @@ bool aligned(std::initializer_list<const at::Tensor *> tensors) {
 }
 
 // Launch `kernel` over n elements with `pointers`, then n, as its arguments (find() chose it,
-// aligned() checked the pointers).
-void run(const Compiled &kernel, const char *name, const at::Tensor &like, int64_t n,
+// aligned() checked the pointers). False where the launch failed: the first failure warns and
+// turns the launches off for the process, and the caller takes the Python op (nothing ran).
+bool run(const Compiled &kernel, const char *name, const at::Tensor &like, int64_t n,
          std::initializer_list<const at::Tensor *> pointers) {
     TORCH_CHECK(kernel.params.size() == pointers.size() + 1 && kernel.scratch <= 2,
                 "memsave nodes: kernel ", name, " registered with parameters '", kernel.params,
@@ -365,22 +400,38 @@ void run(const Compiled &kernel, const char *name, const at::Tensor &like, int64
         ++count;
     }
     for (int64_t s = 0; s < kernel.scratch; ++s, ++count) params[count] = &values[count];
+    const int64_t block = block_of(n);
+    const auto grid = static_cast<unsigned>((n + block - 1) / block);
     void *stream = nullptr;
     std::optional<c10::DeviceGuard> guard;
+    LaunchKernel launch = test_launcher;
+    int status = 0;
     if (!like.device().is_cpu()) {
         guard.emplace(like.device());
         stream = c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)
                      ->getStream(like.device())
                      .native_handle();
+        std::call_once(driver_once, load_driver);
+        const bool found = driver.launch && driver.current_context && driver.device &&
+                           driver.retain_primary && driver.set_context;
+        status = found ? ensure_context(like.device().index()) : -1;  // -1: no libcuda
+        if (launch == nullptr) launch = driver.launch;
     }
-    if (launcher == nullptr) launcher = driver_launcher();
-    const int64_t block = block_of(n);
-    const auto grid = static_cast<unsigned>((n + block - 1) / block);
-    const int status =
-        launcher(reinterpret_cast<void *>(kernel.function), grid, 1, 1,
-                 static_cast<unsigned>(kernel.threads), 1, 1,
-                 static_cast<unsigned>(kernel.shared), stream, params.data(), nullptr);
-    TORCH_CHECK(status == 0, "memsave nodes: launching ", name, " failed (CUresult ", status, ")");
+    if (status == 0) {
+        status = launch(reinterpret_cast<void *>(kernel.function), grid, 1, 1,
+                        static_cast<unsigned>(kernel.threads), 1, 1,
+                        static_cast<unsigned>(kernel.shared), stream, params.data(), nullptr);
+    }
+    if (status == 0) {
+        ++launched;
+        return true;
+    }
+    ++failed;
+    last_error = status;
+    launches_off = true;
+    TORCH_WARN("memsave nodes: launching ", name, " from C++ failed (CUresult ", status,
+                    "); its calls go through the Python op from now on, with the same results");
+    return false;
 }
 
 int threads() { return std::max(1, at::get_num_threads()); }
@@ -396,7 +447,7 @@ bool c_serves(const at::Tensor &t) {
 const uint64_t INF_BITS_32 = 0x7F800000ULL, INF_BITS_64 = 0x7FF0000000000000ULL;
 
 // relu(x) and its bits into new tensors (y is x in place) by memsave's kernels, where they
-// serve x (dense in its bit order); false where they do not, having allocated nothing.
+// serve x (dense in its bit order); false where they do not, having written nothing.
 bool relu_pack(const at::Tensor &x, bool inplace, at::Tensor &y, at::Tensor &bits) {
     const int64_t n = x.numel();
     const bool c = c_serves(x);
@@ -409,9 +460,9 @@ bool relu_pack(const at::Tensor &x, bool inplace, at::Tensor &y, at::Tensor &bit
         TORCH_CHECK(relu_pack_c(x.data_ptr(), y.data_ptr(), bits.data_ptr<uint8_t>(), n,
                                 static_cast<int>(x.element_size()), inf, threads()) == 0,
                     "memsave nodes: relu_pack rejected its arguments");
-    } else {
-        TORCH_CHECK(aligned({&y, &bits}), "memsave nodes: unaligned allocation");
-        run(*kernel, "relu_pack", x, n, {&x, &y, &bits});
+    } else if (!(aligned({&y, &bits}) && run(*kernel, "relu_pack", x, n, {&x, &y, &bits}))) {
+        y = bits = at::Tensor();
+        return false;
     }
     return true;
 }
@@ -428,9 +479,8 @@ at::Tensor select_bits(const at::Tensor &grad, const at::Tensor &bits) {
         TORCH_CHECK(select_bits_c(grad.data_ptr(), bits.data_ptr<uint8_t>(), out.data_ptr(), n,
                                   static_cast<int>(grad.element_size()), 0, threads()) == 0,
                     "memsave nodes: select_bits rejected its arguments");
-    } else {
-        TORCH_CHECK(aligned({&out}), "memsave nodes: unaligned allocation");
-        run(*kernel, "select_bits", grad, n, {&grad, &bits, &out});
+    } else if (!(aligned({&out}) && run(*kernel, "select_bits", grad, n, {&grad, &bits, &out}))) {
+        return at::Tensor();
     }
     return out;
 }
@@ -542,10 +592,17 @@ void forget_kernels() {
 }
 
 // A test's stand-in for cuLaunchKernel (0 restores the driver's), and whether CPU tensors'
-// calls go to it instead of the C kernels.
+// calls go to it instead of the C kernels; launches are on again, and counted from 0.
 void set_launcher(int64_t address, bool cpu) {
-    kernels::launcher = reinterpret_cast<kernels::LaunchKernel>(address);
-    kernels::cpu_launches = cpu;
+    kernels::test_launcher = reinterpret_cast<kernels::LaunchKernel>(address);
+    kernels::cpu_launches = cpu && address != 0;
+    kernels::launches_off = false;
+    kernels::launched = kernels::failed = kernels::last_error = 0;
+}
+
+// Launches from C++ so far: made, failed, and the last failure's CUresult (0: none).
+std::vector<int64_t> launch_counts() {
+    return {kernels::launched.load(), kernels::failed.load(), kernels::last_error.load()};
 }
 
 }  // namespace
@@ -565,6 +622,7 @@ TORCH_LIBRARY(memsave_nodes, m) {
           &register_kernel);
     m.def("forget_kernels() -> ()", &forget_kernels);
     m.def("set_launcher(int address, bool cpu) -> ()", &set_launcher);
+    m.def("launch_counts() -> int[]", &launch_counts);
 }
 
 TORCH_LIBRARY_IMPL(memsave_nodes, CompositeImplicitAutograd, m) {

@@ -84,6 +84,7 @@ def launches(request: pytest.FixtureRequest) -> Iterator[Launches]:
         return library.memsave_select_bits(grad, bits, out, n, size, 0, 1)
 
     callback = _LAUNCH(launch)
+    record.callback = callback  # type: ignore[attr-defined]
     namespace = torch.ops.memsave_nodes
     for dtype in (torch.float32, torch.float64):
         for block in (64, 128, 256, 512, 1024, 2048):
@@ -208,3 +209,20 @@ def test_cpu_tensors_take_the_c_kernels() -> None:
         assert called == []  # 16-bit types take the op (NOTE [NaN payloads in 16-bit types])
     finally:
         torch.ops.memsave_nodes.set_cpu_kernels(*nodes._c_kernels())
+
+
+def test_a_failed_launch_warns_and_the_op_takes_over(
+    launches: Launches, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """A launch the driver refuses runs nothing: the call takes the Python op (stock's results),
+    a warning on stderr says so once, and no later call launches."""
+    namespace = torch.ops.memsave_nodes
+    refuse = _LAUNCH(lambda *args: 700)  # CUDA_ERROR_ILLEGAL_ADDRESS
+    namespace.set_launcher(ctypes.cast(refuse, ctypes.c_void_p).value, True)
+    x, grad = torch.randn(4, 64), torch.randn(4, 64)
+    expected = _run(nn.ReLU(), x, grad, False)
+    actual = _run(MemSaveReLU(), x, grad, False)
+    for want, got in zip(expected, actual, strict=True):
+        assert torch.equal(got, want)
+    assert list(namespace.launch_counts()) == [0, 1, 700]  # the backward did not try again
+    assert "launching relu_pack from C++ failed (CUresult 700)" in capfd.readouterr().err
