@@ -21,7 +21,9 @@ Swapped into ResNet-101 in the ``input`` case, timed alternating (CUDA events):
 - ``memsave-conv``: memsave's convolutions as they run now, on memsave's own C++ node
   (``memsave_cli/kernels/nodes.cpp``, which this probe led to): it should time as ``cpp-conv``;
 - ``python-conv-relu``, ``cpp-conv-relu``: memsave's convolutions and ReLUs
-  (``include=["conv", "activation"]``, Python Functions), and both in the probe's C++ nodes.
+  (``include=["conv", "activation"]``, Python Functions), and both in the probe's C++ nodes;
+- ``memsave-conv-relu``: memsave's convolutions and ReLUs as they run now, both C++ nodes, the
+  ReLU's Triton kernels launched from C++ (NOTE [kernels called from a node]).
 
 It checks the input gradient of each against stock's bit for bit and reports what autograd
 keeps (distinct saved storages, any device) and, on CUDA, the memory a forward leaves allocated:
@@ -245,6 +247,7 @@ def models(name: str, device: str, nodes: Any) -> dict[str, nn.Module]:
         "memsave-conv": convert(stock, include=["conv"]),
         "python-conv-relu": PythonFunctions(convert(stock, include=["conv", "activation"])),
         "cpp-conv-relu": with_cpp_nodes(copy.deepcopy(stock), conv, relu),
+        "memsave-conv-relu": convert(stock, include=["conv", "activation"]),
     }
     for model in found.values():
         apply_case(model, resolve_case("input"))
