@@ -1,12 +1,13 @@
 """C++ autograd nodes of the drop-ins whose host time matters most (``nodes.cpp``).
 
-See NOTE [why a drop-in is a C++ node] and NOTE [kernels called from a node] in ``nodes.cpp``. The source is compiled on first use
-like ``native.c`` (NOTE [building the native kernels] in ``build.py``), with the C++ compiler
-(``$CXX``, else ``c++``, ``g++`` or ``clang++``) against the installed torch's headers; the cache
-key adds the torch version and location. Without a C++ compiler or torch's headers, with
-``MEMSAVE_NATIVE=0`` or ``MEMSAVE_NODES=0``, or on any failure, :func:`available` is False,
-:func:`status` says why in one line, and the layers run their Python ``autograd.Function``
-instead: the same results and saved tensors, more host time per call.
+See NOTE [why a drop-in is a C++ node] and NOTE [kernels called from a node] in ``nodes.cpp``.
+The source is compiled on first use like ``native.c`` (NOTE [building the native kernels] in
+``build.py``), with the C++ compiler (``$CXX``, else ``c++``, ``g++`` or ``clang++``) against
+the installed torch's headers; the cache key adds the torch version and location. Without a
+C++ compiler or torch's headers, with ``MEMSAVE_NATIVE=0`` or ``MEMSAVE_NODES=0``, or on any
+failure, :func:`available` is False, :func:`status` says why in one line, and the layers run
+their Python ``autograd.Function`` instead: the same results and saved tensors, more host time
+per call.
 """
 
 from __future__ import annotations

@@ -12,6 +12,7 @@ from __future__ import annotations
 import ctypes
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -226,3 +227,47 @@ def test_a_failed_launch_warns_and_the_op_takes_over(
         assert torch.equal(got, want)
     assert list(namespace.launch_counts()) == [0, 1, 700]  # the backward did not try again
     assert "launching relu_pack from C++ failed (CUresult 700)" in capfd.readouterr().err
+
+
+def _compiled(**metadata) -> SimpleNamespace:
+    """A stand-in for Triton's CompiledKernel of the ReLU pack kernel: what ``describe`` reads."""
+    from triton.runtime.jit import JITFunction
+
+    from memsave_cli.kernels.triton.activation import _relu_pack_kernel
+
+    fn = JITFunction(_relu_pack_kernel.fn)
+    signature = {name: "constexpr" for name in fn.arg_names}
+    signature |= {"x_ptr": "*i32", "out_ptr": "*i32", "bits_ptr": "*u8", "n": "i32"}
+    fields = {"num_warps": 4, "shared": SHARED, "global_scratch_size": 0, "profile_scratch_size": 0}
+    fields |= metadata
+    return SimpleNamespace(
+        src=SimpleNamespace(fn=fn, signature=signature, constants={}),
+        metadata=SimpleNamespace(**fields),
+        function=RELU,
+    )
+
+
+def test_handover_registers_what_the_node_launches(launches: Launches) -> None:
+    """``handover.register`` puts a compiled kernel where the node finds it, keeps it alive, and
+    refuses what the node cannot launch as Triton does."""
+    pytest.importorskip("triton")
+    from memsave_cli.kernels.triton import handover
+
+    served = nodes.loaded()
+    namespace = torch.ops.memsave_nodes
+    namespace.forget_kernels()
+    refused = _compiled(global_scratch_size=64)
+    key = ("relu_pack", torch.float32, -1, 256)
+    assert handover.register(served, key, refused) == "refused: global_scratch_size is 64"
+    assert (
+        handover.register(served, key, _compiled(launch_pdl=True)) == "refused: launch_pdl is set"
+    )
+    compiled = _compiled()
+    assert handover.register(served, key, compiled) == "registered"
+    assert compiled in handover._KEPT
+    x = torch.randn(4, 48)  # 192 elements: a block of 256
+    launches.sizes[192] = 4  # type: ignore[attr-defined]
+    y = MemSaveReLU()(x.requires_grad_())
+    assert torch.equal(y, torch.relu(x))
+    function, grid, n, _ = launches.seen[0]
+    assert (function, grid, n) == (RELU, 1, 192)

@@ -6,10 +6,10 @@ launch of a kernel for a dtype, device and block size runs in Python, where Trit
 Triton's own launcher would pass) and registers it once. Only launches of the kind the nodes
 make are offered: CUDA tensors whose pointers are all multiples of 16 and an element count that
 is a multiple of 16 above 1 and within int32, the specialisation the compiled kernel was made
-for. A kernel whose
-launch needs more than the nodes do (scratch memory, clusters, cooperative or programmatic
-launches) is not registered, and its calls keep the Python launch. ``MEMSAVE_NODE_LAUNCH=0``
-registers nothing: every CUDA call of the nodes then goes through the Python op.
+for. A kernel whose launch needs more than the nodes do (scratch memory, clusters, cooperative
+or programmatic launches) is not registered, and its calls keep the Python launch.
+``MEMSAVE_NODE_LAUNCH=0`` registers nothing: every CUDA call of the nodes then goes through the
+Python op.
 """
 
 from __future__ import annotations
@@ -27,6 +27,9 @@ from memsave_cli.kernels.triton._launch import block
 _INT32_MAX = 2**31 - 1
 #: Keys (name, dtype, device, block) already offered: registered or refused.
 _OFFERED: dict[tuple[str, torch.dtype, int, int], str] = {}
+#: The registered kernels, kept alive: newer Tritons unload a compiled kernel's module when the
+#: object goes (a cleared cache), which would leave the nodes a dangling CUfunction.
+_KEPT: list[Any] = []
 
 
 class Unsupported(Exception):
@@ -58,18 +61,22 @@ def offer(name: str, compiled: Any, tensors: tuple[Tensor, ...], numel: int) -> 
         _OFFERED[key] = "refused: MEMSAVE_NODE_LAUNCH=0"
         return
     served = nodes.loaded()
-    if served is None:
-        return
+    if served is not None:
+        _OFFERED[key] = register(served, key, compiled)
+
+
+def register(served: nodes.Nodes, key: tuple[str, torch.dtype, int, int], compiled: Any) -> str:
+    """Register ``compiled`` with the nodes under ``key`` (name, dtype, device, block) and keep
+    it; ``registered``, or why it was refused."""
     try:
         description = describe(compiled)
     except Unsupported as why:
-        _OFFERED[key] = f"refused: {why}"
-        return
+        return f"refused: {why}"
     if getattr(compiled, "function", None) is None:
         compiled._init_handles()  # loads the module (done already by the launch)
-    function = int(compiled.function)
-    served.register_kernel(name, like.dtype, like.device.index, key[3], function, *description)
-    _OFFERED[key] = "registered"
+    _KEPT.append(compiled)
+    served.register_kernel(*key, int(compiled.function), *description)
+    return "registered"
 
 
 def describe(compiled: Any) -> Description:
