@@ -6,7 +6,7 @@ Run: ``python -m benchmarks.family_sweep [--kind causal|masked|seq2seq] [--famil
 or encoder-decoders (``AutoModelForSeq2SeqLM``: T5, BART, ...).
 Each family's default configuration is cut to a small model (two layers, hidden 32, vocabulary
 128, four experts where it has experts; layer-type lists cut to one layer of each type) with
-dropout set to 0 and eager attention, built in float32 with the kind's ``from_config``,
+dropout set to 0, no cache and eager attention, built in float32 with the kind's ``from_config``,
 and trained one step on the same token ids, stock and ``convert``-ed, twice: every weight
 trainable, and weights frozen with the input embeddings differentiated (the paper's fine-tuning
 case). Loss and every gradient must be bitwise equal. Each family runs in a process of its own
@@ -70,7 +70,20 @@ SMALL = {
     "first_k_dense_replace": 1,
     "n_group": 1,  # expert groups, of the four experts
     "topk_group": 1,
+    # Mamba-2 mixers (Bamba, Granite hybrid, Zamba2): heads x head size = expand x hidden = 64.
+    "mamba_n_heads": 8,
+    "mamba_d_head": 8,
+    "mamba_headdim": 8,
+    "mamba_d_ssm": 64,  # Falcon-H1's heads x head size, where it names it
+    "mamba_d_state": 16,
+    "mamba_dt_rank": 2,
+    # Zamba's shared attention over the concatenated input and embedding (2 x hidden).
+    "attention_hidden_size": 64,
+    "attention_head_dim": 16,
 }
+#: Mamba-2's own names for its mixer's heads (``num_heads`` means attention heads elsewhere),
+#: cut where a configuration has its ``n_groups`` and ``expand``.
+_MAMBA2 = {"num_heads": 8, "head_dim": 8, "n_groups": 1}
 #: Words in the names of settings that draw random numbers in training (dropout, layer drop,
 #: router jitter): set to 0, so that a step is deterministic.
 _RANDOM_IN_TRAINING = ("dropout", "pdrop", "layerdrop", "jitter")
@@ -111,7 +124,8 @@ def small_config(family: str) -> Any:
 
 def _cut(config: Any) -> None:
     settings = config.to_dict()
-    for key, value in SMALL.items():
+    mamba2 = "n_groups" in settings and "expand" in settings
+    for key, value in (SMALL | _MAMBA2 if mamba2 else SMALL).items():
         if isinstance(settings.get(key), int) and not isinstance(settings[key], bool):
             setattr(config, key, value)
     if isinstance(settings.get("kv_lora_rank"), int) and isinstance(
@@ -131,6 +145,10 @@ def _cut(config: Any) -> None:
     for key, value in settings.items():
         if isinstance(value, float) and any(word in key for word in _RANDOM_IN_TRAINING):
             setattr(config, key, 0.0)
+    if "use_cache" in settings:
+        # A training step needs no cache, and one of recurrent layers alone (a hybrid cut to
+        # two layers) refuses the sequence length transformers asks it for.
+        config.use_cache = False
     for key in settings:  # nested configurations: text_config, encoder_config, encoder, ...
         nested = getattr(config, key, None) if key.endswith(_NESTED) else None
         if nested is not None and hasattr(nested, "to_dict"):
