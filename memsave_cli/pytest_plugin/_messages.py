@@ -18,8 +18,9 @@ TOP_LAYERS = 5
 
 
 class MemsaveNote(UserWarning):
-    """What ``memsave profile`` would print under its table about a measurement: parts of the
-    model that the inputs do not run, and so are not in the numbers (NOTE [idle parts])."""
+    """A note ``memsave profile`` prints under its numbers: on the meta device those of the plan
+    check (parts of the model that the inputs do not run, and so are not in the numbers: NOTE
+    [idle parts]); a spec measured in a worker (cpu, cuda) gives every note of its report."""
 
 
 def metric_of(metric: str) -> tuple[str, str]:
