@@ -56,6 +56,7 @@ SMALL = {
     "encoder_ffn_dim": 64,
     "n_positions": 128,
     "embedding_size": 32,
+    "embedding_dim": 32,  # xLSTM's, NeoMME's width
     # Multi-head latent attention (DeepSeek-V2 and its kin): the rotary part is ``head_dim``.
     "q_lora_rank": 16,
     "kv_lora_rank": 16,
@@ -81,6 +82,9 @@ SMALL = {
     "attention_hidden_size": 64,
     "attention_head_dim": 16,
 }
+#: Settings some default configurations leave unset (None), which their models need for a
+#: step: DeepSeek-V2's experts per token.
+_UNSET = {"num_experts_per_tok": 2}
 #: Mamba-2's own names for its mixer's heads (``num_heads`` means attention heads elsewhere),
 #: cut where a configuration has its ``n_groups`` and ``expand``.
 _MAMBA2 = {"num_heads": 8, "head_dim": 8, "n_groups": 1}
@@ -124,6 +128,9 @@ def small_config(family: str) -> Any:
 
 def _cut(config: Any) -> None:
     settings = config.to_dict()
+    for key, value in _UNSET.items():
+        if key in settings and settings[key] is None:
+            setattr(config, key, value)
     mamba2 = "n_groups" in settings and "expand" in settings
     for key, value in (SMALL | _MAMBA2 if mamba2 else SMALL).items():
         if isinstance(settings.get(key), int) and not isinstance(settings[key], bool):
