@@ -84,6 +84,21 @@ def check_inputs(model: nn.Module, spec: ModelSpec, example: Example) -> None:
 _META_ONLY = ("meta", "no data", "data-dependent", "data dependent")
 
 
+#: Forward arguments of image and audio inputs, which a Hugging Face model may need besides the
+#: token ids memsave made (GIT's loss skips the image tokens its logits start with).
+_MEDIA = ("pixel_values", "input_values", "input_features")
+
+
+def _unfed_media(model: nn.Module, example: Example) -> list[str]:
+    """The image or audio arguments ``model.forward`` takes that ``example`` does not give."""
+    try:
+        parameters = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return []
+    given = set(example.kwargs)
+    return [name for name in _MEDIA if name in parameters and name not in given]
+
+
 #: Words of errors about a tensor's dtype (a kernel that takes half precision only, say).
 _DTYPE_WORDS = re.compile(r"float|half|dtype", re.IGNORECASE)
 
@@ -118,6 +133,12 @@ def check_forward(
         elif spec.kind in ("module", "file") and spec.attr:
             hint = (
                 f"give --input-shape, or define {spec.attr}_inputs(batch_size) beside {spec.attr}"
+            )
+        elif unfed := _unfed_media(model, example):
+            hint = (
+                f"its forward also reads {' or '.join(unfed)}, which memsave does not make for "
+                "this model: build it in a callable spec whose <callable>_inputs(batch_size) "
+                "companion gives them"
             )
         else:
             hint = "give --input-shape (one sample, without the batch dimension)"

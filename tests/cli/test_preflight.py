@@ -322,3 +322,30 @@ def test_mixture_of_experts_is_measured(runner, mixtral, dtype: str):
     result = runner.invoke(app, [*args, "--dtype", dtype, "--case", "all", "--json", "-"])
     assert result.exit_code == 0, result.output
     assert '"status": "ok"' in result.output and '"status": "error"' not in result.output
+
+
+def test_a_model_needing_images_besides_tokens_is_told_how_to_feed_them(
+    runner, no_workers, tmp_path
+):
+    """GIT's loss skips the image tokens its logits start with, so token ids alone fail its
+    forward: the line names the input memsave did not make and what would make it."""
+    transformers = pytest.importorskip("transformers")
+    vision = {"hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2}
+    vision |= {"intermediate_size": 64, "image_size": 32, "patch_size": 16}
+    config = transformers.GitConfig(
+        vision_config=vision,
+        hidden_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=64,
+        vocab_size=64,
+        architectures=["GitForCausalLM"],
+    )
+    config.save_pretrained(tmp_path)
+    args = ["profile", f"hf:{tmp_path}", "--device", "meta", "--case", "all"]
+    line = one_error_line(runner.invoke(app, args))
+    assert "the forward fails on" in line
+    assert line.endswith(
+        "its forward also reads pixel_values, which memsave does not make for this model: build "
+        "it in a callable spec whose <callable>_inputs(batch_size) companion gives them"
+    )
