@@ -39,10 +39,14 @@ THREADS, SHARED = 128, 256
 
 @dataclass
 class Launches:
-    """What the stand-in launcher saw: one (kernel, grid, n, pointers) per launch."""
+    """What the stand-in launcher saw: one (kernel, grid, n, pointers) per launch; the element
+    size of each count a test launches (the stand-in runs the C kernel of that width); and the
+    callback, kept alive while the nodes may call it."""
 
     params: str
     seen: list[tuple[int, int, int, tuple[int, ...]]] = field(default_factory=list)
+    sizes: dict[int, int] = field(default_factory=dict)
+    callback: object = None
 
 
 def _value(params, index: int, code: str) -> int:
@@ -58,7 +62,6 @@ def launches(request: pytest.FixtureRequest) -> Iterator[Launches]:
     if library is None:
         pytest.skip(build.loaded().status)
     record = Launches(request.param)
-    sizes: dict[int, int] = {}
 
     def launch(function, gx, gy, gz, bx, by, bz, shared, stream, params, extra) -> int:
         values = [_value(params, i, code) for i, code in enumerate(record.params)]
@@ -76,7 +79,7 @@ def launches(request: pytest.FixtureRequest) -> Iterator[Launches]:
         assert scratch == [0, 0]
         *pointers, n = values
         record.seen.append((function, gx, n, tuple(pointers)))
-        size = sizes[n]
+        size = record.sizes[n]
         if function == RELU:
             x, out, bits = pointers
             inf = INF_BITS[torch.float32 if size == 4 else torch.float64]
@@ -85,7 +88,7 @@ def launches(request: pytest.FixtureRequest) -> Iterator[Launches]:
         return library.memsave_select_bits(grad, bits, out, n, size, 0, 1)
 
     callback = _LAUNCH(launch)
-    record.callback = callback  # type: ignore[attr-defined]
+    record.callback = callback
     namespace = torch.ops.memsave_nodes
     for dtype in (torch.float32, torch.float64):
         for block in (64, 128, 256, 512, 1024, 2048):
@@ -94,7 +97,6 @@ def launches(request: pytest.FixtureRequest) -> Iterator[Launches]:
                     name, dtype, -1, block, function, THREADS, SHARED, request.param, 2
                 )
     namespace.set_launcher(ctypes.cast(callback, ctypes.c_void_p).value, True)
-    record.sizes = sizes  # type: ignore[attr-defined]
     try:
         yield record
     finally:
@@ -122,7 +124,7 @@ def test_launched_kernels_give_stock_results(
     x = x.contiguous(memory_format=torch.channels_last)
     grad = torch.randn(shape, dtype=dtype).contiguous(memory_format=torch.channels_last)
     n = x.numel()
-    launches.sizes[n] = x.element_size()  # type: ignore[attr-defined]
+    launches.sizes[n] = x.element_size()
     expected = _run(nn.ReLU(inplace), x, grad, inplace)
     actual = _run(MemSaveReLU(inplace), x, grad, inplace)
     for want, got in zip(expected, actual, strict=True):
@@ -139,7 +141,7 @@ def test_launched_kernels_give_stock_results(
 def test_calls_the_kernels_cannot_take_go_to_the_ops(launches: Launches) -> None:
     """Counts that are not multiples of 16, and pointers that are not, take the Python op
     (the gradient of the unaligned input is aligned: its backward launches)."""
-    launches.sizes[64] = 4  # type: ignore[attr-defined]
+    launches.sizes[64] = 4
     for size, start in ((105, 0), (65, 1)):  # 105 elements; 64 starting 4 bytes past alignment
         base = torch.randn(size)
         results = []
@@ -157,7 +159,7 @@ def test_calls_the_kernels_cannot_take_go_to_the_ops(launches: Launches) -> None
 
 def test_launch_arguments_are_the_tensors(launches: Launches) -> None:
     x = torch.randn(64)
-    launches.sizes[64] = 4  # type: ignore[attr-defined]
+    launches.sizes[64] = 4
     leaf = x.clone().requires_grad_()
     out = MemSaveReLU()(leaf)
     (_, _, _, (x_ptr, out_ptr, _)) = launches.seen[0]
@@ -266,8 +268,50 @@ def test_handover_registers_what_the_node_launches(launches: Launches) -> None:
     assert handover.register(served, key, compiled) == "registered"
     assert compiled in handover._KEPT
     x = torch.randn(4, 48)  # 192 elements: a block of 256
-    launches.sizes[192] = 4  # type: ignore[attr-defined]
+    launches.sizes[192] = 4
     y = MemSaveReLU()(x.requires_grad_())
     assert torch.equal(y, torch.relu(x))
     function, grid, n, _ = launches.seen[0]
     assert (function, grid, n) == (RELU, 1, 192)
+
+
+class _OnCuda(torch.Tensor):
+    """A CPU tensor that says it is on CUDA: enough for ``handover.offer``'s checks."""
+
+    @property
+    def is_cuda(self) -> bool:
+        return True
+
+
+def test_offer_registers_once_what_the_node_would_launch(monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("triton")
+    from memsave_cli.kernels.triton import handover
+
+    registered: list[tuple] = []
+    served = SimpleNamespace(register_kernel=lambda *args: registered.append(args))
+    monkeypatch.setattr(handover.nodes, "loaded", lambda: served)
+    monkeypatch.setattr(handover, "_OFFERED", {})
+    monkeypatch.setattr(handover, "_KEPT", [])
+    monkeypatch.delenv("MEMSAVE_NODE_LAUNCH", raising=False)
+
+    def offer(numel: int, start: int = 0, dtype=torch.float32) -> None:
+        x = torch.empty(numel + start, dtype=dtype)[start:].as_subclass(_OnCuda)
+        bits = torch.empty(-(-numel // 8), dtype=torch.uint8).as_subclass(_OnCuda)
+        handover.offer("relu_pack", _compiled(), (x, x, bits), numel)
+
+    offer(100)  # not a multiple of 16
+    offer(64, start=1)  # a pointer 4 bytes past alignment
+    assert registered == []
+    offer(64)
+    offer(4096)
+    offer(4096)  # the same key: once
+    assert [args[:4] for args in registered] == [
+        ("relu_pack", torch.float32, None, 64),
+        ("relu_pack", torch.float32, None, 2048),
+    ]
+    assert registered[0][4:] == (RELU, 128, SHARED, "pppi", 2)
+    assert len(handover._KEPT) == 2
+    monkeypatch.setenv("MEMSAVE_NODE_LAUNCH", "0")
+    offer(64, dtype=torch.float64)
+    assert len(registered) == 2
+    assert handover.offered()[("relu_pack", torch.float64, None, 64)].endswith("=0")

@@ -49,20 +49,17 @@ def offer(name: str, compiled: Any, tensors: tuple[Tensor, ...], numel: int) -> 
     """Register ``compiled``, just launched over ``tensors`` and ``numel`` as the nodes' kernel
     ``name``, if the nodes are loaded and would launch it for such a call; once per key.
     ``tensors[0]`` gives the dtype and device (the kernel may have read views of other types)."""
-    like = tensors[0]
-    if not like.is_cuda or numel <= 1 or numel % 16 or numel > _INT32_MAX:
-        return
-    if any(t.data_ptr() % 16 for t in tensors):
+    # Cheapest first: a compiled graph calls the op, and so this, on every call.
+    like, served = tensors[0], nodes.loaded()
+    if served is None or not like.is_cuda or numel <= 1 or numel % 16 or numel > _INT32_MAX:
         return
     key = (name, like.dtype, like.device.index, block(numel))
-    if key in _OFFERED:
+    if key in _OFFERED or any(t.data_ptr() % 16 for t in tensors):
         return
     if os.environ.get("MEMSAVE_NODE_LAUNCH", "").strip() == "0":
         _OFFERED[key] = "refused: MEMSAVE_NODE_LAUNCH=0"
         return
-    served = nodes.loaded()
-    if served is not None:
-        _OFFERED[key] = register(served, key, compiled)
+    _OFFERED[key] = register(served, key, compiled)
 
 
 def register(served: nodes.Nodes, key: tuple[str, torch.dtype, int, int], compiled: Any) -> str:
