@@ -185,10 +185,16 @@ def _cpu_select(grad, bits, order, out_strides, slope) -> Tensor:
 def _cuda_select(grad, bits, order, out_strides, slope) -> Tensor:
     if not _triton_serves(grad, order):
         return reference_select(grad, bits, order, out_strides, slope)
+    return _select_with(_cuda_select_kernels(), True, grad, bits, order, out_strides, slope)
+
+
+@functools.cache
+def _cuda_select_kernels() -> tuple:
+    """The Triton ``(select_bits, select_scale)`` as ``_select_with`` calls them; ReLU's offers
+    its kernel to the C++ node (NOTE [kernels called from a node] in ``nodes.cpp``)."""
     from memsave_cli.kernels.triton import activation, bitmask
 
-    kernels = (functools.partial(bitmask.select_bits, offer="select_bits"), activation.select_scale)
-    return _select_with(kernels, True, grad, bits, order, out_strides, slope)
+    return functools.partial(bitmask.select_bits, offer="select_bits"), activation.select_scale
 
 
 def _select_with(kernels, served, grad, bits, order, out_strides, slope) -> Tensor:
