@@ -35,8 +35,10 @@ SAMPLE_RATE = 16_000
 _LM_HEADS = ("ForCausalLM", "LMHeadModel", "ForConditionalGeneration", "ForMaskedLM")
 #: Heads that compute their own loss from class ``labels`` of shape (B,).
 _IMAGE_HEADS = ("ForImageClassification",)
+#: Forward arguments of image and audio inputs.
+MEDIA_INPUTS = ("pixel_values", "input_values", "input_features")
 #: Forward arguments that name what a model reads, for ``hf_inputs``'s error.
-_INPUT_NAMES = ("input_ids", "pixel_values", "input_values", "input_features", "inputs_embeds")
+_INPUT_NAMES = ("input_ids", *MEDIA_INPUTS, "inputs_embeds")
 
 
 def is_hf_model(model: nn.Module) -> bool:

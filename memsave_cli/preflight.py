@@ -19,6 +19,7 @@ from torch import nn
 
 from memsave_cli.cases import Case, trainable_names
 from memsave_cli.errors import SpecError, describe
+from memsave_cli.hf_inputs import MEDIA_INPUTS
 from memsave_cli.idle_parts import calls_recorded, idle_note, idle_parts
 from memsave_cli.inputs import Example, make_example
 from memsave_cli.loss import loss_of
@@ -84,19 +85,16 @@ def check_inputs(model: nn.Module, spec: ModelSpec, example: Example) -> None:
 _META_ONLY = ("meta", "no data", "data-dependent", "data dependent")
 
 
-#: Forward arguments of image and audio inputs, which a Hugging Face model may need besides the
-#: token ids memsave made (GIT's loss skips the image tokens its logits start with).
-_MEDIA = ("pixel_values", "input_values", "input_features")
-
-
 def _unfed_media(model: nn.Module, example: Example) -> list[str]:
-    """The image or audio arguments ``model.forward`` takes that ``example`` does not give."""
+    """The image or audio arguments ``model.forward`` takes that ``example`` does not give: what
+    a Hugging Face model may need besides the token ids memsave made (GIT's loss skips the image
+    tokens its logits start with)."""
     try:
         parameters = inspect.signature(model.forward).parameters
     except (TypeError, ValueError):
         return []
     given = set(example.kwargs)
-    return [name for name in _MEDIA if name in parameters and name not in given]
+    return [name for name in MEDIA_INPUTS if name in parameters and name not in given]
 
 
 #: Words of errors about a tensor's dtype (a kernel that takes half precision only, say).
