@@ -151,13 +151,17 @@ def _activate(
     """
     if not (x.requires_grad and records_backward(x)) or (inplace and x.is_leaf):
         return stock(x, *args, inplace)
-    if torch.compiler.is_compiling():
-        if inplace:
-            return x.copy_(function.apply(x, *args, False, True))
-    elif function is _ReLUFunction and (served := nodes.serving(x)) is not None:
-        # The same Function in C++ (NOTE [why a drop-in is a C++ node] in nodes.cpp).
-        return served.relu_(x) if inplace else served.relu(x)
+    if inplace and torch.compiler.is_compiling():
+        return x.copy_(function.apply(x, *args, False, True))
     return function.apply(x, *args, inplace, inplace)
+
+
+def _relu(x: Tensor, inplace: bool) -> Tensor:
+    """ReLU by its C++ node where that serves (the same Function in C++, NOTE [why a drop-in is
+    a C++ node] in ``nodes.cpp``), asked first in few Python steps; else :func:`_activate`."""
+    if x.requires_grad and not (inplace and x.is_leaf) and (served := nodes.serving(x)):
+        return served.relu_(x) if inplace else served.relu(x)
+    return _activate(_ReLUFunction, F.relu, x, inplace=inplace)
 
 
 def kernel_bounds(dtype: torch.dtype, min_val: float, max_val: float) -> tuple[float, float]:
@@ -222,7 +226,7 @@ class MemSaveReLU(nn.ReLU):
     """``nn.ReLU`` saving a 1-bit mask (numel / 8 bytes) instead of its full result."""
 
     def forward(self, input: Tensor) -> Tensor:
-        return _activate(_ReLUFunction, F.relu, input, inplace=self.inplace)
+        return _relu(input, self.inplace)
 
 
 @drop_in(nn.LeakyReLU)

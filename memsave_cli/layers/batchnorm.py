@@ -125,35 +125,38 @@ class _MemSaveBatchNorm(nn.modules.batchnorm._BatchNorm):
     """Shared ``forward`` of the BatchNorm drop-ins (see NOTE [batch norm with running statistics])."""
 
     def forward(self, input: Tensor) -> Tensor:
-        if self._runs_stock(input):
+        if self.training:  # batch statistics: stock (module NOTE)
+            return super().forward(input)
+        args = (input, self.weight, self.bias, self.running_mean, self.running_var)
+        # Its C++ node where that serves (NOTE [why a drop-in is a C++ node] in nodes.cpp).
+        served = nodes.serving(*args)
+        if self._runs_stock(input, recorded=served is not None):
             return super().forward(input)
         self._check_input_dim(input)
-        args = (input, self.weight, self.bias, self.running_mean, self.running_var, self.eps)
-        # Its C++ node where that serves (NOTE [why a drop-in is a C++ node] in nodes.cpp).
-        served = nodes.serving(*args[:5])
         if served is None:
-            return BatchNormEvalFunction.apply(*args)
-        return served.batch_norm_eval(*args)
+            return BatchNormEvalFunction.apply(*args, self.eps)
+        return served.batch_norm_eval(*args, self.eps)
 
-    def _runs_stock(self, input: Tensor) -> bool:
+    def _runs_stock(self, input: Tensor, recorded: bool) -> bool:
         """Whether stock keeps nothing this layer could drop, so the stock module runs.
 
-        An empty input takes stock's kernel-free path (``_batch_norm_impl_index``: a scaled copy
-        of the input) and keeps nothing of size; the backward kernel would divide by its zero
-        element count and crash the process.
+        ``recorded``: whether the nodes serve, which implies that autograd records the call
+        (asked here otherwise). An empty input takes stock's kernel-free path
+        (``_batch_norm_impl_index``: a scaled copy of the input) and keeps nothing of size; the
+        backward kernel would divide by its zero element count and crash the process.
         """
         empty = input.numel() == 0
-        return empty or not self._normalises_with_running_stats() or not self._may_need_grad(input)
+        return (
+            empty
+            or not self._normalises_with_running_stats()
+            or not any(t is not None and t.requires_grad for t in (input, self.weight, self.bias))
+            or not (recorded or records_backward(input))
+        )
 
     def _normalises_with_running_stats(self) -> bool:
         """Whether stock normalises with the running statistics (and validates ``eps`` as stock)."""
         has_stats = self.running_mean is not None and self.running_var is not None
         return not self.training and has_stats and self.eps >= 0.0
-
-    def _may_need_grad(self, input: Tensor) -> bool:
-        """Whether autograd could record this call (otherwise stock saves nothing either)."""
-        tensors = (input, self.weight, self.bias)
-        return records_backward(input) and any(t is not None and t.requires_grad for t in tensors)
 
 
 @drop_in(nn.BatchNorm1d)

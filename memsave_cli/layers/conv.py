@@ -18,11 +18,7 @@ from torch import Tensor, nn
 from memsave_cli.kernels import nodes
 from memsave_cli.layers import stand_ins
 from memsave_cli.layers._autocast import autocast_dtype, autocast_off, autocast_on
-from memsave_cli.layers._backward import (
-    forbid_double_backward,
-    functions_run,
-    records_backward,
-)
+from memsave_cli.layers._backward import forbid_double_backward, records_backward
 from memsave_cli.layers.registry import drop_in
 
 Conv = nn.Conv1d | nn.Conv2d | nn.Conv3d
@@ -205,26 +201,25 @@ def _common_case(module: Conv, x: Tensor) -> Tensor | None:
 
     The common case: a plain eager batched input of which exactly one of input and weight needs
     a gradient (both: stock runs, NOTE [stock is already optimal when input and weight both
-    train]), zero padding given as numbers, grad mode on, no autocast, no transform or tracing
-    (``functions_run``), the nodes built. On a GPU every Python step before the kernel is host
-    time the device may wait for (NOTE [why a drop-in is a C++ node] in ``nodes.cpp``), on a
-    cold cache several times its microbenchmarked cost (NOTE [Python between kernels runs on a
-    cold cache]); this is most convolutions of a fine-tuned CNN. Everything else takes
-    ``conv_forward``, which reaches the same node.
+    train]), zero padding given as numbers, no autocast, the nodes serving (grad mode on, no
+    transform or tracing: ``nodes.serving``). On a GPU every Python step before the kernel is
+    host time the device may wait for (NOTE [why a drop-in is a C++ node] in ``nodes.cpp``), on
+    a cold cache several times its microbenchmarked cost (NOTE [Python between kernels runs on
+    a cold cache]); this is most convolutions of a fine-tuned CNN. Everything else takes
+    ``conv_forward``, which reaches the same node. Autocast of any device sends the call there
+    (which casts for the one that applies): asking whether any is on is one call.
     """
     weight, bias = _weight_and_bias(module)
     padding = module.padding
-    common = (
-        x.requires_grad != weight.requires_grad
-        and x.dim() == weight.dim()
-        and module.padding_mode == "zeros"
-        and not isinstance(padding, str)
-        and torch.is_grad_enabled()
-        and not autocast_on(x.device.type)
-        and functions_run(x)
-    )
-    served = nodes.serving(x, weight, bias) if common else None
-    if served is None:
+    if (
+        x.requires_grad == weight.requires_grad
+        or x.dim() != weight.dim()
+        or module.padding_mode != "zeros"
+        or isinstance(padding, str)
+    ):
+        return None
+    served = nodes.serving(x, weight, bias)
+    if served is None or torch._C._is_any_autocast_enabled():
         return None
     n = x.dim() - 2
     params = (module.stride, padding, module.dilation, False, _NO_OUTPUT_PADDING[n], module.groups)
