@@ -87,7 +87,7 @@ def main() -> int:
     offered = handover.offered().items()
     registered = sorted({key[0] for key, how in offered if how == "registered"})
     refused = sorted({f"{key[0]} ({how})" for key, how in offered if how != "registered"})
-    launched, failed, error = torch.ops.memsave_nodes.launch_counts()
+    launched, failed, error = nodes.nodes().launch_counts()
     if differ:
         print(f"{len(differ)} of {count} comparisons differ from stock; first: {differ[0]}")
         return 1

@@ -120,7 +120,7 @@ def plan_of(args: argparse.Namespace) -> Plan:
 
 def run(plan: Plan, docs: Path, out: Path, command: str, isolate: bool = True) -> int:
     """Every part of ``plan`` in order, within its budget; outputs, summary, exit code. The
-    C++ nodes are built and their launches checked first, outside the budget (about 20 s and
+    C++ nodes are built and their launches checked first, outside the budget (about 40 s and
     30 s on a GPU host), so that the parts keep their shares of it."""
     print(
         f"GPU acceptance on {plan.device}: budget {plan.budget_s:.0f} s, parts "

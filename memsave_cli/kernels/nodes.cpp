@@ -19,11 +19,13 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/record_function.h>
 #include <c10/core/DeviceGuard.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <dlfcn.h>
+#include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/custom_function.h>
-#include <torch/library.h>
+#include <torch/csrc/utils/pybind.h>
 
 #include <algorithm>
 #include <array>
@@ -562,7 +564,7 @@ struct Relu : public torch::autograd::Function<Relu> {
 
 at::Tensor relu(const at::Tensor &x) { return Relu::apply(x, false); }
 
-at::Tensor &relu_(at::Tensor &x) {
+at::Tensor relu_(const at::Tensor &x) {
     Relu::apply(x, true);
     return x;
 }
@@ -607,27 +609,32 @@ std::vector<int64_t> launch_counts() {
 
 }  // namespace
 
-TORCH_LIBRARY(memsave_nodes, m) {
-    m.def("convolution(Tensor x, Tensor weight, Tensor? bias, int[] stride, int[] padding,"
-          " int[] dilation, bool transposed, int[] output_padding, int groups,"
-          " Tensor? x_stand_in, Tensor? weight_stand_in) -> Tensor");
-    m.def("batch_norm_eval(Tensor x, Tensor? weight, Tensor? bias, Tensor running_mean,"
-          " Tensor running_var, float eps) -> Tensor");
-    m.def("relu(Tensor x) -> Tensor");
-    m.def("relu_(Tensor(a!) x) -> Tensor(a!)");
-    m.def("set_cpu_kernels(int relu_pack, int select_bits, int flushes_denormals) -> ()",
-          &set_cpu_kernels);
-    m.def("register_kernel(str name, ScalarType dtype, int device, int block, int function,"
-          " int threads, int shared, str params, int scratch) -> ()",
-          &register_kernel);
-    m.def("forget_kernels() -> ()", &forget_kernels);
-    m.def("set_launcher(int address, bool cpu) -> ()", &set_launcher);
-    m.def("launch_counts() -> int[]", &launch_counts);
+// The nodes' Python entry points, bound as torch binds its own functions: arguments converted
+// by pybind11's casters, errors and warnings handled as in torch's bindings, the GIL released
+// during the call. A torch.library op would parse its arguments against a schema at every call
+// from Python (7 us more on a convolution, several times that on a cold cache: NOTE [Python
+// between kernels runs on a cold cache] in conv.py). Each entry records itself for the
+// profiler under the name an op would have.
+namespace {
+
+template <typename Result, typename... Args>
+auto entry(const char *name, Result (*f)(Args...)) {
+    return torch::wrap_pybind_function_no_gil([name, f](Args... args) -> Result {
+        RECORD_FUNCTION(name, std::vector<c10::IValue>());
+        return f(std::forward<Args>(args)...);
+    });
 }
 
-TORCH_LIBRARY_IMPL(memsave_nodes, CompositeImplicitAutograd, m) {
-    m.impl("convolution", &convolution);
-    m.impl("batch_norm_eval", &batch_norm_eval);
-    m.impl("relu", &relu);
-    m.impl("relu_", &relu_);
+}  // namespace
+
+PYBIND11_MODULE(memsave_nodes, m) {
+    m.def("convolution", entry("memsave_nodes::convolution", &convolution));
+    m.def("batch_norm_eval", entry("memsave_nodes::batch_norm_eval", &batch_norm_eval));
+    m.def("relu", entry("memsave_nodes::relu", &relu));
+    m.def("relu_", entry("memsave_nodes::relu_", &relu_));
+    m.def("set_cpu_kernels", &set_cpu_kernels);
+    m.def("register_kernel", &register_kernel);
+    m.def("forget_kernels", &forget_kernels);
+    m.def("set_launcher", &set_launcher);
+    m.def("launch_counts", &launch_counts);
 }

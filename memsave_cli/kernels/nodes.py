@@ -3,20 +3,26 @@
 See NOTE [why a drop-in is a C++ node] and NOTE [kernels called from a node] in ``nodes.cpp``.
 The source is compiled on first use like ``native.c`` (NOTE [building the native kernels] in
 ``build.py``), with the C++ compiler (``$CXX``, else ``c++``, ``g++`` or ``clang++``) against
-the installed torch's headers; the cache key adds the torch version and location. Without a
-C++ compiler or torch's headers, with ``MEMSAVE_NATIVE=0`` or ``MEMSAVE_NODES=0``, or on any
-failure, :func:`available` is False, :func:`status` says why in one line, and the layers run
-their Python ``autograd.Function`` instead: the same results and saved tensors, more host time
-per call.
+the installed torch's and Python's headers, into a Python extension module (called as torch's
+own functions are, NOTE in ``nodes.cpp``); the cache key adds the torch version and location
+and the Python version. Without a C++ compiler or those headers, with ``MEMSAVE_NATIVE=0`` or
+``MEMSAVE_NODES=0``, or on any failure, :func:`available` is False, :func:`status` says why in
+one line, and the layers run their Python ``autograd.Function`` instead: the same results and
+saved tensors, more host time per call.
 """
 
 from __future__ import annotations
 
 import ctypes
+import importlib.machinery
+import importlib.util
 import os
+import sys
+import sysconfig
 import threading
 from collections.abc import Callable
 from pathlib import Path
+from types import ModuleType
 from typing import NamedTuple
 
 import torch
@@ -28,11 +34,11 @@ from memsave_cli.kernels import build as builder
 #: The C++ source compiled on first use.
 SOURCE = Path(__file__).with_name("nodes.cpp")
 #: What a first build costs, for the lines that announce it (measured on a 2-core machine).
-BUILDING = "compiled on first use, once per torch version, about 20 s"
+BUILDING = "compiled on first use, once per torch and Python version, about 40 s"
 
 
 class Nodes(NamedTuple):
-    """The loaded nodes' ops, bound once (a ``torch.ops`` lookup costs microseconds a call)."""
+    """The loaded nodes' entry points (``nodes.cpp``'s Python module)."""
 
     convolution: Callable[..., Tensor]
     batch_norm_eval: Callable[..., Tensor]
@@ -41,6 +47,13 @@ class Nodes(NamedTuple):
     #: ``register_kernel(name, dtype, device, block, function, threads, shared, params,
     #: scratch)``: a compiled Triton kernel for the nodes to launch (``triton/handover.py``).
     register_kernel: Callable[..., None]
+    #: ``set_cpu_kernels(relu_pack, select_bits, flushes_denormals)``: the C kernels' addresses.
+    set_cpu_kernels: Callable[[int, int, int], None]
+    #: ``launch_counts()``: launches from C++ so far, made and failed, and the last CUresult.
+    launch_counts: Callable[[], list[int]]
+    #: Test hooks: ``forget_kernels()``, ``set_launcher(address, cpu)`` (NOTE in nodes.cpp).
+    forget_kernels: Callable[[], None]
+    set_launcher: Callable[[int, bool], None]
 
 
 _LOCK = threading.Lock()
@@ -62,21 +75,24 @@ def _load() -> tuple[Nodes | None, str]:
         return None, disabled
     try:
         path = builder.build(recipe())
-        torch.ops.load_library(str(path))
-        namespace = torch.ops.memsave_nodes
-        nodes = Nodes(
-            namespace.convolution.default,
-            namespace.batch_norm_eval.default,
-            namespace.relu.default,
-            namespace.relu_.default,
-            namespace.register_kernel.default,
-        )
-        namespace.set_cpu_kernels(*_c_kernels())
+        module = _import(path)
+        nodes = Nodes(*(getattr(module, name) for name in Nodes._fields))
+        nodes.set_cpu_kernels(*_c_kernels())
     except builder._Unavailable as error:
         return None, f"C++ nodes: {error}"
     except Exception as error:  # any failure means the Python Functions, never an exception
         return None, f"C++ nodes: {type(error).__name__}: {error}"
     return nodes, f"C++ nodes: loaded from {path}"
+
+
+def _import(path: Path) -> ModuleType:
+    """The Python module ``nodes.cpp`` defines, from the library at ``path``."""
+    loader = importlib.machinery.ExtensionFileLoader("memsave_nodes", str(path))
+    spec = importlib.util.spec_from_loader("memsave_nodes", loader)
+    assert spec is not None
+    module = importlib.util.module_from_spec(spec)
+    loader.exec_module(module)
+    return module
 
 
 def _c_kernels() -> tuple[int, int, int]:
@@ -97,6 +113,9 @@ def recipe() -> builder.Recipe:
     include, lib = root / "include", root / "lib"
     if not (include / "ATen" / "ATen.h").is_file():
         raise builder._Unavailable(f"torch C++ headers not found under {include}")
+    python = Path(sysconfig.get_paths()["include"])
+    if not (python / "Python.h").is_file():
+        raise builder._Unavailable(f"Python's C headers not found under {python}")
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
     flags = (
         "-O2",
@@ -106,9 +125,11 @@ def recipe() -> builder.Recipe:
         f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
         f"-I{include}",
         f"-I{include / 'torch' / 'csrc' / 'api' / 'include'}",
+        f"-I{python}",
     )
-    link = (f"-L{lib}", "-ltorch", "-ltorch_cpu", "-lc10", f"-Wl,-rpath,{lib}")
-    key = f"{torch.__version__}:{root}".encode()
+    libraries = ("-ltorch", "-ltorch_cpu", "-ltorch_python", "-lc10")
+    link = (f"-L{lib}", *libraries, f"-Wl,-rpath,{lib}")
+    key = f"{torch.__version__}:{root}:{sys.implementation.cache_tag}".encode()
     return builder.Recipe(
         "memsave_nodes_", (SOURCE,), "CXX", ("c++", "g++", "clang++"), flags, link, key
     )

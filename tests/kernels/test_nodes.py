@@ -48,6 +48,18 @@ def test_a_compile_error_is_one_line(
     assert line.startswith("C++ nodes: compile failed (") and "\n" not in line
 
 
+def test_no_python_headers_is_one_line(
+    fresh: None, monkeypatch: pytest.MonkeyPatch, tmp_path
+) -> None:
+    """The nodes are a Python extension module: without Python's C headers they are not built."""
+    import sysconfig
+
+    paths = sysconfig.get_paths()
+    monkeypatch.setattr(sysconfig, "get_paths", lambda: {**paths, "include": str(tmp_path)})
+    assert nodes.nodes() is None
+    assert nodes.status() == f"C++ nodes: Python's C headers not found under {tmp_path}"
+
+
 def test_status_without_building(fresh: None) -> None:
     """``build=False`` compiles nothing: an empty cache says when they will be built."""
     assert nodes.status(build=False) == f"C++ nodes: not built yet ({nodes.BUILDING})"
@@ -68,6 +80,32 @@ def test_serving_takes_plain_eager_tensors_only() -> None:
 
     torch._dynamo.reset()
     torch.compile(compiled, backend="eager", fullgraph=True)(torch.ones(2))
+
+
+def test_serving_only_where_autograd_records_as_in_plain_eager_code() -> None:
+    """No node where its Python Function would not run either (``functions_run``) or nothing is
+    recorded: grad mode off, jit tracing, ``torch.func`` transforms, forward-mode AD, nested
+    tensors; each layer then takes its Python path, which decides as before."""
+    if not nodes.available():
+        pytest.skip(nodes.status())
+    x = torch.ones(2, 3)
+    asked: list[object] = []
+
+    def ask(t: torch.Tensor) -> torch.Tensor:
+        asked.append(nodes.serving(t))
+        return t * 2
+
+    with torch.no_grad():
+        ask(x)
+    torch.jit.trace(ask, (x,), check_trace=False)
+    torch.func.vmap(ask)(x)
+    torch.func.grad(lambda t: ask(t).sum())(x)
+    with torch.autograd.forward_ad.dual_level():
+        ask(x)
+    ask(torch.nested.nested_tensor([torch.ones(2), torch.ones(3)]))
+    assert asked == [None] * 6
+    ask(x)
+    assert asked[-1] is nodes.nodes()
 
 
 def test_a_first_build_is_announced(

@@ -5,7 +5,6 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import pytest
-import torch
 
 from memsave_cli.kernels import native, nodes
 
@@ -17,10 +16,8 @@ def kernels(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> 
     if request.param == "torch":
         monkeypatch.setattr(native, "available", lambda: False)
         if nodes.available():  # the ReLU node was handed the C kernels' addresses
-            torch.ops.memsave_nodes.set_cpu_kernels(0, 0, 0)
-            request.addfinalizer(
-                lambda: torch.ops.memsave_nodes.set_cpu_kernels(*nodes._c_kernels())
-            )
+            nodes.nodes().set_cpu_kernels(0, 0, 0)
+            request.addfinalizer(lambda: nodes.nodes().set_cpu_kernels(*nodes._c_kernels()))
     elif not native.available():
         pytest.skip(native.status())
     return request.param
