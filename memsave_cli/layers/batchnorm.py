@@ -130,33 +130,44 @@ class _MemSaveBatchNorm(nn.modules.batchnorm._BatchNorm):
         args = (input, self.weight, self.bias, self.running_mean, self.running_var)
         # Its C++ node where that serves (NOTE [why a drop-in is a C++ node] in nodes.cpp).
         served = nodes.serving(*args)
-        if self._runs_stock(input, recorded=served is not None):
+        if _runs_stock(*args, self.eps, recorded=served is not None):
             return super().forward(input)
         self._check_input_dim(input)
         if served is None:
             return BatchNormEvalFunction.apply(*args, self.eps)
         return served.batch_norm_eval(*args, self.eps)
 
-    def _runs_stock(self, input: Tensor, recorded: bool) -> bool:
-        """Whether stock keeps nothing this layer could drop, so the stock module runs.
 
-        ``recorded``: whether the nodes serve, which implies that autograd records the call
-        (asked here otherwise). An empty input takes stock's kernel-free path
-        (``_batch_norm_impl_index``: a scaled copy of the input) and keeps nothing of size; the
-        backward kernel would divide by its zero element count and crash the process.
-        """
-        empty = input.numel() == 0
-        return (
-            empty
-            or not self._normalises_with_running_stats()
-            or not any(t is not None and t.requires_grad for t in (input, self.weight, self.bias))
-            or not (recorded or records_backward(input))
+def _runs_stock(
+    x: Tensor,
+    weight: Tensor | None,
+    bias: Tensor | None,
+    running_mean: Tensor | None,
+    running_var: Tensor | None,
+    eps: float,
+    recorded: bool,
+) -> bool:
+    """Whether stock batch norm in eval mode keeps nothing this layer could drop, so the stock
+    module runs: without running statistics it normalises with the batch's, and a negative
+    ``eps`` is stock's to refuse.
+
+    ``recorded``: whether the nodes serve, which implies that autograd records the call (asked
+    here otherwise). An empty input takes stock's kernel-free path (``_batch_norm_impl_index``:
+    a scaled copy of the input) and keeps nothing of size; the backward kernel would divide by
+    its zero element count and crash the process.
+    """
+    return (
+        x.numel() == 0
+        or running_mean is None
+        or running_var is None
+        or not eps >= 0.0  # NaN too
+        or not (
+            x.requires_grad
+            or (weight is not None and weight.requires_grad)
+            or (bias is not None and bias.requires_grad)
         )
-
-    def _normalises_with_running_stats(self) -> bool:
-        """Whether stock normalises with the running statistics (and validates ``eps`` as stock)."""
-        has_stats = self.running_mean is not None and self.running_var is not None
-        return not self.training and has_stats and self.eps >= 0.0
+        or not (recorded or records_backward(x))
+    )
 
 
 @drop_in(nn.BatchNorm1d)

@@ -82,6 +82,7 @@ def test_serving_takes_plain_eager_tensors_only() -> None:
     torch.compile(compiled, backend="eager", fullgraph=True)(torch.ones(2))
 
 
+@pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore:The PyTorch API of nested")
 def test_serving_only_where_autograd_records_as_in_plain_eager_code() -> None:
     """No node where its Python Function would not run either (``functions_run``) or nothing is
     recorded: grad mode off, jit tracing, ``torch.func`` transforms, forward-mode AD, nested

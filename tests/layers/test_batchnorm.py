@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+import re
 from collections.abc import Callable
 
 import pytest
@@ -189,6 +190,25 @@ def test_eval_without_running_stats_is_stock() -> None:
         run(memsave, x, grad, (True, False, False)),
     )
     assert_same(ref, mine)
+    assert mine["activations"] == ref["activations"] > 0
+
+
+@pytest.mark.parametrize("eps", [-1e-5, float("nan")])
+def test_eval_with_an_eps_stock_refuses_or_propagates_is_stock(eps: float) -> None:
+    """A negative ``eps`` is stock's to refuse, a NaN one stock's to compute: the stock module
+    runs, with its error or its results and saved tensors."""
+    stock, memsave = make_pair(nn.BatchNorm2d, 4, torch.float32, eps=eps)
+    stock.eval(), memsave.eval()
+    x, grad = torch.randn(3, 4, 5, 5), torch.randn(3, 4, 5, 5)
+    try:
+        ref = run(stock, x, grad, (True, False, False))
+    except ValueError as error:
+        with pytest.raises(ValueError, match=re.escape(str(error))):
+            run(memsave, x, grad, (True, False, False))
+        return
+    mine = run(memsave, x, grad, (True, False, False))
+    for want, got in zip((ref["out"], *ref["grads"]), (mine["out"], *mine["grads"]), strict=True):
+        torch.testing.assert_close(got, want, atol=0, rtol=0, equal_nan=True)
     assert mine["activations"] == ref["activations"] > 0
 
 
