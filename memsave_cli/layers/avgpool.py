@@ -162,12 +162,17 @@ class MemSaveAvgPool3d(nn.AvgPool3d):
 
 
 def _adaptive(module: nn.Module, input: Tensor, nd: int, expand) -> Tensor | None:
-    """Shape-only adaptive pooling of ``input``, or None where stock already saves nothing."""
-    if not _needs_memsave(input, nd):
+    """Shape-only adaptive pooling of ``input``, or None where stock already saves nothing.
+
+    Pooling to one element, stock computes as a ``mean``, which saves no tensor: asked first, as
+    it is the squeeze-and-excitation blocks' pooling, on every call of a MobileNet's or an
+    EfficientNet's common path."""
+    requested = expand(module.output_size)
+    if all(size == 1 for size in requested) or not _needs_memsave(input, nd):
         return None
-    output_size = tuple(_list_with_default(expand(module.output_size), input.shape))
+    output_size = tuple(_list_with_default(requested, input.shape))
     if all(size == 1 for size in output_size):
-        return None  # stock computes a mean here, which saves no tensor
+        return None  # sizes left to the input's (None) that are 1 there
     return AdaptiveAvgPoolShapeOnly.apply(input, output_size)
 
 
