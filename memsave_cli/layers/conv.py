@@ -70,7 +70,7 @@ class _ConvFunction(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         x = stand_ins.stand_in(grad, ctx.x_geometry) if x is None else x
         weight = stand_ins.stand_in(grad, ctx.weight_geometry) if weight is None else weight
-        if grad.device.type not in stand_ins.DENSE_DEVICES:
+        if not stand_ins.dense(grad):
             dropped = [g for g in (ctx.x_geometry, ctx.weight_geometry) if g is not None]
             weight = stand_ins.channels_last_weight(x, weight, dropped)
         grads = _CONVOLUTION_BACKWARD(grad, x, weight, ctx.bias_shape, *ctx.params, ctx.mask)
@@ -168,7 +168,7 @@ def _by_node(
 ) -> Tensor:
     """The convolution node, with the CPU stand-ins of what it does not save."""
     x_stand_in = weight_stand_in = None
-    if x.device.type in stand_ins.DENSE_DEVICES:
+    if stand_ins.dense(x):
         if not weight.requires_grad:
             x_stand_in = stand_ins.stand_in(x, stand_ins.geometry(x))
         if not x.requires_grad:

@@ -296,7 +296,7 @@ def test_one_element_stand_ins(
     Values must be bitwise stock; layouts may differ where a CPU kernel lays its gradient out
     like the (now one-element) input.
     """
-    monkeypatch.setattr(stand_ins, "DENSE_DEVICES", frozenset())
+    monkeypatch.setattr(stand_ins, "DENSE_ON_CPU", False)
     stock, ours, x = _channels_last(case, torch.float32, layout)
     _assert_all_needs(stock, ours, case, x, check_layout=False)
 
@@ -476,7 +476,7 @@ def test_backward_allocates_only_gradients(
 ) -> None:
     """A dropped tensor costs no memory in backward: only the gradients themselves are that big."""
     if one_element:  # the path used off CPU
-        monkeypatch.setattr(stand_ins, "DENSE_DEVICES", frozenset())
+        monkeypatch.setattr(stand_ins, "DENSE_ON_CPU", False)
     case = next(c for c in CASES if c.name == name)
     log, x_bytes, w_bytes = _backward_log(case, dtype, needs)
     big = [op for op, nbytes in log.new if nbytes >= min(x_bytes, w_bytes)]
