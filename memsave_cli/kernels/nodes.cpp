@@ -18,6 +18,7 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/autocast_mode.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/record_function.h>
 #include <c10/core/DeviceGuard.h>
@@ -159,14 +160,40 @@ struct Convolution : public torch::autograd::Function<Convolution> {
     }
 };
 
+// A tensor as autocast casts a lower-precision op's arguments, and as conv.py's _autocast_cast
+// does: floating point, on the autocast's device, neither float64 nor already in its dtype.
+at::Tensor autocast_cast(const at::Tensor &t, c10::DeviceType device, at::ScalarType dtype) {
+    const bool eligible = t.defined() && t.is_floating_point() && t.device().type() == device;
+    if (!eligible || t.scalar_type() == at::kDouble || t.scalar_type() == dtype) return t;
+    return t.to(dtype);
+}
+
+// Under autocast for the input's device, the arguments are cast as memsave's Python path casts
+// them (conv.py, _convolve: with to(), outside autocast's cache, so that the bytes are the
+// ones its meta estimate counts) and the node runs with autocast off, as a stock convolution
+// runs inside its autocast kernel. The callers send no stand-ins here (conv.py: CPU stand-ins
+// are made in Python, and a measurement's meta tensors may stand for CUDA's autocast).
 at::Tensor convolution(const at::Tensor &x, const at::Tensor &weight,
                        const std::optional<at::Tensor> &bias, at::IntArrayRef stride,
                        at::IntArrayRef padding, at::IntArrayRef dilation, bool transposed,
                        at::IntArrayRef output_padding, int64_t groups,
                        const std::optional<at::Tensor> &x_stand_in,
                        const std::optional<at::Tensor> &weight_stand_in) {
-    return Convolution::apply(x, weight, bias, stride, padding, dilation, transposed,
-                              output_padding, groups, x_stand_in, weight_stand_in);
+    const auto device = x.device().type();
+    if (!at::autocast::is_autocast_available(device) || !at::autocast::is_autocast_enabled(device)) {
+        return Convolution::apply(x, weight, bias, stride, padding, dilation, transposed,
+                                  output_padding, groups, x_stand_in, weight_stand_in);
+    }
+    TORCH_CHECK(!x_stand_in.has_value() && !weight_stand_in.has_value(),
+                "memsave convolution: no stand-ins under autocast");
+    const auto dtype = at::autocast::get_autocast_dtype(device);
+    const auto cast_bias =
+        bias.has_value() ? std::optional<at::Tensor>(autocast_cast(*bias, device, dtype)) : bias;
+    const auto cast_x = autocast_cast(x, device, dtype);
+    const auto cast_weight = autocast_cast(weight, device, dtype);
+    c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
+    return Convolution::apply(cast_x, cast_weight, cast_bias, stride, padding, dilation,
+                              transposed, output_padding, groups, std::nullopt, std::nullopt);
 }
 
 

@@ -201,13 +201,14 @@ def _common_case(module: Conv, x: Tensor) -> Tensor | None:
 
     The common case: a plain eager batched input of which exactly one of input and weight needs
     a gradient (both: stock runs, NOTE [stock is already optimal when input and weight both
-    train]), zero padding given as numbers, no autocast, the nodes serving (grad mode on, no
-    transform or tracing: ``nodes.serving``). On a GPU every Python step before the kernel is
+    train]), zero padding given as numbers, the nodes serving (grad mode on, no transform or
+    tracing: ``nodes.serving``). On a GPU every Python step before the kernel is
     host time the device may wait for (NOTE [why a drop-in is a C++ node] in ``nodes.cpp``), on
     a cold cache several times its microbenchmarked cost (NOTE [Python between kernels runs on
     a cold cache]); this is most convolutions of a fine-tuned CNN. Everything else takes
-    ``conv_forward``, which reaches the same node. Autocast of any device sends the call there
-    (which casts for the one that applies): asking whether any is on is one call.
+    ``conv_forward``, which reaches the same node. Under autocast the node casts as
+    ``_convolve`` does, except on the CPU, whose stand-ins are made here for the uncast tensors,
+    and on meta, which a measurement may let stand for CUDA: those take ``conv_forward``.
     """
     weight, bias = _weight_and_bias(module)
     padding = module.padding
@@ -219,8 +220,10 @@ def _common_case(module: Conv, x: Tensor) -> Tensor | None:
     ):
         return None
     served = nodes.serving(x, weight, bias)
-    if served is None or torch._C._is_any_autocast_enabled():
+    if served is None:
         return None
+    if torch._C._is_any_autocast_enabled() and (x.is_meta or stand_ins.dense(x)):
+        return None  # the node casts under autocast, except for these (nodes.cpp, convolution)
     n = x.dim() - 2
     params = (module.stride, padding, module.dilation, False, _NO_OUTPUT_PADDING[n], module.groups)
     return _by_node(served, x, weight, bias, params)

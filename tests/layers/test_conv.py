@@ -521,6 +521,38 @@ def test_cpu_autocast_bf16(node_paths: str, name: str, needs: tuple[bool, bool, 
     _assert_same(got, expected)
 
 
+@pytest.mark.parametrize("needs", [(True, False, False), (False, True, True)], ids=["x", "wb"])
+@pytest.mark.parametrize(
+    "name", ["c1-basic", "c2-basic", "c2-depthwise", "c2-groups-nobias", "c3-basic"]
+)
+def test_autocast_casts_in_the_node(
+    monkeypatch: pytest.MonkeyPatch, name: str, needs: tuple[bool, bool, bool]
+) -> None:
+    """Off the CPU the common case reaches the node under autocast too, which casts as the Python
+    path does (``convolution`` in nodes.cpp); with the CPU's dense stand-ins switched off the
+    CPU takes that path as well: stock's outputs and gradients, and what the Python path saves."""
+    if not nodes.available():
+        pytest.skip(nodes.status())
+    import memsave_cli.layers.conv as conv_module
+
+    case = next(c for c in CASES if c.name == name)
+    stock, ours = _pair(case)
+    x = _input(case)
+    monkeypatch.setattr(stand_ins, "DENSE_ON_CPU", False)
+    python_path = conv_module.conv_forward
+    monkeypatch.setattr(conv_module, "conv_forward", None)  # the common case only
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        expected, got = _run(stock, case, x, needs), _run(ours, case, x, needs)
+        by_node = _saved(ours, case, needs)
+    assert got[0].dtype == torch.bfloat16
+    _assert_same(got, expected)
+    monkeypatch.setattr(conv_module, "_common_case", lambda module, x: None)
+    monkeypatch.setattr(conv_module, "conv_forward", python_path)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        by_python = _saved(ours, case, needs)
+    assert by_node.records == by_python.records and by_node.total_bytes > 0
+
+
 @pytest.mark.parametrize("name", ["c2-same-even", "c2-reflect", "t2-output-size", "c3-basic"])
 def test_meta_device(node_paths: str, name: str) -> None:
     case = next(c for c in CASES if c.name == name)
