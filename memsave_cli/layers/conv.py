@@ -202,10 +202,10 @@ def _common_case(module: Conv, x: Tensor) -> Tensor | None:
     The common case: a plain eager batched input of which exactly one of input and weight needs
     a gradient (both: stock runs, NOTE [stock is already optimal when input and weight both
     train]), zero padding given as numbers, the nodes serving (grad mode on, no transform or
-    tracing: ``nodes.serving``). On a GPU every Python step before the kernel is
-    host time the device may wait for (NOTE [why a drop-in is a C++ node] in ``nodes.cpp``), on
-    a cold cache several times its microbenchmarked cost (NOTE [Python between kernels runs on
-    a cold cache]); this is most convolutions of a fine-tuned CNN. Everything else takes
+    tracing: ``nodes.serving``). On a GPU every Python step before the kernel is host time the
+    device may wait for (NOTE [why a drop-in is a C++ node] in ``nodes.cpp``), on a cold cache
+    several times its microbenchmarked cost (NOTE [Python between kernels runs on a cold
+    cache]); this is most convolutions of a fine-tuned CNN. Everything else takes
     ``conv_forward``, which reaches the same node. Under autocast the node casts as
     ``_convolve`` does, except on the CPU, whose stand-ins are made here for the uncast tensors,
     and on meta, which a measurement may let stand for CUDA: those take ``conv_forward``.
