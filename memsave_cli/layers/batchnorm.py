@@ -157,7 +157,8 @@ def _runs_stock(
     its zero element count and crash the process.
     """
     return (
-        x.numel() == 0
+        not (recorded or records_backward(x))  # first: jit.trace would warn at numel()
+        or x.numel() == 0
         or running_mean is None
         or running_var is None
         or not eps >= 0.0  # NaN too
@@ -166,7 +167,6 @@ def _runs_stock(
             or (weight is not None and weight.requires_grad)
             or (bias is not None and bias.requires_grad)
         )
-        or not (recorded or records_backward(x))
     )
 
 
