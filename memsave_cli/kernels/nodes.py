@@ -27,9 +27,9 @@ from typing import NamedTuple
 
 import torch
 from torch import Tensor, nn
-from torch.autograd import forward_ad
 
 from memsave_cli.kernels import build as builder
+from memsave_cli.kernels._recording import plain_eager
 
 #: The C++ source compiled on first use.
 SOURCE = Path(__file__).with_name("nodes.cpp")
@@ -187,21 +187,15 @@ _EAGER = (Tensor, nn.Parameter, type(None))
 def serving(*tensors: Tensor | None) -> Nodes | None:
     """The nodes where they record a backward for ``tensors`` as the Python Functions would, else
     None: grad mode on; plain eager tensors, none nested; outside ``torch.compile`` (where Dynamo
-    traces the Python Function), export, jit tracing, ``torch.func`` transforms and forward-mode
-    AD (the conditions of ``layers._backward.functions_run``); the nodes built.
+    traces the Python Function), and autograd recording as in plain eager code
+    (:func:`~memsave_cli.kernels._recording.plain_eager`, which ``layers._backward.functions_run`` asks too); the
+    nodes built.
 
     The layers' common path asks this once per call, so it checks in few Python steps (NOTE
     [Python between kernels runs on a cold cache] in ``conv.py``); ``torch.compile`` first, so
     that Dynamo reads nothing else.
     """
-    if (
-        torch.compiler.is_compiling()
-        or not torch.is_grad_enabled()
-        or torch._C._is_tracing()
-        or torch._C._functorch.peek_interpreter_stack() is not None
-        or forward_ad._current_level >= 0
-        or torch.compiler.is_exporting()
-    ):
+    if torch.compiler.is_compiling() or not torch.is_grad_enabled() or not plain_eager():
         return None
     for t in tensors:
         if type(t) not in _EAGER or (t is not None and t.is_nested):

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import torch
-from torch.autograd import forward_ad
 
 from memsave_cli.kernels._layout import batched
+from memsave_cli.kernels._recording import plain_eager
 
 
 def forbid_double_backward(layer: str) -> None:
@@ -51,12 +51,11 @@ def functions_run(*inputs: torch.Tensor) -> bool:
     Under ``torch.compile`` Dynamo handles the transforms itself. An exported program or a
     traced one records no backward, and must not need memsave's ops to run: it gets stock's.
     """
-    if torch.jit.is_tracing() or torch.compiler.is_exporting() or any(t.is_nested for t in inputs):
+    if any(t.is_nested for t in inputs):
         return False
     if torch.compiler.is_compiling():
-        return True
-    # Forward-mode AD (``forward_ad.dual_level``) would ask the Functions for a ``jvp`` too.
-    return torch._C._functorch.peek_interpreter_stack() is None and forward_ad._current_level < 0
+        return not torch.compiler.is_exporting()
+    return plain_eager()
 
 
 def graph_capturing(tensor: torch.Tensor) -> bool:
