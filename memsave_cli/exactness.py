@@ -17,6 +17,7 @@ import torch
 from torch import Tensor, nn
 
 from memsave_cli.kernels.dropout import fused_scale, math_type, stock_scale
+from memsave_cli.kernels.float_bits import as_ints, special_bits
 from memsave_cli.layers import convert
 
 #: Differentiability patterns: (parameters trainable, floating inputs differentiable).
@@ -32,8 +33,6 @@ SPECIAL = (float("nan"), float("inf"), -float("inf"), -0.0, 0.0)
 #: the scalar tail of its CPU loops and blocks it elsewhere, so where an element falls decides;
 #: Hardtanh and ReLU6 are compared on every special value but NaN.
 NOT_NAN = SPECIAL[1:]
-
-_AS_INT = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 def bitwise_diff(name: str, stock: object, ours: object) -> str | None:
@@ -89,28 +88,12 @@ def laid_out(
     return make(shape)
 
 
-_MANTISSA = {torch.float64: 52, torch.float32: 23, torch.bfloat16: 7, torch.float16: 10}
-
-
-def special_bits(dtype: torch.dtype) -> list[int]:
-    """Bit patterns (as the signed integers of the element size) of both signs of: zero, the
-    smallest and largest denormal, the smallest normal, 1, the largest finite value, infinity,
-    a quiet NaN with a payload and a signalling NaN. ``SPECIAL`` holds only what Python floats
-    can say, which in 16-bit types leaves out payloads and signalling NaNs."""
-    mantissa, width = _MANTISSA[dtype], 8 * torch.empty((), dtype=dtype).element_size()
-    inf = ((1 << (width - 1 - mantissa)) - 1) << mantissa
-    one = int(torch.ones((), dtype=dtype).view(_AS_INT[width // 8]).item())
-    positive = [0, 1, (1 << mantissa) - 1, 1 << mantissa, one, inf - 1, inf]
-    positive += [inf | (1 << (mantissa - 1)) | 3, inf | 5]
-    return positive + [bits - (1 << (width - 1)) for bits in positive]  # sign bit set, signed
-
-
 def with_special_bits(x: Tensor, g: torch.Generator) -> Tensor:
     """``x`` (a CPU float tensor, any layout without overlap) with about a quarter of its
     elements, at distinct positions drawn from ``g``, set to :func:`special_bits` patterns; in
     place, and returned."""
     if x.numel():
-        ints = x.view(_AS_INT[x.element_size()])
+        ints = as_ints(x)
         flat = ints.flatten().clone()  # logical order, whatever the layout
         picks = torch.randint(0, x.numel(), (max(1, x.numel() // 4),), generator=g).unique()
         patterns = torch.tensor(special_bits(x.dtype), dtype=flat.dtype)
@@ -327,7 +310,7 @@ def _dropout_product(t: Tensor, kept: Tensor, factor: float) -> Tensor:
 
 def _bits(t: Tensor) -> Tensor:
     """``t``'s bits as integers of its element size (NaN payloads and signs of zeros compare)."""
-    return t.detach().contiguous().view(_AS_INT[t.element_size()])
+    return as_ints(t.detach().contiguous())
 
 
 def _layout(t: Tensor) -> tuple[int, ...]:

@@ -30,7 +30,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
-from benchmarks.gpu_acceptance import candidates, capture, checkpointed, mixed_precision
+from benchmarks.gpu_acceptance import capture, checkpointed, mixed_precision, relu_bits
 from benchmarks.gpu_acceptance.budget import Deadline
 from benchmarks.gpu_acceptance.cells import Cell, Status, guarded
 from benchmarks.gpu_acceptance.plan import Plan, selected
@@ -90,10 +90,10 @@ def hugging_face_examples() -> dict[str, Example]:
 
 
 def run(plan: Plan, deadline: Deadline, emit: Callable[[Cell], None]) -> None:
-    """Emit one cell per layer and dtype, then per dropout class and dtype, then the cells of
-    the kernels not served yet (``candidates.py``; they never fail the run), then, when every
-    layer is checked, the checkpointed steps (``checkpointed.py``) and the mixed-precision ones
-    (``mixed_precision.py``), then the captured CUDA graphs (``capture.py``)."""
+    """Emit one cell per layer and dtype, then per dropout class and dtype, then ReLU's ops on
+    every bit pattern per dtype (``relu_bits.py``), then, when every layer is checked, the
+    checkpointed steps (``checkpointed.py``) and the mixed-precision ones (``mixed_precision.py``),
+    then the captured CUDA graphs (``capture.py``)."""
     device = torch.device(plan.device)
     for name, (build, shape) in examples(plan.hugging_face).items():
         for dtype in plan.dtypes if selected(name, plan) else ():
@@ -110,7 +110,7 @@ def run(plan: Plan, deadline: Deadline, emit: Callable[[Cell], None]) -> None:
                 continue
             emit(guarded(PART, dropout_cell, label, cls, dtype, plan, device))
     if not deadline.passed():
-        candidates.run(device, emit)
+        relu_bits.run(device, emit)
     if not deadline.passed() and not plan.layers:
         checkpointed.run(device, emit)
     if not deadline.passed() and not plan.layers:

@@ -5,7 +5,8 @@ Triton's compiled kernels itself, with an argument list described from the compi
 (``triton/handover.py``). A wrong list is not an exception but a wrong result or a kernel fault,
 which would poison every later cell of the run. So the run first checks the launches in a
 process of its own (``python -m benchmarks.gpu_acceptance.launch_check``): ReLU against stock,
-bit for bit, in float32 and float64, contiguous and channels-last, in and out of place, three
+bit for bit, in float32, float64, float16 and bfloat16 (those stock's ReLU lets the kernels
+serve: NOTE [asking stock's ReLU]), contiguous and channels-last, in and out of place, three
 calls each (the first launches from Python and registers the kernel, the later ones launch from
 C++). Where the check fails, or its process dies, the run goes on with ``MEMSAVE_NODE_LAUNCH=0``
 (the node calls the Python op) and the record says why.
@@ -22,7 +23,7 @@ from torch import nn
 
 from benchmarks.gpu_acceptance.isolate import ROOT
 
-#: Seconds the check may take (interpreter, CUDA context, compiling four kernels).
+#: Seconds the check may take (interpreter, CUDA context, compiling eight kernels).
 TIMEOUT_S = 180.0
 
 
@@ -53,7 +54,7 @@ def compare(device: str = "cuda") -> tuple[int, list[str]]:
     from memsave_cli.layers.activation import MemSaveReLU
 
     differ, count = [], 0
-    for dtype in (torch.float32, torch.float64):
+    for dtype in (torch.float32, torch.float64, torch.float16, torch.bfloat16):
         for layout in (torch.contiguous_format, torch.channels_last):
             for inplace in (False, True):
                 for call in range(3):
@@ -69,7 +70,7 @@ def compare(device: str = "cuda") -> tuple[int, list[str]]:
                         results.append((out.detach(), leaf.grad, out.stride()))
                     (y, g, stride), (y2, g2, stride2) = results
                     count += 1
-                    bits = {4: torch.int32, 8: torch.int64}[y.element_size()]
+                    bits = {2: torch.int16, 4: torch.int32, 8: torch.int64}[y.element_size()]
                     same = torch.equal(y.view(bits), y2.view(bits))  # NaN payloads too
                     if not (same and torch.equal(g, g2) and stride == stride2):
                         differ.append(f"{dtype} {layout} inplace={inplace} call {call}")

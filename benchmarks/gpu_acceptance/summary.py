@@ -34,7 +34,7 @@ def summary(cells: Sequence[Cell], parts: Sequence[str], header: str) -> str:
         if len(bad) > SHOWN_FAILURES:
             lines.append(f"  ... and {len(bad) - SHOWN_FAILURES} more (see the JSON)")
     lines += memory_lines(cells) + model_lines(cells) + layer_lines(cells)
-    lines += candidate_lines(cells)
+    lines += relu_lines(cells)
     return "\n".join(lines)
 
 
@@ -98,13 +98,18 @@ def layer_lines(cells: Sequence[Cell]) -> list[str]:
     ]
 
 
-def candidate_lines(cells: Sequence[Cell]) -> list[str]:
-    """Kernels not served yet, checked against stock (``candidates.py``): one line each."""
-    rows = [c for c in cells if c.part == "candidates"]
+def relu_lines(cells: Sequence[Cell]) -> list[str]:
+    """Where the Triton ReLU kernels serve on this device, as stock's ReLU answered
+    (``relu_bits.py``): one line."""
+    rows = [c for c in cells if "triton_serves" in c.values]
     if not rows:
         return []
-    lines = ["", "kernels not served yet, against stock (never fail the run):"]
-    return lines + [f"  {c.name:34} {c.status.value.upper():8} {c.detail}"[:160] for c in rows]
+    served = [c.values["dtype"] for c in rows if c.values["triton_serves"]]
+    zero = "+0.0" if rows[0].values["stock_positive_zero"] else "-0.0"
+    return [
+        "",
+        f"Triton ReLU kernels serve: {', '.join(served) or 'none'}; stock's relu(-0.0) = {zero}",
+    ]
 
 
 def _pct(value: float | None) -> str:

@@ -6,7 +6,9 @@ namespace, registered here with all of its implementations side by side:
 - CPU: the fused C kernels (``native.py``) where they serve (dense float32/float64 tensors laid out
   in the bit order, denormals not flushed), else the reference;
 - CUDA: the Triton kernels (``triton/activation.py``, ``triton/bitmask.py``) where they serve
-  (registered only when triton imports), else the reference;
+  (ReLU's in every float dtype where stock's ReLU on that device agrees with them bit for bit,
+  NOTE [asking stock's ReLU] in ``stock_relu.py``; the others in float32 and float64), else the
+  reference;
 - fake (meta, ``FakeTensorMode``, ``torch.compile``): the same outputs without data, so estimates
   and compiled graphs see the bytes eager saves;
 - reference: plain torch operations (``bitmask.py`` packing and the ATen kernels), every device.
@@ -29,12 +31,14 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.utils._python_dispatch import _disable_current_modes
 
-from memsave_cli.kernels import native
+from memsave_cli.kernels import native, stock_relu
 from memsave_cli.kernels import triton as triton_kernels
 from memsave_cli.kernels._eager_op import EagerOp, register
 from memsave_cli.kernels.bitmask import BitLayout, compare, pack_bits, packed_numel, unpack_as
+from memsave_cli.kernels.native_checks import INF_BITS
 
-#: Dtypes the fused kernels serve (NOTE [NaN payloads in 16-bit types] in ``native.py``).
+#: Dtypes the fused kernels serve (NOTE [NaN payloads in 16-bit types] in ``native.py``), but
+#: for ReLU on CUDA (``_triton_relu``).
 FUSED_DTYPES = (torch.float32, torch.float64)
 _RELU, _LEAKY, _HARDTANH = "relu", "leaky", "hardtanh"
 
@@ -122,6 +126,15 @@ def _triton_serves(t: Tensor, order: list[int]) -> bool:
     return t.dtype in FUSED_DTYPES and _follows(t, order) and triton_kernels.available()
 
 
+def _triton_relu(t: Tensor, order: list[int]) -> stock_relu.Answer | None:
+    """Stock's answer for ``t`` where the Triton ReLU kernels serve it: any float dtype the
+    kernels take, where stock's ReLU agrees with them (NOTE [asking stock's ReLU])."""
+    if not (t.dtype in INF_BITS and _follows(t, order) and triton_kernels.available()):
+        return None
+    answer = stock_relu.answer(t)
+    return answer if answer is not None and answer.serves else None
+
+
 def fused_pack(
     kernels, kind: str, x: Tensor, inplace: bool, args: tuple[float, ...]
 ) -> tuple[Tensor, Tensor]:
@@ -151,24 +164,29 @@ def _cpu_pack(kind, x, inplace, order, args) -> tuple[Tensor, Tensor]:
 
 
 def _cuda_pack(kind, x, inplace, order, args) -> tuple[Tensor, Tensor]:
-    if _triton_serves(x, order):
-        return fused_pack(_cuda_kernels(), kind, x, inplace, args)
+    if kind == _RELU:
+        if (answer := _triton_relu(x, order)) is not None:
+            return fused_pack(_cuda_kernels(answer.positive_zero), kind, x, inplace, args)
+    elif _triton_serves(x, order):
+        return fused_pack(_cuda_kernels(False), kind, x, inplace, args)
     return reference_pack(kind, x, inplace, order, args)
 
 
 @functools.cache
-def _cuda_kernels() -> SimpleNamespace:
+def _cuda_kernels(positive_zero: bool) -> SimpleNamespace:
     """The Triton pack kernels as ``fused_pack`` calls them, following stock's CUDA kernels where
-    they differ from its CPU ones: ReLU turns ``-0.0`` into ``+0.0`` (``clamp_min`` takes the
-    maximum of ``x`` and 0) and offers its kernel to the C++ ReLU node (NOTE [kernels called
-    from a node] in ``nodes.cpp``), and Hardtanh's bits pass NaN's gradient (NOTE [NaN in
-    hardtanh_backward]). Hardtanh does not report whether it held elements, which would wait for
-    the device on every call: stock's ``F.hardtanh`` finishes every element instead, one more
-    pass over the result that leaves each clamped element as it is."""
+    they differ from its CPU ones: ReLU writes ``relu(-0.0)`` as stock gave it on the device
+    (``positive_zero``: NOTE [asking stock's ReLU]) and offers its kernel to the C++ ReLU node
+    (NOTE [kernels called from a node] in ``nodes.cpp``), and Hardtanh's bits pass NaN's
+    gradient (NOTE [NaN in hardtanh_backward]). Hardtanh does not report whether it held
+    elements, which would wait for the device on every call: stock's ``F.hardtanh`` finishes
+    every element instead, one more pass over the result that leaves each clamped element as it
+    is."""
     from memsave_cli.kernels.triton import activation
 
+    relu = functools.partial(activation.relu_pack, positive_zero=positive_zero, offer="relu_pack")
     return SimpleNamespace(
-        relu_pack=functools.partial(activation.relu_pack, positive_zero=True, offer="relu_pack"),
+        relu_pack=relu,
         leaky_pack=activation.leaky_pack,
         hardtanh_pack=functools.partial(
             activation.hardtanh_pack, nan_passes=True, report_held=False
@@ -183,7 +201,10 @@ def _cpu_select(grad, bits, order, out_strides, slope) -> Tensor:
 
 
 def _cuda_select(grad, bits, order, out_strides, slope) -> Tensor:
-    if not _triton_serves(grad, order):
+    # select_bits copies the gradient's bits (every float dtype, as stock's threshold_backward
+    # on the device does where it agrees); select_scale multiplies in the element type.
+    served = _triton_serves if slope is not None else _triton_relu
+    if not served(grad, order):
         return reference_select(grad, bits, order, out_strides, slope)
     return _select_with(_cuda_select_kernels(), True, grad, bits, order, out_strides, slope)
 

@@ -11,7 +11,7 @@ import torch
 pytest.importorskip("triton", reason="triton is not installed (it ships with PyTorch on Linux)")
 
 from benchmarks import cuda_path_python
-from memsave_cli.kernels import activation, nodes
+from memsave_cli.kernels import activation, nodes, stock_relu
 from memsave_cli.kernels.triton import _launch
 
 
@@ -19,7 +19,7 @@ def test_launches_are_counted_and_everything_is_restored() -> None:
     getitem = _launch.Kernel.__getitem__
     cpu = activation.relu_pack.implementations["cpu"]
     interpret = os.environ.get("TRITON_INTERPRET")
-    serving = nodes.serving
+    serving, answer = nodes.serving, stock_relu.answer
     # One launch forward (pack), one backward (select); dropout one each way.
     assert cuda_path_python.launches_per_call("ReLU") == 2
     assert cuda_path_python.launches_per_call("LeakyReLU") == 2
@@ -27,14 +27,14 @@ def test_launches_are_counted_and_everything_is_restored() -> None:
     assert _launch.Kernel.__getitem__ is getitem
     assert activation.relu_pack.implementations["cpu"] is cpu
     assert os.environ.get("TRITON_INTERPRET") == interpret
-    assert nodes.serving is serving
+    assert nodes.serving is serving and stock_relu.answer is answer
 
 
 def test_inside_the_context_cpu_tensors_take_the_cuda_implementation() -> None:
     launches = [0]
     x = torch.randn(16)
     with cuda_path_python.cuda_path_on_cpu(launches):
-        activation.relu_pack(x, [0])
+        activation.relu_pack(x.half(), [0])  # the kernels, as stock's CUDA ReLU lets them
     assert launches == [1]
     torch.testing.assert_close(activation.relu_pack(x, [0])[0], torch.relu(x))
 

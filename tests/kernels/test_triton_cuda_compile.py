@@ -25,7 +25,7 @@ from triton.backends.compiler import GPUTarget
 from triton.runtime import driver
 from triton.runtime.jit import JITFunction
 
-from memsave_cli.kernels import activation, dropout
+from memsave_cli.kernels import activation, dropout, stock_relu
 from memsave_cli.kernels import triton as triton_package
 from memsave_cli.kernels.bitmask import layout_of
 from memsave_cli.kernels.maxpool_maps import IndexMaps
@@ -85,6 +85,8 @@ def compiled(monkeypatch: pytest.MonkeyPatch, tmp_path) -> Iterator[dict[str, li
     monkeypatch.setattr(_launch, "interpreting", lambda: True)
     monkeypatch.setattr(triton_package, "available", lambda: True)
     monkeypatch.setattr(driver, "_active", _TargetOnly())
+    # Stock's ReLU cannot be asked where nothing runs: it agrees, zeros written as on CUDA.
+    monkeypatch.setattr(stock_relu, "answer", lambda x: stock_relu.Answer(True, True, ()))
     yield results
     for kernel in kernels:  # compiled for a stand-in device: never launch those
         kernel._compiled = None
@@ -99,18 +101,19 @@ def _inputs(dtype: torch.dtype) -> list[torch.Tensor]:
 
 
 def _activations() -> None:
-    for dtype in activation.FUSED_DTYPES:
+    for dtype in (*activation.FUSED_DTYPES, torch.float16, torch.bfloat16):
+        wide = dtype in activation.FUSED_DTYPES  # ReLU's kernels also serve 16-bit types
         for x in _inputs(dtype):
             order = list(layout_of(x).order)
             for kind, args in (
                 ("relu", ()),
                 ("leaky", (0.1,)),
                 ("hardtanh", (-1.0, 1.0, -1.0, 1.0)),
-            ):
+            )[: 3 if wide else 1]:
                 for inplace in (False, True):
                     activation._cuda_pack(kind, x.clone(), inplace, order, args)
             bits = torch.zeros(-(-x.numel() // 8), dtype=torch.uint8)
-            for slope in (None, 0.1):
+            for slope in (None, 0.1) if wide else (None,):
                 activation._cuda_select(x, bits, order, list(x.stride()), slope)
 
 
@@ -177,13 +180,14 @@ def test_nodes_pass_what_the_compiled_kernels_take(compiled: dict[str, list], nu
     """NOTE [kernels called from a node] in nodes.cpp: the arguments the C++ nodes pass, as
     ``handover.describe`` tells them, are the compiled kernel's parameters in number and width."""
     width = {"p": 64, "i": 32, "l": 64}
-    for dtype in activation.FUSED_DTYPES:
+    dtypes = (*activation.FUSED_DTYPES, torch.float16, torch.bfloat16)
+    for dtype in dtypes:
         x = torch.randn(numel, dtype=dtype)
         bits = torch.empty(-(-numel // 8), dtype=torch.uint8)
         triton_activation.relu_pack(x, torch.empty_like(x), bits, positive_zero=True)
         bitmask.select_bits(x, bits, torch.empty_like(x))
     for name in ("_relu_pack_kernel", "_select_bits_kernel"):
-        assert len(compiled[name]) == 2, name  # one per dtype
+        assert len(compiled[name]) == len(dtypes), name  # one per dtype
         for kernel in compiled[name]:
             described = handover.describe(kernel)
             assert described.params == "pppi", name  # three pointers, then a 32-bit count

@@ -55,9 +55,9 @@ def relu_pack(
     """Write ``torch.relu(x)`` to ``out`` and set bit ``i`` of ``bits`` where it is nonzero.
 
     A ReLU result is NaN, positive or a signed zero (``-0.0`` stays ``-0.0`` as on the CPU, or
-    with ``positive_zero`` becomes ``+0.0`` as stock's CUDA ``clamp_min`` makes it; NaN payloads
-    are copied), so the bit is set exactly where ``not x <= 0``, where ``threshold_backward``
-    passes the gradient. Integer tests on the bits, no float arithmetic: float64, float32,
+    with ``positive_zero`` becomes ``+0.0`` as stock's CUDA ``clamp_min`` made it in PyTorch
+    2.11: NOTE [asking stock's ReLU] in ``stock_relu.py``; NaN payloads are copied), so the bit
+    is set exactly where ``not x <= 0``, where ``threshold_backward`` passes the gradient. Integer tests on the bits, no float arithmetic: float64, float32,
     bfloat16 and float16 alike, and denormals never flushed. ``native.relu_pack``. ``offer``
     names the kernel for the C++ nodes (``handover.offer``).
     """
