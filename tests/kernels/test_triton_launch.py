@@ -102,3 +102,45 @@ def test_interpreted_launch_leaves_triton_as_it_was() -> None:
     if isinstance(tl.sum, JITFunction):
         with pytest.raises(RuntimeError, match="outside of the scope of a kernel"):
             tl.sum(torch.ones(2))
+
+
+class _OnDevice(torch.Tensor):
+    """A data-free tensor that says it lives on ``device`` (no CUDA needed to make one)."""
+
+    @staticmethod
+    def __new__(cls, device: str) -> torch.Tensor:
+        return torch.Tensor._make_wrapper_subclass(cls, (4,), device=torch.device(device))
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        raise AssertionError(f"{func} called on a data-free tensor")
+
+
+@pytest.mark.parametrize(
+    ("device", "switched"), [("cuda:1", [1]), ("cuda:0", []), ("cpu", [])], ids=str
+)
+def test_compiled_launches_run_on_their_tensors_device(
+    monkeypatch: pytest.MonkeyPatch, device: str, switched: list[int]
+) -> None:
+    """NOTE [launching on the tensors' device]: Triton launches on the current device, so a
+    launch for tensors on another switches to theirs for its duration, and only then."""
+    import contextlib
+
+    from memsave_cli.kernels.triton import _launch
+
+    entered, current = [], [0]
+
+    @contextlib.contextmanager
+    def use(index):
+        entered.append(torch.device(index).index)
+        current[0], before = torch.device(index).index, current[0]
+        yield
+        current[0] = before
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: current[0])
+    monkeypatch.setattr(torch.cuda, "device", use)
+    launches = []
+    launch = _launch._on_their_device(lambda *args, n: launches.append((current[0], n)))
+    launch(3, _OnDevice(device), n=7)
+    assert entered == switched
+    assert launches == [(switched[0] if switched else 0, 7)] and current == [0]

@@ -55,13 +55,38 @@ class Kernel:
             return _interpreted_launch(self._interpreted[grid])
         if self._compiled is None:
             self._compiled = JITFunction(self.fn, do_not_specialize=self.do_not_specialize)
-        return self._compiled[grid]
+        return _on_their_device(self._compiled[grid])
 
 
 def kernel(*, do_not_specialize: Sequence[str] = ()) -> Callable[[Callable[..., None]], Kernel]:
     """Decorator making a :class:`Kernel`; ``do_not_specialize`` names integer arguments that vary
     from call to call (seeds), so they do not cause recompilation."""
     return lambda fn: Kernel(fn, do_not_specialize)
+
+
+def _on_their_device(launch: Callable[..., Any]) -> Callable[..., Any]:
+    """``launch`` made with the device of its first tensor argument current.
+
+    NOTE [launching on the tensors' device]: Triton launches on the current CUDA device and its
+    current stream, whatever device the tensors are on. Where a model spans devices in one
+    process (``device_map="auto"``, pipeline stages) the current device is usually the first, so
+    a layer on another would launch there: kernels reading memory of another device, on a stream
+    that does not wait for that device's work, and compiled kernels handed to the C++ nodes in
+    the wrong device's context. Stock's operations switch to their tensors' device; the launches
+    do too (the kernels' tensors share one device: the argument checks ask)."""
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        first = next((arg for arg in args if isinstance(arg, Tensor)), None)
+        if (
+            first is not None
+            and first.is_cuda
+            and first.device.index != torch.cuda.current_device()
+        ):
+            with torch.cuda.device(first.device):
+                return launch(*args, **kwargs)
+        return launch(*args, **kwargs)
+
+    return run
 
 
 def _interpreted_launch(launch: Callable[..., Any]) -> Callable[..., Any]:
