@@ -1,5 +1,4 @@
-// Autograd nodes in C++ for memsave's drop-ins whose backward is ATen calls only, registered
-// with torch.library as memsave_nodes::*.
+// Autograd nodes in C++ for memsave's drop-ins, a Python extension module (memsave_nodes).
 //
 // NOTE [why a drop-in is a C++ node]: a Python autograd.Function runs Python in forward and in
 // backward, where stock's nodes run C++. On a fast GPU that Python sets the pace of a CNN step:
@@ -7,11 +6,11 @@
 // H200 (benchmarks/cpp_node_probe.py, ResNet-101, batch 64, frozen weights): memsave's Python
 // convolutions took 1.152x stock's step, the same saving in a C++ node 1.001x, bit for bit and
 // keeping the same bytes. A node here does the work of one Python Function of the layers
-// (conv.py, batchnorm.py) in one call: the dispatcher runs its composite kernel, whose
-// torch::autograd::Function saves exactly what the Python Function saves and calls the same ATen
-// kernels. nodes.py decides when it serves (eager tensors, any device); traced and fake
-// tensors, and machines without a C++ compiler, keep the Python Function. ReLU, whose kernels
-// are memsave's own, calls them from here too (NOTE [kernels called from a node]).
+// (conv.py, batchnorm.py, activation.py) in one call: its torch::autograd::Function saves
+// exactly what the Python Function saves and calls the same ATen kernels. nodes.py decides when
+// it serves (eager tensors, any device); traced and fake tensors, and machines without a C++
+// compiler, keep the Python Function. ReLU and Hardtanh, whose kernels are memsave's own, call
+// them from here too (NOTE [kernels called from a node]).
 //
 // Compiled on first use against the installed torch (nodes.py, NOTE [building the native
 // kernels] in build.py).
@@ -291,7 +290,9 @@ at::Tensor batch_norm_eval(const at::Tensor &x, const std::optional<at::Tensor> 
 }
 
 
-// NOTE [kernels called from a node]: the ReLU node runs memsave's own kernels without Python.
+// NOTE [kernels called from a node]: the activation nodes run memsave's own kernels without
+// Python (ReLU both ways; Hardtanh on the CPU, and its backward on CUDA: NOTE [hardtanh on
+// CUDA]).
 // On the CPU these are the C kernels of native.c, whose addresses nodes.py hands over once
 // (set_cpu_kernels). On CUDA they are the Triton kernels, compiled by Triton in Python: the first
 // call of each kernel, dtype, device and block size goes through the Python op, whose launch
@@ -311,9 +312,12 @@ namespace kernels {
 using ReluPack = int (*)(const void *, void *, uint8_t *, int64_t, int, uint64_t, int);
 using SelectBits = int (*)(const void *, const uint8_t *, void *, int64_t, int, int, int);
 using FlushesDenormals = int (*)();
+using HardtanhPack = int (*)(const void *, void *, uint8_t *, int64_t, int, double, double, int *,
+                             int);
 ReluPack relu_pack_c = nullptr;
 SelectBits select_bits_c = nullptr;
 FlushesDenormals flushes_denormals_c = nullptr;
+HardtanhPack hardtanh_pack_c = nullptr;
 
 // A compiled Triton kernel as handover.py describes it: the CUfunction, threads per block,
 // dynamic shared memory, one code per argument the node passes ('p' pointer, 'i' int32,
@@ -496,6 +500,26 @@ bool relu_pack(const at::Tensor &x, bool inplace, at::Tensor &y, at::Tensor &bit
     return true;
 }
 
+// hardtanh(x) and its bits into new tensors (y is x in place) by the C kernel, where it serves x
+// (dense in its bit order, on the CPU: NOTE [hardtanh on CUDA]); false where it does not, having
+// written nothing. The kernel copies the elements ATen's loops clamp inconsistently (NaN, a zero
+// meeting a zero bound of the other sign) and says whether there were any: stock's hardtanh over
+// the result then finishes them as stock would (kernels/native.py's hardtanh_pack).
+bool hardtanh_pack(const at::Tensor &x, bool inplace, double min_val, double max_val, double low,
+                   double high, at::Tensor &y, at::Tensor &bits) {
+    if (!(c_serves(x) && hardtanh_pack_c != nullptr)) return false;
+    const int64_t n = x.numel();
+    y = inplace ? x : at::empty_like(x);
+    bits = at::empty({(n + 7) / 8}, x.options().dtype(at::kByte));
+    int held = 0;
+    TORCH_CHECK(hardtanh_pack_c(x.data_ptr(), y.data_ptr(), bits.data_ptr<uint8_t>(), n,
+                                static_cast<int>(x.element_size()), low, high, &held,
+                                threads()) == 0,
+                "memsave nodes: hardtanh_pack rejected its arguments");
+    if (held != 0) at::hardtanh_(y, min_val, max_val);
+    return true;
+}
+
 // The input gradient, grad where a bit is set and +0 elsewhere, in grad's layout, by memsave's
 // kernels where they serve grad (dense in the bits' order); an undefined tensor where not.
 at::Tensor select_bits(const at::Tensor &grad, const at::Tensor &bits) {
@@ -546,6 +570,44 @@ bool follows(at::IntArrayRef sizes, at::IntArrayRef strides, const std::vector<i
     return true;
 }
 
+// The input gradient of an activation keeping one bit per element (ReLU, Hardtanh): grad where
+// its bit is set, laid out as stock's backward kernel lays it out (``grad_first``: the kernel's
+// operand order, NOTE [gradient layout] in layers/activation.py). ctx holds the bits and the spec.
+variable_list select_saved_bits(AutogradContext *ctx, const variable_list &grads,
+                                const char *layer, bool grad_first, size_t inputs) {
+    TORCH_CHECK(!at::GradMode::is_enabled(), layer,
+                " does not support double backward (create_graph=True): it does not keep the "
+                "tensors a second derivative needs. Use the stock layer there "
+                "(memsave_cli.layers.revert) for higher-order gradients.");
+    variable_list result(inputs);
+    if (!ctx->needs_input_grad(0)) return result;
+    const auto spec = ctx->saved_data["spec"].toIntVector();
+    const auto half = static_cast<std::ptrdiff_t>(spec.size() / 2);
+    const std::vector<int64_t> order(spec.begin(), spec.begin() + half),
+        saved(spec.begin() + half, spec.end());
+    const at::Tensor &grad = grads[0];
+    const at::Tensor bits = ctx->get_saved_variables()[0];
+    // Where the gradient has the saved tensor's strides, stock's kernel lays its result out
+    // the same way, whichever operand comes first.
+    if (grad.strides() == at::IntArrayRef(saved) && follows(grad.sizes(), saved, order)) {
+        result[0] = kernels::select_bits(grad, bits);
+        if (result[0].defined()) return result;
+    }
+    auto selected = call_op("memsave::select_bits",
+                            {grad, bits, c10::IValue(order), c10::IValue(saved), grad_first});
+    result[0] = selected.front().toTensor();
+    return result;
+}
+
+// Save the bits of an activation and the spec select_saved_bits reads: the bit order, then the
+// strides of the tensor stock would save.
+void save_bits(AutogradContext *ctx, const at::Tensor &bits, std::vector<int64_t> order,
+               at::IntArrayRef saved) {
+    ctx->save_for_backward({bits});
+    order.insert(order.end(), saved.begin(), saved.end());
+    ctx->saved_data["spec"] = std::move(order);
+}
+
 // ReLU keeping one bit per element where the gradient passes (layers/activation.py's
 // _ReLUFunction in C++: the same bits, saved strides and ops).
 struct Relu : public torch::autograd::Function<Relu> {
@@ -559,33 +621,44 @@ struct Relu : public torch::autograd::Function<Relu> {
             y = inplace ? x : results.front().toTensor();
         }
         if (inplace) ctx->mark_dirty({x});
-        ctx->save_for_backward({bits});
-        order.insert(order.end(), y.strides().begin(), y.strides().end());
-        ctx->saved_data["spec"] = std::move(order);  // the bit order, then the saved strides
+        save_bits(ctx, bits, std::move(order), y.strides());
         return y;
     }
 
     static variable_list backward(AutogradContext *ctx, variable_list grads) {
-        TORCH_CHECK(!at::GradMode::is_enabled(),
-                    "MemSaveReLU does not support double backward (create_graph=True): it does "
-                    "not keep the tensors a second derivative needs. Use the stock layer there "
-                    "(memsave_cli.layers.revert) for higher-order gradients.");
-        if (!ctx->needs_input_grad(0)) return {at::Tensor(), at::Tensor()};
-        const auto spec = ctx->saved_data["spec"].toIntVector();
-        const auto half = static_cast<std::ptrdiff_t>(spec.size() / 2);
-        const std::vector<int64_t> order(spec.begin(), spec.begin() + half),
-            saved(spec.begin() + half, spec.end());
-        const at::Tensor &grad = grads[0];
-        const at::Tensor bits = ctx->get_saved_variables()[0];
-        // Where the gradient has the saved tensor's strides, stock's kernel lays its result out
-        // the same way (NOTE [gradient layout] in layers/activation.py).
-        if (grad.strides() == at::IntArrayRef(saved) && follows(grad.sizes(), saved, order)) {
-            at::Tensor out = kernels::select_bits(grad, bits);
-            if (out.defined()) return {out, at::Tensor()};
+        return select_saved_bits(ctx, grads, "MemSaveReLU", false, 2);
+    }
+};
+
+// NOTE [hardtanh on CUDA]: the node calls the C kernel on the CPU only. On CUDA the forward
+// goes through the Python op (the Triton kernel takes its bounds as values, on which Triton
+// specialises, so a compiled kernel serves only bounds of the same kind; and stock's hardtanh
+// finishes every element there), and the backward launches the compiled select_bits as ReLU's
+// does.
+
+// Hardtanh (and ReLU6) keeping one bit per element where the input between the bounds passes
+// the gradient (layers/activation.py's _HardtanhFunction in C++: the same bits, saved strides and
+// ops). Stock saves the input even in place, so its strides are the saved ones.
+struct Hardtanh : public torch::autograd::Function<Hardtanh> {
+    static at::Tensor forward(AutogradContext *ctx, const at::Tensor &x, double min_val,
+                              double max_val, double low, double high, bool inplace) {
+        auto order = memory_order(x);
+        const std::vector<int64_t> saved(x.strides().begin(), x.strides().end());
+        at::Tensor y, bits;
+        if (!(follows(x.sizes(), x.strides(), order) &&
+              kernels::hardtanh_pack(x, inplace, min_val, max_val, low, high, y, bits))) {
+            const auto name = inplace ? "memsave::hardtanh_pack_" : "memsave::hardtanh_pack";
+            auto results = call_op(name, {x, c10::IValue(order), min_val, max_val, low, high});
+            bits = results.back().toTensor();
+            y = inplace ? x : results.front().toTensor();
         }
-        auto results = call_op("memsave::select_bits",
-                               {grad, bits, c10::IValue(order), c10::IValue(saved), false});
-        return {results.front().toTensor(), at::Tensor()};
+        if (inplace) ctx->mark_dirty({x});
+        save_bits(ctx, bits, std::move(order), saved);
+        return y;
+    }
+
+    static variable_list backward(AutogradContext *ctx, variable_list grads) {
+        return select_saved_bits(ctx, grads, "MemSaveHardtanh/MemSaveReLU6", true, 6);
     }
 };
 
@@ -596,13 +669,27 @@ at::Tensor relu_(const at::Tensor &x) {
     return x;
 }
 
+at::Tensor hardtanh(const at::Tensor &x, double min_val, double max_val, double low, double high) {
+    return Hardtanh::apply(x, min_val, max_val, low, high, false);
+}
+
+at::Tensor hardtanh_(const at::Tensor &x, double min_val, double max_val, double low,
+                     double high) {
+    Hardtanh::apply(x, min_val, max_val, low, high, true);
+    return x;
+}
+
 // Hand the C kernels' addresses over (nodes.py; 0 forgets them).
-void set_cpu_kernels(int64_t relu_pack, int64_t select_bits, int64_t flushes_denormals) {
-    const bool all = relu_pack != 0 && select_bits != 0 && flushes_denormals != 0;
+void set_cpu_kernels(int64_t relu_pack, int64_t select_bits, int64_t flushes_denormals,
+                     int64_t hardtanh_pack) {
+    const bool all =
+        relu_pack != 0 && select_bits != 0 && flushes_denormals != 0 && hardtanh_pack != 0;
     kernels::relu_pack_c = all ? reinterpret_cast<kernels::ReluPack>(relu_pack) : nullptr;
     kernels::select_bits_c = all ? reinterpret_cast<kernels::SelectBits>(select_bits) : nullptr;
     kernels::flushes_denormals_c =
         all ? reinterpret_cast<kernels::FlushesDenormals>(flushes_denormals) : nullptr;
+    kernels::hardtanh_pack_c =
+        all ? reinterpret_cast<kernels::HardtanhPack>(hardtanh_pack) : nullptr;
 }
 
 // Register a compiled Triton kernel (NOTE [kernels called from a node]).
@@ -659,6 +746,8 @@ PYBIND11_MODULE(memsave_nodes, m) {
     m.def("batch_norm_eval", entry("memsave_nodes::batch_norm_eval", &batch_norm_eval));
     m.def("relu", entry("memsave_nodes::relu", &relu));
     m.def("relu_", entry("memsave_nodes::relu_", &relu_));
+    m.def("hardtanh", entry("memsave_nodes::hardtanh", &hardtanh));
+    m.def("hardtanh_", entry("memsave_nodes::hardtanh_", &hardtanh_));
     m.def("set_cpu_kernels", &set_cpu_kernels);
     m.def("register_kernel", &register_kernel);
     m.def("forget_kernels", &forget_kernels);

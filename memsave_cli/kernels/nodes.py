@@ -44,11 +44,16 @@ class Nodes(NamedTuple):
     batch_norm_eval: Callable[..., Tensor]
     relu: Callable[[Tensor], Tensor]
     relu_: Callable[[Tensor], Tensor]
+    #: ``hardtanh(x, min_val, max_val, low, high)`` and in place: ``low``/``high`` are the
+    #: bounds as the kernels compare (``layers.activation.kernel_bounds``).
+    hardtanh: Callable[..., Tensor]
+    hardtanh_: Callable[..., Tensor]
     #: ``register_kernel(name, dtype, device, block, function, threads, shared, params,
     #: scratch)``: a compiled Triton kernel for the nodes to launch (``triton/handover.py``).
     register_kernel: Callable[..., None]
-    #: ``set_cpu_kernels(relu_pack, select_bits, flushes_denormals)``: the C kernels' addresses.
-    set_cpu_kernels: Callable[[int, int, int], None]
+    #: ``set_cpu_kernels(relu_pack, select_bits, flushes_denormals, hardtanh_pack)``: the C
+    #: kernels' addresses.
+    set_cpu_kernels: Callable[[int, int, int, int], None]
     #: ``launch_counts()``: launches from C++ so far, made and failed, and the last CUresult.
     launch_counts: Callable[[], list[int]]
     #: Test hooks: ``forget_kernels()``, ``set_launcher(address, cpu)`` (NOTE in nodes.cpp).
@@ -95,14 +100,22 @@ def _import(path: Path) -> ModuleType:
     return module
 
 
-def _c_kernels() -> tuple[int, int, int]:
-    """The addresses of the C kernels the ReLU node calls (``relu_pack``, ``select_bits``,
-    ``flushes_denormals`` of ``native.c``), or zeros where they are unavailable: the node then
-    calls the ops, whose CPU implementation is the reference."""
+#: The C kernels the activation nodes call (``native.c``), in ``set_cpu_kernels``' order.
+_C_KERNELS = (
+    "memsave_relu_pack",
+    "memsave_select_bits",
+    "memsave_flushes_denormals",
+    "memsave_hardtanh_pack",
+)
+
+
+def _c_kernels() -> tuple[int, ...]:
+    """The addresses of the C kernels the activation nodes call (``_C_KERNELS``), or zeros where
+    they are unavailable: the nodes then call the ops, whose CPU implementation is the reference."""
     library = builder.loaded().library
     if library is None:
-        return 0, 0, 0
-    names = ("memsave_relu_pack", "memsave_select_bits", "memsave_flushes_denormals")
+        return (0,) * len(_C_KERNELS)
+    names = _C_KERNELS
     addresses = [ctypes.cast(getattr(library, name), ctypes.c_void_p).value for name in names]
     return tuple(address or 0 for address in addresses)  # type: ignore[return-value]
 

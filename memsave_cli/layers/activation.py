@@ -239,11 +239,15 @@ class MemSaveLeakyReLU(nn.LeakyReLU):
 
 
 def _hardtanh(module: nn.Hardtanh, input: Tensor) -> Tensor:
-    """Hardtanh (or ReLU6) of ``input`` with ``module``'s bounds, saving a 1-bit mask."""
-    if module.min_val > module.max_val:
+    """Hardtanh (or ReLU6) of ``input`` with ``module``'s bounds, saving a 1-bit mask: by its C++
+    node where that serves (as :func:`_relu`), else :func:`_activate`."""
+    bounds, inplace = (module.min_val, module.max_val), module.inplace
+    if bounds[0] > bounds[1]:
         raise ValueError("min_val cannot be greater than max_val")
-    bounds = (module.min_val, module.max_val)
-    return _activate(_HardtanhFunction, F.hardtanh, input, *bounds, inplace=module.inplace)
+    if input.requires_grad and not (inplace and input.is_leaf) and (served := nodes.serving(input)):
+        node = served.hardtanh_ if inplace else served.hardtanh
+        return node(input, *bounds, *kernel_bounds(input.dtype, *bounds))
+    return _activate(_HardtanhFunction, F.hardtanh, input, *bounds, inplace=inplace)
 
 
 @drop_in(nn.Hardtanh)

@@ -20,7 +20,7 @@ from torch import nn
 
 from memsave_cli.kernels import build, nodes
 from memsave_cli.kernels.native_checks import INF_BITS
-from memsave_cli.layers.activation import MemSaveReLU
+from memsave_cli.layers.activation import MemSaveReLU, MemSaveReLU6
 
 pytestmark = pytest.mark.skipif(not nodes.available(), reason=nodes.status(build=False))
 
@@ -187,6 +187,16 @@ def test_cpu_tensors_take_the_c_kernels() -> None:
     select_type = ctypes.CFUNCTYPE(
         ctypes.c_int, *[ctypes.c_void_p] * 3, ctypes.c_int64, *[ctypes.c_int] * 3
     )
+    hardtanh_type = ctypes.CFUNCTYPE(
+        ctypes.c_int,
+        *[ctypes.c_void_p] * 3,
+        ctypes.c_int64,
+        ctypes.c_int,
+        ctypes.c_double,
+        ctypes.c_double,
+        ctypes.c_void_p,
+        ctypes.c_int,
+    )
 
     def pack(*args):
         called.append("relu_pack")
@@ -196,10 +206,14 @@ def test_cpu_tensors_take_the_c_kernels() -> None:
         called.append("select_bits")
         return library.memsave_select_bits(*args)
 
-    spies = (pack_type(pack), select_type(select))
-    addresses = [ctypes.cast(spy, ctypes.c_void_p).value for spy in spies]
+    def hardtanh(*args):
+        called.append("hardtanh_pack")
+        return library.memsave_hardtanh_pack(*args)
+
+    spies = (pack_type(pack), select_type(select), hardtanh_type(hardtanh))
+    pack_at, select_at, hardtanh_at = (ctypes.cast(f, ctypes.c_void_p).value for f in spies)
     flushes = ctypes.cast(library.memsave_flushes_denormals, ctypes.c_void_p).value
-    nodes.nodes().set_cpu_kernels(*addresses, flushes)
+    nodes.nodes().set_cpu_kernels(pack_at, select_at, flushes, hardtanh_at)
     try:
         x = torch.randn(3, 5, 7, dtype=torch.float64)
         grad = torch.randn_like(x)
@@ -210,6 +224,10 @@ def test_cpu_tensors_take_the_c_kernels() -> None:
         called.clear()
         _run(MemSaveReLU(), x.to(torch.bfloat16), grad.to(torch.bfloat16), False)
         assert called == []  # 16-bit types take the op (NOTE [NaN payloads in 16-bit types])
+        expected, actual = _run(nn.ReLU6(), x, grad, False), _run(MemSaveReLU6(), x, grad, False)
+        for want, got in zip(expected, actual, strict=True):
+            assert torch.equal(got, want)
+        assert called == ["hardtanh_pack", "select_bits"]
     finally:
         nodes.nodes().set_cpu_kernels(*nodes._c_kernels())
 

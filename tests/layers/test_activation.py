@@ -10,6 +10,7 @@ import pytest
 import torch
 from torch import Tensor, nn
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from memsave_cli.kernels import bitmask, native, nodes
 from memsave_cli.kernels.bitmask import packed_numel
@@ -269,6 +270,37 @@ def test_nan_input_gradient_as_stock_cpu_kernels(
         nn.LeakyReLU: grad[:64] * case.kwargs.get("negative_slope", 0.01),
     }
     _assert_same(nan_grad.get(case.stock, torch.zeros_like(grad[:64])), expected[1][:64])
+
+
+@pytest.mark.skipif(not nodes.available(), reason=nodes.status(build=False))
+@pytest.mark.parametrize("inplace", [False, True], ids=lambda flag: f"inplace={flag}")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+def test_the_hardtanh_node_has_stock_finish_the_held_elements(
+    dtype: torch.dtype, inplace: bool
+) -> None:
+    """The C kernel copies the elements ATen's loops clamp inconsistently (NaN, a zero meeting a
+    zero bound of the other sign) and says so; the node then has stock's hardtanh finish the
+    result, and only then: a dispatch mode sees its aten calls. (The Function's op does the same
+    inside the op: ``tests/kernels/test_native.py``.)"""
+    seen: list[str] = []
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    for x, held in (
+        (torch.linspace(-8, 8, 64, dtype=dtype), False),
+        (torch.tensor([float("nan"), 2.0] * 32, dtype=dtype), True),
+        (torch.tensor([-0.0, 3.0] * 32, dtype=dtype), True),  # ReLU6's lower bound is +0.0
+    ):
+        seen.clear()
+        leaf = x.clone().requires_grad_()
+        with Record():
+            out = MemSaveReLU6(inplace)(leaf.clone() if inplace else leaf)
+        _assert_same(nn.ReLU6()(x), out.detach())
+        assert ("aten.hardtanh_.default" in seen) is held, (held, seen)
+        assert not any(name.startswith("memsave.") for name in seen), seen  # the C kernel ran
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
