@@ -67,6 +67,17 @@ def _capturing(x: Tensor) -> bool:
 
 
 def _ask(device: torch.device, dtype: torch.dtype) -> Answer:
+    """The question, asked; kernels that fail to compile or launch here do not serve (their
+    error, in one line, is what differs), and the layers run on stock's kernels."""
+    try:
+        return _compared(device, dtype)
+    except Exception as error:
+        from memsave_cli.errors import one_line
+
+        return Answer(False, False, (f"the kernels failed: {one_line(error)}",))
+
+
+def _compared(device: torch.device, dtype: torch.dtype) -> Answer:
     from memsave_cli.kernels.triton import activation, bitmask
 
     with _disable_current_modes(), torch.no_grad():

@@ -133,3 +133,19 @@ def _copying_threshold_backward(grad: torch.Tensor, saved: torch.Tensor, thresho
     """``threshold_backward`` as CUDA's kernel computes it: the gradient's bits copied where
     ``saved > 0`` or NaN, +0 elsewhere (the CPU's vector loop rewrites 16-bit NaNs)."""
     return torch.where(saved <= threshold, torch.zeros_like(grad), grad)
+
+
+def test_kernels_that_fail_do_not_serve(monkeypatch) -> None:
+    """A kernel that cannot compile or launch here is an answer, not an error in the layer."""
+    from memsave_cli.kernels.triton import activation as triton_activation
+
+    def fails(*args, **kwargs):
+        raise RuntimeError("no kernel image is available\nfor execution on the device")
+
+    monkeypatch.setattr(triton_activation, "relu_pack", fails)
+    x = torch.randn(64)
+    answer = stock_relu.answer(x)
+    assert not answer.serves
+    assert answer.differs == ("the kernels failed: RuntimeError: no kernel image is available",)
+    y, _ = ops._cuda_pack("relu", x, False, ORDER, ())
+    assert torch.equal(y, torch.relu(x))
