@@ -25,7 +25,11 @@ from memsave_cli.timing import alternate, round_ratios
 #: The rows of ``layer_overhead.py`` whose memsave layer has a node, and batch norm with running
 #: statistics (``layer_overhead``'s batch norm trains, and then runs stock).
 ROWS = {
-    **{name: LAYERS[name] for name in LAYERS if name.startswith(("Conv", "ReLU", "Hardtanh"))},
+    **{
+        name: LAYERS[name]
+        for name in LAYERS
+        if name.startswith(("Conv", "ReLU", "LeakyReLU", "Hardtanh"))
+    },
     "ReLU6": (nn.ReLU6, MAP),
     "BatchNorm2d eval, frozen": (lambda: nn.BatchNorm2d(8).eval().requires_grad_(False), MAP),
 }

@@ -9,7 +9,7 @@
 // (conv.py, batchnorm.py, activation.py) in one call: its torch::autograd::Function saves
 // exactly what the Python Function saves and calls the same ATen kernels. nodes.py decides when
 // it serves (eager tensors, any device); traced and fake tensors, and machines without a C++
-// compiler, keep the Python Function. ReLU and Hardtanh, whose kernels are memsave's own, call
+// compiler, keep the Python Function. The activations, whose kernels are memsave's own, call
 // them from here too (NOTE [kernels called from a node]).
 //
 // Compiled on first use against the installed torch (nodes.py, NOTE [building the native
@@ -292,7 +292,7 @@ at::Tensor batch_norm_eval(const at::Tensor &x, const std::optional<at::Tensor> 
 
 // NOTE [kernels called from a node]: the activation nodes run memsave's own kernels without
 // Python (ReLU both ways; Hardtanh on the CPU, and its backward on CUDA: NOTE [hardtanh on
-// CUDA]).
+// CUDA]; LeakyReLU on the CPU).
 // On the CPU these are the C kernels of native.c, whose addresses nodes.py hands over once
 // (set_cpu_kernels). On CUDA they are the Triton kernels, compiled by Triton in Python: the first
 // call of each kernel, dtype, device and block size goes through the Python op, whose launch
@@ -314,10 +314,14 @@ using SelectBits = int (*)(const void *, const uint8_t *, void *, int64_t, int, 
 using FlushesDenormals = int (*)();
 using HardtanhPack = int (*)(const void *, void *, uint8_t *, int64_t, int, double, double, int *,
                              int);
+using LeakyPack = int (*)(const void *, void *, uint8_t *, int64_t, int, double, int);
+using SelectScale = int (*)(const void *, const uint8_t *, void *, int64_t, int, double, int);
 ReluPack relu_pack_c = nullptr;
 SelectBits select_bits_c = nullptr;
 FlushesDenormals flushes_denormals_c = nullptr;
 HardtanhPack hardtanh_pack_c = nullptr;
+LeakyPack leaky_pack_c = nullptr;
+SelectScale select_scale_c = nullptr;
 
 // A compiled Triton kernel as handover.py describes it: the CUfunction, threads per block,
 // dynamic shared memory, one code per argument the node passes ('p' pointer, 'i' int32,
@@ -507,7 +511,7 @@ bool relu_pack(const at::Tensor &x, bool inplace, at::Tensor &y, at::Tensor &bit
 // the result then finishes them as stock would (kernels/native.py's hardtanh_pack).
 bool hardtanh_pack(const at::Tensor &x, bool inplace, double min_val, double max_val, double low,
                    double high, at::Tensor &y, at::Tensor &bits) {
-    if (!(c_serves(x) && hardtanh_pack_c != nullptr)) return false;
+    if (!c_serves(x)) return false;
     const int64_t n = x.numel();
     y = inplace ? x : at::empty_like(x);
     bits = at::empty({(n + 7) / 8}, x.options().dtype(at::kByte));
@@ -518,6 +522,32 @@ bool hardtanh_pack(const at::Tensor &x, bool inplace, double min_val, double max
                 "memsave nodes: hardtanh_pack rejected its arguments");
     if (held != 0) at::hardtanh_(y, min_val, max_val);
     return true;
+}
+
+// leaky_relu(x, slope) and its bits (set where x > 0) into new tensors (y is x in place) by the C
+// kernel, where it serves x (dense in its bit order, on the CPU); false where it does not.
+bool leaky_pack(const at::Tensor &x, bool inplace, double slope, at::Tensor &y, at::Tensor &bits) {
+    if (!c_serves(x)) return false;
+    const int64_t n = x.numel();
+    y = inplace ? x : at::empty_like(x);
+    bits = at::empty({(n + 7) / 8}, x.options().dtype(at::kByte));
+    TORCH_CHECK(leaky_pack_c(x.data_ptr(), y.data_ptr(), bits.data_ptr<uint8_t>(), n,
+                             static_cast<int>(x.element_size()), slope, threads()) == 0,
+                "memsave nodes: leaky_pack rejected its arguments");
+    return true;
+}
+
+// LeakyReLU's input gradient, grad where a bit is set and grad * slope elsewhere, in grad's
+// layout, by the C kernel where it serves grad (dense in the bits' order, on the CPU); an
+// undefined tensor where not.
+at::Tensor select_scale(const at::Tensor &grad, const at::Tensor &bits, double slope) {
+    if (!c_serves(grad)) return at::Tensor();
+    at::Tensor out = at::empty_like(grad);
+    TORCH_CHECK(select_scale_c(grad.data_ptr(), bits.data_ptr<uint8_t>(), out.data_ptr(),
+                               grad.numel(), static_cast<int>(grad.element_size()), slope,
+                               threads()) == 0,
+                "memsave nodes: select_scale rejected its arguments");
+    return out;
 }
 
 // The input gradient, grad where a bit is set and +0 elsewhere, in grad's layout, by memsave's
@@ -570,11 +600,13 @@ bool follows(at::IntArrayRef sizes, at::IntArrayRef strides, const std::vector<i
     return true;
 }
 
-// The input gradient of an activation keeping one bit per element (ReLU, Hardtanh): grad where
-// its bit is set, laid out as stock's backward kernel lays it out (``grad_first``: the kernel's
-// operand order, NOTE [gradient layout] in layers/activation.py). ctx holds the bits and the spec.
+// The input gradient of an activation keeping one bit per element: grad where its bit is set
+// and +0 (ReLU, Hardtanh) or grad * slope (LeakyReLU, ``slope`` given) elsewhere, laid out as
+// stock's backward kernel lays it out (``grad_first``: the kernel's operand order, NOTE [gradient
+// layout] in layers/activation.py). ctx holds the bits and the spec.
 variable_list select_saved_bits(AutogradContext *ctx, const variable_list &grads,
-                                const char *layer, bool grad_first, size_t inputs) {
+                                const char *layer, bool grad_first, size_t inputs,
+                                std::optional<double> slope = std::nullopt) {
     TORCH_CHECK(!at::GradMode::is_enabled(), layer,
                 " does not support double backward (create_graph=True): it does not keep the "
                 "tensors a second derivative needs. Use the stock layer there "
@@ -590,11 +622,15 @@ variable_list select_saved_bits(AutogradContext *ctx, const variable_list &grads
     // Where the gradient has the saved tensor's strides, stock's kernel lays its result out
     // the same way, whichever operand comes first.
     if (grad.strides() == at::IntArrayRef(saved) && follows(grad.sizes(), saved, order)) {
-        result[0] = kernels::select_bits(grad, bits);
+        result[0] = slope ? kernels::select_scale(grad, bits, *slope)
+                          : kernels::select_bits(grad, bits);
         if (result[0].defined()) return result;
     }
-    auto selected = call_op("memsave::select_bits",
-                            {grad, bits, c10::IValue(order), c10::IValue(saved), grad_first});
+    auto selected =
+        slope ? call_op("memsave::select_scale",
+                        {grad, bits, c10::IValue(order), c10::IValue(saved), *slope})
+              : call_op("memsave::select_bits",
+                        {grad, bits, c10::IValue(order), c10::IValue(saved), grad_first});
     result[0] = selected.front().toTensor();
     return result;
 }
@@ -627,6 +663,38 @@ struct Relu : public torch::autograd::Function<Relu> {
 
     static variable_list backward(AutogradContext *ctx, variable_list grads) {
         return select_saved_bits(ctx, grads, "MemSaveReLU", false, 2);
+    }
+};
+
+// LeakyReLU keeping one bit per element, set where x > 0 passes the gradient unscaled
+// (layers/activation.py's _LeakyReLUFunction in C++: the same bits, saved strides and ops). In
+// place, stock saves the result, and its backward raises for a negative slope: so does this.
+struct LeakyRelu : public torch::autograd::Function<LeakyRelu> {
+    static at::Tensor forward(AutogradContext *ctx, const at::Tensor &x, double slope,
+                              bool inplace) {
+        auto order = memory_order(x);
+        const std::vector<int64_t> input_strides(x.strides().begin(), x.strides().end());
+        at::Tensor y, bits;
+        if (!(follows(x.sizes(), x.strides(), order) &&
+              kernels::leaky_pack(x, inplace, slope, y, bits))) {
+            const auto name = inplace ? "memsave::leaky_pack_" : "memsave::leaky_pack";
+            auto results = call_op(name, {x, c10::IValue(order), slope});
+            bits = results.back().toTensor();
+            y = inplace ? x : results.front().toTensor();
+        }
+        if (inplace) ctx->mark_dirty({x});
+        save_bits(ctx, bits, std::move(order), inplace ? y.strides() : input_strides);
+        ctx->saved_data["slope"] = slope;
+        ctx->saved_data["inplace"] = inplace;
+        return y;
+    }
+
+    static variable_list backward(AutogradContext *ctx, variable_list grads) {
+        const double slope = ctx->saved_data["slope"].toDouble();
+        if (ctx->needs_input_grad(0) && ctx->saved_data["inplace"].toBool() && slope < 0) {
+            at::leaky_relu_backward(grads[0], grads[0], slope, true);  // stock's error
+        }
+        return select_saved_bits(ctx, grads, "MemSaveLeakyReLU", false, 3, slope);
     }
 };
 
@@ -669,6 +737,15 @@ at::Tensor relu_(const at::Tensor &x) {
     return x;
 }
 
+at::Tensor leaky_relu(const at::Tensor &x, double slope) {
+    return LeakyRelu::apply(x, slope, false);
+}
+
+at::Tensor leaky_relu_(const at::Tensor &x, double slope) {
+    LeakyRelu::apply(x, slope, true);
+    return x;
+}
+
 at::Tensor hardtanh(const at::Tensor &x, double min_val, double max_val, double low, double high) {
     return Hardtanh::apply(x, min_val, max_val, low, high, false);
 }
@@ -679,17 +756,19 @@ at::Tensor hardtanh_(const at::Tensor &x, double min_val, double max_val, double
     return x;
 }
 
-// Hand the C kernels' addresses over (nodes.py; 0 forgets them).
-void set_cpu_kernels(int64_t relu_pack, int64_t select_bits, int64_t flushes_denormals,
-                     int64_t hardtanh_pack) {
-    const bool all =
-        relu_pack != 0 && select_bits != 0 && flushes_denormals != 0 && hardtanh_pack != 0;
-    kernels::relu_pack_c = all ? reinterpret_cast<kernels::ReluPack>(relu_pack) : nullptr;
-    kernels::select_bits_c = all ? reinterpret_cast<kernels::SelectBits>(select_bits) : nullptr;
-    kernels::flushes_denormals_c =
-        all ? reinterpret_cast<kernels::FlushesDenormals>(flushes_denormals) : nullptr;
-    kernels::hardtanh_pack_c =
-        all ? reinterpret_cast<kernels::HardtanhPack>(hardtanh_pack) : nullptr;
+// Hand the C kernels' addresses over, in nodes.py's _C_KERNELS order (a 0 among them: none).
+void set_cpu_kernels(const std::vector<int64_t> &addresses) {
+    TORCH_CHECK(addresses.size() == 6, "memsave nodes: set_cpu_kernels takes 6 addresses, got ",
+                addresses.size());
+    const bool all = std::all_of(addresses.begin(), addresses.end(),
+                                 [](int64_t address) { return address != 0; });
+    const auto at = [&](size_t i) { return all ? reinterpret_cast<void *>(addresses[i]) : nullptr; };
+    kernels::relu_pack_c = reinterpret_cast<kernels::ReluPack>(at(0));
+    kernels::select_bits_c = reinterpret_cast<kernels::SelectBits>(at(1));
+    kernels::flushes_denormals_c = reinterpret_cast<kernels::FlushesDenormals>(at(2));
+    kernels::hardtanh_pack_c = reinterpret_cast<kernels::HardtanhPack>(at(3));
+    kernels::leaky_pack_c = reinterpret_cast<kernels::LeakyPack>(at(4));
+    kernels::select_scale_c = reinterpret_cast<kernels::SelectScale>(at(5));
 }
 
 // Register a compiled Triton kernel (NOTE [kernels called from a node]).
@@ -746,6 +825,8 @@ PYBIND11_MODULE(memsave_nodes, m) {
     m.def("batch_norm_eval", entry("memsave_nodes::batch_norm_eval", &batch_norm_eval));
     m.def("relu", entry("memsave_nodes::relu", &relu));
     m.def("relu_", entry("memsave_nodes::relu_", &relu_));
+    m.def("leaky_relu", entry("memsave_nodes::leaky_relu", &leaky_relu));
+    m.def("leaky_relu_", entry("memsave_nodes::leaky_relu_", &leaky_relu_));
     m.def("hardtanh", entry("memsave_nodes::hardtanh", &hardtanh));
     m.def("hardtanh_", entry("memsave_nodes::hardtanh_", &hardtanh_));
     m.def("set_cpu_kernels", &set_cpu_kernels);

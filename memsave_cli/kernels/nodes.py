@@ -44,6 +44,9 @@ class Nodes(NamedTuple):
     batch_norm_eval: Callable[..., Tensor]
     relu: Callable[[Tensor], Tensor]
     relu_: Callable[[Tensor], Tensor]
+    #: ``leaky_relu(x, slope)`` and in place.
+    leaky_relu: Callable[[Tensor, float], Tensor]
+    leaky_relu_: Callable[[Tensor, float], Tensor]
     #: ``hardtanh(x, min_val, max_val, low, high)`` and in place: ``low``/``high`` are the
     #: bounds as the kernels compare (``layers.activation.kernel_bounds``).
     hardtanh: Callable[..., Tensor]
@@ -51,9 +54,8 @@ class Nodes(NamedTuple):
     #: ``register_kernel(name, dtype, device, block, function, threads, shared, params,
     #: scratch)``: a compiled Triton kernel for the nodes to launch (``triton/handover.py``).
     register_kernel: Callable[..., None]
-    #: ``set_cpu_kernels(relu_pack, select_bits, flushes_denormals, hardtanh_pack)``: the C
-    #: kernels' addresses.
-    set_cpu_kernels: Callable[[int, int, int, int], None]
+    #: ``set_cpu_kernels(addresses)``: the C kernels' addresses, in ``_C_KERNELS``' order.
+    set_cpu_kernels: Callable[[list[int]], None]
     #: ``launch_counts()``: launches from C++ so far, made and failed, and the last CUresult.
     launch_counts: Callable[[], list[int]]
     #: Test hooks: ``forget_kernels()``, ``set_launcher(address, cpu)`` (NOTE in nodes.cpp).
@@ -82,7 +84,7 @@ def _load() -> tuple[Nodes | None, str]:
         path = builder.build(recipe())
         module = _import(path)
         nodes = Nodes(*(getattr(module, name) for name in Nodes._fields))
-        nodes.set_cpu_kernels(*_c_kernels())
+        nodes.set_cpu_kernels(_c_kernels())
     except builder._Unavailable as error:
         return None, f"C++ nodes: {error}"
     except Exception as error:  # any failure means the Python Functions, never an exception
@@ -106,18 +108,19 @@ _C_KERNELS = (
     "memsave_select_bits",
     "memsave_flushes_denormals",
     "memsave_hardtanh_pack",
+    "memsave_leaky_pack",
+    "memsave_select_scale",
 )
 
 
-def _c_kernels() -> tuple[int, ...]:
+def _c_kernels() -> list[int]:
     """The addresses of the C kernels the activation nodes call (``_C_KERNELS``), or zeros where
     they are unavailable: the nodes then call the ops, whose CPU implementation is the reference."""
     library = builder.loaded().library
     if library is None:
-        return (0,) * len(_C_KERNELS)
-    names = _C_KERNELS
-    addresses = [ctypes.cast(getattr(library, name), ctypes.c_void_p).value for name in names]
-    return tuple(address or 0 for address in addresses)  # type: ignore[return-value]
+        return [0] * len(_C_KERNELS)
+    found = (ctypes.cast(getattr(library, name), ctypes.c_void_p).value for name in _C_KERNELS)
+    return [address or 0 for address in found]
 
 
 def recipe() -> builder.Recipe:

@@ -234,8 +234,14 @@ class MemSaveLeakyReLU(nn.LeakyReLU):
     """``nn.LeakyReLU`` saving a 1-bit mask (numel / 8 bytes) instead of its input."""
 
     def forward(self, input: Tensor) -> Tensor:
-        slope = self.negative_slope
-        return _activate(_LeakyReLUFunction, F.leaky_relu, input, slope, inplace=self.inplace)
+        slope, inplace = self.negative_slope, self.inplace
+        if (
+            input.requires_grad
+            and not (inplace and input.is_leaf)
+            and (served := nodes.serving(input))
+        ):
+            return (served.leaky_relu_ if inplace else served.leaky_relu)(input, slope)
+        return _activate(_LeakyReLUFunction, F.leaky_relu, input, slope, inplace=inplace)
 
 
 def _hardtanh(module: nn.Hardtanh, input: Tensor) -> Tensor:

@@ -20,7 +20,7 @@ from torch import nn
 
 from memsave_cli.kernels import build, nodes
 from memsave_cli.kernels.native_checks import INF_BITS
-from memsave_cli.layers.activation import MemSaveReLU, MemSaveReLU6
+from memsave_cli.layers.activation import MemSaveLeakyReLU, MemSaveReLU, MemSaveReLU6
 
 pytestmark = pytest.mark.skipif(not nodes.available(), reason=nodes.status(build=False))
 
@@ -198,22 +198,35 @@ def test_cpu_tensors_take_the_c_kernels() -> None:
         ctypes.c_int,
     )
 
-    def pack(*args):
-        called.append("relu_pack")
-        return library.memsave_relu_pack(*args)
+    # leaky_pack and select_scale: three pointers, the count, the element size, slope, threads.
+    slope_type = ctypes.CFUNCTYPE(
+        ctypes.c_int,
+        *[ctypes.c_void_p] * 3,
+        ctypes.c_int64,
+        ctypes.c_int,
+        ctypes.c_double,
+        ctypes.c_int,
+    )
+    types = {
+        "relu_pack": pack_type,
+        "select_bits": select_type,
+        "hardtanh_pack": hardtanh_type,
+        "leaky_pack": slope_type,
+        "select_scale": slope_type,
+    }
 
-    def select(*args):
-        called.append("select_bits")
-        return library.memsave_select_bits(*args)
+    def spy(name: str):
+        kernel = getattr(library, f"memsave_{name}")
+        return types[name](lambda *args: called.append(name) or kernel(*args))
 
-    def hardtanh(*args):
-        called.append("hardtanh_pack")
-        return library.memsave_hardtanh_pack(*args)
-
-    spies = (pack_type(pack), select_type(select), hardtanh_type(hardtanh))
-    pack_at, select_at, hardtanh_at = (ctypes.cast(f, ctypes.c_void_p).value for f in spies)
-    flushes = ctypes.cast(library.memsave_flushes_denormals, ctypes.c_void_p).value
-    nodes.nodes().set_cpu_kernels(pack_at, select_at, flushes, hardtanh_at)
+    spies = {name: spy(name) for name in types}  # kept alive while the node may call them
+    addresses = [
+        ctypes.cast(spies[name.removeprefix("memsave_")], ctypes.c_void_p).value
+        if name.removeprefix("memsave_") in spies
+        else address
+        for name, address in zip(nodes._C_KERNELS, nodes._c_kernels(), strict=True)
+    ]
+    nodes.nodes().set_cpu_kernels(addresses)
     try:
         x = torch.randn(3, 5, 7, dtype=torch.float64)
         grad = torch.randn_like(x)
@@ -228,8 +241,13 @@ def test_cpu_tensors_take_the_c_kernels() -> None:
         for want, got in zip(expected, actual, strict=True):
             assert torch.equal(got, want)
         assert called == ["hardtanh_pack", "select_bits"]
+        called.clear()
+        stock, ours = nn.LeakyReLU(0.2), MemSaveLeakyReLU(0.2)
+        for want, got in zip(_run(stock, x, grad, False), _run(ours, x, grad, False), strict=True):
+            assert torch.equal(got, want)
+        assert called == ["leaky_pack", "select_scale"]
     finally:
-        nodes.nodes().set_cpu_kernels(*nodes._c_kernels())
+        nodes.nodes().set_cpu_kernels(nodes._c_kernels())
 
 
 def test_a_failed_launch_warns_and_the_op_takes_over(launches: Launches) -> None:

@@ -16,8 +16,8 @@ def kernels(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> 
     if request.param == "torch":
         monkeypatch.setattr(native, "available", lambda: False)
         if nodes.available():  # the activation nodes were handed the C kernels' addresses
-            nodes.nodes().set_cpu_kernels(*[0] * len(nodes._C_KERNELS))
-            request.addfinalizer(lambda: nodes.nodes().set_cpu_kernels(*nodes._c_kernels()))
+            nodes.nodes().set_cpu_kernels([0] * len(nodes._C_KERNELS))
+            request.addfinalizer(lambda: nodes.nodes().set_cpu_kernels(nodes._c_kernels()))
     elif not native.available():
         pytest.skip(native.status())
     return request.param
