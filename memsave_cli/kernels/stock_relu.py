@@ -63,7 +63,12 @@ def answer(x: Tensor) -> Answer | None:
 
 
 def _capturing(x: Tensor) -> bool:
-    return x.is_cuda and torch.cuda.is_current_stream_capturing()
+    """Whether ``x``'s device's current stream is capturing a CUDA graph (asked only until the
+    answer is kept: a device switch where ``x`` is not on the current device)."""
+    if not x.is_cuda:
+        return False
+    with torch.cuda.device(x.device):
+        return torch.cuda.is_current_stream_capturing()
 
 
 def _ask(device: torch.device, dtype: torch.dtype) -> Answer:
