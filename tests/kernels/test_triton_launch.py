@@ -140,7 +140,14 @@ def test_compiled_launches_run_on_their_tensors_device(
     monkeypatch.setattr(torch.cuda, "current_device", lambda: current[0])
     monkeypatch.setattr(torch.cuda, "device", use)
     launches = []
-    launch = _launch._on_their_device(lambda *args, n: launches.append((current[0], n)))
-    launch(3, _OnDevice(device), n=7)
+
+    class Compiled:  # stands for the JITFunction: its launcher records the current device
+        def __getitem__(self, grid):
+            return lambda *args, n: launches.append((current[0], n))
+
+    kernel = _launch.Kernel(lambda: None)
+    kernel._compiled = Compiled()
+    monkeypatch.delenv("TRITON_INTERPRET")
+    kernel[(1,)](3, _OnDevice(device), n=7)
     assert entered == switched
     assert launches == [(switched[0] if switched else 0, 7)] and current == [0]
