@@ -58,6 +58,14 @@ at::MemoryFormat format_of(int64_t code) {
     return code == 1 ? at::MemoryFormat::ChannelsLast : at::MemoryFormat::ChannelsLast3d;
 }
 
+// The layers' error for a backward that records a graph (layers/_backward.py).
+void forbid_double_backward(const std::string &layer) {
+    TORCH_CHECK(!at::GradMode::is_enabled(), layer,
+                " does not support double backward (create_graph=True): it does not keep the "
+                "tensors a second derivative needs. Use the stock layer there "
+                "(memsave_cli.layers.revert) for higher-order gradients.");
+}
+
 // NOTE [stand-ins for dropped tensors] (stand_ins.py): backward hands ATen a stand-in for a
 // dropped input or weight, which the kernel reads the shape and layout of. On the CPU it is
 // the dense view of untouched memory stand_ins.py made in forward (given as an argument);
@@ -117,10 +125,8 @@ struct Convolution : public torch::autograd::Function<Convolution> {
         const int64_t n = spec[0];
         const int64_t *tail = spec.data() + 4 * n + 1;  // groups onwards
         const bool transposed = tail[1] != 0;
-        TORCH_CHECK(!at::GradMode::is_enabled(), "MemSaveConv", transposed ? "Transpose" : "", n,
-                    "d does not support double backward (create_graph=True): it does not keep the "
-                    "tensors a second derivative needs. Use the stock layer there "
-                    "(memsave_cli.layers.revert) for higher-order gradients.");
+        forbid_double_backward(std::string("MemSaveConv") + (transposed ? "Transpose" : "") +
+                               std::to_string(n) + "d");
         const at::Tensor &grad = grads[0];
         const auto saved = ctx->get_saved_variables();
         const std::array<bool, 3> mask = {tail[2] != 0, tail[3] != 0, tail[4] != 0};
@@ -239,10 +245,7 @@ struct BatchNormEval : public torch::autograd::Function<BatchNormEval> {
     }
 
     static variable_list backward(AutogradContext *ctx, variable_list grads) {
-        TORCH_CHECK(!at::GradMode::is_enabled(),
-                    "MemSaveBatchNorm does not support double backward (create_graph=True): it "
-                    "does not keep the tensors a second derivative needs. Use the stock layer "
-                    "there (memsave_cli.layers.revert) for higher-order gradients.");
+        forbid_double_backward("MemSaveBatchNorm");
         const auto spec = ctx->saved_data["spec"].toIntVector();
         const double eps = ctx->saved_data["eps"].toDouble();
         const std::array<bool, 3> mask = {spec[0] != 0, spec[1] != 0, spec[2] != 0};
@@ -607,10 +610,7 @@ bool follows(at::IntArrayRef sizes, at::IntArrayRef strides, const std::vector<i
 variable_list select_saved_bits(AutogradContext *ctx, const variable_list &grads,
                                 const char *layer, bool grad_first, size_t inputs,
                                 std::optional<double> slope = std::nullopt) {
-    TORCH_CHECK(!at::GradMode::is_enabled(), layer,
-                " does not support double backward (create_graph=True): it does not keep the "
-                "tensors a second derivative needs. Use the stock layer there "
-                "(memsave_cli.layers.revert) for higher-order gradients.");
+    forbid_double_backward(layer);
     variable_list result(inputs);
     if (!ctx->needs_input_grad(0)) return result;
     const auto spec = ctx->saved_data["spec"].toIntVector();
@@ -690,6 +690,7 @@ struct LeakyRelu : public torch::autograd::Function<LeakyRelu> {
     }
 
     static variable_list backward(AutogradContext *ctx, variable_list grads) {
+        forbid_double_backward("MemSaveLeakyReLU");
         const double slope = ctx->saved_data["slope"].toDouble();
         if (ctx->needs_input_grad(0) && ctx->saved_data["inplace"].toBool() && slope < 0) {
             at::leaky_relu_backward(grads[0], grads[0], slope, true);  // stock's error
@@ -762,7 +763,9 @@ void set_cpu_kernels(const std::vector<int64_t> &addresses) {
                 addresses.size());
     const bool all = std::all_of(addresses.begin(), addresses.end(),
                                  [](int64_t address) { return address != 0; });
-    const auto at = [&](size_t i) { return all ? reinterpret_cast<void *>(addresses[i]) : nullptr; };
+    const auto at = [&](size_t i) {
+        return all ? reinterpret_cast<void *>(addresses[i]) : nullptr;
+    };
     kernels::relu_pack_c = reinterpret_cast<kernels::ReluPack>(at(0));
     kernels::select_bits_c = reinterpret_cast<kernels::SelectBits>(at(1));
     kernels::flushes_denormals_c = reinterpret_cast<kernels::FlushesDenormals>(at(2));
