@@ -21,9 +21,9 @@ def special_bits(dtype: torch.dtype) -> list[int]:
     smallest and largest denormal, the smallest normal, 1, the largest finite value, infinity,
     a quiet NaN with a payload and a signalling NaN. Python floats cannot say all of these: in
     16-bit types they have no payloads and no signalling NaNs."""
-    mantissa, width = _MANTISSA[dtype], 8 * torch.empty((), dtype=dtype).element_size()
+    mantissa, width = _MANTISSA[dtype], 8 * dtype.itemsize
     inf = ((1 << (width - 1 - mantissa)) - 1) << mantissa
-    one = int(as_ints(torch.ones((), dtype=dtype)).item())
+    one = int(as_ints(torch.ones((), dtype=dtype, device="cpu")).item())
     positive = [0, 1, (1 << mantissa) - 1, 1 << mantissa, one, inf - 1, inf]
     positive += [inf | (1 << (mantissa - 1)) | 3, inf | 5]
     return positive + [bits - (1 << (width - 1)) for bits in positive]  # sign bit set, signed

@@ -108,12 +108,15 @@ def _compared(device: torch.device, dtype: torch.dtype) -> Answer:
 
 
 def _values(dtype: torch.dtype, seed: int) -> Tensor:
-    """``_NUMEL`` random values on the CPU, every third one a ``special_bits`` pattern in turn
-    (so each pattern falls in vector bodies and at tails alike)."""
-    generator = torch.Generator().manual_seed(seed)
-    x = (3 * torch.randn(_NUMEL, generator=generator, dtype=torch.float64)).to(dtype)
-    patterns = torch.tensor(special_bits(dtype), dtype=torch.int64)
-    picks = torch.arange(seed, _NUMEL, 3)
-    turns = torch.arange(len(picks)) % len(patterns)
+    """``_NUMEL`` random values on the CPU (whatever ``torch.set_default_device`` says), every
+    third one a ``special_bits`` pattern in turn (so each pattern falls in vector bodies and at
+    tails alike)."""
+    cpu = torch.device("cpu")
+    generator = torch.Generator(cpu).manual_seed(seed)
+    x = 3 * torch.randn(_NUMEL, generator=generator, dtype=torch.float64, device=cpu)
+    x = x.to(dtype)
+    patterns = torch.tensor(special_bits(dtype), dtype=torch.int64, device=cpu)
+    picks = torch.arange(seed, _NUMEL, 3, device=cpu)
+    turns = torch.arange(len(picks), device=cpu) % len(patterns)
     as_ints(x)[picks] = patterns[turns].to(as_ints(x).dtype)
     return x

@@ -149,3 +149,11 @@ def test_kernels_that_fail_do_not_serve(monkeypatch) -> None:
     assert answer.differs == ("the kernels failed: RuntimeError: no kernel image is available",)
     y, _ = ops._cuda_pack("relu", x, False, ORDER, ())
     assert torch.equal(y, torch.relu(x))
+
+
+def test_asked_whatever_the_default_device() -> None:
+    """``torch.set_default_device`` (here meta, as a context) does not move the question's
+    values: they are made on the CPU and moved to the tensor's device."""
+    with torch.device("meta"):
+        answer = stock_relu.answer(torch.empty(3, device="cpu"))
+    assert answer == stock_relu.Answer(True, False, ())
