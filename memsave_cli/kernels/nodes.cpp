@@ -668,7 +668,7 @@ struct Relu : public torch::autograd::Function<Relu> {
 
 // LeakyReLU keeping one bit per element, set where x > 0 passes the gradient unscaled
 // (layers/activation.py's _LeakyReLUFunction in C++: the same bits, saved strides and ops). In
-// place, stock saves the result, and its backward raises for a negative slope: so does this.
+// place, stock saves the result, and its backward raises unless slope >= 0: so does this.
 struct LeakyRelu : public torch::autograd::Function<LeakyRelu> {
     static at::Tensor forward(AutogradContext *ctx, const at::Tensor &x, double slope,
                               bool inplace) {
@@ -692,7 +692,7 @@ struct LeakyRelu : public torch::autograd::Function<LeakyRelu> {
     static variable_list backward(AutogradContext *ctx, variable_list grads) {
         forbid_double_backward("MemSaveLeakyReLU");
         const double slope = ctx->saved_data["slope"].toDouble();
-        if (ctx->needs_input_grad(0) && ctx->saved_data["inplace"].toBool() && slope < 0) {
+        if (ctx->needs_input_grad(0) && ctx->saved_data["inplace"].toBool() && !(slope >= 0)) {
             at::leaky_relu_backward(grads[0], grads[0], slope, true);  // stock's error
         }
         return select_saved_bits(ctx, grads, "MemSaveLeakyReLU", false, 3, slope);

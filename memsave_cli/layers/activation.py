@@ -70,7 +70,7 @@ class _LeakyReLUFunction(Function):
         forbid_double_backward("MemSaveLeakyReLU")
         if not ctx.needs_input_grad[0]:
             return None, None, None, None
-        if ctx.saves_result and ctx.slope < 0:  # stock's backward raises its error: so does this
+        if ctx.saves_result and not ctx.slope >= 0:  # stock's backward raises: so does this
             torch.ops.aten.leaky_relu_backward(grad, grad, ctx.slope, True)
         return _select(ctx, grad, "leaky_relu", ctx.slope), None, None, None
 

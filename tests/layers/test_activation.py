@@ -410,8 +410,10 @@ def test_inplace_on_leaf_raises_stock_error(case: Case, view: bool) -> None:
     assert messages[0] == messages[1]
 
 
-def test_inplace_negative_slope_raises_stock_error() -> None:
-    for module in (nn.LeakyReLU(-0.2, inplace=True), MemSaveLeakyReLU(-0.2, inplace=True)):
+@pytest.mark.parametrize("slope", [-0.2, math.nan], ids=str)
+def test_inplace_negative_slope_raises_stock_error(node_paths: str, slope: float) -> None:
+    """Stock's in-place backward raises unless ``slope >= 0``: for a NaN slope too."""
+    for module in (nn.LeakyReLU(slope, inplace=True), MemSaveLeakyReLU(slope, inplace=True)):
         x = torch.randn(6, requires_grad=True)
         out = module(x.clone())
         with pytest.raises(RuntimeError, match=r"In-place leakyReLu backward .* negative slope"):
