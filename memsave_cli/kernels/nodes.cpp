@@ -644,18 +644,31 @@ void save_bits(AutogradContext *ctx, const at::Tensor &bits, std::vector<int64_t
     ctx->saved_data["spec"] = std::move(order);
 }
 
+// An activation's result and bits (the result is x in place): by memsave's kernel, where x is
+// dense in its bit order and `kernel(y, bits)` serves it, else by the op memsave::<kind>_pack
+// (in place: <kind>_pack_) with x, the bit order and `params`.
+template <typename Kernel>
+std::pair<at::Tensor, at::Tensor> pack(const at::Tensor &x, const std::vector<int64_t> &order,
+                                       bool inplace, const std::string &kind,
+                                       std::initializer_list<c10::IValue> params, Kernel kernel) {
+    at::Tensor y, bits;
+    if (follows(x.sizes(), x.strides(), order) && kernel(y, bits)) return {y, bits};
+    torch::jit::Stack stack{x, c10::IValue(order)};
+    stack.insert(stack.end(), params.begin(), params.end());
+    const auto name = "memsave::" + kind + (inplace ? "_pack_" : "_pack");
+    auto results = call_op(name.c_str(), std::move(stack));
+    return {inplace ? x : results.front().toTensor(), results.back().toTensor()};
+}
+
 // ReLU keeping one bit per element where the gradient passes (layers/activation.py's
 // _ReLUFunction in C++: the same bits, saved strides and ops).
 struct Relu : public torch::autograd::Function<Relu> {
     static at::Tensor forward(AutogradContext *ctx, const at::Tensor &x, bool inplace) {
         auto order = memory_order(x);
-        at::Tensor y, bits;
-        if (!(follows(x.sizes(), x.strides(), order) && kernels::relu_pack(x, inplace, y, bits))) {
-            const auto name = inplace ? "memsave::relu_pack_" : "memsave::relu_pack";
-            auto results = call_op(name, {x, c10::IValue(order)});
-            bits = results.back().toTensor();
-            y = inplace ? x : results.front().toTensor();
-        }
+        auto [y, bits] =
+            pack(x, order, inplace, "relu", {}, [&](at::Tensor &out, at::Tensor &mask) {
+                return kernels::relu_pack(x, inplace, out, mask);
+            });
         if (inplace) ctx->mark_dirty({x});
         save_bits(ctx, bits, std::move(order), y.strides());
         return y;
@@ -674,14 +687,10 @@ struct LeakyRelu : public torch::autograd::Function<LeakyRelu> {
                               bool inplace) {
         auto order = memory_order(x);
         const std::vector<int64_t> input_strides(x.strides().begin(), x.strides().end());
-        at::Tensor y, bits;
-        if (!(follows(x.sizes(), x.strides(), order) &&
-              kernels::leaky_pack(x, inplace, slope, y, bits))) {
-            const auto name = inplace ? "memsave::leaky_pack_" : "memsave::leaky_pack";
-            auto results = call_op(name, {x, c10::IValue(order), slope});
-            bits = results.back().toTensor();
-            y = inplace ? x : results.front().toTensor();
-        }
+        auto [y, bits] =
+            pack(x, order, inplace, "leaky", {slope}, [&](at::Tensor &out, at::Tensor &mask) {
+                return kernels::leaky_pack(x, inplace, slope, out, mask);
+            });
         if (inplace) ctx->mark_dirty({x});
         save_bits(ctx, bits, std::move(order), inplace ? y.strides() : input_strides);
         ctx->saved_data["slope"] = slope;
@@ -713,14 +722,13 @@ struct Hardtanh : public torch::autograd::Function<Hardtanh> {
                               double max_val, double low, double high, bool inplace) {
         auto order = memory_order(x);
         const std::vector<int64_t> saved(x.strides().begin(), x.strides().end());
-        at::Tensor y, bits;
-        if (!(follows(x.sizes(), x.strides(), order) &&
-              kernels::hardtanh_pack(x, inplace, min_val, max_val, low, high, y, bits))) {
-            const auto name = inplace ? "memsave::hardtanh_pack_" : "memsave::hardtanh_pack";
-            auto results = call_op(name, {x, c10::IValue(order), min_val, max_val, low, high});
-            bits = results.back().toTensor();
-            y = inplace ? x : results.front().toTensor();
-        }
+        const auto params = {c10::IValue(min_val), c10::IValue(max_val), c10::IValue(low),
+                             c10::IValue(high)};
+        auto [y, bits] = pack(x, order, inplace, "hardtanh", params,
+                              [&](at::Tensor &out, at::Tensor &mask) {
+                                  return kernels::hardtanh_pack(x, inplace, min_val, max_val, low,
+                                                                high, out, mask);
+                              });
         if (inplace) ctx->mark_dirty({x});
         save_bits(ctx, bits, std::move(order), saved);
         return y;

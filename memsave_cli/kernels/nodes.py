@@ -204,8 +204,8 @@ def serving(*tensors: Tensor | None) -> Nodes | None:
     """The nodes where they record a backward for ``tensors`` as the Python Functions would, else
     None: grad mode on; plain eager tensors, none nested; outside ``torch.compile`` (where Dynamo
     traces the Python Function), and autograd recording as in plain eager code
-    (:func:`~memsave_cli.kernels._recording.plain_eager`, which ``layers._backward.functions_run`` asks too); the
-    nodes built.
+    (:func:`~memsave_cli.kernels._recording.plain_eager`, which ``layers._backward.functions_run``
+    asks too); the nodes built.
 
     The layers' common path asks this once per call, so it checks in few Python steps (NOTE
     [Python between kernels runs on a cold cache] in ``conv.py``); ``torch.compile`` first, so
