@@ -51,8 +51,8 @@ _SIGNATURES = {
     "memsave_select_scale": (_P, _P, _P, _I64, _INT, ctypes.c_double, _INT),
     "memsave_leaky_pack": (_P, _P, _P, _I64, _INT, ctypes.c_double, _INT),
     "memsave_hardtanh_pack": (_P, _P, _P, _I64, _INT, _F64, _F64, _P, _INT),
-    "memsave_to_offsets": (_P, _P, _I64, _I64, _P, _P, _I64, _INT, _INT),
-    "memsave_to_indices": (_P, _INT, _P, _P, _I64, _I64, _P, _I64, _INT),
+    "memsave_to_offsets": (_P, _P, _I64, _I64, _P, _I64, _P, _I64, _INT, _INT),
+    "memsave_to_indices": (_P, _INT, _P, _I64, _P, _I64, _I64, _P, _I64, _INT),
     "memsave_max_pool2": (_P, _P, _P, _I64, _I64, _I64, _I64, _INT, _INT, _INT),
     "memsave_max_pool2_backward": (_P, _P, _P, _I64, _I64, _I64, _I64, _INT, _INT, _INT),
 }

@@ -6,6 +6,19 @@ position]`` (``starts`` holds one entry per output position); ``to_offsets`` wri
 window offsets] in ``layers/maxpool.py``). Registered with every implementation side by side
 (NOTE [one op, every way it runs] in ``activation.py``): the C kernels on CPU and the Triton
 kernels on CUDA for contiguous and channels-last blocks, the reference otherwise, and a fake one.
+
+NOTE [argmax outside its window]: stock's argmax indices need not lie in their windows. ATen's
+CPU kernel for channels-last 3d pooling starts each window's argmax at an index that leaves out
+the window's depth, and keeps it where no element beats -inf (a window of -inf only): the index
+then points into another depth slice, where stock's backward adds that output's gradient. No
+window offset says that. Every conversion here therefore looks up nothing outside its table:
+such an index gets offset -1 (the inverse table also holds -1 for distances that are no window
+element), and an offset outside the window gets index -1, which stock's backward kernels skip.
+On the CPU, where checking costs no synchronisation, ``to_offsets`` raises
+:class:`OutsideWindow` after converting, and the pooling keeps stock's own indices for that call
+(``kernels/maxpool_blocks.py``), so its gradient is stock's, misplaced as stock misplaces it.
+CUDA's kernels start the argmax at the window's first element (their sources), so on CUDA the
+offsets are written unchecked, without a synchronisation; -1 there reads no memory either.
 """
 
 from __future__ import annotations
@@ -21,24 +34,35 @@ from memsave_cli.kernels._eager_op import EagerOp, register
 from memsave_cli.kernels._layout import is_dense, shape_only
 
 
+class OutsideWindow(ValueError):
+    """Some argmax index lies outside its window (NOTE [argmax outside its window])."""
+
+
 def reference_to_offsets(indices: Tensor, starts: Tensor, inverse: Tensor, out: Tensor) -> None:
     """``out = inverse[indices - starts]`` with plain torch (``starts`` broadcasts over the
-    leading dims); ``indices`` is consumed (it becomes the distances)."""
+    leading dims), -1 where the distance is outside the table; ``indices`` is consumed (it
+    becomes the distances)."""
     distances = indices.sub_(starts)
+    # Deliberate transient: one flag per index.
+    outside = (distances < 0) | (distances >= inverse.numel())
     lookup = inverse.expand(*distances.shape[:-1], inverse.numel())
-    torch.gather(lookup, -1, distances, out=out)
+    torch.gather(lookup, -1, distances.masked_fill_(outside, 0), out=out)
+    out.masked_fill_(outside, -1)
 
 
 def reference_to_indices(offsets: Tensor, table: Tensor, starts: Tensor) -> Tensor:
-    """``table[offsets] + starts`` as int64, laid out as ``offsets`` (elementwise in memory order)."""
+    """``table[offsets] + starts`` as int64, laid out as ``offsets`` (elementwise in memory
+    order), -1 where an offset is outside the table."""
     # Deliberate transients: offsets widened to int64 (the lookup's index type), then the int64
     # indices ATen's backward kernel reads.
-    wide = offsets.long()
+    wide = offsets.to(torch.int64, copy=True)
+    outside = (wide < 0) | (wide >= table.numel())
+    wide.masked_fill_(outside, 0)
     if not is_dense(wide):
         wide = wide.contiguous()
     flat = wide.as_strided((wide.numel(),), (1,))
     indices = torch.index_select(table, 0, flat).as_strided(wide.shape, wide.stride())
-    return indices.add_(starts)
+    return indices.add_(starts).masked_fill_(outside, -1)
 
 
 def inner(*blocks: Tensor) -> int:
@@ -70,8 +94,11 @@ def _to_offsets(indices: Tensor, starts: Tensor, inverse: Tensor, out: Tensor) -
     kernels, step = _kernels(indices.device), inner(indices, out)
     if kernels is None or not step:
         reference_to_offsets(indices, starts, inverse, out)
+        inside = indices.device.type != "cpu" or not bool((out < 0).any())
     else:
-        kernels.to_offsets(indices, starts.reshape(-1), step, inverse, out)
+        inside = kernels.to_offsets(indices, starts.reshape(-1), step, inverse, out)
+    if indices.device.type == "cpu" and not inside:
+        raise OutsideWindow("a max-pool argmax index lies outside its window")
 
 
 def _to_indices(offsets: Tensor, table: Tensor, starts: Tensor) -> Tensor:

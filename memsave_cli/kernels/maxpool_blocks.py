@@ -42,19 +42,34 @@ _KERNELS = {
 }
 #: The pooling kernels that allocate their output (one block).
 _ALLOCATING = {2: aten.max_pool2d_with_indices.default, 3: aten.max_pool3d_with_indices.default}
+#: :func:`pool`'s word for a call that kept stock's int64 indices instead of window offsets.
+STOCK_INDICES = "stock indices"
 
 
-def pool(x: Tensor, args: tuple) -> tuple[Tensor, Tensor, tuple[int, int] | None]:
+def pool(x: Tensor, args: tuple) -> tuple[Tensor, Tensor, tuple[int, int] | str | None]:
     """Max pooling of ``x`` over its last ``len(kernel)`` (2 or 3) dims, ``args`` being (kernel,
     stride, padding, dilation, ceil_mode): the output, the window offset of each output's argmax,
-    and the window of the fused 2-wide kernels if they ran (:func:`pool_backward` takes it)."""
-    kernel = args[0]
-    nd = len(kernel)
+    and the window of the fused 2-wide kernels if they ran (:func:`pool_backward` takes it).
+    Where some argmax lies outside its window (NOTE [argmax outside its window] in
+    ``kernels/maxpool.py``): the output, stock's int64 indices and :data:`STOCK_INDICES`."""
     window = _two_wide_window(x, args)
     if window is not None:
-        return *_two_wide_pool(x, nd, window, args), window
+        return *_two_wide_pool(x, len(args[0]), window, args), window
     layout = memory_format(x)
     x = x.contiguous(memory_format=layout)
+    if not is_eager(x):
+        return *_pool_offsets(x, args, layout), None
+    try:
+        return *_pool_offsets(x, args, layout), None
+    except offset_ops.OutsideWindow:
+        out, indices = _ALLOCATING[len(args[0])](x, *args)
+        return out, indices, STOCK_INDICES
+
+
+def _pool_offsets(x: Tensor, args: tuple, layout: torch.memory_format) -> tuple[Tensor, Tensor]:
+    """:func:`pool`'s output and window offsets by ATen's kernel, ``x`` laid out as ``layout``."""
+    kernel = args[0]
+    nd = len(kernel)
     pool_kernel, _ = _KERNELS[nd]
     out_shape = _output_shape(x, nd, args)
     chunked = _is_chunked(x, math.prod(out_shape))
@@ -65,7 +80,7 @@ def pool(x: Tensor, args: tuple) -> tuple[Tensor, Tensor, tuple[int, int] | None
         out, indices = _ALLOCATING[nd](x, *args)
         offsets = torch.empty_like(out, dtype=offset_dtype(math.prod(kernel)))
         maps.to_offsets(indices, out=offsets)
-        return out, offsets, None
+        return out, offsets
     # The whole output is allocated once; blocks write into slices of it.
     out = x.new_empty(out_shape).contiguous(memory_format=layout)
     offsets = torch.empty_like(out, dtype=offset_dtype(math.prod(kernel)))
@@ -76,7 +91,7 @@ def pool(x: Tensor, args: tuple) -> tuple[Tensor, Tensor, tuple[int, int] | None
         indices = buffer[: out_block.shape[0]]
         pool_kernel(x_block, *args, out=out_block, indices=indices)
         maps.to_offsets(indices, out=off_block)
-    return out, offsets, None
+    return out, offsets
 
 
 def pool_backward(
@@ -85,19 +100,26 @@ def pool_backward(
     input_shape: tuple[int, ...],
     input_layout: torch.memory_format,
     args: tuple,
-    window: tuple[int, int] | None,
+    window: tuple[int, int] | str | None,
 ) -> Tensor:
     """The input gradient of :func:`pool` from the output gradient and the offsets it returned,
     laid out as stock lays it out for an input of ``input_layout``; ``window`` as :func:`pool`
     returned it."""
     nd = len(args[0])
+    _, backward_kernel = _KERNELS[nd]
+    if window == STOCK_INDICES:
+        # Stock's own backward over stock's indices, handed a never-written stand-in of the
+        # input's layout (deliberate transient; NOTE in ``layers/avgpool.py``).
+        like = torch.empty(
+            input_shape, dtype=grad_output.dtype, device=offsets.device, memory_format=input_layout
+        )
+        return backward_kernel.overloadpacket.default(grad_output, like, *args, offsets)
     if window is not None:
         planes = _planes(input_shape, nd)
         grad_input = offset_ops.max_pool2_backward(
             _planes(grad_output.contiguous(), nd), _planes(offsets, nd), planes, *window
         )
         return grad_input.view(input_shape)
-    _, backward_kernel = _KERNELS[nd]
     spatial = (input_shape[-nd:], offsets.shape[-nd:], args[:4])
     # 2d: the gradient is laid out like the input, as stock lays it out. 3d: ATen's out= kernel
     # restrides a channels-last-3d gradient to contiguous, which a block slice cannot follow.

@@ -69,7 +69,9 @@ def _reravel(flat: Tensor, shape: tuple[int, ...], new_shape: tuple[int, ...]) -
 
 
 def _offset_inverse(kernel, dilation, strides, device: torch.device) -> Tensor:
-    """Lookup from a window element's flat distance back to its offset, in :func:`offset_dtype`.
+    """Lookup from a window element's flat distance back to its offset, in :func:`offset_dtype`,
+    -1 at distances that are no window element (NOTE [argmax outside its window] in
+    ``kernels/maxpool.py``).
 
     Only valid where the table is injective (see NOTE [max-pool window offsets]).
     """
@@ -77,7 +79,7 @@ def _offset_inverse(kernel, dilation, strides, device: torch.device) -> Tensor:
     span = sum(
         [(k - 1) * dil * flat for k, dil, flat in zip(kernel, dilation, strides, strict=True)]
     )
-    inverse = table.new_zeros(span + 1, dtype=offset_dtype(table.numel()))
+    inverse = table.new_full((span + 1,), -1, dtype=offset_dtype(table.numel()))
     inverse[table] = torch.arange(table.numel(), device=device, dtype=inverse.dtype)
     return inverse
 

@@ -681,7 +681,9 @@ BIT_KERNELS_AVX2(uint64_t, 64)
 /* ------------------------------------------------------------------------------------------ */
 /* Max-pool window offsets. Element i belongs to window position p = (i / inner) % planes.
  * to_offsets: out[i] = inverse[indices[i] - starts[p]]; to_indices: out[i] = table[offsets[i]] +
- * starts[p]. Precondition (unchecked): every lookup lies inside its table. */
+ * starts[p]. A lookup outside its table reads nothing: it gives -1 (an index outside its window,
+ * or an offset outside the window) and sets `missed` (NOTE [argmax outside its window] in
+ * kernels/maxpool.py). The inverse table holds -1 where a distance is not a window element. */
 
 struct offsets_args {
     const void *src;    /* int64 indices (to_offsets) or signed offsets (to_indices) */
@@ -690,6 +692,8 @@ struct offsets_args {
     void *out;
     int64_t planes;
     int64_t inner;
+    int64_t lookup_len;
+    _Atomic int *missed; /* set to 1 where any result is -1 */
 };
 
 /* Walk [begin, end) as runs sharing one window position: BODY sees i, count and the run's start s
@@ -718,22 +722,35 @@ struct offsets_args {
         }                                                                                         \
     } while (0)
 
-/* One conversion kernel: out[i] = MAP(src[i], lookup, start of element i's window). */
+/* One conversion kernel: out[i] = MAP(src[i], lookup, start of element i's window, table
+ * length), which is negative for a miss. */
 #define OFFSET_KERNEL(NAME, SRC_T, LOOKUP_T, OUT_T, MAP)                                          \
     static void NAME(const void *raw, int64_t begin, int64_t end) {                              \
         const struct offsets_args *a = (const struct offsets_args *)raw;                          \
         const SRC_T *src = (const SRC_T *)a->src;                                                 \
         const LOOKUP_T *lookup = (const LOOKUP_T *)a->lookup;                                     \
+        const int64_t len = a->lookup_len;                                                        \
         OUT_T *out = (OUT_T *)a->out;                                                             \
+        int missed = 0;                                                                           \
         FOR_EACH_RUN(                                                                             \
             a, begin, end,                                                                        \
-            for (int64_t j = 0; j < count; j++) out[i + j] = MAP(src[i + j], lookup, s),         \
-            for (int64_t j = 0; j < count; j++) out[i + j] = MAP(src[i + j], lookup, st[j]));     \
+            for (int64_t j = 0; j < count; j++) {                                                 \
+                out[i + j] = MAP(src[i + j], lookup, s, len);                                     \
+                missed |= out[i + j] < 0;                                                         \
+            },                                                                                    \
+            for (int64_t j = 0; j < count; j++) {                                                 \
+                out[i + j] = MAP(src[i + j], lookup, st[j], len);                                 \
+                missed |= out[i + j] < 0;                                                         \
+            });                                                                                   \
+        if (missed) atomic_store(a->missed, 1);                                                   \
     }
 
-/* Indices to offsets through the inverse table, and offsets back to indices through the table. */
-#define INDEX_TO_OFFSET(index, inverse, start) (inverse)[(index) - (start)]
-#define OFFSET_TO_INDEX(offset, table, start) ((table)[offset] + (start))
+/* Indices to offsets through the inverse table, and offsets back to indices through the table;
+ * -1 where the lookup falls outside the table. */
+#define INDEX_TO_OFFSET(index, inverse, start, len)                                               \
+    ((uint64_t)((index) - (start)) < (uint64_t)(len) ? (inverse)[(index) - (start)] : -1)
+#define OFFSET_TO_INDEX(offset, table, start, len)                                                \
+    ((uint64_t)(int64_t)(offset) < (uint64_t)(len) ? (table)[offset] + (start) : -1)
 #define TO_OFFSETS(T, NAME) OFFSET_KERNEL(NAME, int64_t, T, T, INDEX_TO_OFFSET)
 #define TO_INDICES(T, NAME) OFFSET_KERNEL(NAME, T, int64_t, int64_t, OFFSET_TO_INDEX)
 
@@ -881,23 +898,28 @@ static range_fn by_width(int size, range_fn k8, range_fn k16, range_fn k32, rang
     }
 }
 
+/* The offset conversions return 0, 1 where some result is -1 (a lookup outside its table), or
+ * -1 for bad arguments. */
 int memsave_to_offsets(const int64_t *indices, const int64_t *starts, int64_t planes,
-                       int64_t inner, const void *inverse, void *out, int64_t n, int size,
-                       int nthreads) {
+                       int64_t inner, const void *inverse, int64_t inverse_len, void *out,
+                       int64_t n, int size, int nthreads) {
     range_fn fn = by_width(size, to_offsets8, to_offsets16, to_offsets32, to_offsets64);
-    if (!fn || planes < 1 || inner < 1) return -1;
-    struct offsets_args args = {indices, inverse, starts, out, planes, inner};
+    if (!fn || planes < 1 || inner < 1 || inverse_len < 1) return -1;
+    _Atomic int missed = 0;
+    struct offsets_args args = {indices, inverse, starts, out, planes, inner, inverse_len, &missed};
     parallel(fn, &args, n, nthreads);
-    return 0;
+    return atomic_load(&missed);
 }
 
-int memsave_to_indices(const void *offsets, int size, const int64_t *table, const int64_t *starts,
-                       int64_t planes, int64_t inner, int64_t *out, int64_t n, int nthreads) {
+int memsave_to_indices(const void *offsets, int size, const int64_t *table, int64_t table_len,
+                       const int64_t *starts, int64_t planes, int64_t inner, int64_t *out,
+                       int64_t n, int nthreads) {
     range_fn fn = by_width(size, to_indices8, to_indices16, to_indices32, to_indices64);
-    if (!fn || planes < 1 || inner < 1) return -1;
-    struct offsets_args args = {offsets, table, starts, out, planes, inner};
+    if (!fn || planes < 1 || inner < 1 || table_len < 1) return -1;
+    _Atomic int missed = 0;
+    struct offsets_args args = {offsets, table, starts, out, planes, inner, table_len, &missed};
     parallel(fn, &args, n, nthreads);
-    return 0;
+    return atomic_load(&missed);
 }
 
 /* ------------------------------------------------------------------------------------------ */

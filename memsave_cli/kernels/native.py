@@ -52,13 +52,16 @@ def flushes_denormals() -> bool:
     return bool(library.memsave_flushes_denormals())
 
 
-def _call(name: str, *args: int) -> None:
-    """Call the exported C function ``name``; its status code says whether arguments were valid."""
+def _call(name: str, *args: int) -> int:
+    """Call the exported C function ``name``; its status code says whether arguments were valid
+    (-1: not, raised here), and is returned otherwise."""
     library = build.loaded().library
     if library is None:
         raise RuntimeError(f"Native kernels are unavailable: {status()}")
-    if getattr(library, name)(*args) != 0:
+    code = getattr(library, name)(*args)
+    if code < 0:
         raise ValueError(f"{name} rejected its arguments: {args}")
+    return code
 
 
 # -------------------------------------------------------------------------------------------
@@ -229,12 +232,13 @@ def to_offsets(
     out: Tensor,
     *,
     threads: int | None = None,
-) -> None:
+) -> bool:
     """Write ``inverse[indices[i] - starts[(i // inner) % P]]`` to ``out[i]`` (``P = starts.numel()``).
 
     Max-pool argmax indices to window offsets (``IndexMaps.to_offsets`` in ``maxpool_maps.py``):
-    ``inner`` is 1 for contiguous blocks and C for channels-last ones. Precondition, unchecked:
-    every ``indices[i] - starts[...]`` lies in ``[0, inverse.numel())``.
+    ``inner`` is 1 for contiguous blocks and C for channels-last ones. A distance outside
+    ``[0, inverse.numel())`` reads nothing and gives -1; returns False where any result is
+    negative (NOTE [argmax outside its window] in ``kernels/maxpool.py``), else True.
     """
     checks.check_dtype(indices, "indices", (torch.int64,))
     checks.check_dense(indices, "indices")
@@ -242,8 +246,9 @@ def to_offsets(
     checks.check_table(inverse, "inverse", checks.OFFSET_DTYPES)
     checks.check_like(out, indices, "out", "indices", dtype=inverse.dtype)
     pointers = (indices.data_ptr(), starts.data_ptr(), planes, inner)
-    args = (inverse.data_ptr(), out.data_ptr(), indices.numel(), inverse.element_size())
-    _call("memsave_to_offsets", *pointers, *args, checks.thread_count(threads))
+    table = (inverse.data_ptr(), inverse.numel(), out.data_ptr())
+    args = (indices.numel(), inverse.element_size(), checks.thread_count(threads))
+    return _call("memsave_to_offsets", *pointers, *table, *args) == 0
 
 
 def to_indices(
@@ -257,15 +262,17 @@ def to_indices(
 ) -> None:
     """Write ``table[offsets[i]] + starts[(i // inner) % P]`` to ``out[i]`` (``P = starts.numel()``).
 
-    Window offsets back to int64 max-pool argmax indices (``IndexMaps.to_indices``). Precondition,
-    unchecked: every offset lies in ``[0, table.numel())``.
+    Window offsets back to int64 max-pool argmax indices (``IndexMaps.to_indices``). An offset
+    outside ``[0, table.numel())`` reads nothing and gives -1, the index stock's backward
+    kernels skip.
     """
     checks.check_dtype(offsets, "offsets", checks.OFFSET_DTYPES)
     checks.check_dense(offsets, "offsets")
     checks.check_table(table, "table", (torch.int64,))
     planes = checks.check_starts(starts, inner)
     checks.check_like(out, offsets, "out", "offsets", dtype=torch.int64)
-    head = (offsets.data_ptr(), offsets.element_size(), table.data_ptr(), starts.data_ptr())
+    head = (offsets.data_ptr(), offsets.element_size(), table.data_ptr(), table.numel())
+    head = (*head, starts.data_ptr())
     tail = (planes, inner, out.data_ptr(), offsets.numel(), checks.thread_count(threads))
     _call("memsave_to_indices", *head, *tail)
 

@@ -2,14 +2,16 @@
 
 NOTE [max-pool window offsets]: stock max pooling saves its input and int64 argmax indices
 (flat positions in the input's spatial plane). Backward needs neither the input (only its shape)
-nor 64 bits per output: an argmax always lies inside its own pooling window, so its offset ``k``
-in that window (``0 <= k < K``, ``K`` the number of window elements) identifies it, and ``k``
-fits in int8 for windows of up to 128 elements (int16 beyond). With ``start(o)`` the flat index
-of output ``o``'s window origin (negative under padding) and ``table[k]`` the flat distance of
-window element ``k`` from it, ``index = start(o) + table[k]``. Forward runs ATen's
-``max_pool{2,3}d_with_indices`` and inverts that relation through a small lookup table over
-``index - start(o)``; backward rebuilds the int64 indices (a deliberate transient) and runs
-ATen's own backward kernel with a shape-only input, so gradients are bitwise stock.
+nor 64 bits per output: an argmax lies inside its own pooling window, so its offset ``k`` in
+that window (``0 <= k < K``, ``K`` the number of window elements) identifies it, and ``k`` fits
+in int8 for windows of up to 128 elements (int16 beyond). (Where stock's argmax does not lie in
+its window, memsave keeps stock's indices: NOTE [argmax outside its window] in
+``kernels/maxpool.py``.) With ``start(o)`` the flat index of output ``o``'s window origin
+(negative under padding) and ``table[k]`` the flat distance of window element ``k`` from it,
+``index = start(o) + table[k]``. Forward runs ATen's ``max_pool{2,3}d_with_indices`` and
+inverts that relation through a small lookup table over ``index - start(o)``; backward rebuilds
+the int64 indices (a deliberate transient) and runs ATen's own backward kernel with a
+shape-only input, so gradients are bitwise stock.
 
 ``table`` is injective on the argmaxes only when every inner spatial dimension is at least as
 wide as the window's extent along it (mixed radix); otherwise forward first re-ravels the

@@ -64,6 +64,63 @@ def test_triton_kernels_serve_the_op(layout: str, monkeypatch: pytest.MonkeyPatc
     assert used and torch.equal(back, indices)
 
 
+def _lookups(kind: str):
+    """(to_offsets, to_indices) of one implementation, in the kernels' argument order."""
+    from memsave_cli.kernels import native
+    from memsave_cli.kernels.triton import maxpool as triton_maxpool
+
+    if kind == "reference":
+        return (
+            lambda idx, starts, inner, inverse, out: ops.reference_to_offsets(
+                idx, starts.view(idx.shape[-2:]), inverse, out
+            ),
+            lambda off, table, starts, inner, out: out.copy_(
+                ops.reference_to_indices(off, table, starts.view(off.shape[-2:]))
+            ),
+        )
+    if kind == "native" and not native.available():
+        pytest.skip(native.status())
+    kernels = native if kind == "native" else triton_maxpool
+    return kernels.to_offsets, kernels.to_indices
+
+
+@pytest.mark.parametrize("kind", ["native", "triton", "reference"])
+def test_lookups_outside_their_tables_give_minus_one(kind: str) -> None:
+    """NOTE [argmax outside its window]: an index before its window, past it, or at a distance
+    that is no window element gets offset -1, and an offset outside the window gets index -1,
+    with nothing read outside the tables; every other element converts as before."""
+    to_offsets, to_indices = _lookups(kind)
+    indices, maps = _pooled("contiguous")
+    starts = maps.starts.expand(indices.shape).contiguous()
+    wrong = indices.clone()
+    flat = wrong.view(-1)
+    flat[0] = starts.view(-1)[0] - 1  # before its window
+    flat[5] = starts.view(-1)[5] + maps.inverse.numel() + 40  # far past it
+    flat[7] = starts.view(-1)[7] + 3  # inside the span, not a window element (row stride 9)
+    expected = torch.empty_like(indices, dtype=maps.inverse.dtype)
+    ops.to_offsets(indices.clone(), maps.starts, maps.inverse, expected)
+    offsets = torch.empty_like(expected)
+    to_offsets(wrong.clone(), maps.starts.view(-1), 1, maps.inverse, offsets)
+    assert offsets.view(-1)[[0, 5, 7]].tolist() == [-1, -1, -1]
+    keep = torch.ones(indices.numel(), dtype=torch.bool)
+    keep[[0, 5, 7]] = False
+    assert torch.equal(offsets.view(-1)[keep], expected.view(-1)[keep])
+    offsets.view(-1)[1] = maps.table.numel()  # an offset past the window
+    back = torch.empty_like(indices)
+    to_indices(offsets, maps.table, maps.starts.view(-1), 1, back)
+    assert back.view(-1)[[0, 1, 5, 7]].tolist() == [-1, -1, -1, -1]
+    keep[1] = False
+    assert torch.equal(back.view(-1)[keep], indices.view(-1)[keep])
+
+
+def test_op_raises_on_the_cpu_for_an_index_outside_its_window() -> None:
+    indices, maps = _pooled("channels_last")
+    indices[1, 2, 3, 4] = -(10**9)
+    offsets = torch.empty_like(indices, dtype=maps.inverse.dtype)
+    with pytest.raises(ops.OutsideWindow):
+        ops.to_offsets(indices, maps.starts, maps.inverse, offsets)
+
+
 def test_fake_matches_real() -> None:
     indices, maps = _pooled("channels_last")
     real = _round_trip(indices, maps)[1]

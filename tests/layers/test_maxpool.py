@@ -252,6 +252,44 @@ def test_nan_inputs_match_stock() -> None:
     _compare(CASES["2d-k3s2p1"], x)
 
 
+#: Poolings whose channels-last-3d windows hold -inf only: stock's CPU kernel then returns
+#: argmax indices outside their windows (NOTE [argmax outside its window]).
+MINUS_INF_WINDOWS = {
+    "channel": (dict(kernel_size=2), (1, 4, 4, 4, 4), (slice(None), 1)),
+    "element": (
+        dict(kernel_size=2, stride=6, padding=1, dilation=3, ceil_mode=True),
+        (1, 4, 4, 4, 4),
+        (0, 2, 2, 2, 2),
+    ),
+    "batch": (dict(kernel_size=(2, 3, 2), stride=2, padding=1), (3, 5, 7, 6, 5), (1,)),
+}
+
+
+@pytest.mark.parametrize("chunked", [False, True], ids=["whole", "blocks"])
+@pytest.mark.parametrize("where", MINUS_INF_WINDOWS.values(), ids=MINUS_INF_WINDOWS.keys())
+def test_argmax_outside_its_window_matches_stock(
+    monkeypatch, where: tuple, chunked: bool, kernels: str
+) -> None:
+    """Stock's gradient lands where its index points, outside the window; memsave keeps stock's
+    indices for such a call (saving no input) and lands it there too, instead of reading
+    outside its tables."""
+    kwargs, shape, minus_inf = where
+    if chunked:
+        monkeypatch.setattr(maxpool_blocks, "CHUNK_ELEMENTS", 7)
+    torch.manual_seed(0)
+    x = torch.randn(shape)
+    x[minus_inf] = float("-inf")
+    x = x.contiguous(memory_format=torch.channels_last_3d)
+    _, indices = nn.functional.max_pool3d(x, **kwargs, return_indices=True)
+    contiguous = nn.functional.max_pool3d(x.contiguous(), **kwargs, return_indices=True)[1]
+    assert not torch.equal(indices, contiguous)  # stock misplaces some argmax here
+    case = (MemSaveMaxPool3d, nn.MaxPool3d, kwargs, shape)
+    _compare(case, x)
+    with SavedTensorRecorder() as recorder:
+        MemSaveMaxPool3d(**kwargs)(x.clone().requires_grad_())
+    assert recorder.total_bytes == indices.numel() * 8  # stock's indices, no input
+
+
 @pytest.mark.parametrize(
     "case",
     [

@@ -30,30 +30,31 @@ def to_offsets(indices: Tensor, starts: Tensor, inner: int, inverse: Tensor, out
     """Write ``inverse[indices[i] - starts[(i // inner) % P]]`` to ``out[i]``.
 
     ``indices`` dense int64, ``out`` dense like it in ``inverse``'s dtype, ``starts`` and
-    ``inverse`` contiguous tables on the same device. Precondition, unchecked (as on CPU): every
-    distance lies in ``[0, inverse.numel())``. ``native.to_offsets``.
+    ``inverse`` contiguous tables on the same device. A distance outside ``[0, inverse.numel())``
+    reads nothing and gives -1, unreported (no synchronisation: NOTE [argmax outside its window]
+    in ``kernels/maxpool.py``). ``native.to_offsets``.
     """
     check_dtype(indices, "indices", (torch.int64,))
     check_dense(indices, "indices")
     _check_tables(starts, inner, inverse, _OFFSET_DTYPES, indices)
     check_like(out, indices, "out", "indices", dtype=inverse.dtype)
     launch = _lookup_kernel[grid(indices.numel())]
-    launch(indices, starts, inverse, out, indices.numel(), starts.numel(), inner,
+    launch(indices, starts, inverse, out, indices.numel(), starts.numel(), inner, inverse.numel(),
            TO_OFFSETS=True, BLOCK=block(indices.numel()))  # fmt: skip
 
 
 def to_indices(offsets: Tensor, table: Tensor, starts: Tensor, inner: int, out: Tensor) -> None:
     """Write ``table[offsets[i]] + starts[(i // inner) % P]`` to the int64 ``out[i]``.
 
-    ``offsets`` dense of an integer dtype, ``out`` dense like it, ``table`` an int64 table.
-    Precondition, unchecked: every offset lies in ``[0, table.numel())``. ``native.to_indices``.
+    ``offsets`` dense of an integer dtype, ``out`` dense like it, ``table`` an int64 table. An
+    offset outside ``[0, table.numel())`` reads nothing and gives -1. ``native.to_indices``.
     """
     check_dtype(offsets, "offsets", _OFFSET_DTYPES)
     check_dense(offsets, "offsets")
     _check_tables(starts, inner, table, (torch.int64,), offsets)
     check_like(out, offsets, "out", "offsets", dtype=torch.int64)
     launch = _lookup_kernel[grid(offsets.numel())]
-    launch(offsets, starts, table, out, offsets.numel(), starts.numel(), inner,
+    launch(offsets, starts, table, out, offsets.numel(), starts.numel(), inner, table.numel(),
            TO_OFFSETS=False, BLOCK=block(offsets.numel()))  # fmt: skip
 
 
@@ -76,15 +77,18 @@ def _check_tables(
 
 @kernel()
 def _lookup_kernel(
-    src_ptr, starts_ptr, lookup_ptr, out_ptr, n, planes, inner,
+    src_ptr, starts_ptr, lookup_ptr, out_ptr, n, planes, inner, lookup_len,
     TO_OFFSETS: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
     index = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     inside = index < n
     start = tl.load(starts_ptr + (index // inner) % planes, mask=inside, other=0)
     src = tl.load(src_ptr + index, mask=inside, other=0).to(tl.int64)
+    at = src
     if TO_OFFSETS:
-        value = tl.load(lookup_ptr + (src - start), mask=inside, other=0)
-    else:
-        value = tl.load(lookup_ptr + src, mask=inside, other=0) + start
+        at = src - start
+    found = inside & (at >= 0) & (at < lookup_len)
+    value = tl.load(lookup_ptr + at, mask=found, other=-1)
+    if not TO_OFFSETS:
+        value = tl.where(found, value + start, -1)
     tl.store(out_ptr + index, value.to(out_ptr.dtype.element_ty), mask=inside)
