@@ -214,6 +214,7 @@ def _common_case(module: Conv, x: Tensor) -> Tensor | None:
     padding = module.padding
     if (
         x.requires_grad == weight.requires_grad
+        or not x.is_floating_point()  # complex: stock's decomposition into real convolutions
         or x.dim() != weight.dim()
         or module.padding_mode != "zeros"
         or isinstance(padding, str)
@@ -280,6 +281,8 @@ def _use_memsave(module: Conv | ConvTranspose, x: Tensor) -> bool:
     weight, bias = module.weight, module.bias
     if not records_backward(x) or x.dim() not in (weight.dim() - 1, weight.dim()):
         return False
+    if not x.is_floating_point():
+        return False  # complex: stock decomposes it into real convolutions (integers: its error)
     if x.requires_grad and weight.requires_grad:
         return module.padding_mode in _PAD_KERNELS
     return x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)

@@ -262,6 +262,14 @@ def test_matches_stock_bitwise(node_paths: str, case: Case, dtype: torch.dtype) 
     _assert_all_needs(stock, ours, case, _input(case, dtype))
 
 
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_complex_runs_stock(node_paths: str, case: Case) -> None:
+    """Stock splits a complex convolution into real ones (its autograd graph saves theirs); the
+    drop-in leaves it to stock instead of handing a complex tensor to a real kernel."""
+    stock, ours = _pair(case, torch.complex64)
+    _assert_all_needs(stock, ours, case, _input(case, torch.complex64))
+
+
 LAYOUTS = {"x-cl": (True, False), "w-cl": (False, True), "both-cl": (True, True)}
 CL_CASES = [c for c in CASES if len(c.x) in (4, 5)]
 
