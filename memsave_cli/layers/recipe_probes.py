@@ -16,6 +16,8 @@ from memsave_cli.layers.rmsnorm import rms_norm
 
 #: Attributes an MLP keeps its activation module in.
 ACT_NAMES = ("act_fn", "activation_fn", "act")
+#: An MLP's projections, which the probes replace by small ones.
+PROJECTIONS = ("gate_proj", "up_proj", "gate_up_proj", "down_proj")
 #: RMSNorm styles tried on a candidate (``torch`` is ``nn.RMSNorm``'s own, a registered drop-in).
 NORM_STYLES = ("llama", "olmo", "gemma", "helium", "gemma4", "t5")
 
@@ -48,27 +50,36 @@ def probe_recipes(module: nn.Module, kind: str, eps_name: str | None) -> Recipe 
 
 
 class _Case(NamedTuple):
-    """One probe: input shape, input dtype, parameter dtype."""
+    """One probe: input shape, input dtype, parameter dtype, training mode."""
 
     shape: tuple[int, ...]
     dtype: torch.dtype
     param_dtype: torch.dtype
+    training: bool = True
+
+
+def _both_modes(cases: list[_Case]) -> list[_Case]:
+    """``cases`` in training mode, then the first again in eval mode (a conversion lasts through
+    ``train()`` and ``eval()``)."""
+    return [*cases, cases[0]._replace(training=False)]
 
 
 def _norm_cases() -> list[_Case]:
     f32, bf16, f16 = torch.float32, torch.bfloat16, torch.float16
-    return [
-        _Case((2, 3, 7), f32, f32),
-        _Case((5, 16), bf16, bf16),
-        _Case((3, 9), f16, f16),
-        _Case((2, 2, 7), bf16, f32),
-        _Case((3, 7), torch.float64, torch.float64),
-    ]
+    return _both_modes(
+        [
+            _Case((2, 3, 7), f32, f32),
+            _Case((5, 16), bf16, bf16),
+            _Case((3, 9), f16, f16),
+            _Case((2, 2, 7), bf16, f32),
+            _Case((3, 7), torch.float64, torch.float64),
+        ]
+    )
 
 
 def _mlp_cases() -> list[_Case]:
     f32, bf16 = torch.float32, torch.bfloat16
-    return [_Case((2, 3, 6), f32, f32), _Case((5, 6), bf16, bf16)]
+    return _both_modes([_Case((2, 3, 6), f32, f32), _Case((5, 6), bf16, bf16)])
 
 
 def _norm_probe(module: nn.Module, recipe: Recipe, case: _Case) -> Iterator[tuple]:
@@ -76,6 +87,7 @@ def _norm_probe(module: nn.Module, recipe: Recipe, case: _Case) -> Iterator[tupl
     generator = torch.Generator().manual_seed(0)
     weight = torch.randn(case.shape[-1], generator=generator).to(case.param_dtype)
     probe = _shallow_copy(module, parameters={"weight": nn.Parameter(weight)})
+    probe.train(case.training)
     x, grad = _probe_input(case, generator), _probe_input(case, generator)
     eps = getattr(module, recipe.detail)
 
@@ -91,14 +103,16 @@ def _mlp_probe(module: nn.Module, recipe: Recipe, case: _Case) -> Iterator[tuple
     hidden, inner = case.shape[-1], 10
     sizes = {"gate_proj": (hidden, inner), "up_proj": (hidden, inner)}
     sizes |= {"gate_up_proj": (hidden, 2 * inner), "down_proj": (inner, hidden)}
-    modules = {}
+    # The activation and any other submodule (a dropout) as copies, whose mode the probe sets.
+    modules = {
+        name: copy.deepcopy(sub) for name, sub in module._modules.items() if name not in PROJECTIONS
+    }
     for name, (fan_in, fan_out) in sizes.items():
         if hasattr(module, name):
             bias = getattr(getattr(module, name), "bias", None) is not None
             modules[name] = _probe_linear(fan_in, fan_out, bias, case.param_dtype, generator)
-    act_name = next(n for n in ACT_NAMES if isinstance(getattr(module, n, None), nn.Module))
-    modules[act_name] = copy.deepcopy(getattr(module, act_name))
     probe = _shallow_copy(module, modules=modules)
+    probe.train(case.training)
     x, grad = _probe_input(case, generator), _probe_input(case, generator)
 
     def ours(x: Tensor) -> Tensor:
@@ -182,10 +196,16 @@ def _shallow_copy(
 
 
 class _probing:
-    """Probes run eagerly on CPU with gradients on, whatever mode or device the caller set up."""
+    """Probes run eagerly on CPU with gradients on, whatever mode or device the caller set up,
+    and leave the CPU's random state as they found it (a forward may draw: dropout)."""
 
     def __enter__(self) -> None:
-        self._contexts = [_disable_current_modes(), torch.device("cpu"), torch.enable_grad()]
+        self._contexts = [
+            _disable_current_modes(),
+            torch.device("cpu"),
+            torch.enable_grad(),
+            torch.random.fork_rng(devices=[]),
+        ]
         for context in self._contexts:
             context.__enter__()
 

@@ -8,10 +8,16 @@ candidate has ``down_proj`` and either ``gate_proj`` and ``up_proj`` or ``gate_u
 forward must take one argument. A candidate is converted only if one of memsave's recipes
 (an RMSNorm style, or an MLP layout with an activation) reproduces the candidate's own forward
 *and* its gradients bitwise on probe inputs: small CPU copies of the module (its own class and
-settings, fresh small weights), several shapes and dtypes, infinities and NaN included. The
-answer is cached per class and settings (the module's plain attributes, its activation's class),
-so a model probes each kind of layer once (the probes: ``recipe_probes.py``). Anything else stays
-stock, and :func:`unrecognised_counts` names it.
+settings, fresh small weights), several shapes and dtypes, infinities and NaN included, in
+training and in eval mode (a conversion lasts through ``train()`` and ``eval()``: a forward
+applying dropout in training matches no recipe unless its rate is 0). The answer is cached per
+class and settings, so a model probes each kind of layer once (the probes:
+``recipe_probes.py``): the settings are the attributes of the module and of every submodule the
+probes keep (all but the projections, which they replace), each described by value where it
+can be (numbers, strings, dtypes, functions by name: an activation's flags and the function it
+picked, a dropout's rate) and otherwise by ``repr``, which for most objects names the instance,
+so that such a module is probed on its own. Anything else stays stock, and
+:func:`unrecognised_counts` names it.
 
 A recognised class ``C`` is converted by assigning ``module.__class__`` to ``MemSaveC``, a
 subclass of ``C`` created once per (class, recipe) whose only member is the recipe's ``forward``;
@@ -22,13 +28,15 @@ class pickles as its stock class and recipe, so converted models save and load w
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Callable
 
+import torch
 from torch import Tensor, nn
 
 from memsave_cli.layers.gated_mlp import gated_mlp
-from memsave_cli.layers.recipe_probes import ACT_NAMES, Recipe, probe_recipes
+from memsave_cli.layers.recipe_probes import ACT_NAMES, PROJECTIONS, Recipe, probe_recipes
 from memsave_cli.layers.registry import DROP_INS
 from memsave_cli.layers.rmsnorm import may_record, rms_norm
 
@@ -132,16 +140,51 @@ def _mlp_forward(recipe: Recipe) -> Callable:
 
 
 def _settings_key(module: nn.Module) -> tuple:
-    """What a recipe may depend on: the class, its plain settings, parameter ranks, activation."""
-    plain = (bool, int, float, str, type(None))
-    settings = tuple(
-        sorted(
-            (k, v) for k, v in vars(module).items() if not k.startswith("_") and type(v) in plain
-        )
-    )
+    """What a recipe may depend on: the parameter ranks, and the class and settings of the module
+    and of each submodule the probes keep (NOTE [converting by behaviour])."""
     ranks = tuple((n, p.dim()) for n, p in module._parameters.items() if p is not None)
-    act = _act(module)
-    return (type(module), settings, ranks, type(act) if act is not None else None)
+    parts = [ranks]
+    for name, sub in _kept_modules(module):
+        settings = sorted(
+            (k, _described(v))
+            for k, v in vars(sub).items()
+            if not k.startswith("_") and k != "training" and not isinstance(v, nn.Module)
+        )
+        parts.append((name, type(sub), tuple(settings)))
+    return tuple(parts)
+
+
+def _kept_modules(module: nn.Module, prefix: str = "") -> list[tuple[str, nn.Module]]:
+    """``module`` and its submodules, less the projections and what they hold."""
+    kept = [(prefix, module)]
+    for name, child in module._modules.items():
+        if child is not None and not (prefix == "" and name in PROJECTIONS):
+            kept += _kept_modules(child, f"{prefix}{name}.")
+    return kept
+
+
+def _described(value: object) -> object:
+    """``value`` as a hashable description that tells apart what may compute differently."""
+    if value is None or type(value) in (bool, int, float, str):
+        return value
+    if isinstance(value, (tuple, list)):
+        return (type(value).__name__, *[_described(v) for v in value])
+    if isinstance(value, dict):
+        return ("dict", *sorted((repr(k), _described(v)) for k, v in value.items()))
+    if isinstance(value, (torch.dtype, torch.device)):
+        return str(value)
+    if isinstance(value, Tensor):
+        return ("tensor", value.dtype, tuple(value.shape))
+    if isinstance(value, functools.partial):
+        return ("partial", _described(value.func), _described(value.args),
+                _described(value.keywords))  # fmt: skip
+    function = getattr(value, "__func__", value)  # a bound method: its function
+    if callable(function) and hasattr(function, "__qualname__"):
+        return ("callable", getattr(function, "__module__", None), function.__qualname__)
+    try:
+        return ("object", type(value), repr(value))
+    except Exception:  # a repr that fails: this instance only
+        return ("object", type(value), id(value))
 
 
 def _eps_name(module: nn.Module) -> str | None:

@@ -205,6 +205,13 @@ class ScaledMLP(nn.Module):
         return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x) * 0.5)
 
 
+class PlainMLP(ScaledMLP):
+    """LLaMA's MLP."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+
 class ReluMLP(ScaledMLP):
     """A gated MLP with an activation memsave does not recompute."""
 
@@ -290,3 +297,58 @@ def test_converted_model_pickles_and_copies() -> None:
     ids = torch.randint(3, 50, (2, 5), generator=torch.Generator().manual_seed(2))
     ref, mine = loss_and_grads(converted, "gemma", ids), loss_and_grads(loaded, "gemma", ids)
     assert torch.equal(ref[0], mine[0])
+
+
+class DropoutMLP(ScaledMLP):
+    """A LLaMA-style MLP applying dropout to the product (T5Gemma's), as a module or as a
+    function of a rate attribute and the training flag (Seed-OSS's)."""
+
+    def __init__(self, p: float, functional: bool = False) -> None:
+        super().__init__()
+        self.functional, self.rate = functional, p
+        self.dropout = nn.Dropout(p)
+
+    def forward(self, x: Tensor) -> Tensor:
+        product = self.act_fn(self.gate_proj(x)) * self.up_proj(x)
+        if self.functional:
+            product = nn.functional.dropout(product, self.rate, self.training)
+        else:
+            product = self.dropout(product)
+        return self.down_proj(product)
+
+
+@pytest.mark.parametrize("functional", [False, True], ids=["module", "functional"])
+def test_mlp_dropout_is_kept_in_every_mode(functional: bool) -> None:
+    """A conversion lasts through ``train()``: an MLP whose dropout is off in eval mode still
+    applies it in training, which no recipe does, so it stays stock wherever it was converted;
+    a rate of 0 converts, and is not taken for another rate's answer."""
+    for mode in (False, True):
+        model = nn.Sequential(DropoutMLP(0.5, functional)).train(mode)
+        assert type(convert(model)[0]) is DropoutMLP
+    assert type(convert(nn.Sequential(DropoutMLP(0.0, functional)))[0]) is not DropoutMLP
+    converted = convert(nn.Sequential(DropoutMLP(0.5, functional)).eval()).train()
+    x = torch.randn(3, 8)
+    assert not torch.equal(converted(x), converted.eval()(x))  # dropout applied in training
+
+
+def test_probes_leave_the_random_state() -> None:
+    """A probe in training mode runs the module's dropout; the caller's generator is untouched."""
+    model = nn.Sequential(DropoutMLP(0.25))
+    state = torch.get_rng_state()
+    convert(model)
+    assert torch.equal(torch.get_rng_state(), state)
+
+
+def test_activation_settings_are_part_of_the_answer() -> None:
+    """transformers' GELU modules pick their function by constructor flags, not class: a
+    recipe found for one must not be reused for another of the same class."""
+    from transformers.activations import GELUActivation, GELUTanh
+
+    for fast, python in (
+        (GELUTanh(), GELUTanh(use_gelu_tanh_python=True)),
+        (GELUActivation(), GELUActivation(use_gelu_python=True)),
+    ):
+        mlps = [PlainMLP(), PlainMLP()]
+        mlps[0].act_fn, mlps[1].act_fn = fast, python
+        assert recognise(mlps[0], "gated_mlp") is not None
+        assert recognise(mlps[1], "gated_mlp") is None
