@@ -314,10 +314,12 @@ def _bits(t: Tensor) -> Tensor:
 
 
 def _layout(t: Tensor) -> tuple[int, ...]:
-    """The strides that matter: those of dimensions longer than 1, in a tensor with elements."""
+    """The strides that matter, in a tensor with elements: all of them. Those of dimensions of
+    size 1 leave the elements where they are, but the kernels that read the tensor next choose
+    their loops by its suggested memory format, which reads them (a batch norm's backward)."""
     if t.numel() == 0:
         return ()
-    return tuple(step for step, length in zip(t.stride(), t.shape, strict=True) if length > 1)
+    return tuple(t.stride())
 
 
 def _brief(value: object) -> str:

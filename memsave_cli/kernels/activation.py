@@ -29,12 +29,12 @@ from types import SimpleNamespace
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from torch.utils._python_dispatch import _disable_current_modes
 
 from memsave_cli.kernels import native, stock_relu
 from memsave_cli.kernels import triton as triton_kernels
 from memsave_cli.kernels._eager_op import EagerOp, register
 from memsave_cli.kernels.bitmask import BitLayout, compare, pack_bits, packed_numel, unpack_as
+from memsave_cli.kernels.iterator_layout import iterator_empty, iterator_strides
 from memsave_cli.kernels.native_checks import INF_BITS
 
 #: Dtypes the fused kernels serve (NOTE [NaN payloads in 16-bit types] in ``native.py``), but
@@ -62,8 +62,7 @@ def reference_pack(
 
 
 def stock_result(kind: str, x: Tensor, inplace: bool, args: tuple[float, ...]) -> Tensor:
-    """The stock activation ``kind`` of ``x``: its values, and its layout, which the fake
-    implementations give their results."""
+    """The stock activation ``kind`` of ``x``."""
     if kind == _RELU:
         return torch.relu_(x) if inplace else torch.relu(x)
     if kind == _LEAKY:
@@ -146,7 +145,7 @@ def fused_pack(
     ``checked=False`` where the op has already checked what it was given (``x`` or ``grad``
     served, the bits' size) and allocated the rest itself, laid out as the kernels need.
     """
-    y = x if inplace else torch.empty_like(x)
+    y = x if inplace else _result_like(kind, x)
     bits = torch.empty(packed_numel(x.numel()), dtype=torch.uint8, device=x.device)
     if kind == _RELU:
         kernels.relu_pack(x, y, bits, checked=False)
@@ -155,6 +154,13 @@ def fused_pack(
     elif kernels.hardtanh_pack(x, y, bits, args[2], args[3], checked=False):
         F.hardtanh(y, args[0], args[1], inplace=True)  # stock finishes the held elements
     return y, bits
+
+
+def _result_like(kind: str, x: Tensor) -> Tensor:
+    """An uninitialised result of activation ``kind`` of ``x``, laid out as stock lays it out:
+    by TensorIterator's rule (``relu``, ``leaky_relu``: NOTE [TensorIterator's layout]) or like
+    ``x`` (``hardtanh`` allocates with ``empty_like``)."""
+    return torch.empty_like(x) if kind == _HARDTANH else iterator_empty(x)
 
 
 def _cpu_pack(kind, x, inplace, order, args) -> tuple[Tensor, Tensor]:
@@ -283,8 +289,8 @@ def _register_pack(kind: str, params: tuple[str, ...]) -> tuple[EagerOp, EagerOp
         def fake(x: Tensor, order: list[int], *args: float, inplace=inplace):
             if inplace:
                 return _fake_bits(x)
-            # Stock's own op on the fake input: the result takes exactly stock's layout.
-            return stock_result(kind, x, False, args), _fake_bits(x)
+            # The layout of the real result (fake tensors' own rule differs from it).
+            return _result_like(kind, x), _fake_bits(x)
 
         implementations = {"cpu": implement(_cpu_pack), "cuda": implement(_cuda_pack)}
         ops.append(register(library, name, implementations, implement(reference_pack), fake))
@@ -310,10 +316,9 @@ def _register_select(name: str) -> EagerOp:
         return run
 
     def fake(grad, bits, order, saved_strides, last):
-        # Stock's layout rule on data-free stand-ins (symbolic strides welcome).
-        saved = grad.new_empty_strided(grad.shape, saved_strides)
         grad_first = name == "select_bits" and last
-        return torch.mul(grad, saved) if grad_first else torch.mul(saved, grad)
+        strides = _gradient_strides(grad.shape, grad.stride(), saved_strides, grad_first)
+        return grad.new_empty_strided(grad.shape, strides)
 
     implementations = {"cpu": implement(_cpu_select), "cuda": implement(_cuda_select)}
     return register(library, name, implementations, implement(reference_select), fake)
@@ -325,17 +330,13 @@ def stock_gradient_strides(
 ) -> tuple[int, ...]:
     """Strides of a stock backward kernel's result for a gradient and a saved tensor of these
     strides, the gradient first (``hardtanh_backward``) or second (``threshold_backward``,
-    ``leaky_relu_backward``); memoised per geometry.
+    ``leaky_relu_backward``), by TensorIterator's rule (NOTE [TensorIterator's layout]);
+    memoised per geometry."""
+    return _gradient_strides(shape, grad, saved, grad_first)
 
-    The layout depends only on the operand order TensorIterator sees, so a structured binary op
-    with the same order stands in on meta (``hardtanh_backward`` has no structured meta kernel of
-    its own, and its generic one lays results out unlike the CPU kernel).
-    """
-    # Outside any dispatch mode: a memory tracker must not count these stand-ins.
-    with _disable_current_modes():
-        grad_t, saved_t = (torch.empty_strided(shape, s, device="meta") for s in (grad, saved))
-        first, second = (grad_t, saved_t) if grad_first else (saved_t, grad_t)
-        return torch.mul(first, second).stride()
+
+def _gradient_strides(shape, grad, saved, grad_first: bool) -> tuple[int, ...]:
+    return iterator_strides(shape, *((grad, saved) if grad_first else (saved, grad)))
 
 
 library = torch.library.Library("memsave", "FRAGMENT")

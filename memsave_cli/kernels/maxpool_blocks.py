@@ -174,7 +174,7 @@ def _blocks(tensors: list[Tensor], nd: int, chunked: bool) -> list[list[Tensor]]
 def _two_wide_window(x: Tensor, args: tuple) -> tuple[int, int] | None:
     """``(kd, kh)`` where the fused 2-wide kernels pool ``x`` (NOTE [2-wide max pooling] in
     ``native.c``): contiguous float32 on CPU, window = stride, 2 wide and 1 or 2 high and deep,
-    no padding, dilation or ceil mode; else None."""
+    no padding, dilation or ceil mode, an input no smaller than the window; else None."""
     kernel, stride, padding, dilation, ceil_mode = args
     window = (1, *kernel)[-3:]
     fits = (
@@ -189,6 +189,8 @@ def _two_wide_window(x: Tensor, args: tuple) -> tuple[int, int] | None:
     eager_cpu = is_eager(x) and x.device.type == "cpu"
     if not fits or x.dtype != torch.float32 or not eager_cpu or not x.is_contiguous():
         return None
+    if any([size < k for size, k in zip(x.shape[-len(kernel) :], kernel, strict=True)]):
+        return None  # no output: ATen's check raises its error (``_output_shape``)
     return window[0], window[1]
 
 

@@ -486,6 +486,17 @@ bool c_serves(const at::Tensor &t) {
 
 const uint64_t INF_BITS_32 = 0x7F800000ULL, INF_BITS_64 = 0x7FF0000000000000ULL;
 
+// An uninitialised result laid out as stock's elementwise kernels lay out theirs over dense
+// operands of t's strides (NOTE [TensorIterator's layout] in iterator_layout.py): contiguous or
+// channels-last where t is, whatever the strides of its dimensions of size 1, else t's strides.
+at::Tensor iterator_empty(const at::Tensor &t) {
+    if (t.is_contiguous()) return at::empty_like(t, at::MemoryFormat::Contiguous);
+    if (t.dim() == 4 && t.is_contiguous(at::MemoryFormat::ChannelsLast)) {
+        return at::empty_like(t, at::MemoryFormat::ChannelsLast);
+    }
+    return at::empty_like(t);
+}
+
 // relu(x) and its bits into new tensors (y is x in place) by memsave's kernels, where they
 // serve x (dense in its bit order); false where they do not, having written nothing.
 bool relu_pack(const at::Tensor &x, bool inplace, at::Tensor &y, at::Tensor &bits) {
@@ -493,7 +504,7 @@ bool relu_pack(const at::Tensor &x, bool inplace, at::Tensor &y, at::Tensor &bit
     const bool c = c_serves(x);
     const auto kernel = c ? std::nullopt : find("relu_pack", x, n);
     if (!c && !(kernel.has_value() && aligned({&x}))) return false;
-    y = inplace ? x : at::empty_like(x);
+    y = inplace ? x : iterator_empty(x);
     bits = at::empty({(n + 7) / 8}, x.options().dtype(at::kByte));
     if (c) {
         const uint64_t inf = x.scalar_type() == at::kFloat ? INF_BITS_32 : INF_BITS_64;
@@ -532,7 +543,7 @@ bool hardtanh_pack(const at::Tensor &x, bool inplace, double min_val, double max
 bool leaky_pack(const at::Tensor &x, bool inplace, double slope, at::Tensor &y, at::Tensor &bits) {
     if (!c_serves(x)) return false;
     const int64_t n = x.numel();
-    y = inplace ? x : at::empty_like(x);
+    y = inplace ? x : iterator_empty(x);
     bits = at::empty({(n + 7) / 8}, x.options().dtype(at::kByte));
     TORCH_CHECK(leaky_pack_c(x.data_ptr(), y.data_ptr(), bits.data_ptr<uint8_t>(), n,
                              static_cast<int>(x.element_size()), slope, threads()) == 0,
@@ -540,12 +551,12 @@ bool leaky_pack(const at::Tensor &x, bool inplace, double slope, at::Tensor &y, 
     return true;
 }
 
-// LeakyReLU's input gradient, grad where a bit is set and grad * slope elsewhere, in grad's
-// layout, by the C kernel where it serves grad (dense in the bits' order, on the CPU); an
-// undefined tensor where not.
+// LeakyReLU's input gradient, grad where a bit is set and grad * slope elsewhere, laid out as
+// stock's kernel lays it out for grad and a saved tensor of grad's strides, by the C kernel where
+// it serves grad (dense in the bits' order, on the CPU); an undefined tensor where not.
 at::Tensor select_scale(const at::Tensor &grad, const at::Tensor &bits, double slope) {
     if (!c_serves(grad)) return at::Tensor();
-    at::Tensor out = at::empty_like(grad);
+    at::Tensor out = iterator_empty(grad);
     TORCH_CHECK(select_scale_c(grad.data_ptr(), bits.data_ptr<uint8_t>(), out.data_ptr(),
                                grad.numel(), static_cast<int>(grad.element_size()), slope,
                                threads()) == 0,
@@ -553,14 +564,15 @@ at::Tensor select_scale(const at::Tensor &grad, const at::Tensor &bits, double s
     return out;
 }
 
-// The input gradient, grad where a bit is set and +0 elsewhere, in grad's layout, by memsave's
-// kernels where they serve grad (dense in the bits' order); an undefined tensor where not.
+// The input gradient, grad where a bit is set and +0 elsewhere, laid out as stock's kernel lays
+// it out for grad and a saved tensor of grad's strides, by memsave's kernels where they serve
+// grad (dense in the bits' order); an undefined tensor where not.
 at::Tensor select_bits(const at::Tensor &grad, const at::Tensor &bits) {
     const int64_t n = grad.numel();
     const bool c = c_serves(grad);
     const auto kernel = c ? std::nullopt : find("select_bits", grad, n);
     if (!c && !(kernel.has_value() && aligned({&grad, &bits}))) return at::Tensor();
-    at::Tensor out = at::empty_like(grad);
+    at::Tensor out = iterator_empty(grad);
     if (c) {
         TORCH_CHECK(select_bits_c(grad.data_ptr(), bits.data_ptr<uint8_t>(), out.data_ptr(), n,
                                   static_cast<int>(grad.element_size()), 0, threads()) == 0,

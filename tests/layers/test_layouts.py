@@ -94,6 +94,35 @@ def test_all_layouts_match_stock(stock: type[nn.Module], dtype: torch.dtype) -> 
     assert not failures, f"{stock.__name__} {dtype}:\n" + "\n".join(failures[:30])
 
 
+FOUR_D = [cls for cls, (_, shape) in EXAMPLES.items() if len(shape) == 4]
+
+
+@pytest.mark.parametrize("stock", FOUR_D, ids=lambda cls: cls.__name__)
+def test_maps_of_one_pixel_match_stock(stock: type[nn.Module]) -> None:
+    """A channels-last map of 1 x 1 pixels (a small image deep in a CNN) is contiguous too, with
+    strides ``(C, 1, C, C)``: stock's elementwise kernels then lay their results out
+    contiguously, and the kernels reading those next choose their loops by it (NOTE
+    [TensorIterator's layout]). Every stride must be stock's."""
+    make_module, shape = EXAMPLES[stock]
+
+    def build() -> nn.Module:
+        torch.manual_seed(0)
+        return make_module()
+
+    failures = []
+    for grad_layout, pattern in itertools.product(("contiguous", "channels_last"), PATTERNS):
+
+        def inputs():
+            values = laid_out([3, shape[1], 1, 1], torch.float32, "contiguous", torch.Generator())
+            channels = shape[1]  # a channels-last convolution's output has these strides
+            x = torch.empty_strided(values.shape, (channels, 1, channels, channels))
+            return (x.copy_(values),), {}
+
+        for diff in compare(build, inputs, pattern, grad_layout=grad_layout):
+            failures.append(f"gradient {grad_layout}, {pattern}: {diff}")
+    assert not failures, f"{stock.__name__}:\n" + "\n".join(failures[:30])
+
+
 #: The 1d and 2d pooling drop-ins (1d pools as 2d). Stock's 3d kernels compute alike for every
 #: input layout (on CPU, and on CUDA as the acceptance run found), so there the one-element
 #: stand-in serves.
