@@ -108,7 +108,28 @@ def worker_context() -> multiprocessing.context.BaseContext:
     """The forkserver context, preloading torch, torchvision and memsave in the server."""
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(list(PRELOAD))
+    _start_server_ignoring_ctrl_c()
     return context
+
+
+def _start_server_ignoring_ctrl_c() -> None:
+    """Start the fork server with SIGINT ignored (later calls find it running).
+
+    Ctrl-C in a terminal signals every process of its group. The server spends seconds importing
+    torch before it ignores SIGINT itself, and a signal then printed a KeyboardInterrupt
+    traceback from it under the parent's one-line ``interrupted``. An ignored signal stays
+    ignored across ``exec``, so the server, and the workers forked from it, never see it; the
+    parent kills its workers when it stops (NOTE [worker protocol])."""
+    from multiprocessing import forkserver
+
+    if threading.current_thread() is not threading.main_thread():
+        forkserver.ensure_running()  # only the main thread may change a signal's handler
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        forkserver.ensure_running()
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 @contextmanager

@@ -16,13 +16,20 @@ STDOUT = "-"
 
 
 def stdout_console() -> Console:
-    """A console on the current stdout (created per call, so test runners can capture it)."""
-    return Console(soft_wrap=False)
+    """A console on the current stdout (created per call, so test runners can capture it).
+
+    NOTE [text printed as it is]: what memsave prints holds text it did not write (layer and
+    case names, paths, error messages, globs); Rich would read ``[...]`` in it as markup and
+    ``:name:`` as an emoji, mangling it or failing on an unmatched tag after every measurement
+    had finished. The consoles interpret neither; styles come from ``Text`` objects and the
+    ``style`` argument only."""
+    return Console(soft_wrap=False, markup=False, emoji=False)
 
 
 def stderr_console() -> Console:
-    """A console on the current stderr: errors, progress, and tables when stdout carries data."""
-    return Console(stderr=True, soft_wrap=False)
+    """A console on the current stderr: errors, progress, and tables when stdout carries data
+    (NOTE [text printed as it is])."""
+    return Console(stderr=True, soft_wrap=False, markup=False, emoji=False)
 
 
 def human_console(*data_paths: str | None) -> Console:
@@ -47,10 +54,14 @@ def check_writable(**outputs: str | Path | None) -> None:
     take new files even where the file exists; missing folders are created, so the nearest
     existing one is checked.
     """
+    named: dict[Path, str] = {}
     for option, path in outputs.items():
         if path is None or str(path) == STDOUT:
             continue
         flag, target = f"--{option.replace('_', '-')}", Path(path)
+        same = named.setdefault(target.resolve(), flag)
+        if same != flag:
+            raise MemsaveError(f"{same} and {flag} both name {path}; give each its own file")
         if target.is_dir():
             raise MemsaveError(f"{flag} {path}: is a folder; give a file, e.g. {target / 'out'}")
         folder = _nearest_existing(target.parent)

@@ -11,6 +11,7 @@ import typer
 from memsave_cli.cli._console import check_writable, human_console, write_output
 from memsave_cli.cli._errors import USAGE_EXIT, reported_errors
 from memsave_cli.cli._help import DEBUG_HELP, examples
+from memsave_cli.cli._options import MAX_BATCH_SIZE
 from memsave_cli.cli._progress import progress_bar
 
 #: The largest --depth: a stack of every depth up to it is N(N + 1) / 2 layers (500: minutes).
@@ -67,7 +68,10 @@ def probe(
         ProbeDevice, typer.Option(help="meta estimates without data; cpu/cuda run for real.")
     ] = ProbeDevice.meta,
     batch_size: Annotated[
-        int | None, typer.Option(min=1, help="Batch size (default: the paper's 512 MiB input).")
+        int | None,
+        typer.Option(
+            min=1, max=MAX_BATCH_SIZE, help="Batch size (default: the paper's 512 MiB input)."
+        ),
     ] = None,
     plot: Annotated[
         Path | None, typer.Option(metavar="PATH", help="Write a PNG plot (needs matplotlib).")
@@ -101,14 +105,16 @@ def probe(
                 batch_size=batch_size,
                 on_step=lambda scenario, d: bar.advance(f"{scenario}, depth {d}"),
             )
+        # Files first: the measurements are kept whatever happens while printing them.
+        if json_path is not None:
+            write_output(json_path, result.to_json())
+        if plot is not None:
+            plot_probe(result, plot)
         console = human_console(json_path)
         console.print(probe_table(result))
         for scenario, error in result.errors.items():
             console.print(f"{scenario} failed: {error}", style="red", markup=False)
         if plot is not None:
-            plot_probe(result, plot)
             console.print(f"plot written: {plot}")
-        if json_path is not None:
-            write_output(json_path, result.to_json())
     if all(value is None for values in result.curves.values() for value in values):
         raise typer.Exit(USAGE_EXIT)  # nothing measured: the lines above say why

@@ -10,6 +10,8 @@ from memsave_cli.cli._console import STDOUT, check_writable, human_console, writ
 from memsave_cli.cli._errors import USAGE_EXIT, reported_errors
 from memsave_cli.cli._help import DEBUG_HELP, examples
 from memsave_cli.cli._options import (
+    MAX_BATCH_SIZE,
+    MAX_TIMEOUT_S,
     Attention,
     AttentionOpt,
     AutocastOpt,
@@ -63,7 +65,8 @@ def profile(
         Device, typer.Option(help="auto: cuda if available, else meta (an estimate).")
     ] = Device.auto,
     batch_size: Annotated[
-        int | None, typer.Option(min=1, help="Batch size (default: the paper's, e.g. 64).")
+        int | None,
+        typer.Option(min=1, max=MAX_BATCH_SIZE, help="Batch size (default: the paper's, e.g. 64)."),
     ] = None,
     input_shape: Annotated[
         str | None, typer.Option(metavar="SHAPE", help="Per-sample input shape, e.g. 3,224,224.")
@@ -107,7 +110,9 @@ def profile(
     timeout: Annotated[
         float,
         typer.Option(
-            min=1, help="Seconds per isolated run (cpu timing: per case and implementation)."
+            min=1,
+            max=MAX_TIMEOUT_S,
+            help="Seconds per isolated run (cpu timing: per case and implementation).",
         ),
     ] = 600.0,
     workers: Annotated[
@@ -173,10 +178,11 @@ def profile(
                 checkpoint=checkpoint or (),
                 autocast=autocast.value if autocast else None,
             )
-        print_profile(human_console(json_path, csv_path), report, top=top)
+        # Files first: the measurements are kept whatever happens while printing them.
         if json_path is not None:
             write_output(json_path, report.to_json())
         if csv_path is not None:
             write_output(csv_path, report_csv(report))
+        print_profile(human_console(json_path, csv_path), report, top=top)
     if report.runs and not any(run.ok for run in report.runs):
         raise typer.Exit(USAGE_EXIT)  # nothing measured: the table above says why

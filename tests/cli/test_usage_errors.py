@@ -18,6 +18,10 @@ from memsave_cli.cli import app
         (["fit", "x", "--budget"], "Option '--budget' requires an argument."),
         (["bogus"], "No such command 'bogus'."),
         (["check"], "Missing argument 'REPORT'."),
+        # Beyond these, sizes and deadlines overflow 64-bit integers after work has started.
+        (["profile", "x", "--timeout", "1e10"], "Invalid value for '--timeout'"),
+        (["profile", "x", "--batch-size", str(2**64)], "Invalid value for '--batch-size'"),
+        (["probe", "linear", "--batch-size", str(2**40)], "Invalid value for '--batch-size'"),
     ],
 )
 def test_unparsable_command_lines_are_one_line(runner, args, expected):
@@ -36,3 +40,17 @@ def test_help_still_answers(runner):
     assert runner.invoke(app, ["profile", "-h"]).exit_code == 0
     bare = runner.invoke(app, [])
     assert bare.exit_code == 2 and "Usage" in bare.output and "error:" not in bare.output
+
+
+@pytest.mark.parametrize(
+    ("args", "first", "second"),
+    [
+        (["profile", "torchvision:resnet18", "--json", "{p}", "--csv", "{p}"], "--json", "--csv"),
+        (["probe", "linear", "--json", "{p}", "--plot", "{p}"], "--json", "--plot"),
+    ],
+)
+def test_two_outputs_to_one_file_are_refused(runner, tmp_path, args, first, second):
+    """The second file would overwrite the first after every measurement."""
+    path = str(tmp_path / "out.json")
+    line = one_error_line(runner.invoke(app, [a.format(p=path) for a in args]))
+    assert line == f"error: {first} and {second} both name {path}; give each its own file"

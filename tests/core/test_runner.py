@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -12,6 +13,7 @@ from pathlib import Path
 import fixtures_tracker
 import pytest
 
+from memsave_cli import runner
 from memsave_cli.cases import resolve_case
 from memsave_cli.measure import Job, measure
 from memsave_cli.report import Run, Status
@@ -159,3 +161,22 @@ def test_errors_of_measure_reach_the_parent() -> None:
     (run,) = run_jobs([job], timeout=120)
     assert run.status is Status.ERROR
     assert run.error.startswith("needs real data")
+
+
+def test_the_fork_server_ignores_ctrl_c() -> None:
+    """Ctrl-C signals the terminal's whole process group: the server (importing torch for
+    seconds) and its workers ignore it, and the parent reports the interrupt in one line."""
+    from multiprocessing import forkserver
+
+    server = forkserver._forkserver
+    if not hasattr(server, "_stop") or not Path("/proc/self/status").exists():
+        pytest.skip("needs multiprocessing's ForkServer._stop and /proc")
+    server._stop()  # a server started before by other means would not say anything
+    runner.worker_context()
+    forkserver.ensure_running()  # as starting a worker does
+    status = Path(f"/proc/{server._forkserver_pid}/status").read_text()
+    ignored = int(
+        next(line for line in status.splitlines() if line.startswith("SigIgn:")).split()[1], 16
+    )
+    assert ignored & (1 << (signal.SIGINT - 1))
+    assert signal.getsignal(signal.SIGINT) is not signal.SIG_IGN  # the parent's is restored
