@@ -24,9 +24,22 @@ class NeedsRealDataError(MemsaveError):
 
 
 def describe(error: BaseException) -> str:
-    """``error`` in one line: its type and the first line of its message."""
-    lines = str(error).strip().splitlines()
-    return f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__
+    """``error`` in one line: its type and the first line of its message, with the lines after
+    it while each ends in a colon (a heading whose reason follows: a validation error's)."""
+    return (
+        f"{type(error).__name__}: {_first_lines(error)}"
+        if str(error).strip()
+        else type(error).__name__
+    )
+
+
+def _first_lines(error: BaseException) -> str:
+    """The message's first non-empty line, joined with the next while it ends in ``:``."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    taken = [lines[0]]
+    while taken[-1].endswith(":") and len(taken) < len(lines):
+        taken.append(lines[len(taken)])
+    return " ".join(taken)
 
 
 def one_line(error: BaseException) -> str:

@@ -92,9 +92,9 @@ def build_model(spec: ModelSpec) -> nn.Module:
         model = build_on_default_device(lambda: _BUILDERS[spec.kind](spec))
     except (MemsaveError, torch.OutOfMemoryError, MemoryError):
         raise
-    except Exception as error:
+    except (Exception, SystemExit) as error:
         who = spec.text if spec.kind in ("module", "file") else f"building {spec.text}"
-        raise SpecError(f"{who} raised {describe(error)}") from error
+        raise SpecError(f"{who} {_raised(error)}") from error
     if not isinstance(model, nn.Module):
         raise SpecError(f"{spec.text} returned {type(model).__name__}, not a torch.nn.Module")
     return model
@@ -223,17 +223,19 @@ def _load_module(spec: ModelSpec) -> ModuleType:
     try:
         with _on_sys_path(os.getcwd()):
             return importlib.import_module(spec.target)
-    except Exception as error:
+    except (Exception, SystemExit) as error:
         missing = isinstance(error, ModuleNotFoundError) and error.name
         if missing and spec.target.startswith(missing):
             raise SpecError(f"{spec.text}: no module named '{missing}'") from error
-        message = f"{spec.text}: importing '{spec.target}' raised {describe(error)}"
+        message = f"{spec.text}: importing '{spec.target}' {_raised(error)}"
         raise SpecError(message) from error
 
 
 def _load_file(spec: ModelSpec) -> ModuleType:
     """Load a .py file as a module once per process (keyed by its resolved path)."""
     path = Path(spec.target).expanduser()
+    if path.is_dir():
+        raise SpecError(f"{spec.text}: '{spec.target}' is a folder; give a .py file in it")
     if not path.is_file():
         raise SpecError(f"{spec.text}: no such file '{spec.target}'")
     path = path.resolve()
@@ -248,10 +250,18 @@ def _load_file(spec: ModelSpec) -> ModuleType:
     try:
         with _on_sys_path(str(path.parent)):
             module_spec.loader.exec_module(module)
-    except Exception as error:
+    except (Exception, SystemExit) as error:
         del sys.modules[name]
-        raise SpecError(f"{spec.text}: loading '{spec.target}' raised {describe(error)}") from error
+        raise SpecError(f"{spec.text}: loading '{spec.target}' {_raised(error)}") from error
     return module
+
+
+def _raised(error: BaseException) -> str:
+    """What user code did: ``raised <error>``, or called ``sys.exit`` (which would otherwise end
+    memsave with the user's code and no word, 0 looking like success)."""
+    if isinstance(error, SystemExit):
+        return f"called sys.exit({error.code!r}) instead of returning"
+    return f"raised {describe(error)}"
 
 
 def _lookup(module: ModuleType, dotted: str) -> Any:

@@ -56,11 +56,9 @@ def title(result: ProbeResult) -> str:
     )
 
 
-def probe_table(result: ProbeResult) -> Table:
-    """One row per depth, one column per scenario."""
-    table = Table(
-        title=title(result), title_justify="left", caption=_CAPTION, caption_justify="left"
-    )
+def probe_table(result: ProbeResult) -> Group:
+    """The title, one row per depth and one column per scenario, and the caption."""
+    table = Table()
     table.add_column("Depth", justify="right")
     for key in result.curves:
         table.add_column(_HEADINGS.get(key, key), justify="right")

@@ -104,7 +104,8 @@ def test_probe_command_writes_table_json_and_plot(runner, tmp_path):
     args = ["probe", "conv2d", "--depth", "5", "--plot", str(plot), "--json", str(data)]
     result = runner.invoke(app, args)
     assert result.exit_code == 0, result.output
-    assert "Forward peak of conv2d stacks, train mode" in result.output
+    assert result.output.count("Forward peak of conv2d stacks, train mode") == 1
+    assert result.output.count("columns: which layers") == 1
     assert "plot written" in result.output
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     saved = json.loads(data.read_text())

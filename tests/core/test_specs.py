@@ -388,6 +388,34 @@ def test_file_whose_loading_fails(tmp_path: Path) -> None:
     )
 
 
+def test_user_code_calling_sys_exit_is_a_spec_error(tmp_path: Path) -> None:
+    """sys.exit in a builder or at import ended memsave silently (0 looked like success)."""
+    builder = tmp_path / "exits.py"
+    builder.write_text("import sys\ndef make():\n    sys.exit(0)\n")
+    message = _error(f"{builder}:make", build=True)
+    assert message == f"{builder}:make called sys.exit(0) instead of returning"
+    importing = tmp_path / "exits_on_import.py"
+    importing.write_text("import sys\nsys.exit('bye')\n")
+    assert _error(f"{importing}:make") == (
+        f"{importing}:make: loading '{importing}' called sys.exit('bye') instead of returning"
+    )
+
+
+def test_an_error_heading_keeps_the_reason_that_follows(tmp_path: Path) -> None:
+    """A message whose first line ends in a colon (a validation error's heading) keeps the
+    line after it: the first line alone said nothing."""
+    path = tmp_path / "heading.py"
+    path.write_text(
+        "def make():\n    raise ValueError('Validation failed:\\n  heads: 5 of 64\\nx')\n"
+    )
+    message = _error(f"{path}:make", build=True)
+    assert message.endswith("raised ValueError: Validation failed: heads: 5 of 64")
+
+
+def test_a_folder_is_not_a_file(tmp_path: Path) -> None:
+    assert _error(f"{tmp_path}/:make").endswith("is a folder; give a .py file in it")
+
+
 def test_file_missing_attribute() -> None:
     message = _error(f"{MODELS_FILE}:make_tow")
     assert "has no attribute 'make_tow'; close matches: make_two" in message
