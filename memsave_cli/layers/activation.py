@@ -151,6 +151,8 @@ def _activate(
     """
     if not (x.requires_grad and records_backward(x)) or (inplace and x.is_leaf):
         return stock(x, *args, inplace)
+    if not x.is_floating_point():
+        return stock(x, *args, inplace)  # complex: stock's own error
     if inplace and torch.compiler.is_compiling():
         return x.copy_(function.apply(x, *args, False, True))
     return function.apply(x, *args, inplace, inplace)
@@ -238,6 +240,7 @@ class MemSaveLeakyReLU(nn.LeakyReLU):
         if (
             input.requires_grad
             and not (inplace and input.is_leaf)
+            and input.is_floating_point()
             and (served := nodes.serving(input))
         ):
             return (served.leaky_relu_ if inplace else served.leaky_relu)(input, slope)
@@ -250,7 +253,8 @@ def _hardtanh(module: nn.Hardtanh, input: Tensor) -> Tensor:
     bounds, inplace = (module.min_val, module.max_val), module.inplace
     if bounds[0] > bounds[1]:
         raise ValueError("min_val cannot be greater than max_val")
-    if input.requires_grad and not (inplace and input.is_leaf) and (served := nodes.serving(input)):
+    plain = input.requires_grad and not (inplace and input.is_leaf) and input.is_floating_point()
+    if plain and (served := nodes.serving(input)):
         node = served.hardtanh_ if inplace else served.hardtanh
         return node(input, *bounds, *kernel_bounds(input.dtype, *bounds))
     return _activate(_HardtanhFunction, F.hardtanh, input, *bounds, inplace=inplace)

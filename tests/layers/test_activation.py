@@ -539,3 +539,19 @@ def test_expanded_input_gradient_reaches_base_as_stock(node_paths: str, kernels:
         y.backward(torch.randn(y.shape, generator=torch.Generator().manual_seed(1)))
         grads.append(base.grad)
     assert torch.equal(*grads)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [nn.ReLU, lambda: nn.LeakyReLU(0.1), nn.ReLU6, lambda: nn.Hardtanh(-1, 1)],
+    ids=["ReLU", "LeakyReLU", "ReLU6", "Hardtanh"],
+)
+def test_complex_inputs_raise_stocks_error(node_paths: str, make) -> None:
+    """Stock's activations take no complex input; the drop-ins raise the same error, not one of
+    their own comparisons."""
+    x = torch.randn(2, 3, dtype=torch.complex64, requires_grad=True)
+    with pytest.raises(Exception) as stock:
+        make()(x * 1)
+    with pytest.raises(type(stock.value)) as ours:
+        convert(nn.Sequential(make()))(x * 1)
+    assert str(ours.value) == str(stock.value)
