@@ -130,6 +130,7 @@ def hf_kwargs(
         return _audio(model, params, make, batch, shape)
     table = model.get_input_embeddings()
     length = shape[0] if shape else min(SEQUENCE_LENGTH, _max_positions(model.config))
+    _check_positions(model, length)
     kwargs: dict[str, Any] = {}
     if embeds:
         kwargs["inputs_embeds"] = make.normal((batch, length, table.embedding_dim))
@@ -213,6 +214,26 @@ def _mel_frames(config: Any) -> tuple[int, int] | None:
     if isinstance(bins, int) and isinstance(positions, int):
         return bins, 2 * positions
     return None
+
+
+def _check_positions(model: nn.Module, length: int) -> None:
+    """Raise where ``length`` tokens overrun a table of learned positions (GPT-2's, BERT's): the
+    model fails on real data there, while the meta device, which reads no index, would estimate
+    it. Rotary and relative positions hold no such table, and no limit is enforced for them."""
+    limit = _max_positions(model.config)
+    if length <= limit:
+        return
+    tables = [
+        name
+        for name, module in model.named_modules()
+        if isinstance(module, nn.Embedding) and module.num_embeddings == limit
+        and module is not model.get_input_embeddings()
+    ]  # fmt: skip
+    if tables:
+        raise SpecError(
+            f"a sequence of {length} tokens overruns the model's {limit} learned positions "
+            f"({tables[0]}); give --input-shape {limit} or less"
+        )
 
 
 def _max_positions(config: Any) -> int:

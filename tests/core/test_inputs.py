@@ -288,6 +288,17 @@ def test_seq2seq_gets_decoder_inputs(tmp_path: Path, embeds: bool) -> None:
     assert loss is output.loss
 
 
+def test_a_sequence_beyond_learned_positions_is_refused(tmp_path: Path) -> None:
+    """BERT's positions are a table of 512 rows: a longer sequence fails on real data, while
+    the meta device would estimate it. LLaMA's rotary positions take any length."""
+    with pytest.raises(SpecError, match="513 tokens overruns the model's 512 learned positions"):
+        _example(_hf_dir(tmp_path / "bert", "bert"), "meta", batch_size=1, input_shape=(513,))
+    _, _, example = _example(
+        _hf_dir(tmp_path / "llama", "llama"), "meta", batch_size=1, input_shape=(40,)
+    )
+    assert tuple(example.kwargs["input_ids"].shape) == (1, 40)  # beyond its 24 positions
+
+
 @pytest.mark.parametrize("device", ["meta", "cpu"])
 def test_encoder_without_head_sums_its_outputs(tmp_path: Path, device: str) -> None:
     model, _, example = _example(_hf_dir(tmp_path, "bert"), device, batch_size=2, input_shape=(12,))
