@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from rich.console import Console
@@ -44,6 +45,19 @@ def write_output(path: str, text: str) -> None:
         sys.stdout.flush()
         return
     write_atomic(Path(path), text if text.endswith("\n") else text + "\n")
+
+
+def write_around(show: Callable[[], None], *outputs: tuple[str | None, Callable[[], str]]) -> None:
+    """Write each ``(path, text)`` output that goes to a file, run ``show`` (the tables), then
+    write those that go to stdout: the measurements are kept whatever happens while they are
+    printed, and data on stdout still follows the tables (which go to stderr then)."""
+    for path, text in outputs:
+        if path is not None and path != STDOUT:
+            write_output(path, text())
+    show()
+    for path, text in outputs:
+        if path == STDOUT:
+            write_output(path, text())
 
 
 def check_writable(**outputs: str | Path | None) -> None:

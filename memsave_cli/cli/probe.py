@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from memsave_cli.cli._console import check_writable, human_console, write_output
+from memsave_cli.cli._console import check_writable, human_console, write_around
 from memsave_cli.cli._errors import USAGE_EXIT, reported_errors
 from memsave_cli.cli._help import DEBUG_HELP, examples
 from memsave_cli.cli._options import MAX_BATCH_SIZE
@@ -105,16 +105,16 @@ def probe(
                 batch_size=batch_size,
                 on_step=lambda scenario, d: bar.advance(f"{scenario}, depth {d}"),
             )
-        # Files first: the measurements are kept whatever happens while printing them.
-        if json_path is not None:
-            write_output(json_path, result.to_json())
-        if plot is not None:
-            plot_probe(result, plot)
         console = human_console(json_path)
-        console.print(probe_table(result))
-        for scenario, error in result.errors.items():
-            console.print(f"{scenario} failed: {error}", style="red", markup=False)
-        if plot is not None:
-            console.print(f"plot written: {plot}")
+
+        def show() -> None:
+            console.print(probe_table(result))
+            for scenario, error in result.errors.items():
+                console.print(f"{scenario} failed: {error}", style="red", markup=False)
+            if plot is not None:
+                plot_probe(result, plot)
+                console.print(f"plot written: {plot}")
+
+        write_around(show, (json_path, result.to_json))
     if all(value is None for values in result.curves.values() for value in values):
         raise typer.Exit(USAGE_EXIT)  # nothing measured: the lines above say why

@@ -6,7 +6,7 @@ from typing import Annotated
 
 import typer
 
-from memsave_cli.cli._console import STDOUT, check_writable, human_console, write_output
+from memsave_cli.cli._console import STDOUT, check_writable, human_console, write_around
 from memsave_cli.cli._errors import USAGE_EXIT, reported_errors
 from memsave_cli.cli._help import DEBUG_HELP, examples
 from memsave_cli.cli._options import (
@@ -178,11 +178,10 @@ def profile(
                 checkpoint=checkpoint or (),
                 autocast=autocast.value if autocast else None,
             )
-        # Files first: the measurements are kept whatever happens while printing them.
-        if json_path is not None:
-            write_output(json_path, report.to_json())
-        if csv_path is not None:
-            write_output(csv_path, report_csv(report))
-        print_profile(human_console(json_path, csv_path), report, top=top)
+        write_around(
+            lambda: print_profile(human_console(json_path, csv_path), report, top=top),
+            (json_path, report.to_json),
+            (csv_path, lambda: report_csv(report)),
+        )
     if report.runs and not any(run.ok for run in report.runs):
         raise typer.Exit(USAGE_EXIT)  # nothing measured: the table above says why
