@@ -14,11 +14,12 @@ from memsave_cli.errors import MemsaveError
 from memsave_cli.fsdp import sharded_device
 from memsave_cli.hf_inputs import fed_inputs
 from memsave_cli.input_shape import read_shape
+from memsave_cli.inputs import batch_size_of
 from memsave_cli.lora import LoraSettings, apply_lora
 from memsave_cli.measure import DEVICES, NEEDS_REAL_DATA, Job, check_job
 from memsave_cli.plan_model import PlanModel
 from memsave_cli.preflight import check_plan
-from memsave_cli.report import Report, Run
+from memsave_cli.report import LoraAdapters, Report, Run
 from memsave_cli.runner import run_jobs
 from memsave_cli.specs import ModelSpec, parse_spec
 from memsave_cli.timing import check_threads, time_runs
@@ -124,7 +125,7 @@ def profile(
         model=spec.text,
         device=chosen,
         dtype=dtype,
-        batch_size=batch_size,
+        batch_size=batch_size_of(spec, batch_size),
         bn_eval=bn_eval,
         runs=tuple(runs),
         notes=tuple(notes),
@@ -134,7 +135,21 @@ def profile(
         reshard=reshard,
         checkpoint=checkpoint,
         autocast=autocast,
+        input_shape=shape,
+        optimizer=optimizer,
+        **_case_settings(spec, selected),
     )
+
+
+def _case_settings(spec: ModelSpec, cases: Sequence[Case]) -> dict[str, object]:
+    """What a report records of the model's keyword arguments and of the cases' settings that
+    change memory (custom patterns, LoRA adapters), so that ``check`` can refuse other ones."""
+    lora = next((case.lora for case in cases if case.lora is not None), None)
+    return {
+        "model_kwargs": tuple(sorted(f"{key}={value!r}" for key, value in spec.kwargs)),
+        "trainable": tuple(dict.fromkeys(p for case in cases for p in case.trainable)),
+        "lora": None if lora is None else LoraAdapters(**vars(lora)),
+    }
 
 
 def resolve_device(

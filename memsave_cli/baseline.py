@@ -5,14 +5,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from memsave_cli.errors import MemsaveError
-from memsave_cli.report import Report, Run
+from memsave_cli.report import LoraAdapters, Report, Run
 
 #: Byte counts compared run by run; each may grow by at most the tolerance.
 METRICS = ("forward_peak_bytes", "peak_bytes", "saved_bytes")
 
 #: Settings that must agree for two reports to be comparable at all.
 SETTINGS = (
-    *("model", "device", "dtype", "batch_size", "bn_eval", "fsdp", "reshard", "checkpoint"),
+    *("model", "model_kwargs", "device", "dtype", "batch_size", "input_shape", "inputs"),
+    *("attention", "bn_eval", "optimizer", "trainable", "lora", "fsdp", "reshard", "checkpoint"),
     "autocast",
 )
 
@@ -48,6 +49,8 @@ class Comparison:
     regressions: tuple[Regression, ...]
     improvements: tuple[Regression, ...]  # values below baseline × (1 − tolerance)
     unmatched: tuple[str, ...]  # "case/impl" runs in the report that the baseline lacks
+    skipped: tuple[str, ...] = ()  # "case/impl (status)" runs that failed in the baseline
+    unknown: tuple[str, ...] = ()  # settings neither file records (both of an older memsave)
 
     @property
     def passed(self) -> bool:
@@ -58,9 +61,11 @@ def compare(report: Report, baseline: Report, *, tolerance: float = 0.05) -> Com
     """Compare every (case, impl) run of ``baseline`` with the same run of ``report``.
 
     A value regresses when it exceeds baseline × (1 + tolerance); a run the baseline measured
-    that is missing or failed in ``report`` regresses too.
+    that is missing or failed in ``report`` regresses too; a run that failed in the baseline is
+    skipped (and listed). BaselineError when the settings differ (``_check_comparable``) or when
+    nothing could be compared: a check that compares nothing must not pass.
     """
-    _check_comparable(report, baseline, tolerance)
+    unknown = _check_comparable(report, baseline, tolerance)
     regressions: list[Regression] = []
     improvements: list[Regression] = []
     compared = 0
@@ -80,9 +85,38 @@ def compare(report: Report, baseline: Report, *, tolerance: float = 0.05) -> Com
                 regressions.append(Regression(old.case, old.impl, metric, before, after, "grew"))
             elif after < before * (1 - tolerance):
                 improvements.append(Regression(old.case, old.impl, metric, before, after, "shrank"))
+    if not compared and not regressions:
+        raise BaselineError(_nothing_compared(baseline))
     known = {(r.case, r.impl) for r in baseline.runs}
     unmatched = tuple(f"{r.case}/{r.impl}" for r in report.runs if (r.case, r.impl) not in known)
-    return Comparison(compared, tuple(regressions), tuple(improvements), unmatched)
+    skipped = tuple(f"{r.case}/{r.impl} ({r.status.value})" for r in baseline.runs if not r.ok)
+    return Comparison(
+        compared, tuple(regressions), tuple(improvements), unmatched, skipped, unknown
+    )
+
+
+def check_baseline(report: Report) -> None:
+    """Raise BaselineError unless ``report`` can serve as a baseline: a run that failed is never
+    checked, so a report whose runs all failed would let every later check compare nothing."""
+    if not report.runs:
+        raise BaselineError("it has no runs, so there would be nothing to check against")
+    if not any(run.ok for run in report.runs):
+        raise BaselineError(
+            f"every one of its {len(report.runs)} runs failed, so there would be nothing to "
+            "check against: fix what failed (memsave profile lists why) and profile again"
+        )
+
+
+def _nothing_compared(baseline: Report) -> str:
+    """Why a check compared no value, and what to do."""
+    failed = sum(not run.ok for run in baseline.runs)
+    if not baseline.runs:
+        why = "the baseline has no runs"
+    elif failed == len(baseline.runs):
+        why = f"every run of the baseline failed ({failed} runs)"
+    else:
+        why = "no run of the baseline has a value to compare"
+    return f"nothing to compare: {why}; write a new baseline from a good report with --update"
 
 
 def _failed(old: Run, new: Run | None) -> Regression:
@@ -93,23 +127,53 @@ def _failed(old: Run, new: Run | None) -> Regression:
     return Regression(old.case, old.impl, "run", old.peak_bytes, None, reason)
 
 
-def _check_comparable(report: Report, baseline: Report, tolerance: float) -> None:
-    """Raise BaselineError unless the two reports measured the same thing."""
+def _check_comparable(report: Report, baseline: Report, tolerance: float) -> tuple[str, ...]:
+    """Raise BaselineError unless the two reports measured the same thing; return the settings
+    that neither records.
+
+    NOTE [unrecorded settings]: files written by an older memsave lack the later settings
+    (``Report.records``). Such a setting is unknown, never taken for its default: where one file
+    records it and the other does not, the check is refused (the baseline may have been measured
+    otherwise, and a verdict would be a guess); where neither does, both come from the older
+    memsave and are compared as that version compared them, with the setting named as unchecked.
+    """
     if not tolerance >= 0:
         raise BaselineError(
             f"tolerance must be a non-negative fraction (e.g. 0.05), got {tolerance}"
         )
+    unknown = []
     for name in SETTINGS:
-        mine, theirs = getattr(report, name), getattr(baseline, name)
-        if mine != theirs:
+        mine, theirs = report.records(name), baseline.records(name)
+        if not (mine or theirs):
+            unknown.append(name)
+        elif not (mine and theirs):
+            raise BaselineError(_unrecorded(name, report if mine else baseline, mine))
+        elif getattr(report, name) != getattr(baseline, name):
             raise BaselineError(
-                f"report and baseline differ in {name} ({_setting(mine)} vs {_setting(theirs)}): "
-                "measure with the baseline's settings, or write a new baseline with --update"
+                f"report and baseline differ in {name} ({_setting(getattr(report, name))} vs "
+                f"{_setting(getattr(baseline, name))}): measure with the baseline's settings, "
+                "or write a new baseline with --update"
             )
+    return tuple(unknown)
+
+
+def _unrecorded(name: str, recording: Report, in_report: bool) -> str:
+    """The refusal of a setting only one of the two files records."""
+    lacking, having = ("baseline", "report") if in_report else ("report", "baseline")
+    return (
+        f"the {lacking} does not record {name} (an older memsave wrote it), the {having} "
+        f"does ({_setting(getattr(recording, name))}): profile both with this memsave, or "
+        "write a new baseline with --update"
+    )
 
 
 def _setting(value: object) -> str:
-    """A setting as the report shows it: patterns as ``'a.*', 'b'`` (``none`` without)."""
+    """A setting as the report shows it: a shape as ``3x64x64``, patterns as ``'a.*', 'b'``
+    (``none`` without)."""
+    if isinstance(value, tuple) and value and all(type(v) is int for v in value):
+        return "x".join(map(str, value))
     if isinstance(value, tuple):
         return ", ".join(map(repr, value)) or "none"
+    if isinstance(value, LoraAdapters):
+        return str(value)
     return "none" if value is None else repr(value)

@@ -102,6 +102,12 @@ def _default(batch_size: int | None, default: int) -> int:
     return default if batch_size is None else batch_size
 
 
+def batch_size_of(spec: ModelSpec, batch_size: int | None) -> int:
+    """The batch size ``make_example`` feeds ``spec``: ``batch_size``, else the family's default."""
+    default = DETECTION_BATCH_SIZE if _torchvision_family(spec) == "detection" else BATCH_SIZE
+    return _default(batch_size, default)
+
+
 def make_example(
     model: nn.Module,
     spec: ModelSpec,

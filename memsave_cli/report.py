@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import tempfile
 from dataclasses import asdict, dataclass, field, fields, replace
@@ -62,6 +63,26 @@ class Run:
 #: The dtypes a step's forward and loss may autocast to (``--autocast``).
 AUTOCAST_DTYPES = ("bfloat16", "float16")
 
+#: Settings that reports of older memsave versions do not record: missing from a file, each is
+#: unknown (``Report.records``), not its default, since those versions measured with it too.
+LATER_SETTINGS = ("input_shape", "optimizer", "model_kwargs", "trainable", "lora")
+
+
+@dataclass(frozen=True)
+class LoraAdapters:
+    """The adapters of a report's lora case (``memsave_cli.lora.LoraSettings`` as plain data)."""
+
+    rank: int
+    alpha: float
+    dropout: float
+    targets: tuple[str, ...]
+
+    def __str__(self) -> str:
+        return (
+            f"rank {self.rank}, alpha {self.alpha}, dropout {self.dropout}, "
+            f"targets {'+'.join(self.targets)}"
+        )
+
 
 @dataclass(frozen=True)
 class Report:
@@ -70,7 +91,7 @@ class Report:
     model: str
     device: str
     dtype: str
-    batch_size: int | None
+    batch_size: int | None  # the batch size measured; None: unknown (older reports, the default)
     bn_eval: bool
     runs: tuple[Run, ...] = ()
     tool_version: str = __version__
@@ -82,6 +103,19 @@ class Report:
     reshard: bool = True  # FSDP2's reshard_after_forward in that estimate
     checkpoint: tuple[str, ...] = ()  # patterns of the modules recomputed in backward
     autocast: str | None = None  # dtype of the autocast forward and loss ran under, if any
+    input_shape: tuple[int, ...] | None = None  # per-sample shape asked for; None: the model's own
+    optimizer: str | None = None  # the optimizer whose states the step allocated, if any
+    model_kwargs: tuple[str, ...] = ()  # the model's keyword arguments, sorted ``key=value``
+    trainable: tuple[str, ...] = ()  # patterns of the parameters the custom case trains
+    lora: LoraAdapters | None = None  # the adapters of the lora case, if it was measured
+    unrecorded: tuple[str, ...] = ()  # LATER_SETTINGS the file lacked: unknown, not defaults
+
+    def records(self, setting: str) -> bool:
+        """Whether the report knows ``setting``: a file of an older memsave lacks the
+        ``LATER_SETTINGS`` and wrote ``batch_size: null`` for the model's default batch size."""
+        if setting == "batch_size":
+            return self.batch_size is not None
+        return setting not in self.unrecorded
 
     def run(self, case: str, impl: str) -> Run | None:
         """The run of ``case`` and ``impl``, or None when there is none."""
@@ -94,6 +128,8 @@ class Report:
         data = asdict(self)
         for run in data["runs"]:
             run["status"] = Status(run["status"]).value
+        for name in data.pop("unrecorded"):
+            data.pop(name, None)  # a copy of an older report must not claim the defaults
         return data
 
     def to_json(self) -> str:
@@ -101,19 +137,20 @@ class Report:
 
     @classmethod
     def from_dict(cls, data: Any) -> Report:
-        if not isinstance(data, dict) or "runs" not in data:
+        """The report ``data`` holds; ReportError naming the first value that is wrong."""
+        if not isinstance(data, dict) or not isinstance(data.get("runs"), list | tuple):
             raise ReportError("not a memsave report: expected a JSON object with a 'runs' list")
         if data.get("schema") != SCHEMA:
             raise ReportError(
                 f"unsupported report schema {data.get('schema')!r}: expected {SCHEMA}"
             )
         try:
-            runs = tuple(_run_from_dict(r) for r in data["runs"])
-            known = {f.name for f in fields(cls)} - {"runs", "notes"}
-            settings = {k: v for k, v in data.items() if k in known}
-            settings["checkpoint"] = _patterns(settings.get("checkpoint", []))
-            settings["autocast"] = _autocast(settings.get("autocast"))
-            return cls(**settings, runs=runs, notes=tuple(data.get("notes", ())))
+            runs = _runs(data["runs"])
+            known = {f.name for f in fields(cls)} - {"runs", "notes", "unrecorded"}
+            settings = _settings({k: v for k, v in data.items() if k in known})
+            unrecorded = tuple(name for name in LATER_SETTINGS if name not in data)
+            notes = _patterns(data.get("notes", []), "notes")
+            return cls(**settings, runs=runs, notes=notes, unrecorded=unrecorded)
         except (TypeError, ValueError, KeyError) as exc:
             raise ReportError(f"malformed memsave report: {exc}") from exc
 
@@ -122,27 +159,93 @@ class Report:
         try:
             return cls.from_dict(json.loads(text))
         except json.JSONDecodeError as exc:
-            raise ReportError(f"report is not valid JSON: {exc}") from exc
+            raise ReportError(f"not valid JSON: {exc}") from exc
 
     @classmethod
-    def load(cls, path: str | Path) -> Report:
+    def load(cls, path: str | Path, *, role: str = "report") -> Report:
+        """The report in file ``path``; every ReportError names the file, as ``role`` (what the
+        file is to the caller: report, baseline) and its path."""
         try:
             text = Path(path).read_text()
         except OSError as exc:
-            raise ReportError(f"cannot read report {path}: {exc.strerror or exc}") from exc
-        return cls.from_json(text)
+            raise ReportError(f"cannot read {role} {path}: {exc.strerror or exc}") from exc
+        except UnicodeDecodeError:
+            raise ReportError(f"cannot read {role} {path}: not a text file") from None
+        try:
+            return cls.from_json(text)
+        except ReportError as exc:
+            raise ReportError(f"{role} {path}: {exc}") from exc
 
     def save(self, path: str | Path) -> None:
         """Write atomically: a crash never leaves half a file behind."""
         write_atomic(Path(path), self.to_json() + "\n")
 
 
-def _run_from_dict(data: dict[str, Any]) -> Run:
+def _runs(items: list[Any] | tuple[Any, ...]) -> tuple[Run, ...]:
+    """The runs of a report, each checked; a repeated (case, impl) is an error, since a check
+    would compare only one of them."""
+    runs: list[Run] = []
+    for number, item in enumerate(items, 1):
+        try:
+            run = _run_from_dict(item)
+        except (TypeError, ValueError, KeyError) as exc:
+            raise ValueError(f"run {number}: {exc}") from exc
+        if any((r.case, r.impl) == (run.case, run.impl) for r in runs):
+            raise ValueError(f"run {number}: {run.case}/{run.impl} is in the report twice")
+        runs.append(run)
+    return tuple(runs)
+
+
+def _run_from_dict(data: Any) -> Run:
+    """One run, its byte counts checked: a check computes with them."""
+    if not isinstance(data, dict):
+        raise ValueError(f"expected an object, got {data!r}")
     layers = tuple(LayerSaved(**layer) for layer in data.get("layers", ()))
     values = {k: v for k, v in data.items() if k != "layers"}
     values["status"] = Status(values.get("status", "ok"))
     values["times_s"] = tuple(values.get("times_s", ()))
-    return Run(**values, layers=layers)
+    run = Run(**values, layers=layers)
+    for name in ("case", "impl"):
+        if not isinstance(getattr(run, name), str):
+            raise ValueError(f"{name} must be a string, got {getattr(run, name)!r}")
+    for name in ("param_bytes", "forward_peak_bytes", "peak_bytes", "saved_bytes", "device_bytes"):
+        _count(getattr(run, name), name)
+    if run.time_s is not None and not _non_negative(run.time_s):
+        raise ValueError(f"time_s must be null or a non-negative number, got {run.time_s!r}")
+    return run
+
+
+def _count(value: Any, name: str, *, least: int = 0) -> None:
+    """Raise ValueError unless ``value`` is null or a whole number of at least ``least``."""
+    if value is not None and (type(value) is not int or value < least):
+        kind = "a positive" if least else "a non-negative"
+        raise ValueError(f"{name} must be null or {kind} whole number, got {value!r}")
+
+
+def _non_negative(value: Any) -> bool:
+    """Whether ``value`` is a finite number of at least 0 (not a boolean)."""
+    return type(value) in (int, float) and math.isfinite(value) and value >= 0
+
+
+def _settings(values: dict[str, Any]) -> dict[str, Any]:
+    """A report's settings as the dataclass holds them, each checked."""
+    for name in ("model", "device", "dtype", "inputs", "attention"):
+        if name in values and not isinstance(values[name], str):
+            raise ValueError(f"{name} must be a string, got {values[name]!r}")
+    for name in ("bn_eval", "reshard"):
+        if name in values and not isinstance(values[name], bool):
+            raise ValueError(f"{name} must be true or false, got {values[name]!r}")
+    _count(values.get("batch_size"), "batch_size", least=1)
+    _count(values.get("fsdp"), "fsdp", least=1)
+    if values.get("optimizer") is not None and not isinstance(values["optimizer"], str):
+        raise ValueError(f"optimizer must be null or a name, got {values['optimizer']!r}")
+    values["checkpoint"] = _patterns(values.get("checkpoint", []), "checkpoint")
+    values["autocast"] = _autocast(values.get("autocast"))
+    values["input_shape"] = _shape(values.get("input_shape"))
+    values["model_kwargs"] = _patterns(values.get("model_kwargs", []), "model_kwargs")
+    values["trainable"] = _patterns(values.get("trainable", []), "trainable")
+    values["lora"] = _lora(values.get("lora"))
+    return values
 
 
 def write_atomic(path: Path, data: str | bytes) -> None:
@@ -177,8 +280,32 @@ def _autocast(value: Any) -> str | None:
     return value
 
 
-def _patterns(value: Any) -> tuple[str, ...]:
-    """A report's ``checkpoint`` patterns, a JSON list of strings, as the tuple runs compare."""
+def _patterns(value: Any, name: str) -> tuple[str, ...]:
+    """A JSON list of strings (``checkpoint`` patterns, say) as the tuple runs compare."""
     if not isinstance(value, list | tuple) or not all(isinstance(i, str) for i in value):
-        raise ValueError(f"checkpoint must be a list of module patterns, got {value!r}")
+        raise ValueError(f"{name} must be a list of strings, got {value!r}")
     return tuple(value)
+
+
+def _shape(value: Any) -> tuple[int, ...] | None:
+    """A report's ``input_shape``: null (the model's own) or a list of positive sizes."""
+    if value is None:
+        return None
+    if not isinstance(value, list | tuple) or not value:
+        raise ValueError(f"input_shape must be null or a list of sizes, got {value!r}")
+    if not all(type(size) is int and size > 0 for size in value):
+        raise ValueError(f"input_shape sizes must be positive whole numbers, got {value!r}")
+    return tuple(value)
+
+
+def _lora(value: Any) -> LoraAdapters | None:
+    """A report's ``lora``: null, or the adapters' rank, alpha, dropout and targets."""
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise ValueError(f"lora must be null or an object, got {value!r}")
+    adapters = LoraAdapters(**value)
+    _count(adapters.rank, "lora rank", least=1)
+    if not all(_non_negative(x) for x in (adapters.alpha, adapters.dropout)):
+        raise ValueError(f"lora alpha and dropout must be non-negative numbers, got {value!r}")
+    return replace(adapters, targets=_patterns(adapters.targets, "lora targets"))

@@ -7,9 +7,10 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+from rich.console import Console
 
-from memsave_cli.baseline import compare
-from memsave_cli.cli._console import stdout_console
+from memsave_cli.baseline import BaselineError, Comparison, check_baseline, compare
+from memsave_cli.cli._console import check_writable, stdout_console
 from memsave_cli.cli._errors import reported_errors
 from memsave_cli.cli._help import DEBUG_HELP, examples
 from memsave_cli.errors import ReportError
@@ -63,33 +64,61 @@ def check(
     otherwise, 2 when a report is missing or unusable.
     """
     with reported_errors(ctx, debug):
-        current = Report.load(report)
+        if update:
+            check_writable(baseline=baseline)
+        current = Report.load(report, role="report")
         console = stdout_console()
         if update:
-            current.save(baseline)
-            console.print(f"baseline written: {baseline} ({len(current.runs)} runs)")
+            _update(console, current, report, baseline)
             return
         if not baseline.exists():
             raise ReportError(
                 f"baseline {baseline} does not exist: create it with "
                 f"`memsave check {report} --baseline {baseline} --update`"
             )
-        previous = Report.load(baseline)
+        previous = Report.load(baseline, role="baseline")
         comparison = compare(current, previous, tolerance=tolerance)
     if output_format is Format.markdown:
         typer.echo(check_markdown(current, previous, comparison, tolerance), nl=False)
         if not comparison.passed:
             raise typer.Exit(FAILED_CHECK_EXIT)
         return
-    if comparison.improvements:
-        console.print(
-            regression_table(comparison.improvements, title="Improved beyond the tolerance")
-        )
-        console.print("consider updating the baseline with --update")
-    if comparison.unmatched:
-        console.print(f"not in the baseline (not checked): {', '.join(comparison.unmatched)}")
+    _print_notes(console, comparison)
     if not comparison.passed:
         console.print(regression_table(comparison.regressions, title="Regressions"))
         console.print(summary_line(comparison, tolerance), style="bold red")
         raise typer.Exit(FAILED_CHECK_EXIT)
     console.print(summary_line(comparison, tolerance), style="green")
+
+
+def _update(console: Console, current: Report, report: Path, baseline: Path) -> None:
+    """Write ``current`` as the baseline, unless no run of it succeeded; name the failed runs,
+    which later checks skip."""
+    try:
+        check_baseline(current)
+    except BaselineError as error:
+        raise BaselineError(f"report {report} cannot be a baseline: {error}") from None
+    current.save(baseline)
+    console.print(f"baseline written: {baseline} ({len(current.runs)} runs)")
+    failed = [f"{run.case}/{run.impl} ({run.status.value})" for run in current.runs if not run.ok]
+    if failed:
+        console.print(
+            f"warning: {len(failed)} runs failed and will not be checked: {', '.join(failed)}",
+            style="yellow",
+        )
+
+
+def _print_notes(console: Console, comparison: Comparison) -> None:
+    """What the check left out or found better, before its verdict."""
+    if comparison.improvements:
+        console.print(
+            regression_table(comparison.improvements, title="Improved beyond the tolerance")
+        )
+        console.print("consider updating the baseline with --update")
+    for label, names in (
+        ("not in the baseline (not checked)", comparison.unmatched),
+        ("failed in the baseline (not checked)", comparison.skipped),
+        ("settings neither file records (an older memsave; not checked)", comparison.unknown),
+    ):
+        if names:
+            console.print(f"{label}: {', '.join(names)}")

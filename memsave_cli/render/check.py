@@ -77,8 +77,13 @@ def check_markdown(
         new = report.run(old.case, old.impl)
         cells = [_md_cell(old, new, m, (old.case, old.impl, m) in flagged) for m in METRICS]
         lines.append(f"| {old.case} | {old.impl} | " + " | ".join(cells) + " |")
-    if comparison.unmatched:
-        lines += ["", f"Not in the baseline (not checked): {', '.join(comparison.unmatched)}"]
+    for label, names in (
+        ("Not in the baseline (not checked)", comparison.unmatched),
+        ("Failed in the baseline (not checked)", comparison.skipped),
+        ("Settings neither file records (an older memsave; not checked)", comparison.unknown),
+    ):
+        if names:
+            lines += ["", f"{label}: {', '.join(names)}"]
     if comparison.improvements:
         lines += ["", "Some values shrank beyond the tolerance: consider `memsave check --update`."]
     return "\n".join(lines) + "\n"

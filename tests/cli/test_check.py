@@ -103,6 +103,117 @@ def test_update_writes_baseline(runner, paper_report, write_report, tmp_path):
     assert result.exit_code == 1, result.output
 
 
+def _failing(report: Report, *cases: str) -> Report:
+    """``report`` whose runs of ``cases`` ran out of memory."""
+    runs = tuple(
+        replace(r, status=Status.OOM, error="out of memory", peak_bytes=None)
+        if r.case in cases
+        else r
+        for r in report.runs
+    )
+    return report.with_runs(runs)
+
+
+def test_empty_baseline_compares_nothing_and_exits_2(runner, paper_report, write_report):
+    report = write_report(paper_report)
+    baseline = write_report(paper_report.with_runs(()), "baseline.json")
+    result = runner.invoke(app, ["check", str(report), "--baseline", str(baseline)])
+    assert result.exit_code == 2, result.output
+    assert "nothing to compare: the baseline has no runs" in result.output
+    assert len(result.output.strip().splitlines()) == 1, result.output
+
+
+@pytest.mark.parametrize("output_format", ["text", "markdown"])
+def test_failed_baseline_compares_nothing_and_exits_2(
+    runner, paper_report, write_report, output_format
+):
+    report = write_report(paper_report)
+    cases = {r.case for r in paper_report.runs}
+    baseline = write_report(_failing(paper_report, *cases), "baseline.json")
+    args = ["check", str(report), "-b", str(baseline), "--format", output_format]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 2, result.output
+    assert "nothing to compare: every run of the baseline failed (8 runs)" in result.output
+
+
+@pytest.mark.parametrize("output_format", ["text", "markdown"])
+def test_runs_failed_in_the_baseline_are_named(runner, paper_report, write_report, output_format):
+    report = write_report(paper_report)
+    baseline = write_report(_failing(paper_report, "norm"), "baseline.json")
+    args = ["check", str(report), "-b", str(baseline), "--format", output_format]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.output
+    assert "ailed in the baseline (not checked): norm/stock (oom), norm/memsave (oom)" in " ".join(
+        result.output.split()
+    )
+    assert "18 values within 5%" in result.output
+
+
+def test_update_refuses_a_report_whose_runs_all_failed(
+    runner, paper_report, write_report, tmp_path
+):
+    cases = {r.case for r in paper_report.runs}
+    report = write_report(_failing(paper_report, *cases))
+    baseline = tmp_path / "baseline.json"
+    result = runner.invoke(app, ["check", str(report), "-b", str(baseline), "--update"])
+    assert result.exit_code == 2, result.output
+    assert f"report {report} cannot be a baseline: every one of its 8 runs failed" in result.output
+    assert len(result.output.strip().splitlines()) == 1 and not baseline.exists()
+    empty = write_report(paper_report.with_runs(()), "empty.json")
+    result = runner.invoke(app, ["check", str(empty), "-b", str(baseline), "--update"])
+    assert result.exit_code == 2 and "it has no runs" in result.output, result.output
+
+
+def test_update_warns_of_failed_runs(runner, paper_report, write_report, tmp_path):
+    report = write_report(_failing(paper_report, "norm"))
+    baseline = tmp_path / "baseline.json"
+    result = runner.invoke(app, ["check", str(report), "-b", str(baseline), "--update"])
+    assert result.exit_code == 0, result.output
+    assert "warning: 2 runs failed and will not be checked: norm/stock (oom)" in result.output
+    assert Report.load(baseline).runs == _failing(paper_report, "norm").runs
+
+
+@pytest.mark.parametrize(
+    ("target", "message"),
+    [
+        ("", "is a folder; give a file"),
+        ("afile/x.json", "afile is a file, not a folder"),
+    ],
+    ids=["folder", "below-a-file"],
+)
+def test_update_checks_the_baseline_path_first(runner, tmp_path, target, message):
+    """Before the report is even read: a missing report is not what the line is about."""
+    (tmp_path / "afile").write_text("")
+    baseline = tmp_path / target if target else tmp_path
+    missing = tmp_path / "missing.json"
+    result = runner.invoke(app, ["check", str(missing), "-b", str(baseline), "--update"])
+    assert result.exit_code == 2, result.output
+    assert f"error: --baseline {baseline}: " in result.output and message in result.output
+    assert len(result.output.strip().splitlines()) == 1, result.output
+
+
+def test_user_text_is_printed_as_given(runner, paper_report, write_report, tmp_path):
+    """Paths and case names are not Rich markup: ``[bold]`` stays in the output."""
+    report = write_report(paper_report)
+    baseline = tmp_path / "pa[bold]th.json"
+    result = runner.invoke(app, ["check", str(report), "-b", str(baseline), "--update"])
+    assert result.exit_code == 0, result.output
+    assert f"baseline written: {baseline} (8 runs)" in result.output
+    renamed = paper_report.with_runs(
+        tuple(replace(r, case=f"w[bold]{r.case}") for r in paper_report.runs)
+    )
+    baseline = write_report(renamed, "renamed.json")
+    grown = write_report(_grow(renamed, "w[bold]all", "stock", 2.0), "grown.json")
+    result = runner.invoke(app, ["check", str(grown), "-b", str(baseline)])
+    assert result.exit_code == 1, result.output
+    assert "│ w[bold]all │ stock" in result.output
+    extra = paper_report.with_runs((*paper_report.runs, renamed.runs[0]))
+    result = runner.invoke(
+        app, ["check", str(write_report(extra, "extra.json")), "-b", str(report)]
+    )
+    assert "not in the baseline (not checked): w[bold]all/stock" in result.output
+
+
 def test_missing_report_exits_2(runner, tmp_path):
     missing = tmp_path / "nope.json"
     result = runner.invoke(app, ["check", str(missing), "--baseline", str(missing)])
@@ -121,7 +232,9 @@ def test_missing_baseline_suggests_update(runner, paper_report, write_report, tm
     ("text", "message"),
     [
         ("{not json", "not valid JSON"),
+        ("", "not valid JSON"),
         ("[1, 2]", "not a memsave report"),
+        (json.dumps({"schema": 1, "runs": {}}), "not a memsave report"),
         (json.dumps({"schema": 99, "runs": []}), "unsupported report schema"),
         (json.dumps({"schema": 1, "runs": [{"case": "all"}]}), "malformed memsave report"),
     ],
@@ -130,11 +243,88 @@ def test_malformed_report_exits_2(runner, paper_report, write_report, tmp_path, 
     bad = tmp_path / "bad.json"
     bad.write_text(text)
     good = write_report(paper_report)
-    for args in ([str(bad), "--baseline", str(good)], [str(good), "--baseline", str(bad)]):
+    for role, args in (
+        ("report", [str(bad), "--baseline", str(good)]),
+        ("baseline", [str(good), "--baseline", str(bad)]),
+    ):
         result = runner.invoke(app, ["check", *args])
         assert result.exit_code == 2, result.output
-        assert message in result.output
+        assert f"error: {role} {bad}: {message}" in result.output
         assert len(result.output.strip().splitlines()) == 1, result.output
+
+
+#: Runs and settings a check must not compute with, and what the one line says of them.
+MALFORMED = {
+    "text peak": ({"peak_bytes": "abc"}, "run 1: peak_bytes must be null or a non-negative whole"),
+    "bool peak": ({"peak_bytes": True}, "run 1: peak_bytes must be null or a non-negative whole"),
+    "nan peak": ({"peak_bytes": float("nan")}, "run 1: peak_bytes must be null or a non-negative"),
+    "float peak": ({"peak_bytes": 1.5e9}, "run 1: peak_bytes must be null or a non-negative whole"),
+    "negative": ({"saved_bytes": -5}, "run 1: saved_bytes must be null or a non-negative whole"),
+    "case": ({"case": 3}, "run 1: case must be a string, got 3"),
+    "time": ({"time_s": "1s"}, "run 1: time_s must be null or a non-negative number"),
+}
+
+
+def _malformed(report: Report, change: dict) -> dict:
+    """``report`` as JSON data whose first run has ``change`` applied."""
+    data = report.to_dict()
+    data["runs"] = [dict(data["runs"][0], **change), *data["runs"][1:]]
+    return data
+
+
+@pytest.mark.parametrize(("change", "message"), MALFORMED.values(), ids=MALFORMED)
+def test_malformed_run_names_the_file(
+    runner, paper_report, write_report, tmp_path, change, message
+):
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps(_malformed(paper_report, change)))
+    good = write_report(paper_report)
+    for role, args in (("report", [bad, "-b", good]), ("baseline", [good, "-b", bad])):
+        result = runner.invoke(app, ["check", *map(str, args)])
+        assert result.exit_code == 2, result.output
+        assert f"error: {role} {bad}: malformed memsave report: {message}" in result.output
+        assert len(result.output.strip().splitlines()) == 1, result.output
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (lambda data: data["runs"].insert(0, 5), "run 1: expected an object, got 5"),
+        (
+            lambda data: data["runs"].append(data["runs"][0]),
+            "run 9: all/stock is in the report twice",
+        ),
+        (lambda data: data.update(batch_size="64"), "batch_size must be null or a positive whole"),
+        (lambda data: data.update(bn_eval="no"), "bn_eval must be true or false, got 'no'"),
+        (
+            lambda data: data.update(input_shape=[3, 0]),
+            "input_shape sizes must be positive whole numbers",
+        ),
+        (lambda data: data.update(lora=[8]), "lora must be null or an object, got [8]"),
+    ],
+    ids=["run-number", "twice", "batch-text", "bn-eval", "shape", "lora"],
+)
+def test_malformed_report_is_one_line(runner, paper_report, write_report, tmp_path, edit, message):
+    data = json.loads(paper_report.to_json())
+    edit(data)
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps(data))
+    result = runner.invoke(app, ["check", str(write_report(paper_report)), "-b", str(bad)])
+    assert result.exit_code == 2, result.output
+    assert f"error: baseline {bad}: malformed memsave report: {message}" in result.output
+    assert "Error:" not in result.output and len(result.output.strip().splitlines()) == 1
+
+
+def test_unreadable_baseline_is_named(runner, paper_report, write_report, tmp_path):
+    report = write_report(paper_report)
+    result = runner.invoke(app, ["check", str(report), "--baseline", str(tmp_path)])
+    assert result.exit_code == 2, result.output
+    assert f"cannot read baseline {tmp_path}" in result.output
+    binary = tmp_path / "binary.json"
+    binary.write_bytes(b"\xff\xfe\x00")
+    result = runner.invoke(app, ["check", str(binary), "--baseline", str(report)])
+    assert result.exit_code == 2, result.output
+    assert f"cannot read report {binary}: not a text file" in result.output
 
 
 def test_different_settings_exit_2(runner, paper_report, write_report):
