@@ -735,22 +735,33 @@ struct offsets_args {
         FOR_EACH_RUN(                                                                             \
             a, begin, end,                                                                        \
             for (int64_t j = 0; j < count; j++) {                                                 \
-                out[i + j] = MAP(src[i + j], lookup, s, len);                                     \
-                missed |= out[i + j] < 0;                                                         \
+                const OUT_T v = MAP(src[i + j], lookup, s, len);                                  \
+                out[i + j] = v;                                                                   \
+                missed |= v < 0;                                                                  \
             },                                                                                    \
             for (int64_t j = 0; j < count; j++) {                                                 \
-                out[i + j] = MAP(src[i + j], lookup, st[j], len);                                 \
-                missed |= out[i + j] < 0;                                                         \
+                const OUT_T v = MAP(src[i + j], lookup, st[j], len);                              \
+                out[i + j] = v;                                                                   \
+                missed |= v < 0;                                                                  \
             });                                                                                   \
         if (missed) atomic_store(a->missed, 1);                                                   \
     }
 
+/* A lookup at `at` of a table of `len`, without branches: the table read at `at` where it lies
+ * inside, else at 0, ORed with 0 inside and with -1 (every bit) outside. */
+static inline int64_t inside_or_zero(int64_t at, int64_t len) {
+    return (uint64_t)at < (uint64_t)len ? at : 0;
+}
+static inline int64_t outside_mask(int64_t at, int64_t len) {
+    return (uint64_t)at < (uint64_t)len ? 0 : -1;
+}
+
 /* Indices to offsets through the inverse table, and offsets back to indices through the table;
  * -1 where the lookup falls outside the table. */
 #define INDEX_TO_OFFSET(index, inverse, start, len)                                               \
-    ((uint64_t)((index) - (start)) < (uint64_t)(len) ? (inverse)[(index) - (start)] : -1)
+    ((inverse)[inside_or_zero((index) - (start), len)] | outside_mask((index) - (start), len))
 #define OFFSET_TO_INDEX(offset, table, start, len)                                                \
-    ((uint64_t)(int64_t)(offset) < (uint64_t)(len) ? (table)[offset] + (start) : -1)
+    (((table)[inside_or_zero(offset, len)] + (start)) | outside_mask(offset, len))
 #define TO_OFFSETS(T, NAME) OFFSET_KERNEL(NAME, int64_t, T, T, INDEX_TO_OFFSET)
 #define TO_INDICES(T, NAME) OFFSET_KERNEL(NAME, T, int64_t, int64_t, OFFSET_TO_INDEX)
 
