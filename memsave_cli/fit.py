@@ -2,11 +2,17 @@
 
 NOTE [search]: peak memory grows with the batch size, almost exactly affinely (parameters are
 fixed, activations scale), but allocator rounding and kernels that change with size make it
-only nearly so. The search therefore measures batch sizes 1 and 2, takes the affine guess as
+only nearly so. The search therefore measures the two smallest batch sizes (1 and 2; 2 and 3 for
+a model whose forward fails on one sample, see :func:`_first_batch`), takes the affine guess as
 its first probe, gallops from there (steps 1, 2, 4, ... up while it fits, down while it does
 not) until it brackets the answer, and finishes with a binary search: exact for any monotone
 peak, and about four measurements when the guess is right. All searches advance together, one
 round of measurements at a time, so that a round can run in parallel worker processes.
+
+NOTE [failed measurements]: a measurement that fails for another reason than memory (the model
+raises, the worker times out or crashes) counts as not fitting, as out-of-memory does: the search
+goes on below it and ends at the largest batch size that ran within the budget. Its row then
+says which failure stopped it there, not the budget; the other searches finish as usual.
 """
 
 from __future__ import annotations
@@ -18,16 +24,16 @@ from typing import TYPE_CHECKING
 
 from memsave_cli.api import check_lora_cases, resolve_device
 from memsave_cli.arguments import count, device_name, dtype_name, seconds, several
-from memsave_cli.budget import parse_bytes
+from memsave_cli.budget import BudgetError, parse_bytes
 from memsave_cli.cases import PAPER_CASES, Case, has_norm_layers, resolve_case
 from memsave_cli.checkpointing import checkpoint_notes, read_patterns
-from memsave_cli.errors import MemsaveError, one_line
+from memsave_cli.errors import MemsaveError, SpecError, one_line
 from memsave_cli.input_shape import read_shape
 from memsave_cli.measure import Job, check_job, measure
 from memsave_cli.plan_model import PlanModel
-from memsave_cli.preflight import check_plan
+from memsave_cli.preflight import ForwardError, check_plan
 from memsave_cli.report import Run, Status
-from memsave_cli.specs import parse_spec
+from memsave_cli.specs import ModelSpec, parse_spec
 
 if TYPE_CHECKING:
     import torch
@@ -35,8 +41,11 @@ if TYPE_CHECKING:
 #: Upper end of the search when nothing else stops it (a peak that ignores the batch size).
 MAX_BATCH_SIZE = 1 << 20
 
+#: The largest budget taken: 1024 TiB, more than any device or host holds.
+MAX_BUDGET = 1 << 50
+
 #: A search yields batch sizes to measure, receives their peaks (None: did not fit) and
-#: returns the largest batch size that fits (0 when even one sample does not).
+#: returns the largest batch size that fits (0 when even the smallest does not).
 Search = Generator[int, "int | None", int]
 
 
@@ -45,13 +54,29 @@ class FitError(MemsaveError):
 
 
 @dataclass(frozen=True)
+class FitFailure:
+    """A measurement that failed for another reason than memory and so ended a search (NOTE
+    [failed measurements]): the batch size it ran, how it ended and why."""
+
+    batch_size: int
+    status: str  # a failed Status: error, timeout or crashed
+    reason: str
+
+
+@dataclass(frozen=True)
 class FitRow:
     """The answer for one case and implementation."""
 
     case: str
     impl: str
-    batch_size: int  # 0 when even a single sample exceeds the budget
-    peak_bytes: int | None  # peak at that batch size (at batch size 1 when it is 0)
+    batch_size: int  # 0 when even the smallest batch size exceeds the budget (or fails)
+    peak_bytes: int | None  # peak at that batch size (at the smallest when it is 0)
+    failure: FitFailure | None = None  # what stopped the search where the budget did not
+
+    @property
+    def failed(self) -> bool:
+        """True when no batch size ran: the smallest one failed."""
+        return self.failure is not None and self.batch_size == 0
 
 
 @dataclass(frozen=True)
@@ -68,11 +93,13 @@ class FitResult:
     reshard: bool = True
     checkpoint: tuple[str, ...] = ()  # patterns of the modules recomputed in backward
     autocast: str | None = None  # dtype of the autocast forward and loss ran under, if any
+    min_batch_size: int = 1  # where the searches started (2: the forward fails on one sample)
 
     def to_json(self) -> str:
         """The rows as a JSON list of ``{case, impl, batch_size, peak_bytes}``; an FSDP2
         estimate adds ``per_rank_of`` and ``reshard_after_forward`` to each, a checkpointed
-        step ``checkpoint`` (its patterns), an autocast one ``autocast`` (its dtype)."""
+        step ``checkpoint`` (its patterns), an autocast one ``autocast`` (its dtype), and a
+        search that a failure stopped ``failure`` (``{batch_size, status, reason}``)."""
         shared: dict[str, object] = {} if self.fsdp is None else {"per_rank_of": self.fsdp}
         if shared:
             shared["reshard_after_forward"] = self.reshard
@@ -80,7 +107,15 @@ class FitResult:
             shared["checkpoint"] = list(self.checkpoint)
         if self.autocast:
             shared["autocast"] = self.autocast
-        return json.dumps([asdict(row) | shared for row in self.rows], indent=2)
+        return json.dumps([_row_json(row) | shared for row in self.rows], indent=2)
+
+
+def _row_json(row: FitRow) -> dict[str, object]:
+    """A row as JSON: ``failure`` only where a failure stopped the search."""
+    values = asdict(row)
+    if row.failure is None:
+        del values["failure"]
+    return values
 
 
 def fit(
@@ -110,9 +145,10 @@ def fit(
     ``device="auto"`` is cuda when available, else meta. ``fsdp=N`` fits one rank of N under
     FSDP2 (``memsave_cli.fsdp``): the batch size is per rank, the budget one rank's memory.
     ``checkpoint`` names the modules recomputed in backward, and ``autocast`` the dtype of the
-    forward and loss, as for ``profile``.
+    forward and loss, as for ``profile``. A measurement that fails (not for memory) ends only
+    its own search, whose row names it (``failure``, NOTE [failed measurements]).
     """
-    budget_bytes = parse_bytes(budget if isinstance(budget, str) else str(budget))
+    budget_bytes = _budget(budget if isinstance(budget, str) else str(budget))
     max_batch_size = count(max_batch_size, "maximum batch size")
     cases, impls, dtype = several(cases), several(impls), dtype_name(dtype)
     timeout, device = seconds(timeout, "timeout"), device_name(device)
@@ -128,35 +164,69 @@ def fit(
     chosen, skipped = _cases(plan_model, cases)
     notes.extend(skipped)
     # before any run; notes on parts the inputs do not call (NOTE [idle parts])
-    notes += check_plan(
-        spec, chosen, batch_size=1, input_shape=shape, plan_model=plan_model, dtype=dtype
-    )
+    plan = {"input_shape": shape, "plan_model": plan_model, "dtype": dtype}
+    first = _first_batch(notes, spec, chosen, max_batch_size, **plan)
     settings |= {"optimizer": optimizer, "repeat": 1, "per_layer": False}
     settings |= {"fsdp": fsdp, "reshard": reshard, "checkpoint": checkpoint, "autocast": autocast}
     jobs = {(c, i): Job(spec, c, i, device, **settings) for c in chosen for i in impls}
     for job in jobs.values():
         check_job(job)
-    searches = {key: largest_fitting(budget_bytes, max_batch_size) for key in jobs}
+    searches = {key: largest_fitting(budget_bytes, max_batch_size, first) for key in jobs}
     answers = run_searches(searches, jobs, _measurer(device, timeout), on_measure)
-    rows = tuple(
-        FitRow(case.label, impl, batch, peak) for (case, impl), (batch, peak) in answers.items()
-    )
     return FitResult(
         spec.text,
         device,
         budget_bytes,
-        rows,
+        tuple(answers.values()),
         tuple(notes),
         max_batch_size,
         fsdp,
         reshard,
         checkpoint,
         autocast,
+        first,
     )
 
 
-def largest_fitting(budget: int, max_batch_size: int = MAX_BATCH_SIZE) -> Search:
-    """The search of the NOTE above, as a generator driven by :func:`run_searches`."""
+def _budget(text: str) -> int:
+    """The budget in bytes; BudgetError for one that no memory comes near."""
+    budget = parse_bytes(text)
+    if budget > MAX_BUDGET:
+        raise BudgetError(
+            f"memory size {text!r} is more than any device holds: expected at most 1024TiB"
+        )
+    return budget
+
+
+def _first_batch(
+    notes: list[str], spec: ModelSpec, cases: Sequence[Case], max_batch_size: int, **plan: object
+) -> int:
+    """The smallest batch size to search from, after ``check_plan`` at it (its notes added to
+    ``notes``): 1, or 2 for a forward that fails on one sample and runs on two (BatchNorm in
+    training needs more than one value per channel); a forward failing on both raises the
+    error of one sample."""
+    try:
+        notes += check_plan(spec, cases, batch_size=1, **plan)
+        return 1
+    except ForwardError as error:
+        try:
+            later = check_plan(spec, cases, batch_size=2, **plan)
+        except SpecError:
+            raise error from None
+        if max_batch_size < 2:
+            raise FitError(
+                f"{spec.text}: the forward fails on one sample ({error.reason}) and runs on two, "
+                "more than the maximum batch size 1"
+            ) from None
+        notes += [f"batch size 1 fails ({error.reason}), so the search starts at 2", *later]
+        return 2
+
+
+def largest_fitting(
+    budget: int, max_batch_size: int = MAX_BATCH_SIZE, min_batch_size: int = 1
+) -> Search:
+    """The search of the NOTE above, as a generator driven by :func:`run_searches`, over the
+    batch sizes from ``min_batch_size`` to ``max_batch_size``."""
     peaks: dict[int, int | None] = {}
 
     def fits(batch: int) -> Generator[int, int | None, bool]:
@@ -165,15 +235,16 @@ def largest_fitting(budget: int, max_batch_size: int = MAX_BATCH_SIZE) -> Search
         peak = peaks[batch]
         return peak is not None and peak <= budget
 
-    if not (yield from fits(1)):
+    first = min_batch_size
+    if not (yield from fits(first)):
         return 0
     second = None
-    if max_batch_size >= 2:
-        yield from fits(2)
-        second = peaks[2]
-    guess = min(max(_affine_guess(peaks[1], second, budget), 1), max_batch_size)
+    if max_batch_size > first:
+        yield from fits(first + 1)
+        second = peaks[first + 1]
+    guess = min(max(_affine_guess(first, peaks[first], second, budget), first), max_batch_size)
     # Invariant from here on: lo fits, hi does not (or lies just past the end).
-    lo, hi = yield from _bracket(fits, guess, 1, max_batch_size + 1)
+    lo, hi = yield from _bracket(fits, guess, first, max_batch_size + 1)
     while hi - lo > 1:
         mid = (lo + hi) // 2
         lo, hi = (mid, hi) if (yield from fits(mid)) else (lo, mid)
@@ -204,51 +275,55 @@ def run_searches(
     jobs: dict[tuple[Case, str], Job],
     measure_round: Callable[[list[Job]], list[Run]],
     on_measure: Callable[[Job, Run], None] | None = None,
-) -> dict[tuple[Case, str], tuple[int, int | None]]:
+) -> dict[tuple[Case, str], FitRow]:
     """Drive every search to its answer, measuring one batch size per search and round.
 
-    Returns (batch size, its peak) per key; the peak is at batch size 1 when nothing fits.
+    Returns the row of each key, in the order of ``searches``.
     """
     asked = {key: next(search) for key, search in searches.items()}
-    measured: dict[tuple[Case, str], dict[int, int | None]] = {key: {} for key in searches}
-    answers: dict[tuple[Case, str], tuple[int, int | None]] = {}
+    first = dict(asked)  # the smallest batch size of each search, its first measurement
+    measured: dict[tuple[Case, str], dict[int, Run]] = {key: {} for key in searches}
+    answers: dict[tuple[Case, str], FitRow] = {}
     while asked:
         keys = list(asked)
         batch_jobs = [_with_batch(jobs[key], asked[key]) for key in keys]
         for key, job, run in zip(keys, batch_jobs, measure_round(batch_jobs), strict=True):
             if on_measure is not None:
                 on_measure(job, run)
-            peak = _peak_of(job, run)
-            measured[key][job.batch_size] = peak
+            measured[key][job.batch_size] = run
             try:
-                asked[key] = searches[key].send(peak)
+                asked[key] = searches[key].send(run.peak_bytes if run.ok else None)
             except StopIteration as stop:
                 del asked[key]
-                batch = stop.value
-                answers[key] = (batch, measured[key].get(max(batch, 1)))
+                answers[key] = _row(key, stop.value, first[key], measured[key])
     return {key: answers[key] for key in searches}
 
 
-def _affine_guess(peak1: int | None, peak2: int | None, budget: int) -> int:
-    """The largest batch size an affine peak through the first two measurements allows."""
+def _row(key: tuple[Case, str], batch: int, first: int, runs: dict[int, Run]) -> FitRow:
+    """The row of a search that ended at ``batch`` (0: not even ``first`` fit), with the failure
+    that stopped it there if one did, not the budget (NOTE [failed measurements])."""
+    (case, impl), ended = key, runs[batch or first]
+    stopped_at = batch + 1 if batch else first
+    failure = _failure(stopped_at, runs.get(stopped_at))
+    return FitRow(case.label, impl, batch, ended.peak_bytes, failure)
+
+
+def _failure(batch: int, run: Run | None) -> FitFailure | None:
+    """How ``run`` of ``batch`` failed, or None when it ran (or ran out of memory)."""
+    if run is None or run.status is Status.OOM or (run.ok and run.peak_bytes is not None):
+        return None
+    return FitFailure(batch, run.status.value, run.error or "no peak measured")
+
+
+def _affine_guess(first: int, peak1: int | None, peak2: int | None, budget: int) -> int:
+    """The largest batch size an affine peak through the measurements of ``first`` and
+    ``first + 1`` allows."""
     if peak1 is None or peak2 is None:
-        return 1
+        return first
     slope = peak2 - peak1
     if slope <= 0:
         return MAX_BATCH_SIZE
-    return 1 + (budget - peak1) // slope
-
-
-def _peak_of(job: Job, run: Run) -> int | None:
-    """The run's step peak; None when it ran out of memory; other failures are errors."""
-    if run.status is Status.OOM:
-        return None
-    if not run.ok or run.peak_bytes is None:
-        raise FitError(
-            f"case {job.case.label}, {job.impl}, batch size {job.batch_size}: "
-            f"{run.status.value}: {run.error or 'no peak measured'}"
-        )
-    return run.peak_bytes
+    return first + (budget - peak1) // slope
 
 
 def _cases(plan_model: PlanModel, cases: Sequence[str | Case]) -> tuple[list[Case], list[str]]:

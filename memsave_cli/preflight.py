@@ -29,6 +29,15 @@ from memsave_cli.specs import ModelSpec, companion_inputs
 from memsave_cli.step import DTYPES
 
 
+class ForwardError(SpecError):
+    """The stock forward failed on meta with the inputs made for it; ``reason`` is its error in
+    one line (``fit`` tries two samples where one fails for that reason)."""
+
+    def __init__(self, message: str, reason: str = "") -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
 def check_plan(
     spec: ModelSpec,
     cases: Sequence[Case],
@@ -140,9 +149,9 @@ def check_forward(
             )
         else:
             hint = "give --input-shape (one sample, without the batch dimension)"
-        raise SpecError(
-            f"{spec.text}: the forward fails on {given} ({describe(error)}); {hint}"
-        ) from None
+        reason = describe(error)
+        message = f"{spec.text}: the forward fails on {given} ({reason}); {hint}"
+        raise ForwardError(message, reason) from None
     try:
         loss_of(output)
     except SpecError as error:

@@ -6,8 +6,8 @@ from typing import Annotated
 
 import typer
 
-from memsave_cli.cli._console import check_writable, human_console, write_output
-from memsave_cli.cli._errors import reported_errors
+from memsave_cli.cli._console import check_writable, human_console, write_around
+from memsave_cli.cli._errors import USAGE_EXIT, reported_errors
 from memsave_cli.cli._help import DEBUG_HELP, examples
 from memsave_cli.cli._options import (
     AutocastOpt,
@@ -129,8 +129,12 @@ def fit(
                 ),
             )
         console = human_console(json_path)
-        console.print(fit_view(result))
-        for note in result.notes:
-            console.print(f"note: {note}", style="yellow", markup=False)
-        if json_path is not None:
-            write_output(json_path, result.to_json())
+
+        def show() -> None:
+            console.print(fit_view(result))
+            for note in result.notes:
+                console.print(f"note: {note}", style="yellow", markup=False)
+
+        write_around(show, (json_path, result.to_json))
+    if result.rows and all(row.failed for row in result.rows):
+        raise typer.Exit(USAGE_EXIT)  # nothing ran, as profile: the table above says why

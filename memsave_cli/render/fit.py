@@ -12,7 +12,8 @@ from memsave_cli.render.units import format_bytes
 
 
 def fit_view(result: FitResult) -> Group:
-    """A heading that names the budget, and the table below it."""
+    """A heading that names the budget, the table below it, and the failures that stopped
+    searches (NOTE [failed measurements] in fit.py)."""
     ranks = "" if result.fsdp is None else f" per rank of {result.fsdp} (FSDP2)"
     step = f"a training step{checkpointed(result.checkpoint)}{autocast(result.autocast)}"
     heading = Text(
@@ -20,7 +21,10 @@ def fit_view(result: FitResult) -> Group:
         f"(peak of {step}, on {result.device})",
         style="italic",
     )
-    return Group(heading, fit_table(result))
+    failures = failures_table(result)
+    if failures is None:
+        return Group(heading, fit_table(result))
+    return Group(heading, fit_table(result), Text(""), failures)
 
 
 def fit_table(result: FitResult) -> Table:
@@ -37,21 +41,47 @@ def fit_table(result: FitResult) -> Table:
     for case in cases:
         row = [_cell(cells.get((case, impl)), result) for impl in impls]
         if "stock" in impls and len(impls) > 1:
-            row.append(_gain(cells.get((case, "stock")), cells.get((case, impls[-1]))))
+            row.append(_gain(cells.get((case, "stock")), cells.get((case, impls[-1])), result))
         table.add_row(case, *row)
+    return table
+
+
+def failures_table(result: FitResult) -> Table | None:
+    """The searches a failure stopped, not the budget, with the reason each gave (None when
+    the budget stopped them all)."""
+    stopped = [row for row in result.rows if row.failure is not None]
+    if not stopped:
+        return None
+    table = Table(title="Searches stopped by a failure, not the budget", title_justify="left")
+    for column in ("Case", "Impl", "Batch size", "Status", "Reason"):
+        table.add_column(column)
+    for row in stopped:
+        failure = row.failure
+        table.add_row(row.case, row.impl, str(failure.batch_size), failure.status, failure.reason)
     return table
 
 
 def _cell(row: FitRow | None, result: FitResult) -> str:
     if row is None:
         return ""
+    if row.failed:
+        return f"{row.failure.status} at {row.failure.batch_size}"
     if row.batch_size == 0:
-        return f"none fits (1 needs {format_bytes(row.peak_bytes)})"
+        return f"none fits ({result.min_batch_size} needs {format_bytes(row.peak_bytes)})"
     capped = "+" if row.batch_size >= result.max_batch_size else ""
-    return f"{row.batch_size}{capped} ({format_bytes(row.peak_bytes)})"
+    found = f"{row.batch_size}{capped} ({format_bytes(row.peak_bytes)})"
+    if row.failure is not None:  # the largest that ran: the next one failed
+        return f"{found}, {row.failure.status} at {row.failure.batch_size}"
+    return found
 
 
-def _gain(stock: FitRow | None, other: FitRow | None) -> str:
+def _gain(stock: FitRow | None, other: FitRow | None, result: FitResult) -> str:
+    """How many times stock's batch size the other fits: ``-`` where either is unknown (a
+    failure stopped its search, or stock reached the largest batch size tried), ``+`` where
+    the other reached it (at least that many times)."""
     if stock is None or other is None or not stock.batch_size:
         return "-"
-    return f"x{other.batch_size / stock.batch_size:.2f}"
+    if stock.failure or other.failure or stock.batch_size >= result.max_batch_size:
+        return "-"
+    capped = "+" if other.batch_size >= result.max_batch_size else ""
+    return f"x{other.batch_size / stock.batch_size:.2f}{capped}"
