@@ -84,7 +84,10 @@ def resolve_case(
         hint = f"; did you mean '{close[0]}'?" if close else ""
         raise CaseError(f"unknown case '{name}': expected one of {', '.join(CASE_NAMES)}{hint}")
     if name == "custom" and not any(patterns):
-        raise CaseError("the custom case needs at least one glob pattern over parameter names")
+        raise CaseError(
+            "the custom case needs at least one glob pattern over parameter names "
+            "(on the command line: --trainable 'layer4.*')"
+        )
     if name != "custom" and patterns:
         raise CaseError(f"case '{name}' takes no patterns; use the custom case to train {patterns}")
     if name == "input" and input_grad is False:

@@ -68,7 +68,12 @@ def test_custom_case_keeps_its_patterns() -> None:
             "lora; did you mean 'surgical'?",
         ),
         ("qqq", {}, "unknown case 'qqq': expected one of all, input, norm, surgical, none, custom"),
-        ("custom", {}, "the custom case needs at least one glob pattern over parameter names"),
+        (
+            "custom",
+            {},
+            "the custom case needs at least one glob pattern over parameter names (on the "
+            "command line: --trainable 'layer4.*')",
+        ),
         ("custom", {"trainable": [" "]}, "the custom case needs at least one glob pattern"),
         ("all", {"trainable": ["fc"]}, "case 'all' takes no patterns; use the custom case"),
         ("input", {"input_grad": False}, "case 'input' always makes the input differentiable"),
