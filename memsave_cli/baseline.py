@@ -56,6 +56,15 @@ class Comparison:
     def passed(self) -> bool:
         return not self.regressions
 
+    def left_out(self) -> list[str]:
+        """One line for each kind of thing the check did not check, where there are any."""
+        kinds = (
+            ("not in the baseline (not checked)", self.unmatched),
+            ("failed in the baseline (not checked)", self.skipped),
+            ("settings neither file records (an older memsave; not checked)", self.unknown),
+        )
+        return [f"{label}: {', '.join(names)}" for label, names in kinds if names]
+
 
 def compare(report: Report, baseline: Report, *, tolerance: float = 0.05) -> Comparison:
     """Compare every (case, impl) run of ``baseline`` with the same run of ``report``.

@@ -115,10 +115,5 @@ def _print_notes(console: Console, comparison: Comparison) -> None:
             regression_table(comparison.improvements, title="Improved beyond the tolerance")
         )
         console.print("consider updating the baseline with --update")
-    for label, names in (
-        ("not in the baseline (not checked)", comparison.unmatched),
-        ("failed in the baseline (not checked)", comparison.skipped),
-        ("settings neither file records (an older memsave; not checked)", comparison.unknown),
-    ):
-        if names:
-            console.print(f"{label}: {', '.join(names)}")
+    for line in comparison.left_out():
+        console.print(line)

@@ -57,7 +57,7 @@ def pool(x: Tensor, args: tuple) -> tuple[Tensor, Tensor, tuple[int, int] | str 
         return *_two_wide_pool(x, len(args[0]), window, args), window
     layout = memory_format(x)
     x = x.contiguous(memory_format=layout)
-    if not is_eager(x):
+    if not is_eager(x):  # traced: the fake op raises nothing, and no try block is traced
         return *_pool_offsets(x, args, layout), None
     try:
         return *_pool_offsets(x, args, layout), None

@@ -77,13 +77,8 @@ def check_markdown(
         new = report.run(old.case, old.impl)
         cells = [_md_cell(old, new, m, (old.case, old.impl, m) in flagged) for m in METRICS]
         lines.append(f"| {old.case} | {old.impl} | " + " | ".join(cells) + " |")
-    for label, names in (
-        ("Not in the baseline (not checked)", comparison.unmatched),
-        ("Failed in the baseline (not checked)", comparison.skipped),
-        ("Settings neither file records (an older memsave; not checked)", comparison.unknown),
-    ):
-        if names:
-            lines += ["", f"{label}: {', '.join(names)}"]
+    for line in comparison.left_out():
+        lines += ["", line[0].upper() + line[1:]]
     if comparison.improvements:
         lines += ["", "Some values shrank beyond the tolerance: consider `memsave check --update`."]
     return "\n".join(lines) + "\n"
