@@ -262,9 +262,9 @@ def to_indices(
 ) -> None:
     """Write ``table[offsets[i]] + starts[(i // inner) % P]`` to ``out[i]`` (``P = starts.numel()``).
 
-    Window offsets back to int64 max-pool argmax indices (``IndexMaps.to_indices``). An offset
-    outside ``[0, table.numel())`` reads nothing and gives -1, the index stock's backward
-    kernels skip.
+    Window offsets back to int64 max-pool argmax indices (``IndexMaps.to_indices``).
+    Precondition, unchecked: every offset lies in ``[0, table.numel())``, as those of
+    :func:`to_offsets` do where it returned True (NOTE [argmax outside its window]).
     """
     checks.check_dtype(offsets, "offsets", checks.OFFSET_DTYPES)
     checks.check_dense(offsets, "offsets")
