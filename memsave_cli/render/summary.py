@@ -203,6 +203,8 @@ def provenance(report: Report) -> str:
             "(a GPU adds its CUDA context)."
         )
     if report.device == "cpu":
+        if not has_metric(report, "time_s"):
+            return "Measured on cpu: tensor accounting on real data; no step was timed."
         rounds = paired_rounds(report)
         if rounds:
             return (

@@ -109,6 +109,15 @@ def test_notes_and_provenance(paper_report):
     assert "Measured on cuda" in _render(replace(paper_report, device="cuda"))
 
 
+def test_a_cpu_report_without_times_does_not_describe_them(make_run, make_report):
+    untimed = make_report((make_run("input", "stock", 100), make_run("input", "memsave", 60)))
+    text = " ".join(_render(replace(untimed, device="cpu")).split())
+    assert "no step was timed" in text and "medians" not in text
+    timed = (make_run("input", "stock", 100, time_s=1.0), make_run("input", "memsave", 60))
+    text = " ".join(_render(make_report(timed, device="cpu")).split())
+    assert "times are wall-clock medians" in text
+
+
 def test_a_clearly_slower_step_on_cuda_names_the_host_and_the_remedy(make_run, make_report):
     def report(device: str, memsave_times: tuple[float, ...]):
         stock_times = (1.0,) * len(memsave_times)
