@@ -15,6 +15,7 @@ from memsave_cli.fsdp import sharded_device
 from memsave_cli.hf_inputs import fed_inputs
 from memsave_cli.input_shape import read_shape
 from memsave_cli.inputs import batch_size_of
+from memsave_cli.limits import MAX_BATCH_SIZE
 from memsave_cli.lora import LoraSettings, apply_lora
 from memsave_cli.measure import DEVICES, NEEDS_REAL_DATA, Job, check_job
 from memsave_cli.plan_model import PlanModel
@@ -72,7 +73,10 @@ def profile(
     """
     spec = parse_spec(model, model_kwargs)
     cases, impls, dtype = several(cases), several(impls), dtype_name(dtype)
-    device, batch_size = device_name(device), count(batch_size, "batch size", optional=True)
+    device, batch_size = (
+        device_name(device),
+        count(batch_size, "batch size", optional=True, most=MAX_BATCH_SIZE),
+    )
     timeout, workers = seconds(timeout, "timeout"), count(workers, "workers", optional=True)
     threads = count(threads, "threads", optional=True)
     checkpoint = read_patterns(checkpoint)

@@ -12,6 +12,7 @@ from typing import TypeVar
 import torch
 
 from memsave_cli.errors import MemsaveError
+from memsave_cli.limits import MAX_TIMEOUT_S
 
 T = TypeVar("T")
 
@@ -33,8 +34,11 @@ def device_name(device: str | torch.device) -> str:
     return str(device) if isinstance(device, torch.device) else device
 
 
-def count(given: object, what: str, *, optional: bool = False) -> int | None:
-    """``given`` as a positive integer (None passes where ``optional``), else one MemsaveError."""
+def count(
+    given: object, what: str, *, optional: bool = False, most: int | None = None
+) -> int | None:
+    """``given`` as a positive integer up to ``most`` (None passes where ``optional``), else one
+    MemsaveError."""
     if given is None and optional:
         return None
     try:
@@ -43,12 +47,16 @@ def count(given: object, what: str, *, optional: bool = False) -> int | None:
         value = None
     if value is None or value < 1:
         raise MemsaveError(f"{what} must be a positive integer, got {given!r}")
+    if most is not None and value > most:
+        raise MemsaveError(f"{what} must be at most {most}, got {value}")
     return value
 
 
 def seconds(given: object, what: str) -> float:
-    """``given`` as a positive, finite number of seconds, else one MemsaveError."""
+    """``given`` as a positive number of seconds up to MAX_TIMEOUT_S, else one MemsaveError."""
     value = given if isinstance(given, int | float) and not isinstance(given, bool) else math.nan
     if not math.isfinite(value) or value <= 0:
         raise MemsaveError(f"{what} must be a positive number of seconds, got {given!r}")
+    if value > MAX_TIMEOUT_S:
+        raise MemsaveError(f"{what} must be at most {MAX_TIMEOUT_S:g} seconds, got {given:g}")
     return float(value)

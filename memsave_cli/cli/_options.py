@@ -12,12 +12,6 @@ if TYPE_CHECKING:
     import torch
 
 
-#: The largest batch size and timeout a command takes: beyond them tensor sizes and deadlines
-#: overflow 64-bit integers after work has started (2**31 samples, about eleven days).
-MAX_BATCH_SIZE = 2**31 - 1
-MAX_TIMEOUT_S = 1e6
-
-
 class Dtype(str, Enum):
     float32 = "float32"
     bfloat16 = "bfloat16"

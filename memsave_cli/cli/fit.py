@@ -31,6 +31,7 @@ from memsave_cli.cli._options import (
 )
 from memsave_cli.cli._parse import parse_ranks, parse_shape, select_cases
 from memsave_cli.cli._progress import progress_bar
+from memsave_cli.limits import MAX_TIMEOUT_S
 
 EPILOG = examples(
     "memsave fit torchvision:resnet101 --budget 24GiB",
@@ -79,7 +80,8 @@ def fit(
     max_batch_size: Annotated[int, typer.Option(min=1, help="Largest batch size to try.")] = 1
     << 20,
     timeout: Annotated[
-        float, typer.Option(min=1, help="Seconds per measurement (cpu/cuda workers).")
+        float,
+        typer.Option(min=1, max=MAX_TIMEOUT_S, help="Seconds per measurement (cpu/cuda workers)."),
     ] = 600.0,
     json_path: Annotated[
         str | None,

@@ -11,8 +11,8 @@ import typer
 from memsave_cli.cli._console import check_writable, human_console, write_around
 from memsave_cli.cli._errors import USAGE_EXIT, reported_errors
 from memsave_cli.cli._help import DEBUG_HELP, examples
-from memsave_cli.cli._options import MAX_BATCH_SIZE
 from memsave_cli.cli._progress import progress_bar
+from memsave_cli.limits import MAX_BATCH_SIZE
 
 #: The largest --depth: a stack of every depth up to it is N(N + 1) / 2 layers (500: minutes).
 MAX_DEPTH = 500

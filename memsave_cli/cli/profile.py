@@ -10,8 +10,6 @@ from memsave_cli.cli._console import STDOUT, check_writable, human_console, writ
 from memsave_cli.cli._errors import USAGE_EXIT, reported_errors
 from memsave_cli.cli._help import DEBUG_HELP, examples
 from memsave_cli.cli._options import (
-    MAX_BATCH_SIZE,
-    MAX_TIMEOUT_S,
     Attention,
     AttentionOpt,
     AutocastOpt,
@@ -37,6 +35,7 @@ from memsave_cli.cli._options import (
 )
 from memsave_cli.cli._parse import parse_ranks, parse_shape, select_cases
 from memsave_cli.cli._progress import progress_bar
+from memsave_cli.limits import MAX_BATCH_SIZE, MAX_TIMEOUT_S
 
 EPILOG = examples(
     "memsave profile torchvision:resnet101 --case surgical",

@@ -20,6 +20,7 @@ from memsave_cli.cli import app
         (["check"], "Missing argument 'REPORT'."),
         # Beyond these, sizes and deadlines overflow 64-bit integers after work has started.
         (["profile", "x", "--timeout", "1e10"], "Invalid value for '--timeout'"),
+        (["fit", "x", "--budget", "1GiB", "--timeout", "1e10"], "Invalid value for '--timeout'"),
         (["profile", "x", "--batch-size", str(2**64)], "Invalid value for '--batch-size'"),
         (["probe", "linear", "--batch-size", str(2**40)], "Invalid value for '--batch-size'"),
     ],

@@ -149,6 +149,9 @@ def test_explicit_meta_reports_why_it_cannot_run() -> None:
         ({"batch_size": "4"}, MemsaveError, "batch size must be a positive integer, got '4'"),
         ({"batch_size": 2.5}, MemsaveError, "batch size must be a positive integer"),
         ({"timeout": 0}, MemsaveError, "timeout must be a positive number of seconds"),
+        # Beyond these, sizes and deadlines overflow 64-bit integers after work has started.
+        ({"timeout": 1e12}, MemsaveError, "timeout must be at most 1e[+]06 seconds, got 1e[+]?12"),
+        ({"batch_size": 2**40}, MemsaveError, "batch size must be at most 2147483647"),
         ({"workers": 0}, MemsaveError, "workers must be a positive integer"),
         ({"threads": 1.5}, MemsaveError, "threads must be a positive integer"),
         ({"cases": ("sideways",)}, CaseError, "unknown case 'sideways'"),
@@ -192,3 +195,5 @@ def test_fit_reads_its_arguments_as_profile_does() -> None:
         fit("fixtures_tracker:flat_mlp", budget="1MiB", max_batch_size="8")
     with pytest.raises(MemsaveError, match="cannot read memory size 'None'"):
         fit("fixtures_tracker:flat_mlp", budget=None)
+    with pytest.raises(MemsaveError, match="timeout must be at most"):
+        fit("fixtures_tracker:flat_mlp", budget="1MiB", device="cpu", timeout=1e12)
