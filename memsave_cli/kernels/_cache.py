@@ -4,8 +4,9 @@ NOTE [a safe library cache]: loading a shared library runs its code, so a cache 
 else can write to would let them run code in every process that uses memsave. The cache
 directory is created with mode 0700; an existing one (or a library in it) that belongs to another
 user or that group or others may write to is refused with one line saying why, and then no library
-is loaded at all: the layers take their reference path. A fresh temporary directory (0700, from
-``tempfile.mkdtemp``) stands in only where the configured one cannot be created or written.
+is loaded at all: the layers take their reference path. A directory of this user's in the
+system's temporary directory (``memsave-native-UID``, checked the same way) stands in only where
+the configured one cannot be created or written.
 """
 
 from __future__ import annotations
@@ -32,32 +33,42 @@ def configured() -> Path | None:
 
 
 def writable() -> Path:
-    """The configured cache directory, created 0700 if missing and checked, or a fresh temporary
-    one where it cannot be created or written; raises :class:`Unavailable` where it is unsafe."""
-    directory = configured()
-    if directory is not None:
+    """The first of :func:`directories` that exists or can be created (0700) and written; raises
+    :class:`Unavailable` where it is unsafe, or where none can be."""
+    for directory in directories():
         try:
             directory.mkdir(mode=0o700, parents=True, exist_ok=True)
         except OSError:
-            directory = None
-    if directory is not None:
+            continue
         check(directory)
         if os.access(directory, os.W_OK | os.X_OK):
             return directory
-    return Path(tempfile.mkdtemp(prefix="memsave-native-"))
+    raise Unavailable("no cache directory can be written: set MEMSAVE_CACHE_DIR to one of yours")
 
 
 def existing(name: str) -> Path | None:
-    """The library ``name`` in the configured cache directory if it is there (and safe)."""
-    directory = configured()
-    if directory is None or not directory.is_dir():
-        return None
-    check(directory)
-    path = directory / name
-    if not path.is_file():
-        return None
-    check(path)
-    return path
+    """The library ``name`` where :func:`writable` would put it, if it is there (and safe)."""
+    for directory in directories():
+        if not directory.is_dir():
+            continue
+        check(directory)
+        path = directory / name
+        if path.is_file():
+            check(path)
+            return path
+        if os.access(directory, os.W_OK | os.X_OK):
+            return None  # the directory it would be built in
+    return None
+
+
+def directories() -> list[Path]:
+    """Where libraries are cached: the configured directory, then one of this user's in the
+    system's temporary directory, for where the configured one cannot be created or written (one
+    per user, so that processes share what they compiled instead of each leaving its own)."""
+    configured_directory = configured()
+    user = os.getuid() if hasattr(os, "getuid") else "user"
+    fallback = Path(tempfile.gettempdir()) / f"memsave-native-{user}"
+    return [fallback] if configured_directory is None else [configured_directory, fallback]
 
 
 def check(path: Path) -> None:

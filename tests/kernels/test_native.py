@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import math
 import os
-import shutil
+import stat
 import subprocess
 import sys
+import tempfile
 import threading
 from pathlib import Path
 
@@ -206,16 +207,20 @@ def test_concurrent_builds_share_one_library(
 
 
 @requires_native
-def test_unwritable_cache_falls_back_to_a_temporary_directory(
+def test_unwritable_cache_falls_back_to_one_directory_per_user(
     fresh_load: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """Where the configured cache cannot be created, the system's temporary directory holds one
+    of the user's, shared by every process (a fresh one each was left behind by each)."""
     blocker = fresh_load / "not-a-directory"
     blocker.write_text("")
     monkeypatch.setenv("MEMSAVE_CACHE_DIR", str(blocker / "cache"))
+    monkeypatch.setattr(tempfile, "tempdir", str(fresh_load))
     assert native.available(), native.status()
     path = Path(native.status().split("loaded from ", 1)[1].split(" (")[0])
-    assert path.parent.name.startswith("memsave-native-")
-    shutil.rmtree(path.parent)
+    assert path.parent == fresh_load / f"memsave-native-{os.getuid()}"
+    assert stat.S_IMODE(path.parent.stat().st_mode) == 0o700
+    assert build.cached(build.KERNELS) == path  # found there again, not compiled again
 
 
 # -------------------------------------------------------------------------------------------
