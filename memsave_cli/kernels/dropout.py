@@ -48,6 +48,7 @@ from torch import Tensor
 from memsave_cli.kernels import triton as triton_kernels
 from memsave_cli.kernels._eager_op import register
 from memsave_cli.kernels._layout import is_dense, memory_format
+from memsave_cli.kernels.iterator_layout import contiguous_strides, iterator_strides
 
 #: Integer dtype with the itemsize of each real floating dtype, to build the noise from its bits.
 SAME_SIZE_INT = {
@@ -175,10 +176,20 @@ def _cuda_mul(
         return _times(x, _cuda_noise(x, seed, p, noise_shape))
     from memsave_cli.kernels.triton import dropout
 
-    # Allocation: the result, in x's layout where x is dense (the kernel writes dense outputs).
-    out = torch.empty_like(x)
+    # Allocation: the result, laid out as stock's ``x * noise`` (dense, as the kernel writes).
+    out = _product_empty(x)
     dropout.dropout_mul(x, _word(seed), p, out)
     return out
+
+
+def _product_empty(x: Tensor) -> Tensor:
+    """An uninitialised ``x * noise`` for a contiguous noise of ``x``'s shape, laid out as
+    TensorIterator lays out that product (``empty_like`` would keep odd strides of size-1
+    dimensions, and ties that ``x`` leaves to the noise)."""
+    if x.is_contiguous():
+        return torch.empty_like(x, memory_format=torch.contiguous_format)
+    strides = iterator_strides(x.shape, x.stride(), contiguous_strides(x.shape))
+    return torch.empty_strided(x.shape, strides, dtype=x.dtype, device=x.device)
 
 
 def _fused_mul(

@@ -128,6 +128,27 @@ def test_cuda_mul_matches_philox_reference(
         assert torch.equal(inplace, torch.mul(x, noise))
 
 
+#: Layouts whose size-1 dimensions decide the product's strides: odd strides on a contiguous
+#: tensor, and a permuted one whose tie between two size-1 dimensions the noise breaks.
+SIZE_ONE_LAYOUTS = {
+    "odd size-1 strides": lambda t: t.as_strided((4, 1, 5, 7), (35, 3, 7, 1)),
+    "permuted ties": lambda t: t.view(7, 5, 1, 4).permute(3, 2, 1, 0)[:, :1],
+}
+
+
+@pytest.mark.parametrize("layout", list(SIZE_ONE_LAYOUTS))
+def test_cuda_mul_lays_out_as_stock(layout: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The kernel's result takes the strides of stock's ``x * noise`` (TensorIterator's rule)."""
+    pytest.importorskip("triton", reason="triton is not installed")
+    from memsave_cli.kernels.triton import philox
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    x = SIZE_ONE_LAYOUTS[layout](torch.randn(140))
+    noise = philox.noise_reference(int(SEED), P, tuple(x.shape), x.dtype)
+    actual, expected = ops._cuda_mul(x, SEED, P, x.shape), torch.mul(x, noise)
+    assert torch.equal(actual, expected) and actual.stride() == expected.stride()
+
+
 @pytest.mark.parametrize("numel", [36, 37])
 def test_result_owns_exactly_its_bytes(numel: int) -> None:
     """The result, which a following layer may save, holds no spare word of the random bits."""
