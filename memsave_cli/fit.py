@@ -1,13 +1,5 @@
-"""The largest batch size whose peak memory fits a budget, per case and implementation.
-
-NOTE [search]: peak memory grows with the batch size, almost exactly affinely (parameters are
-fixed, activations scale), but allocator rounding and kernels that change with size make it
-only nearly so. The search therefore measures the two smallest batch sizes (1 and 2; 2 and 3 for
-a model whose forward fails on one sample, see :func:`_first_batch`), takes the affine guess as
-its first probe, gallops from there (steps 1, 2, 4, ... up while it fits, down while it does
-not) until it brackets the answer, and finishes with a binary search: exact for any monotone
-peak, and about four measurements when the guess is right. All searches advance together, one
-round of measurements at a time, so that a round can run in parallel worker processes.
+"""The largest batch size whose peak memory fits a budget, per case and implementation, found by
+the search of ``fit_search.py`` (NOTE [search] there).
 
 NOTE [failed measurements]: a measurement that fails for another reason than memory (the model
 raises, the worker times out or crashes) counts as not fitting, as out-of-memory does: the search
@@ -18,7 +10,7 @@ says which failure stopped it there, not the budget; the other searches finish a
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Generator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
 from typing import TYPE_CHECKING
 
@@ -28,6 +20,7 @@ from memsave_cli.budget import BudgetError, parse_bytes
 from memsave_cli.cases import PAPER_CASES, Case, has_norm_layers, resolve_case
 from memsave_cli.checkpointing import checkpoint_notes, read_patterns
 from memsave_cli.errors import MemsaveError, SpecError, one_line
+from memsave_cli.fit_search import MAX_BATCH_SIZE, Search, largest_fitting
 from memsave_cli.input_shape import read_shape
 from memsave_cli.measure import Job, check_job, measure
 from memsave_cli.plan_model import PlanModel
@@ -38,15 +31,8 @@ from memsave_cli.specs import ModelSpec, parse_spec
 if TYPE_CHECKING:
     import torch
 
-#: Upper end of the search when nothing else stops it (a peak that ignores the batch size).
-MAX_BATCH_SIZE = 1 << 20
-
 #: The largest budget taken: 1024 TiB, more than any device or host holds.
 MAX_BUDGET = 1 << 50
-
-#: A search yields batch sizes to measure, receives their peaks (None: did not fit) and
-#: returns the largest batch size that fits (0 when even the smallest does not).
-Search = Generator[int, "int | None", int]
 
 
 class FitError(MemsaveError):
@@ -222,54 +208,6 @@ def _first_batch(
         return 2
 
 
-def largest_fitting(
-    budget: int, max_batch_size: int = MAX_BATCH_SIZE, min_batch_size: int = 1
-) -> Search:
-    """The search of the NOTE above, as a generator driven by :func:`run_searches`, over the
-    batch sizes from ``min_batch_size`` to ``max_batch_size``."""
-    peaks: dict[int, int | None] = {}
-
-    def fits(batch: int) -> Generator[int, int | None, bool]:
-        if batch not in peaks:
-            peaks[batch] = yield batch
-        peak = peaks[batch]
-        return peak is not None and peak <= budget
-
-    first = min_batch_size
-    if not (yield from fits(first)):
-        return 0
-    second = None
-    if max_batch_size > first:
-        yield from fits(first + 1)
-        second = peaks[first + 1]
-    guess = min(max(_affine_guess(first, peaks[first], second, budget), first), max_batch_size)
-    # Invariant from here on: lo fits, hi does not (or lies just past the end).
-    lo, hi = yield from _bracket(fits, guess, first, max_batch_size + 1)
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if (yield from fits(mid)) else (lo, mid)
-    return lo
-
-
-def _bracket(fits, start: int, lo: int, hi: int) -> Generator[int, int | None, tuple[int, int]]:
-    """Gallop from ``start`` (steps 1, 2, 4, ...) up while it fits, or down while it does not,
-    until a fitting and a non-fitting batch size enclose the answer; returns them."""
-    step = 1
-    if (yield from fits(start)):
-        lo = start
-        while lo + step < hi:
-            if not (yield from fits(lo + step)):
-                return lo, lo + step
-            lo, step = lo + step, step * 2
-        return lo, hi
-    hi = start
-    while hi - step > lo:
-        if (yield from fits(hi - step)):
-            return hi - step, hi
-        hi, step = hi - step, step * 2
-    return lo, hi
-
-
 def run_searches(
     searches: dict[tuple[Case, str], Search],
     jobs: dict[tuple[Case, str], Job],
@@ -313,17 +251,6 @@ def _failure(batch: int, run: Run | None) -> FitFailure | None:
     if run is None or run.status is Status.OOM or (run.ok and run.peak_bytes is not None):
         return None
     return FitFailure(batch, run.status.value, run.error or "no peak measured")
-
-
-def _affine_guess(first: int, peak1: int | None, peak2: int | None, budget: int) -> int:
-    """The largest batch size an affine peak through the measurements of ``first`` and
-    ``first + 1`` allows."""
-    if peak1 is None or peak2 is None:
-        return first
-    slope = peak2 - peak1
-    if slope <= 0:
-        return MAX_BATCH_SIZE
-    return first + (budget - peak1) // slope
 
 
 def _cases(plan_model: PlanModel, cases: Sequence[str | Case]) -> tuple[list[Case], list[str]]:

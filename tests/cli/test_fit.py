@@ -10,7 +10,8 @@ import torch
 
 from memsave_cli.cases import resolve_case
 from memsave_cli.cli import app
-from memsave_cli.fit import fit, largest_fitting
+from memsave_cli.fit import fit
+from memsave_cli.fit_search import largest_fitting
 from memsave_cli.measure import Job, measure
 from memsave_cli.specs import parse_spec
 

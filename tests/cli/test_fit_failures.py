@@ -11,7 +11,8 @@ from rich.console import Console
 
 from memsave_cli.cases import resolve_case
 from memsave_cli.cli import app
-from memsave_cli.fit import FitFailure, FitResult, FitRow, fit, largest_fitting, run_searches
+from memsave_cli.fit import FitFailure, FitResult, FitRow, fit, run_searches
+from memsave_cli.fit_search import largest_fitting
 from memsave_cli.measure import Job
 from memsave_cli.render.fit import fit_view
 from memsave_cli.report import Run, Status
