@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+from torch.overrides import has_torch_function
 
 from memsave_cli.kernels._layout import batched
 from memsave_cli.kernels._recording import plain_eager
@@ -41,17 +42,20 @@ def records_backward(*inputs: torch.Tensor) -> bool:
 
 
 def functions_run(*inputs: torch.Tensor) -> bool:
-    """Whether memsave's Functions can run on ``inputs``: no input is a nested tensor, and
-    neither a ``torch.func`` transform (``grad``, ``vmap``, ``jacrev``) nor forward-mode AD is
-    active, nor ``torch.export`` or ``torch.jit.trace``.
+    """Whether memsave's Functions can run on ``inputs``: no input is a nested tensor or a
+    subclass with its own ``__torch_function__``, and neither a ``torch.func`` transform
+    (``grad``, ``vmap``, ``jacrev``) nor forward-mode AD is active, nor ``torch.export`` or
+    ``torch.jit.trace``.
 
     The Functions take their context in ``forward`` and define no ``jvp``, which the transforms
     and forward AD refuse, and their ops take strided tensors; in those cases the layers run
     stock and save what stock saves (a converted model works wherever the stock one does).
     Under ``torch.compile`` Dynamo handles the transforms itself. An exported program or a
     traced one records no backward, and must not need memsave's ops to run: it gets stock's.
+    A subclass's ``__torch_function__`` (a metadata-carrying tensor, as MONAI's) wraps a
+    Function's output as a view of it, which an in-place op after the layer may not modify.
     """
-    if any(t.is_nested for t in inputs):
+    if any(t.is_nested for t in inputs) or has_torch_function(inputs):
         return False
     if torch.compiler.is_compiling():
         return not torch.compiler.is_exporting()

@@ -4,8 +4,9 @@ NOTE [converting by class swap]: every drop-in subclasses its stock class and ov
 ``forward`` only, so a module is converted by assigning its ``__class__``. Its ``__dict__`` is
 untouched: parameters, buffers, hooks, ``state_dict`` keys, attributes and the module tree stay
 exactly as they were, and a converted model loads a stock checkpoint (and vice versa). Only
-modules whose type is exactly a registered stock class are swapped; a subclass may have its own
-``forward``, which a drop-in would silently bypass.
+modules whose type is exactly a registered stock class are swapped (or the class under their
+parametrization's, NOTE [parametrized layers]); a subclass may have its own ``forward``, which a
+drop-in would silently bypass.
 
 Modules of other libraries (Hugging Face RMSNorms and gated MLPs) are converted by what they
 compute, not by their class: see NOTE [converting by behaviour] in ``recognise.py``.
@@ -33,6 +34,7 @@ from memsave_cli.errors import MemsaveError
 # Imported for their ``@drop_in`` registrations, so that DROP_INS is complete.
 from memsave_cli.layers import activation, avgpool, batchnorm, conv, dropout, maxpool  # noqa: F401
 from memsave_cli.layers.activation import MemSaveReLU
+from memsave_cli.layers.parametrized import base_class, swap_class
 from memsave_cli.layers.recognise import convert_module, stock_class  # registers nn.RMSNorm too
 from memsave_cli.layers.registry import DROP_INS
 
@@ -74,9 +76,9 @@ def convert(
     selected = select_drop_ins(include)
     target = model if inplace else _copy(model, "convert")
     for module in target.modules():
-        drop_in = selected.get(type(module))
+        drop_in = selected.get(base_class(module))
         if drop_in is not None:
-            module.__class__ = drop_in
+            swap_class(module, drop_in)  # NOTE [parametrized layers]
         else:
             convert_module(module, norms=nn.RMSNorm in selected, mlps=include is None)
         if nn.ReLU in selected and _has_activation(module, F.relu):
@@ -91,9 +93,10 @@ def revert(model: nn.Module, *, inplace: bool = False) -> nn.Module:
     stock_of = {drop_in: stock for stock, drop_in in DROP_INS.items()}
     target = model if inplace else _copy(model, "revert")
     for module in target.modules():
-        stock = stock_of.get(type(module)) or stock_class(type(module))
+        cls = base_class(module)
+        stock = stock_of.get(cls) or stock_class(cls)
         if stock is not None:
-            module.__class__ = stock
+            swap_class(module, stock)
         if _has_activation(module, memsave_relu):
             module.activation = F.relu
     if (adapters := _adapter_module()) is not None:
@@ -126,7 +129,8 @@ def converted_counts(model: nn.Module) -> dict[str, int]:
     stock_of = {drop_in: stock for stock, drop_in in DROP_INS.items()}
     counts: dict[str, int] = {}
     for module in model.modules():
-        stock = stock_of.get(type(module)) or stock_class(type(module))
+        cls = base_class(module)
+        stock = stock_of.get(cls) or stock_class(cls)
         name = stock.__name__ if stock is not None else None
         if _has_activation(module, memsave_relu):
             name = FUNCTIONAL_RELU

@@ -34,10 +34,12 @@ from collections.abc import Callable
 
 import torch
 from torch import Tensor, nn
+from torch.nn.utils import parametrize
 
 from memsave_cli.layers.gated_mlp import gated_mlp
+from memsave_cli.layers.parametrized import evaluated_once
 from memsave_cli.layers.recipe_probes import ACT_NAMES, PROJECTIONS, Recipe, probe_recipes
-from memsave_cli.layers.registry import DROP_INS
+from memsave_cli.layers.registry import DROP_INS, refuse_scripting
 from memsave_cli.layers.rmsnorm import may_record, rms_norm
 
 #: Attributes an RMSNorm keeps its epsilon in, in the order they are looked up.
@@ -50,6 +52,8 @@ def convert_module(module: nn.Module, *, norms: bool, mlps: bool) -> bool:
     """Swap ``module``'s class for its recognised drop-in; whether it was converted."""
     kind = candidate_kind(module)
     if kind is None or not (norms if kind == "rmsnorm" else mlps):
+        return False
+    if parametrize.is_parametrized(module):  # probed as its plain class, it stays stock
         return False
     recipe = recognise(module, kind)
     if recipe is None:
@@ -106,7 +110,9 @@ def _drop_in_class(stock: type[nn.Module], recipe: Recipe) -> type[nn.Module]:
         namespace["__reduce_ex__"] = _reduce_ex
         namespace["__doc__"] = f"{stock.__name__} recognised as memsave's {recipe}."
         namespace["__module__"] = __name__
+        namespace["__prepare_scriptable__"] = refuse_scripting
         _CLASSES[key] = type(f"MemSave{stock.__name__}", (stock,), namespace)
+        evaluated_once(_CLASSES[key])  # NOTE [parametrized layers]
     return _CLASSES[key]
 
 

@@ -6,6 +6,9 @@ from collections.abc import Callable
 
 from torch import nn
 
+from memsave_cli.errors import MemsaveError
+from memsave_cli.layers.parametrized import evaluated_once
+
 #: Exact stock class -> its memsave drop-in. Only exact types are converted, never subclasses.
 DROP_INS: dict[type[nn.Module], type[nn.Module]] = {}
 
@@ -23,6 +26,23 @@ def drop_in(stock: type[nn.Module]) -> Callable[[type[nn.Module]], type[nn.Modul
         if stock in DROP_INS:
             raise TypeError(f"{stock.__name__} already has a drop-in: {DROP_INS[stock].__name__}")
         DROP_INS[stock] = cls
+        evaluated_once(cls)  # NOTE [parametrized layers]
+        cls.__prepare_scriptable__ = refuse_scripting
         return cls
 
     return register
+
+
+class ScriptingError(MemsaveError, RuntimeError):
+    """``torch.jit.script`` was given a memsave drop-in."""
+
+
+def refuse_scripting(self: nn.Module) -> nn.Module:
+    """``torch.jit.script`` calls this on every module before compiling it: a drop-in's forward
+    is Python TorchScript cannot compile, and returning a stock copy would make the scripting
+    replace the drop-in in the caller's model too, so the answer is one clear error."""
+    raise ScriptingError(
+        f"torch.jit.script cannot compile {type(self).__name__}, a memsave layer: script the "
+        "stock model instead (memsave_cli.layers.revert(model)); torch.jit.trace, torch.export "
+        "and torch.compile take converted models"
+    )

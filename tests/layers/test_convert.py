@@ -334,3 +334,42 @@ def test_a_model_deepcopy_refuses_is_one_error_naming_inplace(action) -> None:
     expected = model(x)
     done = action(model, inplace=True)
     assert done is model and torch.equal(done(x), expected)
+
+
+class MetaTensor(Tensor):
+    """A tensor subclass with the default ``__torch_function__`` (metadata-carrying tensors)."""
+
+
+@pytest.mark.parametrize("weight_grad", [False, True])
+def test_tensor_subclass_inputs_run_as_stock(weight_grad: bool) -> None:
+    """A subclass wraps a custom Function's output as a view of it, which the in-place layers
+    after it may not modify: such inputs take stock's path, bit for bit."""
+    torch.manual_seed(0)
+    stock = nn.Sequential(
+        nn.Conv2d(3, 4, 3),
+        nn.BatchNorm2d(4).eval(),
+        nn.LeakyReLU(inplace=True),
+        nn.MaxPool2d(2),
+        nn.Hardtanh(inplace=True),
+        nn.AvgPool2d(2),
+        nn.ReLU6(inplace=True),
+    ).requires_grad_(weight_grad)
+    ours = convert(stock)
+    x = torch.randn(2, 3, 10, 10)
+    results = []
+    for model in (stock, ours):
+        inputs = x.clone().as_subclass(MetaTensor).requires_grad_()
+        out = model(inputs)
+        out.square().sum().backward()
+        results.append([out, inputs.grad, *(p.grad for p in model.parameters() if weight_grad)])
+    assert type(results[1][0]) is MetaTensor
+    for a, e in zip(*results, strict=True):
+        assert torch.equal(a, e)
+
+
+def test_scripting_a_converted_model_is_one_clear_error() -> None:
+    from memsave_cli.layers.registry import ScriptingError
+
+    with pytest.raises(ScriptingError, match="script the stock model instead"):
+        torch.jit.script(convert(nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU())))
+    torch.jit.script(revert(convert(nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU()))))

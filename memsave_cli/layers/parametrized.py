@@ -1,0 +1,69 @@
+"""Layers whose tensors are parametrized (``torch.nn.utils.parametrize``): evaluated once per
+forward, and converted and reverted with their parametrizations.
+
+NOTE [parametrized layers]: ``register_parametrization`` swaps a module's class for a generated
+subclass, ``Parametrized<Class>``, whose parametrized tensors are properties that compute
+``parametrization(original)`` at every read. A stock layer reads each tensor once per forward; a
+drop-in reads its weight in its checks and again in its op, which would evaluate the
+parametrization two or three times, and a parametrization that draws random numbers or iterates
+(``spectral_norm`` in training) would then change the result. So the generated subclass of a
+drop-in runs its forward under ``parametrize.cached()``: one evaluation per forward, as stock's.
+``convert`` and ``revert`` swap the class under the generated one (a parametrized stock layer
+becomes a parametrized drop-in and back) and keep its properties, so that
+``remove_parametrizations`` leaves the plain layer of the other kind.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+from torch import nn
+from torch.nn.utils import parametrize
+
+#: What the generated class's namespace holds that a class of another base must not take over.
+_OWN = frozenset({"__dict__", "__weakref__", "__module__", "__qualname__", "__doc__", "forward"})
+
+
+def base_class(module: nn.Module) -> type[nn.Module]:
+    """The class under ``module``'s parametrization's generated class, else its own class."""
+    cls = type(module)
+    if parametrize.is_parametrized(module) and _generated(cls):
+        return cls.__bases__[0]
+    return cls
+
+
+def swap_class(module: nn.Module, new: type[nn.Module]) -> None:
+    """Make ``module`` a ``new``, under its parametrization's generated class if it has one."""
+    cls = type(module)
+    if base_class(module) is cls:
+        module.__class__ = new
+        return
+    namespace = {name: value for name, value in vars(cls).items() if name not in _OWN}
+    module.__class__ = type(f"Parametrized{new.__name__}", (new,), namespace)
+
+
+def evaluated_once(drop_in: type[nn.Module]) -> None:
+    """Give the generated parametrized subclasses of ``drop_in`` a forward that evaluates each
+    parametrized tensor once (NOTE [parametrized layers])."""
+
+    def __init_subclass__(cls: type[nn.Module], **kwargs: object) -> None:
+        super(drop_in, cls).__init_subclass__(**kwargs)
+        if _generated(cls) and "forward" not in vars(cls):
+            cls.forward = _cached(cls.forward)  # the forward it inherits
+
+    drop_in.__init_subclass__ = classmethod(__init_subclass__)  # type: ignore[assignment]
+
+
+def _generated(cls: type) -> bool:
+    """Whether ``cls`` is the class ``register_parametrization`` generates over its base."""
+    return len(cls.__bases__) == 1 and cls.__name__ == f"Parametrized{cls.__bases__[0].__name__}"
+
+
+def _cached(forward: Callable) -> Callable:
+    @functools.wraps(forward)
+    def once(self: nn.Module, *args: object, **kwargs: object) -> object:
+        with parametrize.cached():
+            return forward(self, *args, **kwargs)
+
+    return once

@@ -1,0 +1,129 @@
+"""Parametrized layers (NOTE [parametrized layers] in ``layers/parametrized.py``): a drop-in
+evaluates each parametrized tensor once per forward, as stock does, whether the parametrization
+came before or after ``convert``, and ``convert``/``revert`` keep the parametrizations."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import Tensor, nn
+from torch.nn.utils import parametrizations, parametrize
+
+from memsave_cli.layers.convert import convert, converted_counts, revert
+from memsave_cli.layers.registry import DROP_INS
+
+#: (layer, input shape): every family whose drop-in reads a weight in its checks and its op.
+LAYERS = {
+    "conv": (lambda: nn.Conv2d(3, 4, 3), (2, 3, 7, 7)),
+    "conv reflect": (lambda: nn.Conv2d(3, 4, 3, padding=1, padding_mode="reflect"), (2, 3, 7, 7)),
+    "conv1d unbatched": (lambda: nn.Conv1d(3, 4, 3), (3, 9)),
+    "transposed": (lambda: nn.ConvTranspose2d(3, 4, 3), (2, 3, 5, 5)),
+    "batchnorm": (lambda: nn.BatchNorm2d(3), (2, 3, 5, 5)),
+    "rmsnorm": (lambda: nn.RMSNorm(6), (2, 3, 6)),
+}
+
+
+class Counted(nn.Module):
+    """An identity parametrization counting its evaluations."""
+
+    calls = 0
+
+    def forward(self, weight: Tensor) -> Tensor:
+        Counted.calls += 1
+        return weight * 1.0
+
+
+class DropConnect(nn.Module):
+    """A random parametrization: every evaluation draws a new mask."""
+
+    def forward(self, weight: Tensor) -> Tensor:
+        return weight * (torch.rand_like(weight) > 0.3)
+
+
+def _layer(name: str, mode: str, parametrization: nn.Module, before: bool) -> nn.Module:
+    make, _ = LAYERS[name]
+    torch.manual_seed(0)
+    layer = getattr(make(), mode)()
+    if before:
+        parametrize.register_parametrization(layer, "weight", parametrization)
+    layer = convert(layer)
+    if not before:
+        parametrize.register_parametrization(layer, "weight", parametrization)
+    return layer
+
+
+def _step(layer: nn.Module, x: Tensor, weight_grad: bool) -> list[Tensor]:
+    layer.requires_grad_(weight_grad)
+    x = x.clone().requires_grad_()
+    torch.manual_seed(1)
+    out = layer(x)
+    out.square().sum().backward()
+    return [out, x.grad, *(p.grad for p in layer.parameters() if p.grad is not None)]
+
+
+@pytest.mark.parametrize("before", [False, True], ids=["after convert", "before convert"])
+@pytest.mark.parametrize("mode", ["train", "eval"])
+@pytest.mark.parametrize("name", list(LAYERS))
+def test_one_evaluation_per_forward(name: str, mode: str, before: bool) -> None:
+    x = torch.randn(LAYERS[name][1])
+    for weight_grad in (False, True):
+        for grad_mode in (True, False):
+            layer = _layer(name, mode, Counted(), before)
+            layer.requires_grad_(weight_grad)
+            Counted.calls = 0
+            with torch.set_grad_enabled(grad_mode):
+                layer(x.clone().requires_grad_(grad_mode))
+            assert Counted.calls == 1, (weight_grad, grad_mode)
+
+
+@pytest.mark.parametrize("before", [False, True], ids=["after convert", "before convert"])
+@pytest.mark.parametrize("name", list(LAYERS))
+def test_random_parametrization_matches_stock(name: str, before: bool) -> None:
+    """One draw per forward, as stock's: outputs and gradients bit for bit."""
+    make, shape = LAYERS[name]
+    x = torch.randn(shape)
+    for weight_grad in (False, True):
+        torch.manual_seed(0)
+        stock = make().train()
+        parametrize.register_parametrization(stock, "weight", DropConnect())
+        ours = _layer(name, "train", DropConnect(), before)
+        expected, actual = _step(stock, x, weight_grad), _step(ours, x, weight_grad)
+        assert len(actual) == len(expected)
+        for a, e in zip(actual, expected, strict=True):
+            assert torch.equal(a, e)
+
+
+def test_spectral_norm_iterates_as_stock() -> None:
+    """spectral_norm runs one power iteration per evaluation in training: its vectors stay
+    stock's when the parametrization is added after convert."""
+    torch.manual_seed(0)
+    stock = parametrizations.spectral_norm(nn.Conv2d(3, 4, 3).double())
+    ours = convert(copy.deepcopy(stock))
+    x = torch.randn(2, 3, 7, 7, dtype=torch.float64)
+    for _ in range(3):
+        assert torch.equal(_step(ours, x, True)[0], _step(stock, x, True)[0])
+    original = stock.parametrizations.weight[0]
+    assert torch.equal(ours.parametrizations.weight[0]._u, original._u)
+
+
+def test_convert_and_revert_keep_parametrizations() -> None:
+    """A parametrized stock layer converts, counts, and reverts; removing the parametrization
+    then leaves the plain class of either kind."""
+    torch.manual_seed(0)
+    stock = parametrizations.weight_norm(nn.Conv1d(3, 4, 3))
+    ours = convert(stock)
+    assert type(ours).__name__ == "ParametrizedMemSaveConv1d"
+    assert type(ours).__bases__ == (DROP_INS[nn.Conv1d],)
+    assert converted_counts(ours) == {"Conv1d": 1}
+    x = torch.randn(2, 3, 9)
+    for a, e in zip(_step(ours, x, True), _step(stock, x, True), strict=True):
+        assert torch.equal(a, e)
+    back = revert(ours)
+    assert type(back).__name__ == "ParametrizedConv1d" and type(back).__bases__ == (nn.Conv1d,)
+    assert converted_counts(back) == {}
+    parametrize.remove_parametrizations(back, "weight")
+    assert type(back) is nn.Conv1d
+    parametrize.remove_parametrizations(ours, "weight")
+    assert type(ours) is DROP_INS[nn.Conv1d]
