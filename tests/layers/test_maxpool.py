@@ -282,12 +282,17 @@ def test_argmax_outside_its_window_matches_stock(
     x = x.contiguous(memory_format=torch.channels_last_3d)
     _, indices = nn.functional.max_pool3d(x, **kwargs, return_indices=True)
     contiguous = nn.functional.max_pool3d(x.contiguous(), **kwargs, return_indices=True)[1]
-    assert not torch.equal(indices, contiguous)  # stock misplaces some argmax here
+    # Stock misplaces some argmax here (torch 2.11 to 2.14); a torch that no longer does lets
+    # memsave keep its own small indices, and the gradients must still be stock's.
+    misplaced = not torch.equal(indices, contiguous)
     case = (MemSaveMaxPool3d, nn.MaxPool3d, kwargs, shape)
     _compare(case, x)
     with SavedTensorRecorder() as recorder:
         MemSaveMaxPool3d(**kwargs)(x.clone().requires_grad_())
-    assert recorder.total_bytes == indices.numel() * 8  # stock's indices, no input
+    stock_indices = indices.numel() * 8  # stock's int64 indices, no input
+    assert (
+        recorder.total_bytes == stock_indices if misplaced else recorder.total_bytes < stock_indices
+    )
 
 
 @pytest.mark.parametrize(
