@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import torch
-from torch.overrides import has_torch_function
 
 from memsave_cli.kernels._layout import batched
 from memsave_cli.kernels._recording import plain_eager
@@ -55,11 +54,23 @@ def functions_run(*inputs: torch.Tensor) -> bool:
     A subclass's ``__torch_function__`` (a metadata-carrying tensor, as MONAI's) wraps a
     Function's output as a view of it, which an in-place op after the layer may not modify.
     """
-    if any(t.is_nested for t in inputs) or has_torch_function(inputs):
+    if any(t.is_nested or _wraps_results(t) for t in inputs):
         return False
     if torch.compiler.is_compiling():
         return not torch.compiler.is_exporting()
     return plain_eager()
+
+
+def _wraps_results(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is a subclass whose ``__torch_function__`` wraps results (parameters,
+    fake, functional and distributed tensors disable theirs). Torch function modes do not count:
+    ``torch.device(...)`` and the meta emulations are such modes, and change no Function's
+    output."""
+    cls = type(tensor)
+    return cls is not torch.Tensor and cls.__torch_function__ is not _NO_TORCH_FUNCTION
+
+
+_NO_TORCH_FUNCTION = torch._C._disabled_torch_function_impl
 
 
 def graph_capturing(tensor: torch.Tensor) -> bool:

@@ -367,6 +367,18 @@ def test_tensor_subclass_inputs_run_as_stock(weight_grad: bool) -> None:
         assert torch.equal(a, e)
 
 
+@pytest.mark.parametrize("layer", [nn.LeakyReLU(), nn.Conv2d(3, 4, 3), nn.MaxPool2d(2)], ids=str)
+def test_torch_function_modes_keep_memsave_layers(layer: nn.Module) -> None:
+    """A torch function mode (``torch.device(...)``, the meta estimates' emulations) is no
+    subclass: the layers save what they save outside it."""
+    ours = convert(layer).requires_grad_(False)
+    x = torch.randn(2, 3, 8, 8, requires_grad=True)
+    outside = type(ours(x).grad_fn).__name__
+    with torch.device("cpu"):
+        inside = type(ours(x).grad_fn).__name__
+    assert inside == outside != type(layer(x).grad_fn).__name__
+
+
 def test_scripting_a_converted_model_is_one_clear_error() -> None:
     from memsave_cli.layers.registry import ScriptingError
 
