@@ -21,14 +21,12 @@ from collections.abc import Iterator
 import torch
 from torch._C import DispatchKey
 
+from memsave_cli.scoped_kernel import ScopedKernel
+
 #: Devices whose runs stand for a GPU's.
 DEVICES = ("meta",)
 #: The autograd dispatch key of each device the kernel can stand in on.
 _AUTOGRAD_KEYS = {"meta": "AutogradMeta", "cpu": "AutogradCPU"}
-
-# One registration however deeply the context nests (a second one for the same key is an error).
-_library: torch.library.Library | None = None
-_depth = 0
 
 
 @contextlib.contextmanager
@@ -37,19 +35,8 @@ def dropout_as_on_cuda(device: str) -> Iterator[None]:
     if device not in DEVICES:
         yield
         return
-    global _library, _depth
-    if _depth == 0:
-        _library = torch.library.Library("aten", "IMPL")
-        for name in DEVICES:
-            _library.impl("dropout", _dropout_as_cuda_chooses, _AUTOGRAD_KEYS[name])
-    _depth += 1
-    try:
+    with _KERNEL.active([_AUTOGRAD_KEYS[name] for name in DEVICES]):
         yield
-    finally:
-        _depth -= 1
-        if _depth == 0 and _library is not None:
-            _library._destroy()
-            _library = None
 
 
 def _dropout_as_cuda_chooses(input: torch.Tensor, p: float, train: bool) -> torch.Tensor:
@@ -60,3 +47,6 @@ def _dropout_as_cuda_chooses(input: torch.Tensor, p: float, train: bool) -> torc
     return torch.ops.aten.dropout.default._op_dk(
         DispatchKey.CompositeImplicitAutograd, input, p, train
     )
+
+
+_KERNEL = ScopedKernel("dropout", _dropout_as_cuda_chooses)
