@@ -41,7 +41,9 @@ def rng_state(device: torch.device) -> Tensor | None:
     if device.type == "meta":
         return None
     if device.type == "cpu":
-        return torch.get_rng_state()
+        # A copy made by an aten op, which a memory tracker (a dispatch mode) sees allocated:
+        # ``get_rng_state`` makes its 5 KiB tensor without one, so CPU peaks left it out.
+        return torch.get_rng_state().clone()
     return torch.get_device_module(device.type).get_rng_state(device)
 
 
@@ -71,46 +73,54 @@ def _dropout(x: Tensor, p: float) -> Tensor:
 
 
 class DroppedProjection(torch.autograd.Function):
-    """``project(F.dropout(cast(x), p))`` keeping ``x`` and the random state (NOTE above)."""
+    """``project(F.dropout(cast_x, p))``, ``cast_x = cast(x)``, keeping ``x`` and the random
+    state (NOTE above)."""
 
     @staticmethod
     def forward(
-        ctx, x: Tensor, p: float, project: nn.Module, cast: Cast, *params: Tensor
+        ctx, cast_x: Tensor, p: float, project: nn.Module, cast: Cast, x: Tensor, *params: Tensor
     ) -> Tensor:
         ctx.p, ctx.project, ctx.cast = p, project, cast
         ctx.autocast = autocast_state(x.device.type)
         if any(ctx.needs_input_grad):
             state = rng_state(x.device) if p > 0 else None
-            # x is the layer's own input: it is kept once, whoever else keeps it too.
-            ctx.save_for_backward(x, *(() if state is None else (state,)))
-        return project(_dropout(cast(x), p))
+            # x is the layer's own input: it is kept once, whoever else keeps it too. The
+            # parameters cost nothing (they live on) and let autograd see them changed in place.
+            ctx.save_for_backward(x, *params, *(() if state is None else (state,)))
+        return project(_dropout(cast_x, p))
 
     @staticmethod
     def backward(ctx, grad_output: Tensor) -> tuple[Tensor | None, ...]:
         forbid_double_backward("DroppedProjection (LoRA dropout)")
         if ctx.p > 0:
             refuse_batched(grad_output, "DroppedProjection (LoRA dropout)")
-        x, *state = ctx.saved_tensors
-        needs_x, params = ctx.needs_input_grad[0], list(ctx.project.parameters())
-        wanted = [p for p, need in zip(params, ctx.needs_input_grad[4:], strict=True) if need]
+        params = list(ctx.project.parameters())
+        x, *saved = ctx.saved_tensors
+        state = saved[len(params) :]
+        needs_x = ctx.needs_input_grad[0]
+        wanted = [p for p, need in zip(params, ctx.needs_input_grad[5:], strict=True) if need]
         # The replay's own saved tensors (noise, dropout(x)) live only until autograd.grad below:
         # identity hooks keep them out of any saved-tensor accounting of the outer step.
         hooks = torch.autograd.graph.saved_tensors_hooks(_unsaved, _unsaved)
         with hooks, replayed_rng(x.device, state[0] if state else None), torch.enable_grad():
-            source = x.detach().requires_grad_(needs_x)
+            source = ctx.cast(x).detach().requires_grad_(needs_x)
             with replayed_autocast(ctx.autocast):  # forward's casts, e.g. lora_A in bfloat16
-                output = ctx.project(_dropout(ctx.cast(source), ctx.p))
+                output = ctx.project(_dropout(source, ctx.p))
         grads = iter(torch.autograd.grad(output, [source] * needs_x + wanted, grad_output))
         grad_x = next(grads) if needs_x else None
-        grad_params = [next(grads) if need else None for need in ctx.needs_input_grad[4:]]
-        return grad_x, None, None, None, *grad_params
+        grad_params = [next(grads) if need else None for need in ctx.needs_input_grad[5:]]
+        return grad_x, None, None, None, None, *grad_params
 
 
-def dropped_projection(x: Tensor, p: float, project: nn.Module, cast: Cast) -> Tensor:
-    """``project(F.dropout(cast(x), p, training=True))``, bitwise stock's, keeping only ``x`` and
-    the random state for backward. ``p`` must lie in [0, 1): with ``p = 0`` there is no dropout,
-    and what is saved is ``x`` rather than ``cast(x)`` (peft casts a half-precision input up to
-    its float32 adapters: the cast copy is twice the size, and one per adapter)."""
+def dropped_projection(
+    x: Tensor, cast_x: Tensor, p: float, project: nn.Module, cast: Cast
+) -> Tensor:
+    """``project(F.dropout(cast_x, p, training=True))``, ``cast_x = cast(x)``, bitwise stock's,
+    keeping only ``x`` and the random state for backward; the gradient flows to ``cast_x``, as
+    stock's does (adapters sharing one cast sum their gradients before it is cast back). ``p``
+    must lie in [0, 1): with ``p = 0`` there is no dropout, and what is saved is ``x`` rather
+    than ``cast_x`` (peft casts a half-precision input up to its float32 adapters: the cast copy
+    is twice the size)."""
     if not 0.0 <= p < 1.0:
         raise ValueError(f"dropped_projection needs 0 <= p < 1, got {p}")
-    return DroppedProjection.apply(x, p, project, cast, *project.parameters())
+    return DroppedProjection.apply(cast_x, p, project, cast, x.detach(), *project.parameters())

@@ -45,40 +45,46 @@ def lora_forward(layer: peft_lora.LoraLayer, x: Tensor, *args: Any, **kwargs: An
     kwargs = {k: v for k, v in kwargs.items() if k not in _OFF_PATH_KWARGS}
     result = layer.base_layer(x, *args, **kwargs)
     result_dtype = result.dtype
-    dtypes: list[torch.dtype] = []  # peft casts x again before each adapter
+    # peft casts its input before each adapter and keeps the cast (one copy shared by adapters
+    # of one dtype, whose gradients autograd sums before casting back once); read once here, as
+    # ``disable_input_dtype_casting`` may have ended by the time backward casts again.
+    casting = getattr(layer, "cast_input_dtype_enabled", True)
+    cast_x, dtypes = x, ()
     for name in layer.active_adapters:
         if name not in layer.lora_A:
             continue
         lora_A, lora_B = layer.lora_A[name], layer.lora_B[name]
-        dtypes.append(lora_A.weight.dtype)
-        cast = functools.partial(_cast, layer, tuple(dtypes))
-        projected = _project(x, layer.lora_dropout[name], lora_A, cast)
+        cast_x = layer._cast_input_dtype(cast_x, lora_A.weight.dtype)
+        dtypes += (lora_A.weight.dtype,) if casting else ()
+        cast = functools.partial(_cast, dtypes)
+        projected = _project(x, cast_x, layer.lora_dropout[name], lora_A, cast)
         result = result + lora_B(projected) * layer.scaling[name]
     return result.to(result_dtype)
 
 
-def _cast(layer: peft_lora.LoraLayer, dtypes: tuple[torch.dtype, ...], x: Tensor) -> Tensor:
+def _cast(dtypes: tuple[torch.dtype, ...], x: Tensor) -> Tensor:
+    """``x`` cast as peft's ``_cast_input_dtype`` casts it before adapters of ``dtypes``."""
     for dtype in dtypes:
-        x = layer._cast_input_dtype(x, dtype)
+        x = x if x.dtype == dtype else x.to(dtype=dtype)
     return x
 
 
 def _project(
-    x: Tensor, dropout: nn.Module, lora_A: nn.Module, cast: Callable[[Tensor], Tensor]
+    x: Tensor, cast_x: Tensor, dropout: nn.Module, lora_A: nn.Module, cast: Callable
 ) -> Tensor:
-    """``lora_A(dropout(cast(x)))``: replayed from ``x`` where stock would keep an input-sized
-    noise and dropped copy, or (no dropout) a copy of ``x`` cast to the adapter's dtype."""
+    """``lora_A(dropout(cast_x))``, ``cast_x = cast(x)``: replayed from ``x`` where stock would
+    keep an input-sized noise and dropped copy, or (no dropout) ``cast_x``, a copy of ``x``."""
     if type(dropout) is nn.Dropout and dropout.training and 0.0 < dropout.p < 1.0:
         p = dropout.p
-    elif type(dropout) is nn.Identity and lora_A.weight.dtype != x.dtype:
+    elif type(dropout) is nn.Identity and cast_x is not x:
         p = 0.0
     else:
-        return lora_A(dropout(cast(x)))
-    needs_grad = x.requires_grad or any(w.requires_grad for w in lora_A.parameters())
+        return lora_A(dropout(cast_x))
+    needs_grad = cast_x.requires_grad or any(w.requires_grad for w in lora_A.parameters())
     # NOTE [random layers under CUDA graph capture] in _backward.py
-    if not (needs_grad and records_backward(x)) or (p > 0 and graph_capturing(x)):
-        return lora_A(dropout(cast(x)))
-    return dropped_projection(x, p, lora_A, cast)
+    if not (needs_grad and records_backward(cast_x)) or (p > 0 and graph_capturing(x)):
+        return lora_A(dropout(cast_x))
+    return dropped_projection(x, cast_x, p, lora_A, cast)
 
 
 class MemSaveLoraLinear(peft_lora.Linear):

@@ -27,6 +27,11 @@ def _stock(x: Tensor, p: float, project: nn.Module, cast) -> Tensor:
     return project(F.dropout(cast(x), p, True))
 
 
+def _memsave(x: Tensor, p: float, project: nn.Module, cast) -> Tensor:
+    """``dropped_projection`` of ``x`` cast as the layer casts it, outside the Function."""
+    return dropped_projection(x, cast(x), p, project, cast)
+
+
 def _outputs_and_grads(
     fn, x: Tensor, p: float, project: nn.Module, cast, seed: int = 3
 ) -> list[Tensor | None]:
@@ -50,7 +55,7 @@ def _assert_bitwise(expected: list[Tensor | None], actual: list[Tensor | None]) 
 
 def _compare(x: Tensor, p: float, project: nn.Module, cast=_identity) -> None:
     expected = _outputs_and_grads(_stock, x, p, project, cast)
-    _assert_bitwise(expected, _outputs_and_grads(dropped_projection, x, p, project, cast))
+    _assert_bitwise(expected, _outputs_and_grads(_memsave, x, p, project, cast))
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -110,7 +115,7 @@ def test_keeps_the_input_not_its_dropped_copy() -> None:
     with SavedTensorRecorder() as stock:
         _stock(x, 0.1, project, _identity)
     with SavedTensorRecorder() as memsave:
-        dropped_projection(x, 0.1, project, _identity)
+        _memsave(x, 0.1, project, _identity)
     input_bytes = x.numel() * x.element_size()
     assert stock.activation_bytes >= 2 * input_bytes  # noise and dropout(x)
     # x itself and the CPU generator's state (a few KiB), nothing else.
@@ -121,7 +126,7 @@ def test_keeps_the_input_not_its_dropped_copy() -> None:
 def test_leaves_global_random_state_as_stock_does() -> None:
     project = nn.Linear(5, 2, bias=False)
     after = []
-    for fn in (_stock, dropped_projection):
+    for fn in (_stock, _memsave):
         torch.manual_seed(6)
         fn(torch.randn(4, 5, requires_grad=True), 0.5, project, _identity).sum().backward()
         after.append(torch.rand(3))
@@ -135,7 +140,7 @@ def test_gradcheck_float64_with_fixed_mask() -> None:
 
     def fn(x: Tensor, weight: Tensor, bias: Tensor) -> Tensor:
         torch.manual_seed(11)  # the same mask at every evaluation
-        return dropped_projection(x, 0.4, project, _identity)
+        return _memsave(x, 0.4, project, _identity)
 
     # weight and bias enter through ``project``; gradcheck perturbs them in place.
     assert torch.autograd.gradcheck(fn, (x, project.weight, project.bias))
@@ -144,7 +149,7 @@ def test_gradcheck_float64_with_fixed_mask() -> None:
 def test_meta_tensors() -> None:
     project = nn.Linear(6, 2, bias=False, device="meta")
     x = torch.empty(3, 6, device="meta", requires_grad=True)
-    output = dropped_projection(x, 0.5, project, _identity)
+    output = _memsave(x, 0.5, project, _identity)
     output.sum().backward()
     assert output.shape == (3, 2) and x.grad.shape == x.shape
     assert project.weight.grad.shape == project.weight.shape
@@ -153,13 +158,13 @@ def test_meta_tensors() -> None:
 def test_rejects_p_outside_the_open_interval() -> None:
     for p in (-0.1, 1.0):
         with pytest.raises(ValueError, match="0 <= p < 1"):
-            dropped_projection(torch.randn(2, 3), p, nn.Linear(3, 1), _identity)
+            _memsave(torch.randn(2, 3), p, nn.Linear(3, 1), _identity)
 
 
 def test_double_backward_raises() -> None:
     project = nn.Linear(3, 2, bias=False)
     x = torch.randn(4, 3, requires_grad=True)
-    output = dropped_projection(x, 0.5, project, _identity)
+    output = _memsave(x, 0.5, project, _identity)
     with pytest.raises(RuntimeError, match="double backward"):
         torch.autograd.grad(output.sum(), x, create_graph=True)
 
@@ -180,7 +185,7 @@ def test_no_dropout_keeps_the_input_not_its_float32_copy(dtype: torch.dtype) -> 
     with SavedTensorRecorder() as stock:
         _stock(x, 0.0, project, _to_float32)
     with SavedTensorRecorder() as memsave:
-        dropped_projection(x, 0.0, project, _to_float32)
+        _memsave(x, 0.0, project, _to_float32)
     # Stock keeps the float32 copy of x (twice its bytes); its weight counts as a parameter.
     assert stock.activation_bytes == 2 * x.numel() * x.element_size()
     assert memsave.activation_bytes == x.numel() * x.element_size()  # x, no random state
@@ -192,6 +197,26 @@ def test_gradcheck_float64_without_dropout() -> None:
     x = torch.randn(2, 3, 7, dtype=torch.float64, requires_grad=True)
 
     def fn(x: Tensor, weight: Tensor) -> Tensor:
-        return dropped_projection(x, 0.0, project, _identity)
+        return _memsave(x, 0.0, project, _identity)
 
     assert torch.autograd.gradcheck(fn, (x, project.weight))
+
+
+def test_cpu_random_state_is_made_where_a_memory_tracker_sees_it() -> None:
+    """``torch.get_rng_state`` makes its tensor without an aten op, which a memory tracker (a
+    dispatch mode) never sees; the state the layer keeps is a copy made by one."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from memsave_cli.layers.lora_dropout import rng_state
+
+    seen = []
+
+    class Ops(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(func)
+            return func(*args, **(kwargs or {}))
+
+    with Ops():
+        state = rng_state(torch.device("cpu"))
+    assert torch.equal(state, torch.get_rng_state())
+    assert seen, "no aten op made the saved state"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 
 import pytest
@@ -154,6 +155,74 @@ def test_several_adapters_on_one_layer() -> None:
     memsave = convert(stock)
     x = torch.randn(6, 5, 32)
     _assert_same_step(stock, memsave, lambda m: m(x).sum())
+
+
+def _input_and_adapter_grads(model: nn.Module, x: Tensor, context) -> list[Tensor]:
+    """Output, input gradient and every trainable gradient of one step under ``context``."""
+    x = x.detach().requires_grad_()
+    torch.manual_seed(1)
+    with context(model):
+        out = model(x)
+    out.float().square().sum().backward()
+    return [out, x.grad, *(p.grad for p in model.parameters() if p.requires_grad)]
+
+
+@pytest.mark.parametrize("dropout", [0.3, 0.0])
+def test_adapters_sharing_one_cast_sum_their_gradients_before_it(dropout: float) -> None:
+    """peft casts a bfloat16 input once for its float32 adapters: their input gradients are
+    summed in float32 and rounded once, not rounded per adapter and summed."""
+    torch.manual_seed(0)
+    stock = _adapted(nn.Sequential(nn.Linear(16, 16)), ["0"], dropout=dropout)
+    layer = stock.to(torch.bfloat16)[0]
+    layer.update_layer("b", r=2, lora_alpha=3, lora_dropout=dropout, config=LoraConfig())
+    layer.set_adapter(["default", "b"])
+    for adapter in ("default", "b"):
+        nn.init.normal_(layer.lora_B[adapter].weight)  # else lora_A's gradients are zero
+    layer.lora_A.float(), layer.lora_B.float()  # peft's float32 adapters on a bfloat16 model
+    memsave = convert(stock)
+    x = torch.randn(4, 16, dtype=torch.bfloat16)
+    results = [_input_and_adapter_grads(m, x, _nothing) for m in (stock, memsave)]
+    for a, b in zip(*results, strict=True):
+        assert torch.equal(a, b)
+
+
+def _nothing(model: nn.Module):
+    return contextlib.nullcontext()
+
+
+def _casting_off_under_autocast(model: nn.Module):
+    stack = contextlib.ExitStack()
+    stack.enter_context(torch.autocast("cpu", torch.bfloat16))
+    stack.enter_context(peft.helpers.disable_input_dtype_casting(model))
+    return stack
+
+
+def test_casting_switched_off_in_forward_stays_off_in_backward() -> None:
+    """``disable_input_dtype_casting`` (diffusers' layerwise casting) has ended by backward:
+    the replay casts as forward did, not as the layer would cast now."""
+    torch.manual_seed(0)
+    stock = _adapted(nn.Sequential(nn.Linear(16, 16)), ["0"], init_lora_weights=False)
+    memsave = convert(stock)
+    x = torch.randn(4, 16, dtype=torch.bfloat16)
+    results = [
+        _input_and_adapter_grads(m, x, _casting_off_under_autocast) for m in (stock, memsave)
+    ]
+    for a, b in zip(*results, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_adapter_weights_changed_before_backward_are_refused_as_stock() -> None:
+    """An optimizer step between a forward and its backward: stock's saved weights fail
+    autograd's version check; the replay, which reads the live weights, must fail too."""
+    errors = []
+    for model in (stock := _adapted(Attention(), ["q"]), convert(stock)):
+        loss = model(torch.randn(2, 32, requires_grad=True)).sum()
+        with torch.no_grad():
+            model.q.lora_A["default"].weight.add_(1.0)
+        with pytest.raises(RuntimeError, match="modified by an inplace operation") as error:
+            loss.backward()
+        errors.append(error)
+    assert len(errors) == 2
 
 
 def test_shared_input_is_kept_once() -> None:
