@@ -48,3 +48,14 @@ def parse_bytes(text: str) -> int:
     if not math.isfinite(value) or value < 1:
         raise BudgetError(f"memory size {text!r} must be a finite size of at least 1 byte")
     return int(value)
+
+
+def read_size(given: object) -> int:
+    """Bytes of a size given as text (``"1.5GiB"``, read by :func:`parse_bytes`) or as a number
+    of bytes (``2**30``, ``1.5e9``), as the Python API and the pytest plugin take budgets."""
+    if isinstance(given, bool) or not isinstance(given, str | int | float):
+        raise BudgetError(
+            f"cannot read memory size {given!r}: expected text such as '1.5GiB' or a number "
+            "of bytes"
+        )
+    return parse_bytes(given if isinstance(given, str) else repr(given))

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 from memsave_cli.api import check_lora_cases, resolve_device
 from memsave_cli.arguments import count, device_name, dtype_name, seconds, several
-from memsave_cli.budget import BudgetError, parse_bytes
+from memsave_cli.budget import BudgetError, read_size
 from memsave_cli.cases import PAPER_CASES, Case, has_norm_layers, resolve_case
 from memsave_cli.checkpointing import checkpoint_notes, read_patterns
 from memsave_cli.errors import MemsaveError, SpecError, one_line
@@ -134,7 +134,7 @@ def fit(
     forward and loss, as for ``profile``. A measurement that fails (not for memory) ends only
     its own search, whose row names it (``failure``, NOTE [failed measurements]).
     """
-    budget_bytes = _budget(budget if isinstance(budget, str) else str(budget))
+    budget_bytes = _budget(budget)
     max_batch_size = count(max_batch_size, "maximum batch size")
     cases, impls, dtype = several(cases), several(impls), dtype_name(dtype)
     timeout, device = seconds(timeout, "timeout"), device_name(device)
@@ -174,12 +174,12 @@ def fit(
     )
 
 
-def _budget(text: str) -> int:
+def _budget(given: object) -> int:
     """The budget in bytes; BudgetError for one that no memory comes near."""
-    budget = parse_bytes(text)
+    budget = read_size(given)
     if budget > MAX_BUDGET:
         raise BudgetError(
-            f"memory size {text!r} is more than any device holds: expected at most 1024TiB"
+            f"memory size {given!r} is more than any device holds: expected at most 1024TiB"
         )
     return budget
 

@@ -3,7 +3,7 @@
 
 Families: images (B, 3, 224, 224) with B = 64; video (B, 3, 16, 112, 112); optical flow (two images);
 segmentation (images; dict output); detection (B = 4 images and, in train mode, targets with 2 boxes
-each); Hugging Face language models (token ids (B, 256), or ``inputs_embeds`` when the input must
+each); models starting with an embedding (token ids (B, 256)); Hugging Face language models (token ids (B, 256), or ``inputs_embeds`` when the input must
 be differentiable) and vision models (pixel values as their config describes them,
 ``hf_inputs.py``); user callables through a companion ``<callable>_inputs(batch_size)``.
 """
@@ -19,7 +19,7 @@ from torch import nn
 
 from memsave_cli.cases import Case
 from memsave_cli.errors import SpecError
-from memsave_cli.hf_inputs import hf_kwargs, is_hf_model
+from memsave_cli.hf_inputs import SEQUENCE_LENGTH, hf_kwargs, is_hf_model
 from memsave_cli.loss import floating_tensors
 from memsave_cli.quick_import import import_torchvision
 from memsave_cli.specs import ModelSpec, companion_inputs
@@ -141,6 +141,10 @@ def make_example(
         batch = _default(batch_size, DETECTION_BATCH_SIZE)
         return _detection_example(model, make, batch, shape or IMAGE_SHAPE)
     batch = _default(batch_size, BATCH_SIZE)
+    if family is None and (embedding := _leading_embedding(model)) is not None:
+        return _token_example(
+            spec, embedding, make, (batch, *(shape or (SEQUENCE_LENGTH,))), input_grad
+        )
     shape = shape or SHAPE_OVERRIDES.get(spec.target) or _default_shape(model, spec, family)
     if family == "flow":
         first, second = make.uniform((batch, *shape)), make.uniform((batch, *shape))
@@ -178,9 +182,35 @@ def _default_shape(model: nn.Module, spec: ModelSpec, family: str | None) -> tup
     return _guess_shape(model, spec)
 
 
+#: Layers whose input a model's first one of decides what it is fed.
+_FIRST_LAYERS = (nn.Embedding, nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)
+
+
+def _leading_embedding(model: nn.Module) -> nn.Embedding | None:
+    """The model's first layer if it is an embedding, whose inputs are token ids."""
+    first = next((m for m in model.modules() if isinstance(m, _FIRST_LAYERS)), None)
+    return first if isinstance(first, nn.Embedding) else None
+
+
+def _token_example(
+    spec: ModelSpec, embedding: nn.Embedding, make: _Maker, shape: tuple[int, ...], input_grad: bool
+) -> Example:
+    """Token ids of ``shape`` (batch first) below the embedding's size, as a language model
+    without a Hugging Face config is fed; ids have no gradient for case ``input`` to take."""
+    if input_grad:
+        raise SpecError(
+            f"{spec.text} starts with an embedding, so its inputs are token ids, which have no "
+            "gradient: measure a case that trains parameters, or feed it float inputs from a "
+            f"{spec.attr or 'model'}_inputs(batch_size) companion"
+        )
+    ids = make.integers(shape, embedding.num_embeddings)
+    return Example((ids,), {}, (), shape[0], "tokens")
+
+
 def _guess_shape(model: nn.Module, spec: ModelSpec) -> tuple[int, ...]:
     """A model's per-sample shape: the input size it declares (timm's ``pretrained_cfg``), else
-    from its first layer (Linear or ConvNd), else an error."""
+    from its first layer (Linear or ConvNd; an embedding's token ids are :func:`_token_example`),
+    else an error."""
     declared = declared_input_shape(model)
     if declared is not None:
         return declared

@@ -28,7 +28,7 @@ from typing import Any
 
 import pytest
 
-from memsave_cli.budget import parse_bytes
+from memsave_cli.budget import read_size
 from memsave_cli.errors import MemsaveError
 from memsave_cli.pytest_plugin._measure import ModelLike, measure_model, name_of
 from memsave_cli.pytest_plugin._messages import (
@@ -80,7 +80,7 @@ class MemsaveFixture:
         """
         __tracebackhide__ = True
         with _reported():
-            limit = budget if isinstance(budget, int) else parse_bytes(budget)
+            limit = read_size(budget)
             attribute, _ = metric_of(metric)
             chosen = Settings.of(settings)
         run = self.measure(model, impl=impl, **settings)
@@ -101,8 +101,10 @@ class MemsaveFixture:
         """Fail the test unless ``impl`` layers cut the ``metric`` of ``model`` by ``at_least``
         (a fraction: 0.2 means at least 20% less than stock PyTorch)."""
         __tracebackhide__ = True
-        if not 0 <= at_least < 1:
-            pytest.fail(f"memsave: at_least is a fraction below 1, e.g. 0.2; got {at_least}", False)
+        fraction = isinstance(at_least, int | float) and not isinstance(at_least, bool)
+        if not (fraction and 0 <= at_least < 1):
+            message = f"memsave: at_least is a fraction below 1, e.g. 0.2; got {at_least!r}"
+            pytest.fail(message, False)
         with _reported():
             attribute, _ = metric_of(metric)
             chosen = Settings.of(settings)

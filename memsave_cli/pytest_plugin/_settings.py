@@ -6,11 +6,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
-from memsave_cli.arguments import dtype_name
+from memsave_cli.arguments import count, dtype_name, seconds
 from memsave_cli.cases import Case, resolve_case
 from memsave_cli.checkpointing import read_patterns
 from memsave_cli.errors import MemsaveError
 from memsave_cli.input_shape import read_shape
+from memsave_cli.limits import MAX_BATCH_SIZE
 
 
 @dataclass(frozen=True)
@@ -54,6 +55,10 @@ class Settings:
                 f"{', '.join(sorted(known))} (the options of memsave profile)"
             )
         values = dict(given)
+        for key in ("batch_size", "fsdp", "lora_rank"):  # a count no run could use fails here
+            most = MAX_BATCH_SIZE if key == "batch_size" else None
+            values[key] = count(values.get(key), key, optional=True, most=most)
+        values["timeout"] = seconds(values.get("timeout", cls.timeout), "timeout")
         values["input_shape"] = read_shape(values.get("input_shape"))
         values["checkpoint"] = read_patterns(values.get("checkpoint"))
         for key in ("dtype", "autocast"):  # torch.bfloat16 or "bfloat16"

@@ -198,16 +198,68 @@ def test_lazy_objects_and_inputs_they_cannot_take(pytester: pytest.Pytester) -> 
 
 
 def test_bad_settings_are_errors_not_failures(pytester: pytest.Pytester) -> None:
+    """Each bad value is one line naming it, before anything is measured; a budget given as a
+    float number of bytes is read as the CLI reads ``1.5e9``."""
     result = run_suite(
         pytester,
         """
+        MODEL = "torchvision:resnet18"
+
         def test_budget(memsave):
-            memsave.assert_fits("torchvision:resnet18", budget="lots")
+            memsave.assert_fits(MODEL, budget="lots")
+
+        def test_boolean_budget(memsave):
+            memsave.assert_fits(MODEL, budget=True)
+
+        def test_fraction_as_text(memsave):
+            memsave.assert_saves(MODEL, at_least="30%")
+
+        def test_batch_size(memsave):
+            memsave.assert_fits(MODEL, budget="1GiB", batch_size=0)
+
+        def test_timeout(memsave):
+            memsave.assert_fits(MODEL, budget="1GiB", timeout=-1)
+
+        def test_float_bytes(memsave):
+            memsave.assert_fits(MODEL, budget=1.5e9, batch_size=2, input_shape=(3, 32, 32))
         """,
     )
-    result.assert_outcomes(failed=1)
-    result.stdout.fnmatch_lines(["memsave: cannot read memory size 'lots': expected a number*"])
-    assert "budget.py" not in result.stdout.str()
+    result.assert_outcomes(passed=1, failed=5)
+    result.stdout.fnmatch_lines(
+        [
+            "memsave: cannot read memory size 'lots': expected a number*",
+            "memsave: cannot read memory size True: expected text such as '1.5GiB' or a number*",
+            "memsave: at_least is a fraction below 1, e.g. 0.2; got '30%'",
+            "memsave: batch_size must be a positive integer, got 0",
+            "memsave: timeout must be a positive number of seconds, got -1",
+        ],
+        consecutive=False,
+    )
+    output = result.stdout.str()
+    assert "budget.py" not in output and "Traceback" not in output and "TypeError" not in output
+
+
+def test_a_model_starting_with_an_embedding_is_fed_token_ids(pytester: pytest.Pytester) -> None:
+    result = run_suite(
+        pytester,
+        """
+        from torch import nn
+
+        def tokens():
+            return nn.Sequential(nn.Embedding(50, 8), nn.Linear(8, 2))
+
+        def test_fed(memsave):
+            run = memsave.assert_fits(tokens(), budget="1MiB", batch_size=3)
+            assert run.saved_bytes >= 3 * 256 * 8 * 4  # the embeddings the Linear keeps
+            shorter = memsave.measure(tokens(), batch_size=3, input_shape=(16,))
+            assert shorter.saved_bytes * 16 == run.saved_bytes
+
+        def test_no_input_gradient(memsave):
+            memsave.assert_fits(tokens(), budget="1MiB", case="input")
+        """,
+    )
+    result.assert_outcomes(passed=1, failed=1)
+    result.stdout.fnmatch_lines(["memsave: *starts with an embedding, so its inputs are token*"])
 
 
 def test_marker_checks_the_budget_before_the_body(
