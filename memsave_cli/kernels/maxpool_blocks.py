@@ -208,7 +208,9 @@ def _two_wide_pool(
     """The output and int8 window offsets of the 2-wide max pooling of ``x`` (one op call)."""
     out, offsets = offset_ops.max_pool2(_planes(x, nd), *window)
     shape = _output_shape(x, nd, args)
-    return out.view(shape), offsets.view(shape)
+    # Not a view: a Function's output that is a view of a tensor made inside it may not be
+    # changed in place (``pooled += skip``, an in-place ReLU after it), where stock's may.
+    return aten._unsafe_view(out, shape), offsets.view(shape)
 
 
 def _output_shape(x: Tensor, nd: int, args: tuple) -> list[int]:

@@ -13,6 +13,7 @@ from torch.testing import assert_close
 
 from memsave_cli.kernels import maxpool_blocks, native
 from memsave_cli.kernels.maxpool_maps import offset_dtype
+from memsave_cli.layers.convert import convert
 from memsave_cli.layers.maxpool import (
     MemSaveMaxPool1d,
     MemSaveMaxPool2d,
@@ -402,3 +403,29 @@ def test_compile_matches_stock() -> None:
     output.backward(grad)
     assert_close(output, expected, atol=0, rtol=0)
     assert_close(memsave_x.grad, stock_x.grad, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize(
+    ("stock_cls", "kwargs", "shape"),
+    [
+        (nn.MaxPool1d, {"kernel_size": 2}, (2, 3, 8)),
+        (nn.MaxPool2d, {"kernel_size": 2}, (2, 3, 8, 6)),
+        (nn.MaxPool2d, {"kernel_size": (1, 2)}, (3, 5, 6)),
+        (nn.MaxPool3d, {"kernel_size": 2}, (2, 3, 4, 4, 4)),
+        (nn.MaxPool2d, {"kernel_size": 3, "stride": 2, "padding": 1}, (2, 3, 7, 7)),
+    ],
+    ids=["1d-2", "2d-2", "2d-1x2-unbatched", "3d-2", "2d-3-2-1"],
+)
+def test_output_may_be_changed_in_place(stock_cls, kwargs: dict, shape: tuple) -> None:
+    """``pooled += skip`` and an in-place ReLU after the pool train as with stock's (the
+    2-wide path returned a view made inside its Function, which autograd refuses to modify)."""
+    x = torch.randn(shape)
+    results = []
+    for layer in (stock_cls(**kwargs), convert(stock_cls(**kwargs))):
+        inputs = x.clone().requires_grad_()
+        pooled = layer(inputs)
+        pooled += 1.0
+        out = nn.ReLU(inplace=True)(pooled)
+        out.square().sum().backward()
+        results.append((out, inputs.grad))
+    assert all(torch.equal(a, b) for a, b in zip(*results, strict=True))
