@@ -34,7 +34,7 @@ from memsave_cli.kernels import native, stock_relu
 from memsave_cli.kernels import triton as triton_kernels
 from memsave_cli.kernels._eager_op import EagerOp, register
 from memsave_cli.kernels.bitmask import BitLayout, compare, pack_bits, packed_numel, unpack_as
-from memsave_cli.kernels.iterator_layout import iterator_empty, iterator_strides
+from memsave_cli.kernels.iterator_layout import iterator_empty, iterator_strides, like_strides
 from memsave_cli.kernels.native_checks import INF_BITS
 
 #: Dtypes the fused kernels serve (NOTE [NaN payloads in 16-bit types] in ``native.py``), but
@@ -161,6 +161,14 @@ def _result_like(kind: str, x: Tensor) -> Tensor:
     by TensorIterator's rule (``relu``, ``leaky_relu``: NOTE [TensorIterator's layout]) or like
     ``x`` (``hardtanh`` allocates with ``empty_like``)."""
     return torch.empty_like(x) if kind == _HARDTANH else iterator_empty(x)
+
+
+def _fake_result_like(kind: str, x: Tensor) -> Tensor:
+    """:func:`_result_like` on data-free tensors, whose ``empty_like`` resets the strides of
+    size-1 dimensions that an eager ``empty_like`` keeps."""
+    if kind != _HARDTANH:
+        return iterator_empty(x)
+    return torch.empty_strided(x.shape, like_strides(x), dtype=x.dtype, device=x.device)
 
 
 def _cpu_pack(kind, x, inplace, order, args) -> tuple[Tensor, Tensor]:
@@ -290,7 +298,7 @@ def _register_pack(kind: str, params: tuple[str, ...]) -> tuple[EagerOp, EagerOp
             if inplace:
                 return _fake_bits(x)
             # The layout of the real result (fake tensors' own rule differs from it).
-            return _result_like(kind, x), _fake_bits(x)
+            return _fake_result_like(kind, x), _fake_bits(x)
 
         implementations = {"cpu": implement(_cpu_pack), "cuda": implement(_cuda_pack)}
         ops.append(register(library, name, implementations, implement(reference_pack), fake))

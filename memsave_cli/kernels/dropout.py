@@ -48,7 +48,7 @@ from torch import Tensor
 from memsave_cli.kernels import triton as triton_kernels
 from memsave_cli.kernels._eager_op import register
 from memsave_cli.kernels._layout import is_dense, memory_format
-from memsave_cli.kernels.iterator_layout import contiguous_strides, iterator_strides
+from memsave_cli.kernels.iterator_layout import contiguous_strides, iterator_strides, like_strides
 
 #: Integer dtype with the itemsize of each real floating dtype, to build the noise from its bits.
 SAME_SIZE_INT = {
@@ -118,14 +118,35 @@ def random_noise(like: Tensor, seed: Tensor, p: float, shape: Sequence[int]) -> 
     return keep.to(int_type).mul_(_scale_bits(like.dtype, like.device, p)).view(like.dtype)
 
 
-def _times(x: Tensor, noise: Tensor) -> Tensor:
-    """``x * noise`` as stock lays it out; a fresh noise of ``x``'s shape and layout becomes the
-    result, so nothing else of input size is allocated (where it owns its storage: float32 noise
-    of odd size is a view into one word more, which would count wherever the result is saved)."""
+def product_strides(
+    x: Tensor, noise_shape: Sequence[int], noise_stride: Sequence[int] | None = None
+) -> tuple[int, ...] | None:
+    """The strides of stock's ``x * noise`` for element dropout, whose noise stock makes with
+    ``empty_like(input)``: laid out as the input, ``noise_stride`` (the forward input's, for a
+    backward) or else ``x``'s own. None for feature dropout, whose contiguous noise is broadcast
+    (``torch.mul`` lays that product out as stock's)."""
+    if tuple(noise_shape) != tuple(x.shape):
+        return None
+    if noise_stride is None:
+        if x.is_contiguous():
+            return contiguous_strides(x.shape)
+        noise_stride = like_strides(x)
+    return iterator_strides(x.shape, x.stride(), noise_stride)
+
+
+def _times(x: Tensor, noise: Tensor, strides: tuple[int, ...] | None) -> Tensor:
+    """``x * noise`` laid out with ``strides`` (:func:`product_strides`); a fresh noise with those
+    strides becomes the result, so nothing else of input size is allocated (where it owns its
+    storage: float32 noise of odd size is a view into one word more, which would count wherever
+    the result is saved)."""
+    if strides is None:
+        return torch.mul(x, noise)
     owns = noise.untyped_storage().nbytes() == noise.numel() * noise.element_size()
-    if owns and noise.shape == x.shape and x.is_contiguous():
+    if owns and strides == noise.stride():
         return noise.mul_(x)
-    return torch.mul(x, noise)
+    # Allocation: the result, in stock's layout.
+    out = torch.empty_strided(x.shape, strides, dtype=x.dtype, device=x.device)
+    return torch.mul(x, noise, out=out)
 
 
 def reference_mul(
@@ -135,10 +156,13 @@ def reference_mul(
     noise_shape: Sequence[int],
     fused: bool = False,
     backward: bool = False,
+    noise_stride: Sequence[int] | None = None,
 ) -> Tensor:
-    """``x * random_noise(x, seed, p, noise_shape)``; ``fused`` and ``backward`` change nothing
-    here, as stock never fuses dropout on the CPU (NOTE [stock's two dropout products])."""
-    return _times(x, random_noise(x, seed, p, noise_shape))
+    """``x * random_noise(x, seed, p, noise_shape)`` laid out as stock's (:func:`product_strides`);
+    ``fused`` and ``backward`` change nothing here, as stock never fuses dropout on the CPU (NOTE
+    [stock's two dropout products])."""
+    strides = product_strides(x, noise_shape, noise_stride)
+    return _times(x, random_noise(x, seed, p, noise_shape), strides)
 
 
 def reference_mul_(x: Tensor, seed: Tensor, p: float, noise_shape: Sequence[int]) -> None:
@@ -169,27 +193,19 @@ def _cuda_mul(
     noise_shape: Sequence[int],
     fused: bool = False,
     backward: bool = False,
+    noise_stride: Sequence[int] | None = None,
 ) -> Tensor:
     if fused:
         return _fused_mul(x, seed, p, noise_shape, backward)
-    if not (_triton_serves(x) and tuple(noise_shape) == tuple(x.shape)):
-        return _times(x, _cuda_noise(x, seed, p, noise_shape))
+    strides = product_strides(x, noise_shape, noise_stride)
+    if not (_triton_serves(x) and strides is not None):
+        return _times(x, _cuda_noise(x, seed, p, noise_shape), strides)
     from memsave_cli.kernels.triton import dropout
 
     # Allocation: the result, laid out as stock's ``x * noise`` (dense, as the kernel writes).
-    out = _product_empty(x)
+    out = torch.empty_strided(x.shape, strides, dtype=x.dtype, device=x.device)
     dropout.dropout_mul(x, _word(seed), p, out)
     return out
-
-
-def _product_empty(x: Tensor) -> Tensor:
-    """An uninitialised ``x * noise`` for a contiguous noise of ``x``'s shape, laid out as
-    TensorIterator lays out that product (``empty_like`` would keep odd strides of size-1
-    dimensions, and ties that ``x`` leaves to the noise)."""
-    if x.is_contiguous():
-        return torch.empty_like(x, memory_format=torch.contiguous_format)
-    strides = iterator_strides(x.shape, x.stride(), contiguous_strides(x.shape))
-    return torch.empty_strided(x.shape, strides, dtype=x.dtype, device=x.device)
 
 
 def _fused_mul(
@@ -238,7 +254,7 @@ library = torch.library.Library("memsave", "FRAGMENT")
 library.define("dropout_noise(Tensor like, Tensor seed, float p, SymInt[] shape) -> Tensor")
 library.define(
     "dropout_mul(Tensor x, Tensor seed, float p, SymInt[] noise_shape, bool fused=False, "
-    "bool backward=False) -> Tensor"
+    "bool backward=False, SymInt[]? noise_stride=None) -> Tensor"
 )
 library.define("dropout_mul_(Tensor(a!) x, Tensor seed, float p, SymInt[] noise_shape) -> ()")
 _IMPLS = {
@@ -259,12 +275,15 @@ def _mul_fake(
     noise_shape: Sequence[int],
     fused: bool = False,
     backward: bool = False,
+    noise_stride: Sequence[int] | None = None,
 ) -> Tensor:
     if fused and x.device.type == "cuda":
         layout = memory_format(x) if backward else torch.preserve_format
         return torch.empty_like(x, memory_format=layout)
-    # Stock's own product on data-free stand-ins: the result takes exactly stock's layout.
-    return torch.mul(x, x.new_empty(tuple(noise_shape)))
+    strides = product_strides(x, noise_shape, noise_stride)
+    if strides is None:  # feature dropout: stock's own product on data-free stand-ins
+        return torch.mul(x, x.new_empty(tuple(noise_shape)))
+    return x.new_empty_strided(tuple(x.shape), strides)
 
 
 def _mul_fake_(x: Tensor, seed: Tensor, p: float, noise_shape: Sequence[int]) -> None:
@@ -293,11 +312,14 @@ def dropout_mul(
     *,
     fused: bool = False,
     backward: bool = False,
+    noise_stride: Sequence[int] | None = None,
 ) -> Tensor:
     """``memsave::dropout_mul``: ``x * noise``, the noise regenerated from ``seed``; ``fused``
     (element dropout out of place) computes it as stock's fused CUDA kernel does in forward or
-    ``backward`` (NOTE [stock's two dropout products])."""
-    return _OPS["dropout_mul"](x, seed, p, list(noise_shape), fused, backward)
+    ``backward`` (NOTE [stock's two dropout products]). ``noise_stride``: the layout of stock's
+    noise, the forward input's, for a backward (:func:`product_strides`)."""
+    stride = None if noise_stride is None else list(noise_stride)
+    return _OPS["dropout_mul"](x, seed, p, list(noise_shape), fused, backward, stride)
 
 
 def dropout_mul_(x: Tensor, seed: Tensor, p: float, noise_shape: Sequence[int]) -> Tensor:

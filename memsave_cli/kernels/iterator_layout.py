@@ -20,6 +20,7 @@ from collections.abc import Sequence
 
 import torch
 from torch import Tensor
+from torch._prims_common import suggest_memory_format
 
 Strides = Sequence[int]
 
@@ -55,6 +56,22 @@ def iterator_empty(x: Tensor) -> Tensor:
         return torch.empty_like(x, memory_format=torch.channels_last)
     strides = iterator_strides(x.shape, x.stride())
     return torch.empty_strided(x.shape, strides, dtype=x.dtype, device=x.device)
+
+
+def like_strides(x: Tensor) -> tuple[int, ...]:
+    """The strides of ``torch.empty_like(x)``: ``x``'s own where it is non-overlapping and
+    dense, else its suggested memory format's (channels-last or row-major)."""
+    shape, strides = tuple(x.shape), tuple(x.stride())
+    if _dense(shape, strides):
+        return strides
+    if suggest_memory_format(x) == torch.contiguous_format:
+        return contiguous_strides(shape)
+    order = (1, *range(x.dim() - 1, 1, -1), 0)  # channels fastest, batch slowest
+    result, step = [0] * len(shape), 1
+    for dim in order:
+        result[dim] = step
+        step *= max(shape[dim], 1)
+    return tuple(result)
 
 
 def contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:

@@ -16,6 +16,7 @@ from torch import Tensor, nn
 
 from memsave_cli.kernels.dropout import dropout_mul, dropout_mul_
 from memsave_cli.kernels.dropout import dropout_noise as dropout_noise  # re-exported for tests
+from memsave_cli.kernels.iterator_layout import contiguous_strides, like_strides
 from memsave_cli.layers._backward import (
     forbid_double_backward,
     functions_run,
@@ -58,28 +59,35 @@ class SeededDropout(torch.autograd.Function):
         noise_shape: list[int],
         inplace: bool,
         fused: bool,
+        noise_stride: tuple[int, ...],
     ) -> Tensor:
-        ctx.p, ctx.noise_shape, ctx.fused = p, noise_shape, fused
+        ctx.p, ctx.noise_shape, ctx.fused, ctx.noise_stride = p, noise_shape, fused, noise_stride
         if ctx.needs_input_grad[0]:
             # The seed (8 bytes) is all backward needs: the noise is regenerated from it.
             ctx.save_for_backward(seed)
         if not inplace:
-            return dropout_mul(input, seed, p, noise_shape, fused=fused)
+            return dropout_mul(input, seed, p, noise_shape, fused=fused, noise_stride=noise_stride)
         ctx.mark_dirty(input)
         return dropout_mul_(input, seed, p, noise_shape)
 
     @staticmethod
-    def backward(ctx, grad_output: Tensor) -> tuple[Tensor | None, None, None, None, None, None]:
+    def backward(ctx, grad_output: Tensor) -> tuple[Tensor | None, ...]:
         forbid_double_backward("MemSaveDropout")
         refuse_batched(grad_output, "MemSaveDropout")
         if not ctx.needs_input_grad[0]:
-            return None, None, None, None, None, None
+            return None, None, None, None, None, None, None
         (seed,) = ctx.saved_tensors
         # Deliberate transient: the regenerated noise (it becomes the gradient where it can).
         grad = dropout_mul(
-            grad_output, seed, ctx.p, ctx.noise_shape, fused=ctx.fused, backward=True
+            grad_output,
+            seed,
+            ctx.p,
+            ctx.noise_shape,
+            fused=ctx.fused,
+            backward=True,
+            noise_stride=ctx.noise_stride,
         )
-        return grad, None, None, None, None, None
+        return grad, None, None, None, None, None, None
 
 
 def seeded_dropout(
@@ -95,7 +103,10 @@ def seeded_dropout(
         raise ValueError(f"seeded_dropout needs 0 < p < 1, got {p}")
     # Where stock runs ``native_dropout`` (NOTE [stock's two dropout products]).
     fused = not (feature or inplace)
-    return SeededDropout.apply(input, seed, p, _noise_shape(input, feature), inplace, fused)
+    shape = _noise_shape(input, feature)
+    # Stock makes element noise like the input and feature noise contiguous (``product_strides``).
+    stride = contiguous_strides(shape) if feature else like_strides(input)
+    return SeededDropout.apply(input, seed, p, shape, inplace, fused, stride)
 
 
 def _drop(input: Tensor, p: float, *, feature: bool, inplace: bool) -> Tensor:

@@ -118,6 +118,18 @@ def test_fake_matches_real(kind: str, layout: str) -> None:
             assert (a.shape, a.stride(), a.dtype) == (b.shape, b.stride(), b.dtype)
 
 
+@pytest.mark.parametrize("kind", list(PACKS))
+def test_fake_keeps_odd_strides_of_size_one_dimensions(kind: str) -> None:
+    """``hardtanh`` allocates with ``empty_like``, which keeps a size-1 dimension's stride in
+    eager mode and resets it under FakeTensorMode; the fake result has the real one's strides."""
+    x = samples(torch.float32, 70, 0).as_strided((2, 1, 5, 7), (35, 77, 7, 1))
+    real = _pack(kind, x, inplace=False)
+    with FakeTensorMode() as mode:
+        fake = _pack(kind, mode.from_tensor(x), inplace=False)
+    for a, b in zip(fake, real, strict=True):
+        assert (a.shape, a.stride(), a.dtype) == (b.shape, b.stride(), b.dtype)
+
+
 @pytest.mark.parametrize("name", ["relu_pack", "leaky_pack_", "hardtanh_pack", "select_bits"])
 def test_opcheck(name: str) -> None:
     """torch.library.opcheck: schema, fake implementation and autograd registration agree

@@ -78,6 +78,15 @@ def test_fake_layout_matches_real(layout: str) -> None:
     assert fake.dtype == real.dtype
 
 
+def test_fake_layout_matches_real_for_size_one_dimensions() -> None:
+    """A dense input whose size-1 dimensions have odd strides: stock's noise is made like it."""
+    x = torch.randn(10).as_strided((2, 5, 1, 1), (5, 1, 5, 5))
+    real = torch.ops.memsave.dropout_mul(x, SEED, P, [2, 5, 1, 1])
+    with FakeTensorMode() as mode:
+        fake = torch.ops.memsave.dropout_mul(*map(mode.from_tensor, (x, SEED)), P, [2, 5, 1, 1])
+    assert fake.stride() == real.stride() == torch.mul(x, torch.empty_like(x)).stride()
+
+
 @pytest.mark.parametrize("name", ["dropout_noise", "dropout_mul", "dropout_mul_", "fused"])
 def test_opcheck(name: str) -> None:
     """torch.library.opcheck: schema, fake implementation and autograd registration agree."""
@@ -250,9 +259,9 @@ def test_layer_fuses_only_element_dropout_out_of_place(monkeypatch: pytest.Monke
     calls: list[tuple[bool, bool]] = []
     real = layer.dropout_mul
 
-    def record(*args, fused: bool = False, backward: bool = False):
+    def record(*args, fused: bool = False, backward: bool = False, **kwargs):
         calls.append((fused, backward))
-        return real(*args, fused=fused, backward=backward)
+        return real(*args, fused=fused, backward=backward, **kwargs)
 
     monkeypatch.setattr(layer, "dropout_mul", record)
     for module, x, expected in (

@@ -7,6 +7,7 @@ import warnings
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.testing import assert_close
@@ -16,6 +17,9 @@ from memsave_cli.layers.dropout import (
     MemSaveDropout1d,
     MemSaveDropout2d,
     MemSaveDropout3d,
+    dropout,
+    dropout1d,
+    dropout2d,
     dropout_noise,
     seeded_dropout,
 )
@@ -352,3 +356,27 @@ def test_runs_stock_while_a_cuda_graph_is_captured(
         ours = MemSaveDropout(0.4)(x)
     assert torch.equal(ours, stock) is capturing
     assert (recorder.activation_bytes >= x.numel()) is capturing  # a mask, not a seed
+
+
+@pytest.mark.parametrize("inplace", [False, True], ids=["out-of-place", "in-place"])
+@pytest.mark.parametrize(
+    ("make", "shape"),
+    [
+        (lambda t: t.contiguous(memory_format=torch.channels_last), (2, 3, 4, 5)),
+        (lambda t: t.transpose(0, 1), (4, 6)),
+    ],
+    ids=["channels-last", "transposed"],
+)
+@pytest.mark.parametrize("feature", [False, True], ids=["element", "feature"])
+def test_gradient_lays_out_as_stock(make, shape: tuple, feature: bool, inplace: bool) -> None:
+    """Stock makes element noise like the input and feature noise contiguous; an expanded
+    gradient (``y.sum().backward()``) leaves the layout of ``grad * noise`` to the noise."""
+    functions = {2: (F.dropout1d, dropout1d), 4: (F.dropout2d, dropout2d)}[len(shape)]
+    stock_fn, ours_fn = functions if feature else (F.dropout, dropout)
+    strides = []
+    for fn in (stock_fn, ours_fn):
+        leaf = make(torch.randn(shape)).requires_grad_()
+        out = fn(leaf * 1, 0.3, True, inplace)
+        (grad,) = torch.autograd.grad(out, leaf, torch.ones(()).expand(out.shape))
+        strides.append((out.stride(), grad.stride()))
+    assert strides[0] == strides[1]
