@@ -193,7 +193,7 @@ def test_fit_reads_its_arguments_as_profile_does() -> None:
     assert [(row.case, row.impl) for row in result.rows] == [("all", "stock")]
     with pytest.raises(MemsaveError, match="maximum batch size must be a positive integer"):
         fit("fixtures_tracker:flat_mlp", budget="1MiB", max_batch_size="8")
-    with pytest.raises(MemsaveError, match="cannot read memory size 'None'"):
+    with pytest.raises(MemsaveError, match="cannot read memory size None"):
         fit("fixtures_tracker:flat_mlp", budget=None)
     with pytest.raises(MemsaveError, match="timeout must be at most"):
         fit("fixtures_tracker:flat_mlp", budget="1MiB", device="cpu", timeout=1e12)

@@ -206,8 +206,11 @@ def test_a_lora_case_with_auto_is_measured_on_meta_as_on_cpu(tiny_llama_dir: Pat
             assert run.ok, run.error
     for impl in ("stock", "memsave"):
         meta, cpu = runs["meta", impl], runs["cpu", impl]
-        assert (meta.forward_peak_bytes, meta.peak_bytes) == (
-            cpu.forward_peak_bytes,
-            cpu.peak_bytes,
-        )
-    assert runs["meta", "memsave"].peak_bytes < runs["meta", "stock"].peak_bytes
+        assert meta.forward_peak_bytes == cpu.forward_peak_bytes
+    stock, memsave = runs["meta", "stock"], runs["meta", "memsave"]
+    assert stock.peak_bytes == runs["cpu", "stock"].peak_bytes
+    # On the CPU each replayed adapter keeps the generator's 5056-byte state in CPU memory
+    # (5120 bytes as counted); a GPU's is 16 bytes on the host, which meta does not count.
+    states = runs["cpu", "memsave"].peak_bytes - memsave.peak_bytes
+    assert 0 < states <= 14 * 5120  # 7 adapters in each of 2 layers
+    assert memsave.peak_bytes < stock.peak_bytes
