@@ -19,7 +19,9 @@ pooling] in native.c).
 
 from __future__ import annotations
 
+import functools
 import math
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -52,6 +54,14 @@ def pool(x: Tensor, args: tuple) -> tuple[Tensor, Tensor, tuple[int, int] | str 
     and the window of the fused 2-wide kernels if they ran (:func:`pool_backward` takes it).
     Where some argmax lies outside its window (NOTE [argmax outside its window] in
     ``kernels/maxpool.py``): the output, stock's int64 indices and :data:`STOCK_INDICES`."""
+    if x.is_cpu and _empty_window(tuple(x.shape[-len(args[0]) :]), *args):
+        raise RuntimeError(
+            f"max pooling: some window (kernel {args[0]}, stride {args[1]}, padding {args[2]}, "
+            f"dilation {args[3]}, ceil_mode {args[4]}) holds no element of an input of spatial "
+            f"size {tuple(x.shape[-len(args[0]) :])}: PyTorch's CPU backward then writes outside "
+            "the gradient's memory, so memsave refuses it; use less padding or dilation, or "
+            "ceil_mode=False"
+        )
     window = _two_wide_window(x, args)
     if window is not None:
         return *_two_wide_pool(x, len(args[0]), window, args), window
@@ -213,16 +223,35 @@ def _two_wide_pool(
     return aten._unsafe_view(out, shape), offsets.view(shape)
 
 
+def _output_size(size: int, k: int, s: int, p: int, d: int, ceil_mode: bool) -> int:
+    """Outputs of max pooling along one dimension (ATen's rounding, incl. ``ceil_mode``)."""
+    span = size + 2 * p - d * (k - 1) - 1
+    out = (span + (s - 1 if ceil_mode else 0)) // s + 1
+    if ceil_mode and (out - 1) * s >= size + p:
+        out -= 1
+    return out
+
+
+@functools.lru_cache(maxsize=256)
+def _empty_window(sizes: tuple[int, ...], *args: Any) -> bool:
+    """Whether some window of max pooling over ``sizes`` holds no input element (dilation
+    stepping over the input from the padding): stock's CPU kernel then gives an argmax outside
+    the plane, which its backward writes to."""
+    kernel, stride, padding, dilation, ceil_mode = args
+    for size, k, s, p, d in zip(sizes, kernel, stride, padding, dilation, strict=True):
+        for i in range(_output_size(size, k, s, p, d, ceil_mode)):
+            start = i * s - p
+            if not any(0 <= start + j * d < size for j in range(k)):
+                return True
+    return False
+
+
 def _output_shape(x: Tensor, nd: int, args: tuple) -> list[int]:
     """Output shape of max pooling ``x`` (ATen's rounding rules, incl. ``ceil_mode``)."""
     kernel, stride, padding, dilation, ceil_mode = args
     spatial = []
     for size, k, s, p, d in zip(x.shape[-nd:], kernel, stride, padding, dilation, strict=True):
-        span = size + 2 * p - d * (k - 1) - 1
-        out = (span + (s - 1 if ceil_mode else 0)) // s + 1
-        if ceil_mode and (out - 1) * s >= size + p:
-            out -= 1
-        spatial.append(out)
+        spatial.append(_output_size(size, k, s, p, d, ceil_mode))
     if min(spatial) < 1:
         pool = aten.max_pool2d_with_indices if nd == 2 else aten.max_pool3d_with_indices
         pool(x, *args)  # raises ATen's own error message

@@ -429,3 +429,15 @@ def test_output_may_be_changed_in_place(stock_cls, kwargs: dict, shape: tuple) -
         out.square().sum().backward()
         results.append((out, inputs.grad))
     assert all(torch.equal(a, b) for a, b in zip(*results, strict=True))
+
+
+def test_a_window_of_padding_alone_is_refused_on_the_cpu() -> None:
+    """Dilation steps a window over the only input row from the padding: stock's CPU kernel
+    gives an argmax outside the plane, and its backward writes there (heap corruption); the
+    drop-in refuses it in one error instead."""
+    kwargs = {"kernel_size": (2, 4), "stride": (4, 2), "padding": (1, 0), "dilation": (2, 1)}
+    x = torch.randn(3, 1, 4)  # torch 2.11 to 2.14: argmax 4 of a 1 x 4 plane
+    layer = convert(nn.MaxPool2d(**kwargs, ceil_mode=True))
+    with pytest.raises(RuntimeError, match="holds no element of an input of spatial size"):
+        layer(x.requires_grad_())
+    assert torch.equal(layer(x.detach()), nn.MaxPool2d(**kwargs, ceil_mode=True)(x.detach()))
