@@ -82,6 +82,7 @@ ModelArg = Annotated[
 CasesOpt = Annotated[
     list[str] | None,
     typer.Option(
+        "--case",
         metavar="CASE",
         help="Case: all, input, norm, surgical, none, lora (repeatable; default: the paper's four).",
         show_default=False,

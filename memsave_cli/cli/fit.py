@@ -59,7 +59,9 @@ def fit(
     impl: Annotated[
         list[Impl] | None,
         typer.Option(
-            metavar="IMPL", help="stock, memsave, memsave-conv or both (repeatable; default: both)."
+            "--impl",
+            metavar="IMPL",
+            help="stock, memsave, memsave-conv or both (repeatable; default: both).",
         ),
     ] = None,
     device: Annotated[

@@ -77,6 +77,7 @@ def profile(
     impl: Annotated[
         list[Impl] | None,
         typer.Option(
+            "--impl",
             metavar="IMPL",
             help="stock, memsave, memsave-conv or both (repeatable; default: both).",
             show_default=False,

@@ -55,3 +55,15 @@ def test_two_outputs_to_one_file_are_refused(runner, tmp_path, args, first, seco
     path = str(tmp_path / "out.json")
     line = one_error_line(runner.invoke(app, [a.format(p=path) for a in args]))
     assert line == f"error: {first} and {second} both name {path}; give each its own file"
+
+
+def test_option_names_do_not_depend_on_the_typer_version():
+    """Typer before 0.29 named an option whose metavar spells its parameter in capitals after
+    the metavar (``--CASE``), so ``--case`` was refused on the GPU machines: the names are
+    given explicitly."""
+    import typer
+
+    command = typer.main.get_command(app)
+    for name in ("profile", "fit"):
+        options = {o for p in command.commands[name].params for o in getattr(p, "opts", ())}
+        assert {"--case", "--impl"} <= options, sorted(options)
