@@ -62,7 +62,7 @@ def like_strides(x: Tensor) -> tuple[int, ...]:
     """The strides of ``torch.empty_like(x)``: ``x``'s own where it is non-overlapping and
     dense, else its suggested memory format's (channels-last or row-major)."""
     shape, strides = tuple(x.shape), tuple(x.stride())
-    if _dense(shape, strides):
+    if x.is_contiguous() or _dense(shape, strides):  # the first, one C call: every layer's case
         return strides
     if suggest_memory_format(x) == torch.contiguous_format:
         return contiguous_strides(shape)
