@@ -5,10 +5,11 @@
 #
 # 1. The acceptance (benchmarks/gpu_acceptance): the C++ nodes' launch check first, then every
 #    drop-in bit for bit on CUDA, saved bytes against meta, per-layer and per-model time.
-# 2. benchmarks/cpp_node_probe: memsave's C++ nodes against Python Functions and the probe's
+# 2. benchmarks/cuda_step_profile: host time against kernel time of one step, stock, memsave
+#    and memsave's convolutions or activations alone taking turns, with the Python profile of
+#    each and their timelines (traces/, read here with python -m benchmarks.trace_gaps).
+# 3. benchmarks/cpp_node_probe: memsave's C++ nodes against Python Functions and the probe's
 #    nodes on ResNet-101 (input case), each variant's input gradient against stock's.
-# 3. benchmarks/cuda_step_profile: host time against kernel time of one step, with the Python
-#    profile of memsave's step.
 # Each step has a time limit so that the three fit one 600-s call (the acceptance's budget
 # leaves it about 90 s for building the C++ nodes, checking their launches and its workers'
 # start); a step that fails leaves the others to run. Afterwards, here: python -m benchmarks.gpu_acceptance --unpack
@@ -16,16 +17,19 @@
 set -u
 out="${OUT:?set OUT to the folder the results go to}"
 export PYTHONUNBUFFERED=1
-nvidia-smi > "$out/nvidia-smi.txt" 2>&1
+# At most 8 files come back from a lease: nvidia-smi's view and the exit codes share lease.txt,
+# and the timelines travel as one archive.
+nvidia-smi > "$out/lease.txt" 2>&1
 run() {
     local name=$1 limit=$2
     shift 2
     echo "== $name (at most $limit s)"
     timeout "$limit" python3 "$@" > "$out/$name.log" 2>&1
-    echo "$name: exit $?" | tee -a "$out/exits.txt"
+    echo "$name: exit $?" | tee -a "$out/lease.txt"
     tail -5 "$out/$name.log"
 }
 run gpu_acceptance 380 -m benchmarks.gpu_acceptance --budget 290 --out "$out/gpu_acceptance.json"
-run cpp_node_probe 140 -m benchmarks.cpp_node_probe --out "$out/cpp_node_probe.json"
-run cuda_step_profile 60 -m benchmarks.cuda_step_profile --python-profile 5 \
-    --out "$out/cuda_step_profile.json"
+run cuda_step_profile 110 -m benchmarks.cuda_step_profile --families --rounds 9 \
+    --python-profile 5 --trace "$out/traces" --out "$out/cuda_step_profile.json"
+run cpp_node_probe 90 -m benchmarks.cpp_node_probe --rounds 9 --out "$out/cpp_node_probe.json"
+if [ -d "$out/traces" ]; then tar -C "$out" -cf "$out/traces.tar" traces && rm -r "$out/traces"; fi

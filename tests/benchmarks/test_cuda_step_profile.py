@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gzip
+import json
 import sys
 
 import pytest
@@ -58,3 +60,57 @@ def test_python_top_names_the_functions_a_step_spends_its_time_in() -> None:
     own = {name.rsplit("(", 1)[-1]: (calls, ms) for name, calls, ms, _ in rows}
     assert own["busy)"][0] == 6
     assert all(ms >= 0 for _, ms in own.values())
+
+
+def test_alternate_reverses_the_order_every_round_and_compares_with_the_first(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Implementations take turns, the order reversed every round, so that a drifting host
+    favours none; ratios are per round, to the first implementation's."""
+    ran: list[str] = []
+    seconds = {"stock": (0.010, 0.002, 0.004), "memsave": (0.012, 0.003, 0.005)}
+
+    def timed(step: cuda_step_profile.Step) -> tuple[float, float, float]:
+        step()
+        return seconds[ran[-1]]
+
+    monkeypatch.setattr(cuda_step_profile, "_timed", timed)
+    for name in ("synchronize", "reset_peak_memory_stats"):
+        monkeypatch.setattr(torch.cuda, name, lambda: None)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda: 2**20 * len(ran))
+    steps = {
+        impl: cuda_step_profile.Step(lambda impl=impl: ran.append(impl), lambda _: None)
+        for impl in ("stock", "memsave")
+    }
+    rows = cuda_step_profile.alternate(steps, rounds=4)
+    timed_runs = ran[6:]  # after three warm-up steps of each
+    assert timed_runs == ["stock", "memsave", "memsave", "stock"] * 2
+    assert rows["stock"]["host_forward_ms"] == pytest.approx(2.0)
+    assert rows["memsave"]["host_ms"] == pytest.approx(8.0)
+    assert rows["memsave"]["step_ratio"] == pytest.approx(1.2)
+    assert rows["memsave"]["host_ratio"] == pytest.approx(8.0 / 6.0)
+    assert "step_ratio" not in rows["stock"]
+    # Each peak is that of its last step, the largest here: the 13th run for memsave.
+    assert (rows["memsave"]["peak_mib"], rows["stock"]["peak_mib"]) == (13, 14)
+
+
+def test_families_convert_one_family_only() -> None:
+    """``--families`` adds models converted in one family: the convolutions, or the
+    activations, and nothing else."""
+    conv = cuda_step_profile.model_step("resnet18", "input", 1, "memsave-conv", device="cpu")
+    relu = cuda_step_profile.model_step("resnet18", "input", 1, "memsave-activation", device="cpu")
+    for step, converted, stock in ((conv, "conv1", "relu"), (relu, "relu", "conv1")):
+        assert type(getattr(step.module, converted)).__name__.startswith("MemSave")
+        assert not type(getattr(step.module, stock)).__name__.startswith("MemSave")
+
+
+def test_the_trace_is_written_gzipped(tmp_path) -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        torch.ones(3).add_(1)
+    path = tmp_path / "step.json.gz"
+    cuda_step_profile._write_trace(prof, str(path))
+    with gzip.open(path) as handle:
+        events = json.load(handle)["traceEvents"]
+    assert any(event.get("name") == "aten::add_" for event in events)
