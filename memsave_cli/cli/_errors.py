@@ -33,7 +33,7 @@ def reported_errors(ctx: typer.Context | None, debug: bool = False) -> Iterator[
     debug = debug_requested(ctx, debug)
     try:
         yield
-    except (typer.Exit, typer.Abort, typer.TyperException):
+    except _PASSED_ON:
         raise
     except KeyboardInterrupt:
         _say("interrupted")
@@ -54,16 +54,28 @@ _CLICK_ERROR = next(c for c in typer.BadParameter.__mro__ if c.__name__ == "Clic
 _NO_ARGS = getattr(sys.modules[_CLICK_ERROR.__module__], "NoArgsIsHelpError", ())
 
 
+#: What a command body raises for Click to handle: exits, aborts, Click's errors, and typer's own
+#: (``TyperException``, since typer 0.2x).
+_PASSED_ON = (
+    typer.Exit,
+    typer.Abort,
+    _CLICK_ERROR,
+    *((typer.TyperException,) if hasattr(typer, "TyperException") else ()),
+)
+
+
 class OneLineUsageErrors(TyperGroup):
     """The ``memsave`` group: a command line Click cannot parse (an unknown option, a missing
     argument, a value that is not one of the choices) is one line on stderr and exit 2, as every
     other bad input, instead of Click's usage and a framed message."""
 
-    def main(self, *args: Any, standalone_mode: bool = True, **kwargs: Any) -> Any:
+    def main(
+        self, args: Any = None, *rest: Any, standalone_mode: bool = True, **kwargs: Any
+    ) -> Any:
         if not standalone_mode:
-            return super().main(*args, standalone_mode=False, **kwargs)
+            return super().main(args, *rest, standalone_mode=False, **kwargs)
         try:
-            code = super().main(*args, standalone_mode=False, **kwargs)
+            code = super().main(args, *rest, standalone_mode=False, **kwargs)
         except _NO_ARGS:  # the help is the answer, already printed
             sys.exit(USAGE_EXIT)
         except _CLICK_ERROR as exc:
@@ -72,6 +84,10 @@ class OneLineUsageErrors(TyperGroup):
         except typer.Abort:
             _say("aborted")
             sys.exit(1)
+        if not (sys.argv[1:] if args is None else args):
+            # The help, printed without a command; Click before 8.2 (typer before 0.16's) ends
+            # that with code 0, later ones by NoArgsIsHelpError above.
+            sys.exit(USAGE_EXIT)
         sys.exit(code if isinstance(code, int) else 0)
 
 

@@ -67,3 +67,19 @@ def test_option_names_do_not_depend_on_the_typer_version():
     for name in ("profile", "fit"):
         options = {o for p in command.commands[name].params for o in getattr(p, "opts", ())}
         assert {"--case", "--impl"} <= options, sorted(options)
+
+
+def test_help_for_no_command_exits_2_on_every_click(monkeypatch):
+    """Click before 8.2 (under typer before 0.16) prints the help of a bare ``memsave`` and
+    returns 0, where later ones raise: both end in exit 2."""
+    from typer.core import TyperGroup
+
+    from memsave_cli.cli._errors import OneLineUsageErrors
+
+    monkeypatch.setattr(TyperGroup, "main", lambda self, *args, **kwargs: 0)
+    with pytest.raises(SystemExit) as exited:
+        OneLineUsageErrors(name="memsave").main([])
+    assert exited.value.code == 2
+    with pytest.raises(SystemExit) as exited:
+        OneLineUsageErrors(name="memsave").main(["layers"])
+    assert exited.value.code == 0
