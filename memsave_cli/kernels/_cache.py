@@ -50,6 +50,8 @@ def existing(name: str) -> Path | None:
     """The library ``name`` where :func:`writable` would put it, if it is there (and safe)."""
     for directory in directories():
         if not directory.is_dir():
+            if _creatable(directory):
+                return None  # the directory it would be built in, once created
             continue
         check(directory)
         path = directory / name
@@ -59,6 +61,15 @@ def existing(name: str) -> Path | None:
         if os.access(directory, os.W_OK | os.X_OK):
             return None  # the directory it would be built in
     return None
+
+
+def _creatable(directory: Path) -> bool:
+    """Whether :func:`writable` could create ``directory``: its nearest existing ancestor is a
+    directory this user may write in (asked without creating anything)."""
+    parent = directory.parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    return parent.is_dir() and os.access(parent, os.W_OK | os.X_OK)
 
 
 def directories() -> list[Path]:

@@ -102,3 +102,23 @@ def test_refused_cache_leaves_layers_exact(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stderr
     assert "is writable by group or others" in result.stdout
     assert list(unsafe.iterdir()) == []
+
+
+@posix_only
+def test_a_configured_cache_yet_to_be_made_comes_before_the_fallback(
+    cache_dir: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The temporary directory's cache stands in only where the configured one cannot be
+    made: a library left there is not what a fresh (creatable) configured cache holds, so
+    nothing reports it as built or loads it from there."""
+    monkeypatch.setattr(_cache.tempfile, "tempdir", str(tmp_path / "tmp"))
+    fallback = tmp_path / "tmp" / f"memsave-native-{os.getuid()}"
+    fallback.mkdir(parents=True, mode=0o700)
+    (fallback / "lib.so").write_bytes(b"")
+    os.chmod(fallback / "lib.so", 0o600)
+    assert _cache.existing("lib.so") is None
+    assert _cache.writable() == cache_dir and cache_dir.is_dir()
+    blocked = tmp_path / "file"
+    blocked.write_text("")
+    monkeypatch.setenv("MEMSAVE_CACHE_DIR", str(blocked / "cache"))  # cannot be made
+    assert _cache.existing("lib.so") == fallback / "lib.so"
