@@ -20,6 +20,7 @@ from memsave_cli.lora import apply_lora
 from memsave_cli.loss import loss_of
 from memsave_cli.meta_autocast import DTYPES as AUTOCAST_DTYPES
 from memsave_cli.meta_autocast import step_autocast
+from memsave_cli.same_draws import pin_dropout_draws, seeded_step
 from memsave_cli.specs import build_model
 
 if TYPE_CHECKING:
@@ -64,6 +65,7 @@ def prepare(job: Job, model: nn.Module | None = None, world: fsdp.World | None =
             if isinstance(module, nn.modules.batchnorm._BatchNorm):
                 module.eval()
     apply_case(model, job.case)
+    pin_dropout_draws(model)  # NOTE [the same network in both runs]
     if world is not None:
         model = world.shard(model, job.reshard)
     example = _example(job, model, dtype, device)
@@ -118,14 +120,15 @@ def train_step(prepared: Prepared, after_forward: Callable[[], None] = lambda: N
 
     The output is dropped once the loss is computed, so only what autograd saved outlives it.
     """
-    with step_autocast(prepared.device, prepared.autocast):
-        output = prepared.model(*prepared.example.args, **prepared.example.kwargs)
-        after_forward()
-        loss = loss_of(output)
-        del output
-    if loss.requires_grad:  # the "none" case has nothing to differentiate
-        loss.backward()
-    del loss
+    with seeded_step(prepared.device):  # NOTE [the same network in both runs]
+        with step_autocast(prepared.device, prepared.autocast):
+            output = prepared.model(*prepared.example.args, **prepared.example.kwargs)
+            after_forward()
+            loss = loss_of(output)
+            del output
+        if loss.requires_grad:  # the "none" case has nothing to differentiate
+            loss.backward()
+        del loss
     if prepared.optimizer is not None:
         prepared.optimizer.step()
 

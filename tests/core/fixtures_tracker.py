@@ -288,3 +288,28 @@ def small_transformer() -> nn.Module:
 
 def small_transformer_inputs(batch_size: int) -> torch.Tensor:
     return torch.randn(batch_size, 12, 32)
+
+
+class LayerDropNet(nn.Module):
+    """Eight blocks of dropout then a layer each skips in training when ``torch.rand([])`` falls
+    below one half (LayerDrop, as wav2vec 2.0 skips encoder layers)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.drops = nn.ModuleList(nn.Dropout(0.1) for _ in range(8))
+        self.layers = nn.ModuleList(nn.Linear(16, 16) for _ in range(8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for drop, layer in zip(self.drops, self.layers, strict=True):
+            x = drop(x)
+            if not self.training or torch.rand([]) >= 0.5:
+                x = layer(x)
+        return x
+
+
+def layer_drop_net() -> nn.Module:
+    return LayerDropNet()
+
+
+def layer_drop_net_inputs(batch_size: int) -> torch.Tensor:
+    return torch.randn(batch_size, 16)

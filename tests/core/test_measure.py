@@ -16,7 +16,7 @@ from memsave_cli.measure import NEEDS_REAL_DATA, Job, build_native, measure
 from memsave_cli.meta_attention import attention_kernels
 from memsave_cli.report import LayerSaved, Status
 from memsave_cli.specs import parse_spec
-from memsave_cli.step import prepare
+from memsave_cli.step import prepare, train_step
 from memsave_cli.tracker import round_bytes
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -347,3 +347,33 @@ def test_nodes_and_functions_save_the_same(
     assert with_nodes.ok and with_functions.ok, (with_nodes.error, with_functions.error)
     assert memory(with_nodes) == memory(with_functions)
     assert with_nodes.saved_bytes < measure(job("small_cnn", case, bn_eval=bn_eval)).saved_bytes
+
+
+@pytest.mark.parametrize("device", ["cpu", "meta"])
+def test_stock_and_memsave_run_the_same_random_branches(device: str) -> None:
+    """NOTE [the same network in both runs]: stock's dropout and memsave's draw differently, so
+    a model that skips layers at random (LayerDrop) ran other layers in the two runs, and the
+    comparison was of two networks. The same layers run now, and in every step."""
+    ran: dict[str, list[list[int]]] = {}
+    for impl in ("stock", "memsave"):
+        prepared = prepare(replace(job("layer_drop_net", "all", device), impl=impl))
+        steps: list[list[int]] = []
+        for index, layer in enumerate(prepared.model.layers):
+            layer.register_forward_hook(lambda *_, i=index, s=steps: s[-1].append(i))
+        for _ in range(3):
+            steps.append([])
+            train_step(prepared)
+        ran[impl] = steps
+    assert ran["stock"] == ran["memsave"]
+    assert all(step == ran["stock"][0] for step in ran["stock"])
+    assert 0 < len(ran["stock"][0]) < 8  # some layers were skipped, some ran
+
+
+def test_a_step_leaves_the_callers_generator_alone() -> None:
+    """Steps start from one seeded state and give the caller's generator back as it was."""
+    prepared = prepare(replace(job("layer_drop_net", "all", "cpu"), impl="memsave"))
+    torch.manual_seed(1234)
+    expected = torch.rand(3)
+    torch.manual_seed(1234)
+    train_step(prepared)
+    assert torch.equal(torch.rand(3), expected)
