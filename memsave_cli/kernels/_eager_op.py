@@ -28,6 +28,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from memsave_cli.kernels._rerun import always_rerun
+
 #: Tensor types the implementations may be handed directly (concrete sizes, no dispatch logic).
 _PLAIN = (Tensor, nn.Parameter)
 _dispatch_modes = torch._C._len_torch_dispatch_stack
@@ -88,4 +90,7 @@ def register(
     library.impl(name, implementations["cuda"], "CUDA")
     library.impl(name, reference, "CompositeExplicitAutograd")
     torch.library.register_fake(f"memsave::{name}", fake, lib=library)
-    return EagerOp(getattr(torch.ops.memsave, name).default, implementations)
+    op = getattr(torch.ops.memsave, name).default
+    if any(arg.alias_info is not None and arg.alias_info.is_write for arg in op._schema.arguments):
+        always_rerun(op)  # NOTE [ops that write into their arguments under selective checkpointing]
+    return EagerOp(op, implementations)
