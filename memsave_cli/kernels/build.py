@@ -134,12 +134,49 @@ def build(recipe: Recipe, root: Path | None = None) -> Path:
     name = _file_name(recipe, compiler)
     directory = root if root is not None else _cache.writable()
     _cache.check(directory)  # NOTE [a safe library cache]
-    if not (directory / name).is_file():
+    target = directory / name
+    if not _intact(target):
         with _exclusive(directory / f"{name}.lock"):
-            if not (directory / name).is_file():  # else another process built it meanwhile
-                _compile(compiler, recipe, directory / name)
-    _cache.check(directory / name)
-    return directory / name
+            if not _intact(target):  # else another process built it meanwhile
+                _compile(compiler, recipe, target)
+    _cache.check(target)
+    return target
+
+
+# NOTE [a cached library is checked before it is loaded]: loading a shared library maps it, and a
+# file cut short (a copy of the cache interrupted, a machine that stopped before the file reached
+# the disk) kills the process with SIGBUS the moment the loader reads past its end: no error, no
+# fallback, and every later process dies alike while the file stays. So every library is written
+# with a digest beside it (``<library>.sha256``, written first, both synced before they are renamed
+# into place), and one whose digest is missing or differs is compiled again instead of loaded.
+
+
+def _digest_path(library: Path) -> Path:
+    return library.with_name(f"{library.name}.sha256")
+
+
+def _intact(library: Path) -> bool:
+    """Whether ``library`` exists and matches the digest written beside it (NOTE above)."""
+    try:
+        expected = _digest_path(library).read_text().strip()
+        return hashlib.sha256(library.read_bytes()).hexdigest() == expected
+    except OSError:
+        return False
+
+
+def _write_synced(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` through a synced temporary file renamed into place."""
+    handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f"{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(handle, "wb") as stream:
+            stream.write(data)
+            stream.flush()
+            os.fsync(stream.fileno())
+        os.chmod(temporary, 0o600)
+        os.replace(temporary, path)
+    finally:
+        if os.path.exists(temporary):
+            os.unlink(temporary)
 
 
 @contextlib.contextmanager
@@ -165,10 +202,11 @@ def _exclusive(lock: Path) -> Iterator[None]:
 
 
 def cached(recipe: Recipe) -> Path | None:
-    """Where the library ``recipe`` builds is cached, or None; compiles nothing."""
-    return _cache.existing(
+    """Where the library ``recipe`` builds is cached intact, or None; compiles nothing."""
+    path = _cache.existing(
         _file_name(recipe, _compiler(recipe.compiler_variable, recipe.compilers))
     )
+    return path if path is not None and _intact(path) else None
 
 
 def _file_name(recipe: Recipe, compiler: list[str]) -> str:
@@ -228,6 +266,11 @@ def _compile(compiler: list[str], recipe: Recipe, target: Path) -> None:
                 f"compile failed ({compiler[0]} exited with {result.returncode}): {reason}"
             )
         os.chmod(temporary, 0o700)  # whatever the umask: only this user may write it
+        compiled = Path(temporary).read_bytes()
+        with open(temporary, "rb") as stream:
+            os.fsync(stream.fileno())
+        # NOTE [a cached library is checked before it is loaded]: the digest first.
+        _write_synced(_digest_path(target), hashlib.sha256(compiled).hexdigest().encode())
         os.replace(temporary, target)
     except subprocess.TimeoutExpired as error:
         raise _Unavailable(f"compile timed out after {_COMPILE_TIMEOUT_S} s") from error

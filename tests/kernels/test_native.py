@@ -200,7 +200,7 @@ def test_concurrent_builds_share_one_library(
     (path,) = set(paths)
     assert compiles == [path]
     left = sorted(p.name for p in path.parent.iterdir())
-    assert left == [path.name, f"{path.name}.lock"]  # no temporary left
+    assert left == [path.name, f"{path.name}.lock", f"{path.name}.sha256"]  # no temporary left
     modified = path.stat().st_mtime_ns
     assert build._build() == path and path.stat().st_mtime_ns == modified  # cached
     assert build._bind(path).memsave_isa() in (b"avx2", b"generic")
@@ -221,6 +221,24 @@ def test_unwritable_cache_falls_back_to_one_directory_per_user(
     assert path.parent == fresh_load / f"memsave-native-{os.getuid()}"
     assert stat.S_IMODE(path.parent.stat().st_mode) == 0o700
     assert build.cached(build.KERNELS) == path  # found there again, not compiled again
+
+
+@requires_native
+def test_a_cached_library_cut_short_is_compiled_again(fresh_load: Path) -> None:
+    """NOTE [a cached library is checked before it is loaded]: a truncated library killed every
+    process that loaded it (SIGBUS); it is compiled again now, in a process that loads it."""
+    path = build._build()
+    intact = path.read_bytes()
+    path.write_bytes(intact[: len(intact) // 3])
+    assert build.cached(build.KERNELS) is None
+    script = "from memsave_cli.kernels import native; print(native.status())"
+    root = str(Path(build.__file__).parents[2])  # the package's, installed or not
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert done.returncode == 0 and "loaded from" in done.stdout, (done.returncode, done.stderr)
+    assert path.read_bytes() == intact and build.cached(build.KERNELS) == path
 
 
 # -------------------------------------------------------------------------------------------
