@@ -218,7 +218,10 @@ def _compiler(variable: str = "CC", names: tuple[str, ...] = KERNELS.compilers) 
     on the path."""
     choice = os.environ.get(variable, "").strip()
     for candidate in [choice] if choice else names:
-        argv = shlex.split(candidate)
+        try:
+            argv = shlex.split(candidate)
+        except ValueError as error:  # an unbalanced quote
+            raise _Unavailable(f"cannot read {variable}={candidate!r}: {error}") from None
         found = shutil.which(argv[0]) if argv else None
         if found:
             return [found, *argv[1:]]

@@ -129,6 +129,8 @@ def _needs_memsave(input: Tensor, p: float, training: bool, inplace: bool) -> bo
         return False  # stock raises its own error for an in-place op on such a leaf
     if not (training and 0.0 < p < 1.0 and input.numel() > 0 and functions_run(input)):
         return False
+    if input.is_complex():
+        return False  # stock's bernoulli_ refuses complex inputs, and so stock runs to say so
     return not graph_capturing(input)  # NOTE [random layers under CUDA graph capture]
 
 

@@ -158,8 +158,12 @@ def fresh_load(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
 
 @pytest.mark.parametrize(
     ("compiler", "reason"),
-    [("/bin/false", "compile failed"), ("/nonexistent/cc", "compiler not found")],
-    ids=["failing", "missing"],
+    [
+        ("/bin/false", "compile failed"),
+        ("/nonexistent/cc", "compiler not found"),
+        ('"', "cannot read CC='\"'"),
+    ],
+    ids=["failing", "missing", "unparsable"],
 )
 def test_broken_compiler_falls_back_silently(
     fresh_load: Path,

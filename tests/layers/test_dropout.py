@@ -12,6 +12,7 @@ from torch import Tensor, nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.testing import assert_close
 
+from memsave_cli.layers import convert
 from memsave_cli.layers.dropout import (
     MemSaveDropout,
     MemSaveDropout1d,
@@ -380,3 +381,14 @@ def test_gradient_lays_out_as_stock(make, shape: tuple, feature: bool, inplace: 
         (grad,) = torch.autograd.grad(out, leaf, torch.ones(()).expand(out.shape))
         strides.append((out.stride(), grad.stride()))
     assert strides[0] == strides[1]
+
+
+@pytest.mark.parametrize("layer", [nn.Dropout, nn.Dropout2d])
+def test_complex_input_is_refused_as_stock_refuses(layer) -> None:
+    """Stock's dropout has no complex kernel; the drop-in had run one of its own."""
+    x = torch.randn(2, 3, 4, 4, dtype=torch.complex64, requires_grad=True)
+    with pytest.raises(NotImplementedError) as stock:
+        layer(0.5)(x)
+    with pytest.raises(NotImplementedError) as memsave:
+        convert(layer(0.5))(x)
+    assert str(memsave.value) == str(stock.value)
