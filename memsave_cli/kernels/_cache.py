@@ -24,8 +24,9 @@ class Unavailable(Exception):
 def configured() -> Path | None:
     """The cache directory by precedence: ``$MEMSAVE_CACHE_DIR``, ``$XDG_CACHE_HOME/memsave``,
     ``~/.cache/memsave``; None without a home directory."""
-    if os.environ.get("MEMSAVE_CACHE_DIR"):
-        return Path(os.environ["MEMSAVE_CACHE_DIR"])
+    chosen = os.environ.get("MEMSAVE_CACHE_DIR", "").strip()
+    if chosen:  # "~" as a shell would expand it; blank is unset (it made a folder named " ")
+        return Path(os.path.expanduser(chosen))
     if os.environ.get("XDG_CACHE_HOME"):
         return Path(os.environ["XDG_CACHE_HOME"]) / "memsave"
     home = os.path.expanduser("~")

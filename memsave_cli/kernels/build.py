@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 
 from memsave_cli.kernels import _cache
+from memsave_cli.kernels._switches import switched_off
 
 #: The C source compiled on first use.
 SOURCE = Path(__file__).with_name("native.c")
@@ -87,8 +88,9 @@ def loaded() -> _Loaded:
 
 def _load() -> _Loaded:
     """Build and bind the library, turning every failure into a status line."""
-    if os.environ.get("MEMSAVE_NATIVE", "").strip() == "0":
-        return _Loaded(None, "native kernels: disabled by MEMSAVE_NATIVE=0")
+    setting = switched_off("MEMSAVE_NATIVE")
+    if setting is not None:
+        return _Loaded(None, f"native kernels: disabled by {setting}")
     try:
         path = _build()
         library = _bind(path)

@@ -16,7 +16,6 @@ from __future__ import annotations
 import ctypes
 import importlib.machinery
 import importlib.util
-import os
 import sys
 import sysconfig
 import threading
@@ -30,6 +29,7 @@ from torch import Tensor, nn
 
 from memsave_cli.kernels import build as builder
 from memsave_cli.kernels._recording import plain_eager
+from memsave_cli.kernels._switches import switched_off
 
 #: The C++ source compiled on first use.
 SOURCE = Path(__file__).with_name("nodes.cpp")
@@ -70,8 +70,9 @@ _LOADED: list[tuple[Nodes | None, str]] = []
 def _disabled() -> str | None:
     """Why the environment switches the nodes off, or None."""
     for variable in ("MEMSAVE_NATIVE", "MEMSAVE_NODES"):
-        if os.environ.get(variable, "").strip() == "0":
-            return f"C++ nodes: disabled by {variable}=0"
+        setting = switched_off(variable)
+        if setting is not None:
+            return f"C++ nodes: disabled by {setting}"
     return None
 
 

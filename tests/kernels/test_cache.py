@@ -122,3 +122,14 @@ def test_a_configured_cache_yet_to_be_made_comes_before_the_fallback(
     blocked.write_text("")
     monkeypatch.setenv("MEMSAVE_CACHE_DIR", str(blocked / "cache"))  # cannot be made
     assert _cache.existing("lib.so") == fallback / "lib.so"
+
+
+def test_the_cache_variable_is_read_as_a_shell_would(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``~`` is the home directory and a blank value is no value (it had made folders named
+    "~" and " " in the working directory)."""
+    monkeypatch.setenv("HOME", "/home/someone")
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+    monkeypatch.setenv("MEMSAVE_CACHE_DIR", " ~/kernels ")
+    assert _cache.configured() == Path("/home/someone/kernels")
+    monkeypatch.setenv("MEMSAVE_CACHE_DIR", "  ")
+    assert _cache.configured() == Path("/home/someone/.cache/memsave")

@@ -30,10 +30,11 @@ def test_status_is_one_line_either_way(monkeypatch: pytest.MonkeyPatch) -> None:
     assert "\n" not in kernels.status()
 
 
-def test_memsave_triton_0_turns_them_off(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("off", ["0", "false"])
+def test_memsave_triton_0_turns_them_off(monkeypatch: pytest.MonkeyPatch, off: str) -> None:
     """``MEMSAVE_TRITON=0`` turns the kernels off even where they could run, read at each call."""
-    monkeypatch.setenv("MEMSAVE_TRITON", "0")
-    assert not kernels.available() and "MEMSAVE_TRITON=0" in kernels.status()
+    monkeypatch.setenv("MEMSAVE_TRITON", off)
+    assert not kernels.available() and f"MEMSAVE_TRITON={off}" in kernels.status()
     monkeypatch.setenv("MEMSAVE_TRITON", "1")
     assert kernels.available() == (kernels._triton_version() is not None)
 

@@ -14,6 +14,8 @@ import functools
 import importlib.util
 import os
 
+from memsave_cli.kernels._switches import switched_off
+
 
 def available() -> bool:
     """Whether the Triton kernels can run here: triton imports, and CUDA or the interpreter serves."""
@@ -36,8 +38,9 @@ def interpreting() -> bool:
 
 def _reason() -> str | None:
     """Why the kernels cannot run, or None when they can."""
-    if os.environ.get("MEMSAVE_TRITON", "").strip() == "0":
-        return "disabled by MEMSAVE_TRITON=0 (the layers run on torch operations)"
+    setting = switched_off("MEMSAVE_TRITON")
+    if setting is not None:
+        return f"disabled by {setting} (the layers run on torch operations)"
     version = _triton_version()
     if version is None:
         return (

@@ -14,13 +14,13 @@ Python op.
 
 from __future__ import annotations
 
-import os
 from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
 
 from memsave_cli.kernels import nodes
+from memsave_cli.kernels._switches import switched_off
 from memsave_cli.kernels.triton._launch import block
 
 #: Counts above this take a kernel specialised for 64-bit sizes: never registered.
@@ -56,8 +56,9 @@ def offer(name: str, compiled: Any, tensors: tuple[Tensor, ...], numel: int) -> 
     key = (name, like.dtype, like.device.index, block(numel))
     if key in _OFFERED or any(t.data_ptr() % 16 for t in tensors):
         return
-    if os.environ.get("MEMSAVE_NODE_LAUNCH", "").strip() == "0":
-        _OFFERED[key] = "refused: MEMSAVE_NODE_LAUNCH=0"
+    setting = switched_off("MEMSAVE_NODE_LAUNCH")
+    if setting is not None:
+        _OFFERED[key] = f"refused: {setting}"
         return
     _OFFERED[key] = register(served, key, compiled)
 
