@@ -98,8 +98,10 @@ def _forget_tables() -> None:
 def build_native(jobs: Sequence[Job]) -> None:
     """Compile the native kernels (when a CPU job will use them) and the C++ nodes (when any
     memsave job will) here, so that each worker loads them from the cache instead of compiling
-    them inside its measured step. A first build of the nodes says so in one line on stderr.
-    Failures are left for the layers to report and fall back from."""
+    them inside its measured step. A first build of the nodes says so in one line on stderr, and
+    a failed one says why in another; the workers then take the layers' Python Functions without
+    compiling again (``MEMSAVE_NODES=0`` in this process's environment, which they inherit: a
+    full disk had each of them retry a compile of a minute)."""
     memsave_jobs = [job for job in jobs if job.impl != "stock"]
     if any(job.device == "cpu" for job in memsave_jobs):
         from memsave_cli.kernels import native
@@ -108,9 +110,16 @@ def build_native(jobs: Sequence[Job]) -> None:
     if memsave_jobs:
         from memsave_cli.kernels import nodes
 
-        if nodes.to_be_built():
+        building = nodes.to_be_built()
+        if building:
             print(f"memsave: building its C++ nodes ({nodes.BUILDING})", file=sys.stderr)
-        nodes.available()
+        if not nodes.available() and building:
+            print(
+                f"memsave: {nodes.status()}; memsave's layers take their Python Functions (the "
+                "same results and saved bytes, more host time)",
+                file=sys.stderr,
+            )
+            os.environ["MEMSAVE_NODES"] = "0"
 
 
 def check_job(job: Job) -> None:

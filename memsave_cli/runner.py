@@ -80,7 +80,7 @@ def run_jobs(
         while pending or active:
             while pending and len(active) < workers:
                 index, job = pending.popleft()
-                with _spawned_with(environment):
+                with _spawned_with(environment), _ctrl_c_ignored(environment is not None):
                     active.append(_Worker.start(context, index, job, target, timeout))
             _wait_any(active)
             for worker in list(active):
@@ -122,12 +122,20 @@ def _start_server_ignoring_ctrl_c() -> None:
     parent kills its workers when it stops (NOTE [worker protocol])."""
     from multiprocessing import forkserver
 
-    if threading.current_thread() is not threading.main_thread():
-        forkserver.ensure_running()  # only the main thread may change a signal's handler
+    with _ctrl_c_ignored():
+        forkserver.ensure_running()
+
+
+@contextmanager
+def _ctrl_c_ignored(ignored: bool = True) -> Iterator[None]:
+    """SIGINT ignored while processes start inside (the fork server, or a spawned worker, which
+    spends seconds importing torch: NOTE above); only the main thread may change a handler."""
+    if not ignored or threading.current_thread() is not threading.main_thread():
+        yield
         return
     previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
-        forkserver.ensure_running()
+        yield
     finally:
         signal.signal(signal.SIGINT, previous)
 

@@ -217,6 +217,9 @@ def behave(job) -> Run:
     action = job.spec.attr
     if action == "ok":
         return Run(job.case.label, job.impl, param_bytes=os.getpid(), saved_bytes=_preloaded())
+    if action == "sigint":  # whether the worker ignores Ctrl-C
+        ignored = signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+        return Run(job.case.label, job.impl, saved_bytes=int(ignored))
     if action == "nap":
         start = time.time()
         time.sleep(1.0)

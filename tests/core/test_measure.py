@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import replace
 
 import pytest
@@ -276,6 +277,28 @@ def test_native_code_is_built_before_cpu_memsave_workers(
     spec = parse_spec("torchvision:resnet18")
     build_native([Job(spec, resolve_case("all"), impl, device) for device, impl in jobs])
     assert calls == (["built"] if builds else [])
+
+
+@pytest.mark.parametrize("built", [True, False])
+def test_a_failed_build_of_the_nodes_is_said_once_and_not_retried_by_workers(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture, built: bool
+) -> None:
+    """A build that fails (a full disk) says why after its announcement, and the workers, which
+    inherit the environment, take the Python Functions instead of compiling again each."""
+    from memsave_cli.kernels import nodes
+
+    monkeypatch.delenv("MEMSAVE_NODES", raising=False)
+    monkeypatch.setattr(nodes, "to_be_built", lambda: True)
+    monkeypatch.setattr(nodes, "available", lambda: built)
+    monkeypatch.setattr(nodes, "status", lambda **_: "C++ nodes: compile failed (no space)")
+    build_native([Job(parse_spec("torchvision:resnet18"), resolve_case("all"), "memsave", "meta")])
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[0].startswith("memsave: building its C++ nodes")
+    if built:
+        assert len(lines) == 1 and "MEMSAVE_NODES" not in os.environ
+    else:
+        assert lines[1].startswith("memsave: C++ nodes: compile failed (no space); ")
+        assert os.environ["MEMSAVE_NODES"] == "0"
 
 
 def test_stock_dropout_on_meta_keeps_cudas_one_byte_mask() -> None:

@@ -180,3 +180,16 @@ def test_the_fork_server_ignores_ctrl_c() -> None:
     )
     assert ignored & (1 << (signal.SIGINT - 1))
     assert signal.getsignal(signal.SIGINT) is not signal.SIG_IGN  # the parent's is restored
+
+
+def test_a_spawned_worker_ignores_ctrl_c() -> None:
+    """A worker started as a fresh interpreter (the CPU timing worker) spends seconds importing
+    torch, where a Ctrl-C printed its KeyboardInterrupt traceback above the parent's one line."""
+    (run,) = run_jobs(
+        [behaviour("sigint")],
+        timeout=120,
+        target=fixtures_tracker.behave,
+        environment={"MEMSAVE_TEST": "1"},
+    )
+    assert run.ok and run.saved_bytes == 1, run.error
+    assert signal.getsignal(signal.SIGINT) is not signal.SIG_IGN  # the parent's is restored
