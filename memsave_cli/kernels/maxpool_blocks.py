@@ -28,6 +28,7 @@ from torch import Tensor
 
 from memsave_cli.kernels import maxpool as offset_ops
 from memsave_cli.kernels._layout import batched, is_eager, memory_format
+from memsave_cli.kernels._rerun import always_rerun
 from memsave_cli.kernels.maxpool_maps import index_maps, offset_dtype
 
 aten = torch.ops.aten
@@ -42,6 +43,10 @@ _KERNELS = {
     2: (aten.max_pool2d_with_indices.out, aten.max_pool2d_with_indices_backward.grad_input),
     3: (aten.max_pool3d_with_indices.out, aten.max_pool3d_with_indices_backward.grad_input),
 }
+for _forward, _ in _KERNELS.values():
+    always_rerun(
+        _forward
+    )  # NOTE [ops that write into their arguments under selective checkpointing]
 #: The pooling kernels that allocate their output (one block).
 _ALLOCATING = {2: aten.max_pool2d_with_indices.default, 3: aten.max_pool3d_with_indices.default}
 #: :func:`pool`'s word for a call that kept stock's int64 indices instead of window offsets.

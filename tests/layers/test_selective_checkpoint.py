@@ -81,3 +81,28 @@ def test_a_recomputed_region_is_the_plain_forward(policy: str, inplace: bool) ->
     selective = _step(model, POLICIES[policy])
     for expected, got in zip(plain, selective, strict=True):
         assert torch.equal(expected, got)
+
+
+def test_a_policy_saving_max_pooling_recomputes_its_blocks() -> None:
+    """Max pooling over more than a block of outputs on the CPU writes each block with ATen's
+    ``out=`` kernel, which a policy saving max pooling had cached and then found changed."""
+    torch.manual_seed(0)
+    stock = nn.Sequential(
+        nn.Conv2d(3, 16, 3, padding=1), nn.MaxPool2d(3, 2, 1), nn.Conv2d(16, 4, 1)
+    )
+    model = convert(stock)
+    policy = _saving(lambda name: "max_pool" in name)
+    x = torch.randn(8, 3, 128, 128, generator=torch.Generator().manual_seed(1), requires_grad=True)
+    grads = []
+    for chosen in (None, policy):
+        if chosen is None:
+            y = model(x)
+        else:
+            context = functools.partial(create_selective_checkpoint_contexts, chosen)
+            y = checkpoint(model, x, use_reentrant=False, context_fn=context)
+        y.square().sum().backward()
+        grads.append([y.detach(), x.grad.clone(), *(p.grad.clone() for p in model.parameters())])
+        x.grad = None
+        model.zero_grad(set_to_none=True)
+    for expected, got in zip(*grads, strict=True):
+        assert torch.equal(expected, got)
