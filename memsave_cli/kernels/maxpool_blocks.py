@@ -43,10 +43,9 @@ _KERNELS = {
     2: (aten.max_pool2d_with_indices.out, aten.max_pool2d_with_indices_backward.grad_input),
     3: (aten.max_pool3d_with_indices.out, aten.max_pool3d_with_indices_backward.grad_input),
 }
+# NOTE [ops that write into their arguments under selective checkpointing]
 for _forward, _ in _KERNELS.values():
-    always_rerun(
-        _forward
-    )  # NOTE [ops that write into their arguments under selective checkpointing]
+    always_rerun(_forward)
 #: The pooling kernels that allocate their output (one block).
 _ALLOCATING = {2: aten.max_pool2d_with_indices.default, 3: aten.max_pool3d_with_indices.default}
 #: :func:`pool`'s word for a call that kept stock's int64 indices instead of window offsets.
