@@ -99,9 +99,7 @@ def build_native(jobs: Sequence[Job]) -> None:
     """Compile the native kernels (when a CPU job will use them) and the C++ nodes (when any
     memsave job will) here, so that each worker loads them from the cache instead of compiling
     them inside its measured step. A first build of the nodes says so in one line on stderr, and
-    a failed one says why in another; the workers then take the layers' Python Functions without
-    compiling again (``MEMSAVE_NODES=0`` in this process's environment, which they inherit: a
-    full disk had each of them retry a compile of a minute)."""
+    a failed one says why in another (a full disk had failed every build without a word)."""
     memsave_jobs = [job for job in jobs if job.impl != "stock"]
     if any(job.device == "cpu" for job in memsave_jobs):
         from memsave_cli.kernels import native
@@ -119,7 +117,6 @@ def build_native(jobs: Sequence[Job]) -> None:
                 "same results and saved bytes, more host time)",
                 file=sys.stderr,
             )
-            os.environ["MEMSAVE_NODES"] = "0"
 
 
 def check_job(job: Job) -> None:

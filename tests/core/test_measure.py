@@ -280,11 +280,10 @@ def test_native_code_is_built_before_cpu_memsave_workers(
 
 
 @pytest.mark.parametrize("built", [True, False])
-def test_a_failed_build_of_the_nodes_is_said_once_and_not_retried_by_workers(
+def test_a_failed_build_of_the_nodes_is_said(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture, built: bool
 ) -> None:
-    """A build that fails (a full disk) says why after its announcement, and the workers, which
-    inherit the environment, take the Python Functions instead of compiling again each."""
+    """A build that fails (a full disk) says why after its announcement."""
     from memsave_cli.kernels import nodes
 
     monkeypatch.delenv("MEMSAVE_NODES", raising=False)
@@ -295,10 +294,10 @@ def test_a_failed_build_of_the_nodes_is_said_once_and_not_retried_by_workers(
     lines = capsys.readouterr().err.splitlines()
     assert lines[0].startswith("memsave: building its C++ nodes")
     if built:
-        assert len(lines) == 1 and "MEMSAVE_NODES" not in os.environ
+        assert len(lines) == 1
     else:
         assert lines[1].startswith("memsave: C++ nodes: compile failed (no space); ")
-        assert os.environ["MEMSAVE_NODES"] == "0"
+    assert "MEMSAVE_NODES" not in os.environ  # this process's environment is left alone
 
 
 def test_stock_dropout_on_meta_keeps_cudas_one_byte_mask() -> None:
