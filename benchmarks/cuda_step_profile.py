@@ -3,7 +3,7 @@
 A step slower under memsave is slower for one of three reasons: its kernels take longer on the
 device, the host issues them more slowly than the device runs them (the device idles between
 them), or the host waits for the device (a synchronisation serialises the two). The
-implementations run in turn, the order reversed every round (``benchmarks/alternating.py``), so
+implementations run in turn, the order reversed every round (``memsave_cli.timing.alternate``), so
 that a host whose speed drifts (the GPU machines' do, by 10% within a minute) favours none of
 them. For each step this prints, per implementation, the medians over ``--rounds`` rounds of:
 
@@ -61,6 +61,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from memsave_cli.cases import apply_case, resolve_case
 from memsave_cli.layers import convert
+from memsave_cli.timing import alternate as alternate_steps
 from memsave_cli.timing import median_iqr, round_ratios
 
 #: Runtime calls that may block the host: synchronisations, and copies (blocking when they go
@@ -152,9 +153,9 @@ def _timed(step: Step) -> tuple[float, float, float]:
 
 
 def alternate(steps: dict[str, Step], rounds: int) -> dict[str, dict]:
-    """Medians over ``rounds`` rounds, the order reversed every round, of each step's time and
-    host times, its allocator peak from the first step on, and for all but the first step the
-    medians and spreads of per-round ratios to the first's."""
+    """Medians over ``rounds`` rounds, taken in turn as ``memsave_cli.timing.alternate`` takes
+    them, of each step's time and host times, its allocator peak from the first step on, and for
+    all but the first step the medians and spreads of per-round ratios to the first's."""
     peaks = {}
     for impl, step in steps.items():
         torch.cuda.synchronize()
@@ -163,29 +164,33 @@ def alternate(steps: dict[str, Step], rounds: int) -> dict[str, dict]:
             step()
         torch.cuda.synchronize()
         peaks[impl] = torch.cuda.max_memory_allocated()
-    timed: dict[str, list[tuple[float, float, float]]] = {impl: [] for impl in steps}
-    order = list(steps.items())
-    for index in range(rounds):
-        for impl, step in order if index % 2 == 0 else order[::-1]:
+    hosts: dict[str, list[tuple[float, float]]] = {impl: [] for impl in steps}
+
+    def timed(impl: str) -> Callable[[], float]:
+        def run() -> float:
             torch.cuda.reset_peak_memory_stats()
-            timed[impl].append(_timed(step))
+            seconds, forward, backward = _timed(steps[impl])
             peaks[impl] = max(peaks[impl], torch.cuda.max_memory_allocated())
-    rows = {}
+            hosts[impl].append((forward, backward))
+            return seconds
+
+        return run
+
+    times = alternate_steps({impl: timed(impl) for impl in steps}, rounds, warmup=0)
     base = next(iter(steps))
-    for impl, times in timed.items():
-        step_s, forward_s, backward_s = (list(column) for column in zip(*times, strict=True))
-        host_s = [f + b for f, b in zip(forward_s, backward_s, strict=True)]
+    base_host = [f + b for f, b in hosts[base]]
+    rows = {}
+    for impl, step_s in times.items():
+        host_s = [f + b for f, b in hosts[impl]]
         row = {
             "step_ms": 1e3 * statistics.median(step_s),
             "host_ms": 1e3 * statistics.median(host_s),
-            "host_forward_ms": 1e3 * statistics.median(forward_s),
-            "host_backward_ms": 1e3 * statistics.median(backward_s),
+            "host_forward_ms": 1e3 * statistics.median(f for f, _ in hosts[impl]),
+            "host_backward_ms": 1e3 * statistics.median(b for _, b in hosts[impl]),
             "peak_mib": peaks[impl] / 2**20,
         }
         if impl != base:
-            base_step, base_forward, base_backward = zip(*timed[base], strict=True)
-            base_host = [f + b for f, b in zip(base_forward, base_backward, strict=True)]
-            for key, mine, theirs in (("step", step_s, base_step), ("host", host_s, base_host)):
+            for key, mine, theirs in (("step", step_s, times[base]), ("host", host_s, base_host)):
                 median, iqr = median_iqr(round_ratios(theirs, mine))
                 row[f"{key}_ratio"], row[f"{key}_ratio_iqr"] = median, iqr
         rows[impl] = row
