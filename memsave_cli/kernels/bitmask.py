@@ -198,7 +198,8 @@ def _pack_with_torch(flat: Tensor, scratch: bool) -> Tensor:
     words = flat.view(torch.int64)
     # Allocation unless ``scratch``: the products, whose top bytes are then copied out compactly.
     product = words.mul_(_GATHER) if scratch else words * _GATHER
-    return product.view(torch.uint8)[_TOP_BYTE::8].clone()
+    # One byte's view has the stride of eight, which clone would keep; the kernels' bits have 1.
+    return product.view(torch.uint8)[_TOP_BYTE::8].clone(memory_format=torch.contiguous_format)
 
 
 def _numpy_ready(tensor: Tensor) -> bool:
