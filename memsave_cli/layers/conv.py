@@ -278,13 +278,16 @@ def _use_memsave(module: Conv | ConvTranspose, x: Tensor) -> bool:
 
     That needs a recorded backward, a valid input, and not the case of the NOTE above.
     """
-    weight, bias = module.weight, module.bias
+    weight, bias = _weight_and_bias(module)
+    both = x.requires_grad and weight.requires_grad
+    if both and module.padding_mode not in _PAD_KERNELS:
+        return False  # asked first: most training calls end here, the questions below take us
     if not records_backward(x) or x.dim() not in (weight.dim() - 1, weight.dim()):
         return False
     if not x.is_floating_point():
         return False  # complex: stock decomposes it into real convolutions (integers: its error)
-    if x.requires_grad and weight.requires_grad:
-        return module.padding_mode in _PAD_KERNELS
+    if both:
+        return True
     return x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
 
 
