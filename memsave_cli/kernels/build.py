@@ -25,6 +25,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -140,9 +141,55 @@ def build(recipe: Recipe, root: Path | None = None) -> Path:
     if not _intact(target):
         with _exclusive(directory / f"{name}.lock"):
             if not _intact(target):  # else another process built it meanwhile
-                _compile(compiler, recipe, target)
+                _compile_unless_failed_lately(compiler, recipe, target)
     _cache.check(target)
     return target
+
+
+# NOTE [a failed build is not repeated at once]: a compile that fails (a full disk, a broken
+# compiler, the time limit) leaves ``<library>.failed`` beside where the library would go, holding
+# its reason. For ``RETRY_AFTER_S`` after that, a build of the same library (same sources, flags
+# and compiler: the name says so) in any process gives that reason at once instead of compiling
+# again; a success removes the file, and deleting it retries at once. A measurement's workers each
+# compiled again after the parent's build had failed: six compiles of the C++ nodes on a full
+# disk made a 24-s profile take 3 minutes, for the same fallback every time.
+RETRY_AFTER_S = 600
+
+
+def _failed_path(library: Path) -> Path:
+    return library.with_name(f"{library.name}.failed")
+
+
+def _compile_unless_failed_lately(compiler: list[str], recipe: Recipe, target: Path) -> None:
+    """``_compile``, unless it failed for this library less than ``RETRY_AFTER_S`` ago (NOTE
+    above): then that failure again, saying when it was and how to retry."""
+    marker = _failed_path(target)
+    try:
+        age = time.time() - marker.stat().st_mtime
+        reason = marker.read_text().strip() or "compile failed"
+    except OSError:
+        age = None
+    if age is not None and 0 <= age < RETRY_AFTER_S:
+        raise _Unavailable(
+            f"{reason} ({age:.0f} s ago; not compiled again for {RETRY_AFTER_S // 60} minutes "
+            f"after a failure, or once {marker} is deleted)"
+        )
+    try:
+        _compile(compiler, recipe, target)
+    except _Unavailable as error:
+        _mark_failed(marker, str(error))
+        raise
+    marker.unlink(missing_ok=True)
+
+
+def _mark_failed(marker: Path, reason: str) -> None:
+    """Leave ``reason`` in ``marker``; on a disk too full for it, an empty marker (an inode
+    only); where not even that can be made, nothing."""
+    try:
+        marker.write_text(reason + "\n")
+    except OSError:
+        with contextlib.suppress(OSError):
+            marker.touch()
 
 
 # NOTE [a cached library is checked before it is loaded]: loading a shared library maps it, and a

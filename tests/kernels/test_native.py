@@ -181,6 +181,69 @@ def test_broken_compiler_falls_back_silently(
         native.relu_pack(torch.ones(3), torch.empty(3), torch.empty(1, dtype=torch.uint8))
 
 
+def _counting_compiler(folder: Path, real: str | None = None) -> tuple[Path, Path]:
+    """A compiler script that logs each call and fails while ``folder/fail`` exists, else runs
+    ``real``; its path, and the log."""
+    log, script = folder / "calls.log", folder / "cc.sh"
+    run = f'exec {real} "$@"' if real else "exit 1"
+    script.write_text(f"#!/bin/sh\necho called >> {log}\n[ -e {folder}/fail ] && exit 1\n{run}\n")
+    script.chmod(0o755)
+    (folder / "fail").touch()
+    return script, log
+
+
+def _calls(log: Path) -> int:
+    return len(log.read_text().splitlines()) if log.exists() else 0
+
+
+def test_a_failed_build_is_not_repeated_at_once(
+    fresh_load: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """NOTE [a failed build is not repeated at once]: the next build in this process and in
+    another one gives the failure without compiling; after RETRY_AFTER_S, or once the marker is
+    deleted, it compiles again."""
+    script, log = _counting_compiler(fresh_load)
+    monkeypatch.setenv("CC", str(script))
+    with pytest.raises(build._Unavailable, match=r"^compile failed") as first:
+        build._build()
+    (marker,) = (fresh_load / "cache").glob("*.failed")
+    assert _calls(log) == 1 and marker.read_text().strip() == str(first.value)
+    with pytest.raises(build._Unavailable, match=r"^compile failed .* s ago; not compiled again"):
+        build._build()
+    code = "from memsave_cli.kernels import native; print(native.status())"
+    other = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=dict(os.environ)
+    )
+    assert "s ago; not compiled again" in other.stdout and str(marker) in other.stdout
+    assert _calls(log) == 1  # neither this process nor the other compiled again
+    past = marker.stat().st_mtime - build.RETRY_AFTER_S - 1
+    os.utime(marker, (past, past))
+    with pytest.raises(build._Unavailable, match=r"^compile failed .* exited with 1"):
+        build._build()
+    assert _calls(log) == 2
+    marker.unlink()
+    with pytest.raises(build._Unavailable, match=r"^compile failed .* exited with 1"):
+        build._build()
+    assert _calls(log) == 3
+
+
+@requires_native
+def test_a_build_that_succeeds_after_a_failure_clears_it(
+    fresh_load: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    script, log = _counting_compiler(fresh_load, real=build._compiler()[0])
+    monkeypatch.setenv("CC", str(script))
+    with pytest.raises(build._Unavailable):
+        build._build()
+    (marker,) = (fresh_load / "cache").glob("*.failed")
+    (fresh_load / "fail").unlink()  # the cause is gone
+    past = marker.stat().st_mtime - build.RETRY_AFTER_S - 1
+    os.utime(marker, (past, past))
+    path = build._build()
+    assert _calls(log) == 2 and build._intact(path) and not marker.exists()
+    assert build._build() == path and _calls(log) == 2  # cached
+
+
 @requires_native
 def test_concurrent_builds_share_one_library(
     fresh_load: Path, monkeypatch: pytest.MonkeyPatch
