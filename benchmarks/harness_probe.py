@@ -1,6 +1,6 @@
 """Why does the acceptance time memsave's convolutions slower than the C++ node probe does?
 
-On an H200 (stop 37), ResNet-101 in the ``input`` case, memsave's convolutions alone took
+On an H200 (2026-11-28), ResNet-101 in the ``input`` case, memsave's convolutions alone took
 1.083x stock's step in the GPU acceptance (``memsave profile``'s ``prepare`` and
 ``train_step``, in a worker) and 1.005x in ``cpp_node_probe`` (``model(x).sum().backward()``,
 in the calling process), with equal kernel time. This runs both harnesses in one process,
