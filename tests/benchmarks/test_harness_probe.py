@@ -3,24 +3,8 @@ without a CUDA device it says so in one line."""
 
 from __future__ import annotations
 
-import sys
-
-import pytest
-import torch
-
 from benchmarks import harness_probe
 from memsave_cli.cases import resolve_case
-
-
-def test_without_cuda_it_says_so(
-    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture, tmp_path
-) -> None:
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    out = tmp_path / "probe.json"
-    monkeypatch.setattr(sys, "argv", ["harness_probe", "--out", str(out)])
-    harness_probe.main()
-    assert capsys.readouterr().out.strip() == "harness_probe: no CUDA device here; nothing measured"
-    assert not out.exists()
 
 
 def test_the_job_is_the_acceptances() -> None:
