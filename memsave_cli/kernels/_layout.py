@@ -78,6 +78,17 @@ def batched(t: Tensor) -> bool:
     return not torch.compiler.is_compiling() and not torch._C._has_storage(t)
 
 
+def no_out_form(t: Tensor) -> bool:
+    """Whether ATen's out= forms cannot compute into a buffer of ours for ``t``: it is a batching
+    wrapper (:func:`batched`), or ``torch.autograd.graph.allow_mutation_on_saved_tensors`` is
+    on, whose mode looks every out= argument up by the name ``out`` and raised ``KeyError: 'out'``
+    on the pooling backward kernels, which name theirs ``grad_input``. Their functional forms
+    then run, with one more transient of the gradient's size."""
+    return batched(t) or getattr(
+        torch.autograd.graph, "_allow_mutation_on_saved_tensors_enabled", False
+    )
+
+
 def is_eager(t: Tensor) -> bool:
     """Whether ``t`` is a plain tensor (or parameter) outside tracing: its sizes and strides are
     concrete, and what is computed from it may be memoised."""

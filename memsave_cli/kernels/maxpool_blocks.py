@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 
 from memsave_cli.kernels import maxpool as offset_ops
-from memsave_cli.kernels._layout import batched, is_eager, memory_format
+from memsave_cli.kernels._layout import is_eager, memory_format, no_out_form
 from memsave_cli.kernels._rerun import always_rerun
 from memsave_cli.kernels.maxpool_maps import index_maps, offset_dtype
 
@@ -138,9 +138,10 @@ def pool_backward(
     # 2d: the gradient is laid out like the input, as stock lays it out. 3d: ATen's out= kernel
     # restrides a channels-last-3d gradient to contiguous, which a block slice cannot follow.
     layout = input_layout if nd == 2 else torch.contiguous_format
-    if batched(grad_output):
-        # No out= form batches: one call of the functional kernel, handed a never-written
-        # stand-in of the input's layout (deliberate transient; NOTE in ``layers/avgpool.py``).
+    if no_out_form(grad_output):
+        # No out= form here (a batching wrapper, or a mode refusing it): one call of the
+        # functional kernel, handed a never-written stand-in of the input's layout (deliberate
+        # transient; NOTE in ``layers/avgpool.py``).
         maps = index_maps(*spatial, offsets.device, cache=is_eager(offsets))
         like = torch.empty(
             input_shape, dtype=grad_output.dtype, device=offsets.device, memory_format=layout

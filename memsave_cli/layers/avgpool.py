@@ -27,7 +27,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn.modules.utils import _list_with_default, _pair, _single, _triple
 
-from memsave_cli.kernels._layout import batched, memory_format, shape_only
+from memsave_cli.kernels._layout import memory_format, no_out_form, shape_only
 from memsave_cli.layers._backward import forbid_double_backward, records_backward
 from memsave_cli.layers.registry import drop_in
 
@@ -70,7 +70,9 @@ class AvgPoolShapeOnly(torch.autograd.Function):
             memory_format=layout,
         )
         _, pool_backward = _AVG_KERNELS[nd]
-        if batched(grad_output):  # no out= form batches: the buffer only stands in for the input
+        if no_out_form(
+            grad_output
+        ):  # no out= form batches: the buffer only stands in for the input
             grad_input = pool_backward.overloadpacket.default(grad_output, grad_input, *ctx.options)
         else:
             pool_backward(grad_output, grad_input, *ctx.options, grad_input=grad_input)
