@@ -70,9 +70,7 @@ class AvgPoolShapeOnly(torch.autograd.Function):
             memory_format=layout,
         )
         _, pool_backward = _AVG_KERNELS[nd]
-        if no_out_form(
-            grad_output
-        ):  # no out= form batches: the buffer only stands in for the input
+        if no_out_form(grad_output):  # the buffer then only stands in for the input
             grad_input = pool_backward.overloadpacket.default(grad_output, grad_input, *ctx.options)
         else:
             pool_backward(grad_output, grad_input, *ctx.options, grad_input=grad_input)
