@@ -6,6 +6,7 @@ import copy
 import inspect
 import warnings
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -26,13 +27,25 @@ def measure_model(model: ModelLike, impl: str, chosen: Settings) -> Run:
     """Measure in this process on meta; a spec elsewhere runs in a worker, as ``profile`` does.
 
     Settings that would fail alike for every run (a glob selecting nothing, inputs the forward
-    cannot take) raise MemsaveError before anything is measured.
+    cannot take) raise MemsaveError before anything is measured. A training step is measured
+    whatever grad mode the test is in: under ``torch.no_grad()`` or ``inference_mode()`` the
+    step had no backward, and a budget passed on its forward alone.
     """
-    from memsave_cli.measure import Job, measure
-
     case = chosen.resolved_case()
     if isinstance(model, str) and chosen.device != "meta":
         return _in_worker(model, case, impl, chosen)
+    with torch.inference_mode(False), torch.enable_grad():
+        return _in_this_process(model, case, impl, chosen)
+
+
+def _in_this_process(model: ModelLike, case: Case, impl: str, chosen: Settings) -> Run:
+    """``measure_model`` of a model object, a builder, or a spec on meta."""
+    from memsave_cli.api import resolve_device
+    from memsave_cli.measure import Job, measure
+
+    device_notes: list[str] = []
+    device = resolve_device(chosen.device, device_notes, chosen.fsdp, chosen.reshard)
+    chosen = replace(chosen, device=device)
     from memsave_cli.checkpointing import checkpoint_targets
     from memsave_cli.hf_inputs import fed_inputs
     from memsave_cli.plan_model import PlanModel
@@ -47,7 +60,7 @@ def measure_model(model: ModelLike, impl: str, chosen: Settings) -> Run:
     notes = check_plan(spec, [case], **shape, plan_model=plan_model, dtype=job.dtype)
     fed_inputs(plan_model.model, job.inputs, spec.text)  # raises: tokens for a vision model
     run = measure(job, built)
-    warn_notes(spec.text, notes)
+    warn_notes(spec.text, [*device_notes, *notes])
     return run
 
 
@@ -81,6 +94,11 @@ def _resolve(model: ModelLike, chosen: Settings) -> tuple[ModelSpec, nn.Module |
     if isinstance(model, str):
         return parse_spec(model, dict(chosen.kwargs or {})), None
     if isinstance(model, nn.Module):
+        if chosen.kwargs:
+            raise MemsaveError(
+                "kwargs are the keyword arguments of a spec string or a function building the "
+                "model; an nn.Module is measured as it is: pass its builder to use them"
+            )
         return _object_spec(model), _copy_to(model, torch.device(chosen.device))
     if callable(model):
         importable = _importable_name(model)

@@ -13,6 +13,13 @@ from memsave_cli.errors import MemsaveError
 from memsave_cli.input_shape import read_shape
 from memsave_cli.limits import MAX_BATCH_SIZE
 
+#: The settings that are switches, and what each takes.
+_SWITCHES = {
+    "input_grad": "True, False or None (the case decides)",
+    "bn_eval": "True or False",
+    "reshard": "True or False",
+}
+
 
 @dataclass(frozen=True)
 class Settings:
@@ -55,6 +62,19 @@ class Settings:
                 f"{', '.join(sorted(known))} (the options of memsave profile)"
             )
         values = dict(given)
+        for key, allowed in _SWITCHES.items():  # "no" would read as True
+            value = values.get(key, False)
+            if not isinstance(value, bool) and not (key == "input_grad" and value is None):
+                raise MemsaveError(f"{key} must be {allowed}, got {value!r}")
+        trainable = values.get("trainable", ())
+        if not isinstance(trainable, str) and not (
+            isinstance(trainable, Sequence) and all(isinstance(t, str) for t in trainable)
+        ):
+            raise MemsaveError(
+                f"trainable must be a glob or a list of globs such as 'fc.*', got {trainable!r}"
+            )
+        if "device" in values and not isinstance(values["device"], str):
+            values["device"] = str(values["device"])  # torch.device("cpu") -> "cpu"
         for key in ("batch_size", "fsdp", "lora_rank"):  # a count no run could use fails here
             most = MAX_BATCH_SIZE if key == "batch_size" else None
             values[key] = count(values.get(key), key, optional=True, most=most)

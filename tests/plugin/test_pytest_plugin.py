@@ -508,3 +508,57 @@ def test_notes_become_warnings(pytester: pytest.Pytester) -> None:
         """,
     )
     result.assert_outcomes(passed=2)
+
+
+def _small_net() -> torch.nn.Module:
+    from torch import nn
+
+    return nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Flatten(), nn.Linear(144, 2))
+
+
+def test_a_training_step_is_measured_whatever_the_grad_mode() -> None:
+    """Under no_grad or inference_mode the step had no backward (saved bytes 0, a lower peak),
+    and a budget passed on the forward alone."""
+    from memsave_cli.pytest_plugin import MemsaveFixture
+
+    fixture, settings = MemsaveFixture(), {"batch_size": 2, "input_shape": (3, 8, 8)}
+    found = [fixture.measure(_small_net(), **settings)]
+    with torch.no_grad():
+        found.append(fixture.measure(_small_net(), **settings))
+    with torch.inference_mode():
+        found.append(fixture.measure(_small_net(), **settings))
+    assert found[0].saved_bytes > 0 and torch.is_grad_enabled()
+    assert len({(run.peak_bytes, run.saved_bytes) for run in found}) == 1
+
+
+@pytest.mark.parametrize(
+    ("settings", "line"),
+    [
+        (
+            {"input_grad": "no"},
+            "input_grad must be True, False or None (the case decides), got 'no'",
+        ),
+        ({"bn_eval": "no"}, "bn_eval must be True or False, got 'no'"),
+        ({"reshard": 0}, "reshard must be True or False, got 0"),
+        ({"trainable": 5}, "trainable must be a glob or a list of globs such as 'fc.*', got 5"),
+        ({"device": "tpu"}, "unknown device 'tpu': expected auto, cuda, cpu, meta"),
+        ({"kwargs": {"width": 2}}, "kwargs are the keyword arguments of a spec string or a "),
+    ],
+    ids=["input_grad", "bn_eval", "reshard", "trainable", "device", "kwargs"],
+)
+def test_settings_of_a_wrong_kind_are_one_line(settings: dict, line: str) -> None:
+    from memsave_cli.pytest_plugin import MemsaveFixture
+
+    with pytest.raises(pytest.fail.Exception) as failure:
+        MemsaveFixture().measure(_small_net(), batch_size=2, input_shape=(3, 8, 8), **settings)
+    assert str(failure.value).startswith(f"memsave: {line}")
+
+
+def test_a_device_object_and_auto_are_read_as_names() -> None:
+    from memsave_cli.pytest_plugin import MemsaveFixture, MemsaveNote
+
+    settings = {"batch_size": 2, "input_shape": (3, 8, 8)}
+    on_cpu = MemsaveFixture().measure(_small_net(), device=torch.device("cpu"), **settings)
+    with pytest.warns(MemsaveNote, match="device auto"):
+        auto = MemsaveFixture().measure(_small_net(), device="auto", **settings)
+    assert on_cpu.saved_bytes == auto.saved_bytes > 0
