@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from memsave_cli.errors import MemsaveError
 from memsave_cli.pytest_plugin._settings import Settings
-from memsave_cli.render.units import format_bytes, format_change
+from memsave_cli.render.units import format_bytes, format_change, format_share
 from memsave_cli.report import Report, Run
 
 #: What a budget is checked against: the Run attribute and how a message names it.
@@ -60,7 +60,7 @@ def saves_message(
     before, after = getattr(stock, attribute), getattr(memsave, attribute)
     lines = [
         f"{impl} saves {1 - after / before:.1%} of the {label} of {name}, "
-        f"expected at least {at_least:.0%} ({label} {format_change(before, after)})",
+        f"expected at least {format_share(at_least)} ({label} {format_change(before, after)})",
         f"({chosen.describe(impl).replace(f', {impl} layers', '')})",
     ]
     report = Report(name, chosen.device, chosen.dtype, chosen.batch_size, False)

@@ -38,6 +38,13 @@ def format_ratio(value: float | None) -> str:
     return "-" if value is None else f"{value:.2f}"
 
 
+def format_share(fraction: float) -> str:
+    """A limit given as a fraction, as a percentage with the digits it was given with (``0.0625``
+    -> ``6.25%``, ``0.001`` -> ``0.1%``): rounded to whole percents, a limit of 6.25% read "6%" in
+    a failure that saved 6.1%."""
+    return f"{100 * fraction:.4g}%"
+
+
 def format_seconds(seconds: float | None) -> str:
     """Seconds with three significant digits; ``-`` when not measured."""
     if seconds is None:
