@@ -136,6 +136,14 @@ def _failed(old: Run, new: Run | None) -> Regression:
     return Regression(old.case, old.impl, "run", old.peak_bytes, None, reason)
 
 
+def check_tolerance(tolerance: float) -> None:
+    """Raise BaselineError unless ``tolerance`` is a growth a check can allow."""
+    if not tolerance >= 0:
+        raise BaselineError(
+            f"tolerance must be a non-negative fraction (e.g. 0.05), got {tolerance}"
+        )
+
+
 def _check_comparable(report: Report, baseline: Report, tolerance: float) -> tuple[str, ...]:
     """Raise BaselineError unless the two reports measured the same thing; return the settings
     that neither records.
@@ -146,10 +154,7 @@ def _check_comparable(report: Report, baseline: Report, tolerance: float) -> tup
     otherwise, and a verdict would be a guess); where neither does, both come from the older
     memsave and are compared as that version compared them, with the setting named as unchecked.
     """
-    if not tolerance >= 0:
-        raise BaselineError(
-            f"tolerance must be a non-negative fraction (e.g. 0.05), got {tolerance}"
-        )
+    check_tolerance(tolerance)
     unknown = []
     for name in SETTINGS:
         mine, theirs = report.records(name), baseline.records(name)

@@ -9,7 +9,13 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
-from memsave_cli.baseline import BaselineError, Comparison, check_baseline, compare
+from memsave_cli.baseline import (
+    BaselineError,
+    Comparison,
+    check_baseline,
+    check_tolerance,
+    compare,
+)
 from memsave_cli.cli._console import check_writable, stdout_console
 from memsave_cli.cli._errors import reported_errors
 from memsave_cli.cli._help import DEBUG_HELP, examples
@@ -64,6 +70,12 @@ def check(
     otherwise, 2 when a report is missing or unusable.
     """
     with reported_errors(ctx, debug):
+        check_tolerance(tolerance)  # before any file is read, with --update too
+        if update and output_format is Format.markdown:
+            raise BaselineError(
+                "--format markdown formats a check's verdict; --update writes a baseline and "
+                "checks nothing: give one of them"
+            )
         if update:
             check_writable(baseline=baseline)
         current = Report.load(report, role="report")
@@ -99,11 +111,13 @@ def _update(console: Console, current: Report, report: Path, baseline: Path) -> 
     except BaselineError as error:
         raise BaselineError(f"report {report} cannot be a baseline: {error}") from None
     current.save(baseline)
-    console.print(f"baseline written: {baseline} ({len(current.runs)} runs)")
+    count = len(current.runs)
+    console.print(f"baseline written: {baseline} ({count} run{'s' if count != 1 else ''})")
     failed = [f"{run.case}/{run.impl} ({run.status.value})" for run in current.runs if not run.ok]
     if failed:
         console.print(
-            f"warning: {len(failed)} runs failed and will not be checked: {', '.join(failed)}",
+            f"warning: {len(failed)} run{'s' if len(failed) != 1 else ''} failed and will not "
+            f"be checked: {', '.join(failed)}",
             style="yellow",
         )
 

@@ -339,11 +339,24 @@ def test_different_settings_exit_2(runner, paper_report, write_report):
     assert "differ in device" in result.output
 
 
-def test_negative_tolerance_exits_2(runner, paper_report, write_report):
+@pytest.mark.parametrize("extra", [[], ["--update"], ["--baseline", "missing.json"]])
+def test_negative_tolerance_exits_2(runner, paper_report, write_report, extra):
+    """Before any file is read: with --update it was accepted, and a missing baseline was
+    reported first."""
     path = write_report(paper_report)
-    result = runner.invoke(app, ["check", str(path), "-b", str(path), "--tolerance", "-0.1"])
+    args = ["check", str(path), "-b", str(path), "--tolerance", "-0.1", *extra]
+    result = runner.invoke(app, args)
     assert result.exit_code == 2, result.output
     assert "tolerance must be a non-negative fraction" in result.output
+
+
+def test_update_refuses_the_markdown_format(runner, paper_report, write_report, tmp_path):
+    """Its plain lines went into what is usually a job summary."""
+    path, baseline = write_report(paper_report), tmp_path / "new-baseline.json"
+    args = ["check", str(path), "-b", str(baseline), "--update", "--format", "markdown"]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 2 and not baseline.exists(), result.output
+    assert "--update writes a baseline and checks nothing: give one of them" in result.output
 
 
 def test_debug_shows_traceback(runner, tmp_path):
