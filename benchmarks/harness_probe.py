@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import time
 from collections.abc import Callable
 from dataclasses import replace
@@ -139,8 +140,8 @@ def main() -> None:
     for label, seconds in times.items():
         harness, impl = label.split("/")
         row = {
-            "step_ms": 1e3 * sorted(seconds)[len(seconds) // 2],
-            "host_ms": 1e3 * sorted(hosts[label])[len(hosts[label]) // 2],
+            "step_ms": 1e3 * statistics.median(seconds),
+            "host_ms": 1e3 * statistics.median(hosts[label]),
         }
         if impl != IMPLS[0]:
             base = times[f"{harness}/{IMPLS[0]}"]

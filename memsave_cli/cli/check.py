@@ -21,6 +21,7 @@ from memsave_cli.cli._errors import reported_errors
 from memsave_cli.cli._help import DEBUG_HELP, examples
 from memsave_cli.errors import ReportError
 from memsave_cli.render.check import check_markdown, regression_table, summary_line
+from memsave_cli.render.units import counted
 from memsave_cli.report import Report
 
 FAILED_CHECK_EXIT = 1
@@ -111,13 +112,12 @@ def _update(console: Console, current: Report, report: Path, baseline: Path) -> 
     except BaselineError as error:
         raise BaselineError(f"report {report} cannot be a baseline: {error}") from None
     current.save(baseline)
-    count = len(current.runs)
-    console.print(f"baseline written: {baseline} ({count} run{'s' if count != 1 else ''})")
+    console.print(f"baseline written: {baseline} ({counted(len(current.runs), 'run')})")
     failed = [f"{run.case}/{run.impl} ({run.status.value})" for run in current.runs if not run.ok]
     if failed:
         console.print(
-            f"warning: {len(failed)} run{'s' if len(failed) != 1 else ''} failed and will not "
-            f"be checked: {', '.join(failed)}",
+            f"warning: {counted(len(failed), 'run')} failed and will not be checked: "
+            f"{', '.join(failed)}",
             style="yellow",
         )
 

@@ -41,16 +41,15 @@ def measure_model(model: ModelLike, impl: str, chosen: Settings) -> Run:
 def _in_this_process(model: ModelLike, case: Case, impl: str, chosen: Settings) -> Run:
     """``measure_model`` of a model object, a builder, or a spec on meta."""
     from memsave_cli.api import resolve_device
-    from memsave_cli.measure import Job, measure
-
-    device_notes: list[str] = []
-    device = resolve_device(chosen.device, device_notes, chosen.fsdp, chosen.reshard)
-    chosen = replace(chosen, device=device)
     from memsave_cli.checkpointing import checkpoint_targets
     from memsave_cli.hf_inputs import fed_inputs
+    from memsave_cli.measure import Job, measure
     from memsave_cli.plan_model import PlanModel
     from memsave_cli.preflight import check_plan
 
+    device_notes: list[str] = []  # as memsave profile resolves it: auto, unknown names
+    device = resolve_device(chosen.device, device_notes, chosen.fsdp, chosen.reshard)
+    chosen = replace(chosen, device=device)
     spec, built = _resolve(model, chosen)
     job = Job(spec, case, impl, chosen.device, **chosen.job_settings())
     shape = {"batch_size": chosen.batch_size, "input_shape": chosen.input_shape}

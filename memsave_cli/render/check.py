@@ -5,7 +5,7 @@ from __future__ import annotations
 from rich.table import Table
 
 from memsave_cli.baseline import METRICS, Comparison, Regression
-from memsave_cli.render.units import format_bytes, format_share
+from memsave_cli.render.units import counted, format_bytes, format_share
 from memsave_cli.report import Report, Run
 
 _METRIC_LABEL = {
@@ -45,8 +45,8 @@ def summary_line(comparison: Comparison, tolerance: float) -> str:
             f"ok: {comparison.compared} values within {format_share(tolerance)} of the baseline, "
             "no regression"
         )
-    count = len(comparison.regressions)
-    return f"FAILED: {count} regression{'s' if count != 1 else ''} beyond {format_share(tolerance)} of the baseline"
+    regressions = counted(len(comparison.regressions), "regression")
+    return f"FAILED: {regressions} beyond {format_share(tolerance)} of the baseline"
 
 
 def check_markdown(

@@ -38,6 +38,11 @@ def format_ratio(value: float | None) -> str:
     return "-" if value is None else f"{value:.2f}"
 
 
+def counted(count: int, noun: str) -> str:
+    """``1 run``, ``8 runs``: a count and its noun, plural unless one."""
+    return f"{count} {noun}{'' if count == 1 else 's'}"
+
+
 def format_share(fraction: float) -> str:
     """A limit given as a fraction, as a percentage with the digits it was given with (``0.0625``
     -> ``6.25%``, ``0.001`` -> ``0.1%``): rounded to whole percents, a limit of 6.25% read "6%" in

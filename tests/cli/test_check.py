@@ -419,3 +419,17 @@ def test_written_reports_are_readable_by_others(runner, paper_report, write_repo
         assert baseline.stat().st_mode & 0o777 == 0o600
     finally:
         os.umask(old)
+
+
+def test_limits_are_said_as_given() -> None:
+    """Rounded to whole percents, the plugin's at_least=0.0625 read "expected at least 6%"
+    beside a saving of 6.1%."""
+    from memsave_cli.render.units import format_share
+
+    assert [format_share(f) for f in (0.0625, 0.001, 0.3, 0.5)] == ["6.25%", "0.1%", "30%", "50%"]
+
+
+def test_counts_are_said_with_their_noun() -> None:
+    from memsave_cli.render.units import counted
+
+    assert [counted(n, "run") for n in (0, 1, 8)] == ["0 runs", "1 run", "8 runs"]

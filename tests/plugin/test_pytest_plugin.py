@@ -562,10 +562,3 @@ def test_a_device_object_and_auto_are_read_as_names() -> None:
     with pytest.warns(MemsaveNote, match="device auto"):
         auto = MemsaveFixture().measure(_small_net(), device="auto", **settings)
     assert on_cpu.saved_bytes == auto.saved_bytes > 0
-
-
-def test_a_saving_below_the_one_asked_says_both_as_given() -> None:
-    """Rounded to whole percents, at_least=0.0625 read "expected at least 6%" beside 6.1%."""
-    from memsave_cli.render.units import format_share
-
-    assert [format_share(f) for f in (0.0625, 0.001, 0.3, 0.5)] == ["6.25%", "0.1%", "30%", "50%"]
