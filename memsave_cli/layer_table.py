@@ -191,9 +191,11 @@ def _tokens(batch: int) -> tuple[int, ...]:
 @functools.cache
 def _recognised_examples() -> dict[type[nn.Module], _Example]:
     """Hugging Face classes memsave converts by behaviour (NOTE [converting by behaviour]), one
-    RMSNorm per style and a gated MLP per layout; none without transformers."""
+    RMSNorm per style, a gated MLP per layout and two formula activations (GPT-2's, CLIP's);
+    none without transformers."""
     try:
         from transformers import LlamaConfig, Phi3Config
+        from transformers.activations import NewGELUActivation, QuickGELUActivation
         from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
         from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm
         from transformers.models.phi3.modeling_phi3 import Phi3MLP
@@ -205,6 +207,8 @@ def _recognised_examples() -> dict[type[nn.Module], _Example]:
     examples = {norm: _Example(functools.partial(norm, 16), _tokens) for norm in norms}
     examples[LlamaMLP] = _Example(lambda: LlamaMLP(LlamaConfig(**settings)), _tokens)
     examples[Phi3MLP] = _Example(lambda: Phi3MLP(Phi3Config(**settings)), _tokens)
+    for activation in (NewGELUActivation, QuickGELUActivation):
+        examples[activation] = _Example(activation, _tokens)
     return examples
 
 

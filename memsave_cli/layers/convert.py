@@ -68,8 +68,10 @@ def convert(
     converts ``model`` itself. ``include`` restricts the swap to some stock layer types: classes
     (``nn.Conv2d``), class names (``"Conv2d"``) or families (``"conv"``, ``"batchnorm"``,
     ``"activation"``, ``"dropout"``, ...: the ``memsave_cli.layers`` module defining the drop-in).
-    RMSNorms of other libraries are converted with ``nn.RMSNorm``, their gated MLPs only when
-    ``include`` is None, and only where recognised (NOTE [converting by behaviour]).
+    RMSNorms of other libraries are converted with ``nn.RMSNorm``, their gated MLPs and
+    activations written as formulas (GPT-2's ``gelu_new``, CLIP's ``quick_gelu``: NOTE [what a
+    formula activation keeps]) only when ``include`` is None, and only where recognised (NOTE
+    [converting by behaviour]).
     Without ``include``, peft LoRA layers convert too (``lora_layer.py``).
     Models built under ``FakeTensorMode`` cannot be deep-copied: convert them with ``inplace=True``.
     """
@@ -80,7 +82,10 @@ def convert(
         if drop_in is not None:
             swap_class(module, drop_in)  # NOTE [parametrized layers]
         else:
-            convert_module(module, norms=nn.RMSNorm in selected, mlps=include is None)
+            everything = include is None
+            convert_module(
+                module, norms=nn.RMSNorm in selected, mlps=everything, activations=everything
+            )
         if nn.ReLU in selected and _has_activation(module, F.relu):
             module.activation = memsave_relu
     if include is None:

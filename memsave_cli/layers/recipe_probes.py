@@ -1,9 +1,13 @@
 """Whether one of memsave's recipes reproduces a candidate module bitwise: probes on small CPU
-copies of it (NOTE [converting by behaviour] in ``recognise.py``)."""
+copies of it (NOTE [converting by behaviour] in ``recognise.py``). A formula activation's single
+recipe, recomputation, reproduces any deterministic forward; its probes ask whether the module is
+one that recomputation serves and that keeps more than its input (NOTE [what a formula
+activation keeps] in ``recomputed.py``)."""
 
 from __future__ import annotations
 
 import copy
+import functools
 from collections.abc import Callable, Iterator
 from typing import NamedTuple
 
@@ -12,6 +16,7 @@ from torch import Tensor, nn
 from torch.utils._python_dispatch import _disable_current_modes
 
 from memsave_cli.layers.gated_mlp import ACTIVATIONS, LAYOUTS, gated_mlp
+from memsave_cli.layers.recomputed import recomputed
 from memsave_cli.layers.rmsnorm import rms_norm
 
 #: Attributes an MLP keeps its activation module in.
@@ -25,15 +30,18 @@ NORM_STYLES = ("llama", "olmo", "gemma", "helium", "gemma4", "t5")
 class Recipe(NamedTuple):
     """How memsave computes a recognised module: ``kind`` and its two settings."""
 
-    kind: str  # "rmsnorm" or "gated_mlp"
-    variant: str  # RMSNorm style or MLP layout
-    detail: str  # epsilon attribute or activation name
+    kind: str  # "rmsnorm", "gated_mlp" or "activation"
+    variant: str  # RMSNorm style, MLP layout, or "recompute"
+    detail: str  # epsilon attribute or activation name ("" for an activation)
 
 
 def probe_recipes(module: nn.Module, kind: str, eps_name: str | None) -> Recipe | None:
     """The first recipe of ``kind`` whose outputs and gradients equal ``module``'s on every probe
     (``eps_name``: the attribute holding an RMSNorm's epsilon)."""
     with _probing():
+        if kind == "activation":
+            qualifies = all(_recomputation_serves(module, case) for case in _activation_cases())
+            return Recipe(kind, "recompute", "") if qualifies else None
         if kind == "rmsnorm":
             for style in NORM_STYLES:
                 recipe = Recipe(kind, style, eps_name)
@@ -80,6 +88,79 @@ def _norm_cases() -> list[_Case]:
 def _mlp_cases() -> list[_Case]:
     f32, bf16 = torch.float32, torch.bfloat16
     return _both_modes([_Case((2, 3, 6), f32, f32), _Case((5, 6), bf16, bf16)])
+
+
+def _activation_cases() -> list[_Case]:
+    f32, bf16, f16, f64 = torch.float32, torch.bfloat16, torch.float16, torch.float64
+    return [_Case((2, 3, 7), f32, f32), _Case((5, 16), bf16, bf16), _Case((3, 9), f16, f16),
+            _Case((4, 5), f64, f64)]  # fmt: skip
+
+
+def _recomputation_serves(module: nn.Module, case: _Case) -> bool:
+    """Whether ``module`` on ``case``'s probe input is elementwise, deterministic in training and
+    in eval mode alike, draws no random numbers, changes neither its input nor its settings,
+    keeps more than its input beside its output, and recomputed gives stock's output and
+    gradients bitwise, also where the input has a newer consumer (NOTE [one edge per use of the
+    input] in ``recomputed.py``)."""
+    generator = torch.Generator().manual_seed(0)
+    x, grad = _probe_input(case, generator), _probe_input(case, generator)
+    probe = _shallow_copy(module)
+    forward = functools.partial(type(module).forward, probe)
+    try:
+        settings, random_state = _settings_of(probe), torch.get_rng_state()
+        leaf = x.clone().requires_grad_()
+        kept: dict[int, int] = {}
+
+        def pack(tensor: Tensor) -> Tensor:
+            kept[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+            return tensor
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            out = forward(leaf)
+        if not (isinstance(out, Tensor) and out.shape == x.shape and out.dtype == x.dtype):
+            return False
+        kept.pop(out.untyped_storage().data_ptr(), None)
+        unchanged = leaf._version == 0 and _bitwise_equal(leaf.detach(), x)
+        if not unchanged or sum(kept.values()) <= x.untyped_storage().nbytes():
+            return False
+        with torch.no_grad():
+            again = forward(x.clone())
+            order = torch.randperm(x.numel(), generator=generator)
+            permuted = forward(x.flatten()[order].view(x.shape)).flatten()
+            probe.eval()
+            in_eval = forward(x.clone())
+            probe.train()
+        # Close, not bitwise: a vectorised kernel may round an element otherwise at another place.
+        elementwise = torch.allclose(
+            permuted.double(), out.detach().flatten()[order].double(), 0.02, 1e-6, equal_nan=True
+        )
+        if not (elementwise and _same(((again, out), (in_eval, out)))):
+            return False
+        if not torch.equal(torch.get_rng_state(), random_state) or _settings_of(probe) != settings:
+            return False
+        return _same(_recomputed_pairs(forward, x, grad))
+    except Exception:  # a forward we cannot run on the probes is one we leave stock
+        return False
+
+
+def _settings_of(module: nn.Module) -> dict[str, str]:
+    """A module's public attributes, each as its type and ``repr`` (to see a forward change them)."""
+    return {k: f"{type(v)}:{v!r}" for k, v in vars(module).items() if not k.startswith("_")}
+
+
+def _recomputed_pairs(
+    forward: Callable[[Tensor], Tensor], x: Tensor, grad: Tensor
+) -> Iterator[tuple[Tensor | None, Tensor | None]]:
+    """(stock, recomputed) output and input gradient, alone and beside a newer consumer of the
+    input (``f(x) + x``, whose gradients the engine adds in an order the recomputation keeps)."""
+    for beside in (False, True):
+        results = []
+        for run in (forward, functools.partial(recomputed, forward)):
+            leaf = x.clone().requires_grad_()
+            out = run(leaf)
+            total = out + leaf if beside else out
+            results.append([out, *torch.autograd.grad(total, leaf, grad)])
+        yield from zip(*results, strict=True)
 
 
 def _norm_probe(module: nn.Module, recipe: Recipe, case: _Case) -> Iterator[tuple]:

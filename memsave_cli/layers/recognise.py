@@ -1,11 +1,13 @@
-"""Recognise RMSNorms and gated MLPs of any family by what they compute, and convert them.
+"""Recognise RMSNorms, gated MLPs and formula activations of any family by what they compute,
+and convert them.
 
 NOTE [converting by behaviour]: Hugging Face (and other libraries) define their own RMSNorm and
 MLP classes, one per model family, which are not in the registry of exact stock classes (NOTE
 [converting by class swap]). A module is a *candidate* by its structure: an RMSNorm candidate is
 a leaf with only a ``weight`` parameter and a float ``eps`` or ``variance_epsilon``; an MLP
-candidate has ``down_proj`` and either ``gate_proj`` and ``up_proj`` or ``gate_up_proj``. Its
-forward must take one argument. A candidate is converted only if one of memsave's recipes
+candidate has ``down_proj`` and either ``gate_proj`` and ``up_proj`` or ``gate_up_proj``; an
+activation candidate is a leaf with neither parameters nor buffers, defined outside ``torch.nn``
+(whose activations are single kernels keeping one tensor). Its forward must take one argument. A candidate is converted only if one of memsave's recipes
 (an RMSNorm style, or an MLP layout with an activation) reproduces the candidate's own forward
 *and* its gradients bitwise on probe inputs: small CPU copies of the module (its own class and
 settings, fresh small weights), several shapes and dtypes, infinities and NaN included, in
@@ -14,10 +16,12 @@ applying dropout in training matches no recipe unless its rate is 0). The answer
 class and settings, so a model probes each kind of layer once (the probes:
 ``recipe_probes.py``): the settings are the attributes of the module and of every submodule the
 probes keep (all but the projections, which they replace), each described by value where it
-can be (numbers, strings, dtypes, functions by name: an activation's flags and the function it
-picked, a dropout's rate) and otherwise by ``repr``, which for most objects names the instance,
+can be (numbers, strings, dtypes, functions by name and code: an activation's flags and the
+function it picked, a dropout's rate) and otherwise by ``repr``, which for most objects names the instance,
 so that such a module is probed on its own. Anything else stays stock, and
-:func:`unrecognised_counts` names it.
+:func:`unrecognised_counts` names the RMSNorm and MLP look-alikes among it (an activation left
+stock is one recomputing would not serve or gain from: NOTE [what a formula activation keeps]
+in ``recomputed.py``).
 
 A recognised class ``C`` is converted by assigning ``module.__class__`` to ``MemSaveC``, a
 subclass of ``C`` created once per (class, recipe) whose only member is the recipe's ``forward``;
@@ -39,6 +43,7 @@ from torch.nn.utils import parametrize
 from memsave_cli.layers.gated_mlp import gated_mlp
 from memsave_cli.layers.parametrized import evaluated_once
 from memsave_cli.layers.recipe_probes import ACT_NAMES, PROJECTIONS, Recipe, probe_recipes
+from memsave_cli.layers.recomputed import recomputed
 from memsave_cli.layers.registry import DROP_INS, refuse_scripting
 from memsave_cli.layers.rmsnorm import may_record, rms_norm
 
@@ -48,10 +53,11 @@ _RECIPES: dict[tuple, Recipe | None] = {}
 _CLASSES: dict[tuple[type, Recipe], type[nn.Module]] = {}
 
 
-def convert_module(module: nn.Module, *, norms: bool, mlps: bool) -> bool:
+def convert_module(module: nn.Module, *, norms: bool, mlps: bool, activations: bool) -> bool:
     """Swap ``module``'s class for its recognised drop-in; whether it was converted."""
     kind = candidate_kind(module)
-    if kind is None or not (norms if kind == "rmsnorm" else mlps):
+    wanted = {"rmsnorm": norms, "gated_mlp": mlps, "activation": activations}
+    if kind is None or not wanted[kind]:
         return False
     if parametrize.is_parametrized(module):  # probed as its plain class, it stays stock
         return False
@@ -68,18 +74,20 @@ def stock_class(cls: type) -> type[nn.Module] | None:
 
 
 def unrecognised_counts(model: nn.Module) -> dict[str, int]:
-    """Candidates in ``model`` that stay stock because no recipe reproduces them, per class name."""
+    """RMSNorm and MLP candidates in ``model`` that stay stock because no recipe reproduces them,
+    per class name."""
     counts: dict[str, int] = {}
     for module in model.modules():
         kind = candidate_kind(module)
-        if kind is not None and recognise(module, kind) is None:
+        if kind in ("rmsnorm", "gated_mlp") and recognise(module, kind) is None:
             name = type(module).__name__
             counts[name] = counts.get(name, 0) + 1
     return counts
 
 
 def candidate_kind(module: nn.Module) -> str | None:
-    """``"rmsnorm"`` or ``"gated_mlp"`` when ``module`` is built like one, else None."""
+    """``"rmsnorm"``, ``"gated_mlp"`` or ``"activation"`` when ``module`` is built like one, else
+    None."""
     cls = type(module)
     if cls in DROP_INS or stock_class(cls) is not None or cls.__module__.startswith("torch.nn"):
         return None
@@ -90,6 +98,8 @@ def candidate_kind(module: nn.Module) -> str | None:
     )
     if has_proj and isinstance(getattr(module, "down_proj", None), nn.Module):
         return "gated_mlp" if _act(module) is not None and _takes_one_argument(cls) else None
+    if _is_stateless_leaf(module) and cls.forward is not nn.Module.forward:
+        return "activation" if _takes_one_argument(cls) else None
     return None
 
 
@@ -105,7 +115,8 @@ def _drop_in_class(stock: type[nn.Module], recipe: Recipe) -> type[nn.Module]:
     """The subclass of ``stock`` whose forward is ``recipe``'s (created once, then cached)."""
     key = (stock, recipe)
     if key not in _CLASSES:
-        forward = _norm_forward(stock, recipe) if recipe.kind == "rmsnorm" else _mlp_forward(recipe)
+        forwards = {"rmsnorm": _norm_forward, "gated_mlp": _mlp_forward}
+        forward = forwards.get(recipe.kind, _activation_forward)(stock, recipe)
         namespace = {"forward": forward, "_memsave_stock": stock, "_memsave_recipe": recipe}
         namespace["__reduce_ex__"] = _reduce_ex
         namespace["__doc__"] = f"{stock.__name__} recognised as memsave's {recipe}."
@@ -138,9 +149,16 @@ def _norm_forward(stock: type[nn.Module], recipe: Recipe) -> Callable:
     return forward
 
 
-def _mlp_forward(recipe: Recipe) -> Callable:
+def _mlp_forward(stock: type[nn.Module], recipe: Recipe) -> Callable:
     def forward(self: nn.Module, hidden_states: Tensor) -> Tensor:
         return gated_mlp(self, hidden_states, recipe.variant, recipe.detail)
+
+    return forward
+
+
+def _activation_forward(stock: type[nn.Module], recipe: Recipe) -> Callable:
+    def forward(self: nn.Module, input: Tensor) -> Tensor:
+        return recomputed(functools.partial(stock.forward, self), input)
 
     return forward
 
@@ -186,7 +204,9 @@ def _described(value: object) -> object:
                 _described(value.keywords))  # fmt: skip
     function = getattr(value, "__func__", value)  # a bound method: its function
     if callable(function) and hasattr(function, "__qualname__"):
-        return ("callable", getattr(function, "__module__", None), function.__qualname__)
+        # Python functions by their code as well: two lambdas of one scope share a qualname.
+        code = id(function.__code__) if hasattr(function, "__code__") else None
+        return ("callable", getattr(function, "__module__", None), function.__qualname__, code)
     try:
         return ("object", type(value), repr(value))
     except Exception:  # a repr that fails: this instance only
@@ -210,6 +230,11 @@ def _is_norm_leaf(module: nn.Module) -> bool:
         and not module._buffers
         and not module._modules
     )
+
+
+def _is_stateless_leaf(module: nn.Module) -> bool:
+    """No parameters, buffers or submodules (``None`` entries included: a slot for one)."""
+    return not (module._parameters or module._buffers or module._modules)
 
 
 def _act(module: nn.Module) -> nn.Module | None:

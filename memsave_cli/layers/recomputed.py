@@ -1,0 +1,164 @@
+"""An activation written as a formula of torch operations, keeping only its input: backward
+recomputes the formula from it.
+
+NOTE [what a formula activation keeps]: an activation such as GPT-2's ``gelu_new``
+(``0.5 * x * (1 + tanh(c * (x + 0.044715 * x**3)))``) or CLIP's ``quick_gelu``
+(``x * sigmoid(1.702 * x)``) runs as several torch operations, and stock autograd keeps what each
+of them needs: four tensors of the input's size for ``gelu_new``, seven for ``gelu_fast``, where
+the input alone determines them all. The drop-in keeps the input, and backward runs the module's
+own forward on it again with autograd recording, then differentiates that: the same operations
+on the same values, so the gradient is bitwise stock's. Which modules qualify is decided by what
+they do on probes (NOTE [converting by behaviour] in ``recognise.py``): elementwise,
+deterministic, drawing no random numbers, changing neither their input nor themselves, and
+keeping more than their input beside their output.
+
+NOTE [one edge per use of the input]: the formula reads its input several times (``gelu_new``:
+three), and stock's engine adds each of those gradients into the input's buffer in turn. A
+Function returning their sum would add them in another order wherever the input has a consumer
+newer than the activation (``act(x) + x``), and floating-point addition is not associative. So
+forward runs the formula once with autograd recording and nothing saved, counts the edges that
+reach its input, and gives the Function the input that many times; backward records the
+gradient each edge carries, in the order the engine produces them (a hook on each consumer),
+and returns them on those edges. Their sum is then formed exactly as stock forms it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.autograd import Function
+from torch.autograd.graph import Node
+
+from memsave_cli.layers._autocast import autocast_state, replayed_autocast
+from memsave_cli.layers._backward import forbid_double_backward, records_backward
+
+
+class _Forward:
+    """The module's forward and the output the counting pass computed (not a tensor argument:
+    the Function's inputs are the input's edges alone)."""
+
+    def __init__(self, forward: Callable[[Tensor], Tensor], output: Tensor) -> None:
+        self.forward, self.output = forward, output
+
+
+class RecomputedFunction(Function):
+    """``forward(x)`` keeping ``x`` only (NOTE [what a formula activation keeps]); ``x`` is
+    given once per edge of the formula that reads it (NOTE [one edge per use of the input])."""
+
+    @staticmethod
+    def forward(ctx: Any, computed: _Forward, x: Tensor, *more_uses: Tensor) -> Tensor:
+        ctx.forward, ctx.uses = computed.forward, 1 + len(more_uses)
+        ctx.autocast = autocast_state(x.device.type)
+        ctx.save_for_backward(x)
+        return computed.output
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
+        forbid_double_backward("MemSave recomputed activation")
+        (x,) = ctx.saved_tensors
+        # Identity hooks: what the recomputation keeps for its own backward is a transient of
+        # this one, not a tensor kept for backward that outer hooks (a measurement) should see.
+        with (
+            torch.enable_grad(),
+            replayed_autocast(ctx.autocast),
+            _outer_hooks_hidden(),
+        ):
+            leaf = x.detach().requires_grad_()
+            # Deliberate transient: the formula's intermediates, as stock kept them.
+            output = ctx.forward(leaf)
+        edges = _edges_into(output, leaf)
+        if len(edges) != ctx.uses:
+            raise RuntimeError(
+                f"memsave's recomputed activation read its input {len(edges)} times in backward "
+                f"and {ctx.uses} in forward: its forward is not a fixed formula of its input. "
+                "Keep this module stock (memsave_cli.layers.revert)."
+            )
+        per_edge = _per_edge_gradients(output, leaf, grad, edges)
+        return (None, *per_edge)
+
+
+def recomputed(forward: Callable[[Tensor], Tensor], x: Tensor) -> Tensor:
+    """``forward(x)``, keeping only ``x`` for backward where autograd records one; otherwise (no
+    gradient, transforms, tracing, ``torch.compile``, saved-tensor hooks switched off) stock's
+    ``forward(x)``."""
+    if not (x.requires_grad and records_backward(x)) or torch.compiler.is_compiling():
+        return forward(x)
+    if not torch._C._autograd._saved_tensors_hooks_is_enabled():
+        return forward(x)
+    leaf = x.detach().requires_grad_()
+    # Counting pass: the formula's graph, its saved tensors dropped as they are made.
+    with torch.autograd.graph.saved_tensors_hooks(_drop, _dropped):
+        output = forward(leaf)
+    uses = len(_edges_into(output, leaf))
+    if uses == 0:  # the output does not depend on the input: stock's own graph
+        return forward(x)
+    return RecomputedFunction.apply(_Forward(forward, output.detach()), *[x] * uses)
+
+
+def _outer_hooks_hidden() -> contextlib.AbstractContextManager:
+    """Identity saved-tensor hooks in the body, where hooks may be installed at all."""
+    if not torch._C._autograd._saved_tensors_hooks_is_enabled():
+        return contextlib.nullcontext()
+    return torch.autograd.graph.saved_tensors_hooks(_same_tensor, _same_tensor)
+
+
+def _same_tensor(tensor: Tensor) -> Tensor:
+    return tensor
+
+
+def _drop(tensor: Tensor) -> None:
+    return None
+
+
+def _dropped(packed: None) -> Tensor:
+    raise RuntimeError("memsave: the counting pass of a recomputed activation keeps nothing")
+
+
+def _edges_into(output: Tensor, leaf: Tensor) -> list[tuple[Node, int]]:
+    """Every (node, output index) of ``output``'s graph whose edge reaches ``leaf``, in the order
+    of the graph's walk."""
+    found: list[tuple[Node, int]] = []
+    root = output.grad_fn
+    if root is None:
+        return found
+    seen, stack = {root}, [root]
+    while stack:
+        node = stack.pop()
+        for index, (following, _) in enumerate(node.next_functions):
+            if following is None:
+                continue
+            if getattr(following, "variable", None) is leaf:
+                found.append((node, index))
+            elif following not in seen:
+                seen.add(following)
+                stack.append(following)
+    return found
+
+
+def _per_edge_gradients(
+    output: Tensor, leaf: Tensor, grad: Tensor, edges: list[tuple[Node, int]]
+) -> list[Tensor | None]:
+    """The gradient each edge into ``leaf`` carries when ``output`` is differentiated with
+    ``grad``, in the order the engine produced them (NOTE [one edge per use of the input])."""
+    wanted: dict[Node, list[int]] = {}
+    for node, index in edges:
+        wanted.setdefault(node, []).append(index)
+    arrived: list[Tensor | None] = []
+
+    def record(node: Node) -> Callable[..., None]:
+        def hook(grad_inputs: tuple[Tensor | None, ...], _outputs: Any) -> None:
+            arrived.extend(grad_inputs[i] for i in sorted(wanted[node]))
+
+        return hook
+
+    handles = [node.register_hook(record(node)) for node in wanted]
+    try:
+        torch.autograd.grad(output, leaf, grad, allow_unused=True)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return arrived
