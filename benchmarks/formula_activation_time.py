@@ -11,7 +11,6 @@ embeddings of batch 4 x 256 tokens as its input, its weights trainable (``all``)
 
 from __future__ import annotations
 
-import argparse
 import copy
 import time
 from collections.abc import Callable
@@ -19,7 +18,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor, nn
 
-from benchmarks.alternating import paired_times
+from benchmarks.alternating import paired_times, started, timing_parser
 from memsave_cli.layers.convert import convert, converted_counts
 from memsave_cli.saved import SavedTensorRecorder
 
@@ -74,12 +73,8 @@ def measure(
 def main() -> None:
     from transformers.activations import ACT2FN
 
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=21)
-    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
-    args = parser.parse_args()
-    torch.set_num_threads(args.threads)
-    print(f"torch {torch.__version__}, {args.threads} threads, {args.repeats} repeats")
+    parser = timing_parser(__doc__, 21)
+    args = started(parser.parse_args())
     print(f"{'case':22s} {'stock ms':>9s} {'memsave ms':>11s} {'ratio':>6s} {'kept MiB':>17s}")
     cases = [
         (name, nn.Sequential(ACT2FN[name]), lambda m, t: m(t), (*SHAPE[:2], 4 * SHAPE[2]))

@@ -8,14 +8,13 @@ of each and the median of the per-pair ratios memsave/stock.
 
 from __future__ import annotations
 
-import argparse
 import time
 
 import torch
 from peft import LoraConfig, get_peft_model
 from torch import Tensor, nn
 
-from benchmarks.alternating import paired_times
+from benchmarks.alternating import paired_times, started, timing_parser
 from memsave_cli.layers.convert import convert
 
 #: name -> (base layer, input shape)
@@ -52,12 +51,8 @@ def measure(name: str, repeats: int) -> tuple[float, float, float]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=11)
-    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
-    args = parser.parse_args()
-    torch.set_num_threads(args.threads)
-    print(f"torch {torch.__version__}, {args.threads} threads, {args.repeats} repeats")
+    parser = timing_parser(__doc__, 11)
+    args = started(parser.parse_args())
     print(f"{'layer':40s} {'stock ms':>9s} {'memsave ms':>11s} {'ratio':>6s}")
     for name in LAYERS:
         stock, ours, ratio = measure(name, args.repeats)

@@ -8,13 +8,12 @@ machine). The input requires grad, as these layers have no parameters.
 
 from __future__ import annotations
 
-import argparse
 import time
 
 import torch
 from torch import Tensor, nn
 
-from benchmarks.alternating import paired_times
+from benchmarks.alternating import paired_times, started, timing_parser
 from memsave_cli.layers import avgpool, dropout, maxpool
 
 #: name -> (stock module, memsave module, input shape)
@@ -99,13 +98,9 @@ def measure(name: str, repeats: int) -> tuple[float, float, float]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=21)
-    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser = timing_parser(__doc__, 21)
     parser.add_argument("--only", nargs="*", default=None, help="substrings of layer names")
-    args = parser.parse_args()
-    torch.set_num_threads(args.threads)
-    print(f"torch {torch.__version__}, {args.threads} threads, {args.repeats} repeats")
+    args = started(parser.parse_args())
     print(f"{'layer':36s} {'stock ms':>9s} {'memsave ms':>11s} {'ratio':>6s}")
     for name in LAYERS:
         if args.only and not any(part in name for part in args.only):

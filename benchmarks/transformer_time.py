@@ -10,14 +10,13 @@ products without hardware support take seconds per step and drown the layers' ow
 
 from __future__ import annotations
 
-import argparse
 import copy
 import time
 
 import torch
 from torch import Tensor, nn
 
-from benchmarks.alternating import paired_times
+from benchmarks.alternating import paired_times, started, timing_parser
 from memsave_cli.layers.convert import convert, converted_counts
 
 #: Input shape: batch, tokens, hidden.
@@ -59,13 +58,9 @@ def measure(dtype: torch.dtype, trainable: bool, repeats: int) -> tuple[float, f
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=21)
-    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser = timing_parser(__doc__, 21)
     parser.add_argument("--dtype", nargs="*", default=["float32"], help="float32, bfloat16")
-    args = parser.parse_args()
-    torch.set_num_threads(args.threads)
-    print(f"torch {torch.__version__}, {args.threads} threads, {args.repeats} repeats")
+    args = started(parser.parse_args())
     print(f"{'case':28s} {'stock ms':>9s} {'memsave ms':>11s} {'ratio':>6s}")
     for dtype in (getattr(torch, name) for name in args.dtype):
         for trainable in (True, False):
