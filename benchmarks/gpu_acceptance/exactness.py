@@ -67,9 +67,11 @@ def examples(hugging_face: bool = True) -> dict[str, Example]:
 
 
 def hugging_face_examples() -> dict[str, Example]:
-    """LLaMA's RMSNorm and gated MLP, built from a tiny config (no download)."""
+    """LLaMA's RMSNorm and gated MLP, built from a tiny config (no download), and GPT-2's
+    formula activation."""
     try:
         from transformers import LlamaConfig
+        from transformers.activations import NewGELUActivation
         from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm
     except ImportError:
         return {}
@@ -86,7 +88,11 @@ def hugging_face_examples() -> dict[str, Example]:
         module.weight.data.normal_()
         return module
 
-    return {"LlamaRMSNorm": (norm, [2, 5, 6]), "LlamaMLP": (lambda: LlamaMLP(config), [2, 5, 6])}
+    return {
+        "LlamaRMSNorm": (norm, [2, 5, 6]),
+        "LlamaMLP": (lambda: LlamaMLP(config), [2, 5, 6]),
+        "NewGELUActivation": (NewGELUActivation, [2, 5, 6]),
+    }
 
 
 def run(plan: Plan, deadline: Deadline, emit: Callable[[Cell], None]) -> None:
