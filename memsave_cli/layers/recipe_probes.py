@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import copy
 import functools
+import pickle
+import random
 from collections.abc import Callable, Iterator
 from typing import NamedTuple
 
+import numpy
 import torch
 from torch import Tensor, nn
 from torch.utils._python_dispatch import _disable_current_modes
@@ -98,16 +101,17 @@ def _activation_cases() -> list[_Case]:
 
 def _recomputation_serves(module: nn.Module, case: _Case) -> bool:
     """Whether ``module`` on ``case``'s probe input is elementwise, deterministic in training and
-    in eval mode alike, draws no random numbers, changes neither its input nor its settings,
-    keeps more than its input beside its output, and recomputed gives stock's output and
-    gradients bitwise, also where the input has a newer consumer (NOTE [one edge per use of the
-    input] in ``recomputed.py``)."""
+    in eval mode alike, draws no random numbers (torch's, Python's or numpy's), changes neither
+    its input nor its settings, keeps its input and more beside its output, and recomputed gives
+    stock's output and gradients bitwise, also where the input has a newer consumer (NOTE [one
+    edge per use of the input] in ``recomputed.py``). Stock keeping the input itself means that
+    converting adds no tensor that a later in-place change of the input could invalidate."""
     generator = torch.Generator().manual_seed(0)
     x, grad = _probe_input(case, generator), _probe_input(case, generator)
     probe = _shallow_copy(module)
     forward = functools.partial(type(module).forward, probe)
     try:
-        settings, random_state = _settings_of(probe), torch.get_rng_state()
+        settings, random_state = _settings_of(probe), _random_states()
         leaf = x.clone().requires_grad_()
         kept: dict[int, int] = {}
 
@@ -121,7 +125,8 @@ def _recomputation_serves(module: nn.Module, case: _Case) -> bool:
             return False
         kept.pop(out.untyped_storage().data_ptr(), None)
         unchanged = leaf._version == 0 and _bitwise_equal(leaf.detach(), x)
-        if not unchanged or sum(kept.values()) <= x.untyped_storage().nbytes():
+        keeps_input = leaf.untyped_storage().data_ptr() in kept
+        if not (unchanged and keeps_input) or sum(kept.values()) <= x.untyped_storage().nbytes():
             return False
         with torch.no_grad():
             again = forward(x.clone())
@@ -136,11 +141,17 @@ def _recomputation_serves(module: nn.Module, case: _Case) -> bool:
         )
         if not (elementwise and _same(((again, out), (in_eval, out)))):
             return False
-        if not torch.equal(torch.get_rng_state(), random_state) or _settings_of(probe) != settings:
+        if _random_states() != random_state or _settings_of(probe) != settings:
             return False
         return _same(_recomputed_pairs(forward, x, grad))
     except Exception:  # a forward we cannot run on the probes is one we leave stock
         return False
+
+
+def _random_states() -> tuple[bytes, object, bytes]:
+    """Torch's CPU generator, Python's ``random`` and numpy's global generator, comparable."""
+    numpy_state = pickle.dumps(numpy.random.get_state())
+    return bytes(torch.get_rng_state().numpy()), random.getstate(), numpy_state
 
 
 def _settings_of(module: nn.Module) -> dict[str, str]:
@@ -277,13 +288,15 @@ def _shallow_copy(
 
 
 class _probing:
-    """Probes run eagerly on CPU with gradients on, whatever mode or device the caller set up,
+    """Probes run eagerly on CPU with gradients on, whatever mode or device the caller set up
+    (``inference_mode`` included, under which every probe would fail and the answer be cached),
     and leave the CPU's random state as they found it (a forward may draw: dropout)."""
 
     def __enter__(self) -> None:
         self._contexts = [
             _disable_current_modes(),
             torch.device("cpu"),
+            torch.inference_mode(False),
             torch.enable_grad(),
             torch.random.fork_rng(devices=[]),
         ]

@@ -34,7 +34,9 @@ from __future__ import annotations
 
 import functools
 import inspect
+import types
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -104,8 +106,18 @@ def candidate_kind(module: nn.Module) -> str | None:
 
 
 def recognise(module: nn.Module, kind: str) -> Recipe | None:
-    """The recipe reproducing ``module`` bitwise on the probes (cached), None if there is none."""
-    key = _settings_key(module)
+    """The recipe reproducing ``module`` bitwise on the probes (cached), None if there is none.
+
+    An activation's answer is cached only where its attributes are all described by value
+    (:func:`_activation_key`): one instance of a class may draw random numbers through a tensor,
+    closure, bound method or module attribute where another does not, and must be probed itself.
+    """
+    if kind == "activation":
+        key = _activation_key(module)
+        if key is None:
+            return probe_recipes(module, kind, None)
+    else:
+        key = _settings_key(module)
     if key not in _RECIPES:
         _RECIPES[key] = probe_recipes(module, kind, _eps_name(module))
     return _RECIPES[key]
@@ -116,7 +128,8 @@ def _drop_in_class(stock: type[nn.Module], recipe: Recipe) -> type[nn.Module]:
     key = (stock, recipe)
     if key not in _CLASSES:
         forwards = {"rmsnorm": _norm_forward, "gated_mlp": _mlp_forward}
-        forward = forwards.get(recipe.kind, _activation_forward)(stock, recipe)
+        body = forwards.get(recipe.kind, _activation_forward)(stock, recipe)
+        forward = _taking_one_argument(stock, body)
         namespace = {"forward": forward, "_memsave_stock": stock, "_memsave_recipe": recipe}
         namespace["__reduce_ex__"] = _reduce_ex
         namespace["__doc__"] = f"{stock.__name__} recognised as memsave's {recipe}."
@@ -136,6 +149,19 @@ def _reduce_ex(self: nn.Module, protocol: int) -> tuple:
 def _restore(stock: type[nn.Module], recipe: Recipe) -> nn.Module:
     """An empty instance of the drop-in class of ``stock`` and ``recipe``, for unpickling."""
     return object.__new__(_drop_in_class(stock, recipe))
+
+
+def _taking_one_argument(stock: type[nn.Module], body: Callable) -> Callable:
+    """A ``forward`` calling ``body(self, x)`` with its one argument, given by position or by the
+    name of ``stock.forward``'s parameter; any other call goes to stock's (and its error)."""
+    name = _parameters(stock)[0].name
+
+    def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        if len(args) + len(kwargs) == 1 and (args or name in kwargs):
+            return body(self, args[0] if args else kwargs[name])
+        return stock.forward(self, *args, **kwargs)
+
+    return forward
 
 
 def _norm_forward(stock: type[nn.Module], recipe: Recipe) -> Callable:
@@ -161,6 +187,37 @@ def _activation_forward(stock: type[nn.Module], recipe: Recipe) -> Callable:
         return recomputed(functools.partial(stock.forward, self), input)
 
     return forward
+
+
+#: Attributes every module has (``nn.Module.__init__``'s), no part of an activation's settings.
+_MODULE_ATTRIBUTES = frozenset(vars(nn.Module()))
+
+
+def _activation_key(module: nn.Module) -> tuple | None:
+    """The class and every other attribute of ``module``, private ones included, described by
+    value; None where one is not such a value (see :func:`recognise`)."""
+    own = sorted((k, v) for k, v in vars(module).items() if k not in _MODULE_ATTRIBUTES)
+    if not all(_by_value(v) for _, v in own):
+        return None
+    return ("activation", type(module), tuple((k, _described(v)) for k, v in own))
+
+
+def _by_value(value: object) -> bool:
+    """Whether :func:`_described` tells ``value`` apart from every value computing otherwise:
+    numbers, strings, dtypes, devices, containers of them, and functions without closures
+    (by name and code), or partial applications of such to such."""
+    if value is None or type(value) in (bool, int, float, complex, str):
+        return True
+    if isinstance(value, (torch.dtype, torch.device)):
+        return True
+    if type(value) in (tuple, list):
+        return all(_by_value(v) for v in value)
+    if isinstance(value, functools.partial):
+        parts = (value.func, *value.args, *value.keywords.values())
+        return all(_by_value(v) for v in parts)
+    if isinstance(value, types.BuiltinFunctionType):
+        return True
+    return isinstance(value, types.FunctionType) and value.__closure__ is None
 
 
 def _settings_key(module: nn.Module) -> tuple:
@@ -245,10 +302,15 @@ def _act(module: nn.Module) -> nn.Module | None:
     return None
 
 
+def _parameters(cls: type) -> list[inspect.Parameter]:
+    """The parameters of ``cls.forward`` after ``self``."""
+    return list(inspect.signature(cls.forward).parameters.values())[1:]
+
+
 def _takes_one_argument(cls: type) -> bool:
     """Whether ``cls.forward(self, x)`` has no other parameter (a forward we can stand in for)."""
     try:
-        parameters = list(inspect.signature(cls.forward).parameters.values())[1:]
+        parameters = _parameters(cls)
     except (TypeError, ValueError):
         return False
     kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)

@@ -12,6 +12,13 @@ they do on probes (NOTE [converting by behaviour] in ``recognise.py``): elementw
 deterministic, drawing no random numbers, changing neither their input nor themselves, and
 keeping more than their input beside their output.
 
+NOTE [forward again in backward]: as under activation checkpointing, the module's forward runs
+twice per step, once in forward and again in backward. Torch's random state (the CPU's and the
+input's CUDA device's) is recorded before the first run and restored for the second, so a forward
+drawing random numbers where the probes did not look (only on large inputs) draws the same ones
+again, and the generators end as stock leaves them. Other side effects of a forward (a counter,
+Python's ``random``) happen twice; the probes refuse modules showing them on their inputs.
+
 NOTE [one edge per use of the input]: the formula reads its input several times (``gelu_new``:
 three), and stock's engine adds each of those gradients into the input's buffer in turn. A
 Function returning their sum would add them in another order wherever the input has a consumer
@@ -25,7 +32,7 @@ and returns them on those edges. Their sum is then formed exactly as stock forms
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -34,15 +41,41 @@ from torch.autograd import Function
 from torch.autograd.graph import Node
 
 from memsave_cli.layers._autocast import autocast_state, replayed_autocast
-from memsave_cli.layers._backward import forbid_double_backward, records_backward
+from memsave_cli.layers._backward import (
+    forbid_double_backward,
+    graph_capturing,
+    records_backward,
+)
 
 
 class _Forward:
-    """The module's forward and the output the counting pass computed (not a tensor argument:
-    the Function's inputs are the input's edges alone)."""
+    """The module's forward, the output the counting pass computed and the random state it
+    started from (not tensor arguments: the Function's inputs are the input's edges alone)."""
 
-    def __init__(self, forward: Callable[[Tensor], Tensor], output: Tensor) -> None:
-        self.forward, self.output = forward, output
+    def __init__(
+        self, forward: Callable[[Tensor], Tensor], output: Tensor, random_state: _RandomState
+    ) -> None:
+        self.forward, self.output, self.random_state = forward, output, random_state
+
+
+class _RandomState:
+    """Torch's random state for the CPU and for ``x``'s CUDA device, to draw again in backward
+    what forward drew (NOTE [forward again in backward])."""
+
+    def __init__(self, x: Tensor) -> None:
+        self.device = x.device if x.is_cuda else None
+        self.cpu = torch.get_rng_state()
+        self.cuda = None if self.device is None else torch.cuda.get_rng_state(self.device)
+
+    @contextlib.contextmanager
+    def restored(self) -> Iterator[None]:
+        """The body draws from this state; afterwards the generators are as they were."""
+        devices = [] if self.device is None else [self.device]
+        with torch.random.fork_rng(devices=devices):
+            torch.set_rng_state(self.cpu)
+            if self.device is not None:
+                torch.cuda.set_rng_state(self.cuda, self.device)
+            yield
 
 
 class RecomputedFunction(Function):
@@ -52,6 +85,7 @@ class RecomputedFunction(Function):
     @staticmethod
     def forward(ctx: Any, computed: _Forward, x: Tensor, *more_uses: Tensor) -> Tensor:
         ctx.forward, ctx.uses = computed.forward, 1 + len(more_uses)
+        ctx.random_state = computed.random_state
         ctx.autocast = autocast_state(x.device.type)
         ctx.save_for_backward(x)
         return computed.output
@@ -66,6 +100,7 @@ class RecomputedFunction(Function):
             torch.enable_grad(),
             replayed_autocast(ctx.autocast),
             _outer_hooks_hidden(),
+            ctx.random_state.restored(),
         ):
             leaf = x.detach().requires_grad_()
             # Deliberate transient: the formula's intermediates, as stock kept them.
@@ -83,20 +118,27 @@ class RecomputedFunction(Function):
 
 def recomputed(forward: Callable[[Tensor], Tensor], x: Tensor) -> Tensor:
     """``forward(x)``, keeping only ``x`` for backward where autograd records one; otherwise (no
-    gradient, transforms, tracing, ``torch.compile``, saved-tensor hooks switched off) stock's
-    ``forward(x)``."""
+    gradient, transforms, tracing, ``torch.compile``, CUDA graph capture, saved-tensor hooks
+    switched off) stock's ``forward(x)``."""
     if not (x.requires_grad and records_backward(x)) or torch.compiler.is_compiling():
         return forward(x)
-    if not torch._C._autograd._saved_tensors_hooks_is_enabled():
+    if not torch._C._autograd._saved_tensors_hooks_is_enabled() or graph_capturing(x):
         return forward(x)
+    random_state = _RandomState(x)
     leaf = x.detach().requires_grad_()
-    # Counting pass: the formula's graph, its saved tensors dropped as they are made.
-    with torch.autograd.graph.saved_tensors_hooks(_drop, _dropped):
-        output = forward(leaf)
+    try:
+        # Counting pass: the formula's graph, its saved tensors dropped as they are made.
+        with torch.autograd.graph.saved_tensors_hooks(_drop, _dropped):
+            output = forward(leaf)
+    except RuntimeError:
+        # Refused on the detached input (an in-place step the probes' sizes did not take): the
+        # refusal comes before the step runs, and stock's forward decides.
+        return forward(x)
     uses = len(_edges_into(output, leaf))
     if uses == 0:  # the output does not depend on the input: stock's own graph
         return forward(x)
-    return RecomputedFunction.apply(_Forward(forward, output.detach()), *[x] * uses)
+    computed = _Forward(forward, output.detach(), random_state)
+    return RecomputedFunction.apply(computed, *[x] * uses)
 
 
 def _outer_hooks_hidden() -> contextlib.AbstractContextManager:

@@ -4,6 +4,7 @@ bitwise stock's, converted by what they do, left stock where recomputing cannot 
 from __future__ import annotations
 
 import copy
+import random
 
 import pytest
 import torch
@@ -249,3 +250,171 @@ def test_two_lambdas_of_one_scope_probed_apart() -> None:
     assert swish.function.__qualname__ == noisy.function.__qualname__
     model = convert(nn.Sequential(swish, noisy))
     assert type(model[0]) is not Lambda and type(model[1]) is Lambda
+
+
+def _swish_then(noisy: bool):
+    """A closure: ``x * sigmoid(x)``, then dropout where ``noisy``."""
+
+    def function(x: Tensor) -> Tensor:
+        y = x * torch.sigmoid(x)
+        return nn.functional.dropout(y, 0.5) if noisy else y
+
+    return function
+
+
+class PrivateRate(nn.Module):
+    def __init__(self, rate: float) -> None:
+        super().__init__()
+        self._rate = rate
+
+    def forward(self, x: Tensor) -> Tensor:
+        y = x * torch.sigmoid(x)
+        return nn.functional.dropout(y, self._rate) if self._rate > 0 else y
+
+
+class TensorRate(nn.Module):
+    def __init__(self, rate: float) -> None:
+        super().__init__()
+        self.rate = torch.tensor(rate)
+
+    def forward(self, x: Tensor) -> Tensor:
+        y = x * torch.sigmoid(x)
+        return nn.functional.dropout(y, float(self.rate)) if self.rate > 0 else y
+
+
+class HeldModule(nn.Module):
+    """A module kept in ``__dict__``, not registered as a submodule."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.__dict__["inner"] = inner
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x * self.inner(x)
+
+
+class Rate:
+    """An object whose bound method applies dropout or not."""
+
+    def __init__(self, rate: float) -> None:
+        self.rate = rate
+
+    def apply(self, y: Tensor) -> Tensor:
+        return nn.functional.dropout(y, self.rate) if self.rate > 0 else y
+
+
+class SwishThen(nn.Module):
+    """``x * sigmoid(x)`` passed to the function it holds."""
+
+    def __init__(self, then) -> None:
+        super().__init__()
+        self.then = then
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.then(x * torch.sigmoid(x))
+
+
+@pytest.mark.parametrize(
+    "harmless, random",
+    [
+        (SwishThen(_swish_then(False)), SwishThen(_swish_then(True))),
+        (PrivateRate(0.0), PrivateRate(0.5)),
+        (TensorRate(0.0), TensorRate(0.5)),
+        (HeldModule(nn.Sigmoid()), HeldModule(nn.Dropout(0.5))),
+        (SwishThen(Rate(0.0).apply), SwishThen(Rate(0.5).apply)),
+    ],
+    ids=["closure", "private-attribute", "tensor-attribute", "held-module", "bound-method"],
+)
+def test_instances_told_apart_by_what_they_hold(harmless: nn.Module, random: nn.Module) -> None:
+    """An instance whose behaviour lies in what it holds beyond values (a closure, a tensor, a
+    module, a bound method) or in a private attribute is probed itself: a random one is left
+    stock beside a harmless one of its class, whichever comes first."""
+    for first, second in ((harmless, random), (random, harmless)):
+        model = convert(nn.Sequential(first, second))
+        converted = [type(m) is not type(harmless) for m in model]
+        assert converted == [first is harmless, second is harmless]
+
+
+class NoisyWhenLarge(nn.Module):
+    """Dropout on inputs larger than the probes'."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        y = x * torch.sigmoid(x)
+        return nn.functional.dropout(y, 0.1, self.training) if x.numel() > 1000 else y
+
+
+class InPlaceWhenLarge(nn.Module):
+    def forward(self, x: Tensor) -> Tensor:
+        if x.numel() > 1000:
+            return x.mul_(torch.sigmoid(x))
+        return x * torch.sigmoid(x)
+
+
+@pytest.mark.parametrize("make", [NoisyWhenLarge, InPlaceWhenLarge], ids=["random", "in-place"])
+def test_behaviour_the_probes_did_not_see(make) -> None:
+    """Converted on the probes, these act otherwise on large inputs: the random one draws in
+    backward what it drew in forward (and leaves the generator as stock does), the in-place one
+    runs stock's graph; gradients and the next random number are stock's."""
+    stock = nn.Sequential(nn.Linear(64, 64), make())
+    converted = convert(stock)
+    assert converted_counts(converted) == {make.__name__: 1}
+    x = torch.randn(32, 64)
+    results = []
+    for model in (stock, converted):
+        torch.manual_seed(0)
+        out = model(x)
+        out.sum().backward()
+        results.append((out.detach(), model[0].weight.grad, torch.rand(3)))
+    for a, b in zip(*results, strict=True):
+        assert torch.equal(a, b)
+
+
+class PythonRandom(nn.Module):
+    def forward(self, x: Tensor) -> Tensor:
+        return x * torch.sigmoid(x) * (1 + 0 * random.random())
+
+
+class SigmoidTanh(nn.Module):
+    """Keeps ``sigmoid(x)`` and ``tanh(x)``, not ``x`` itself."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return torch.sigmoid(x) * torch.tanh(x)
+
+
+def test_python_random_left_stock() -> None:
+    """Python's random draws are side effects a recomputation would repeat."""
+    assert converted_counts(convert(nn.Sequential(PythonRandom()))) == {}
+
+
+def test_formula_not_keeping_its_input_left_stock() -> None:
+    """Converted, it would keep an input that a later in-place change invalidates, where stock's
+    graph does not need it."""
+    model = convert(nn.Sequential(nn.Linear(4, 4), SigmoidTanh()))
+    assert converted_counts(model) == {}
+    hidden = model[0](torch.randn(2, 4, requires_grad=True))
+    out = model[1](hidden)
+    hidden.mul_(2)
+    out.sum().backward()
+
+
+def test_converted_under_inference_mode_and_after() -> None:
+    """Probes run with autograd whatever mode ``convert`` is called in: under
+    ``inference_mode`` their answer would be no, and be kept for every later model."""
+
+    class FreshSwish(Swish):  # a class no earlier test had probed and cached
+        pass
+
+    with torch.inference_mode():
+        first = convert(nn.Sequential(FreshSwish()))
+    second = convert(nn.Sequential(FreshSwish()))
+    assert converted_counts(first) == converted_counts(second) == {"FreshSwish": 1}
+
+
+def test_called_by_keyword() -> None:
+    """The argument may be named as the stock forward names it; other names get stock's error."""
+    stock = Swish()
+    converted = convert(nn.Sequential(Swish()))[0]
+    x = torch.randn(2, 4)
+    assert torch.equal(converted(x=x), stock(x=x))
+    with pytest.raises(TypeError, match="unexpected keyword"):
+        converted(input=x)
