@@ -67,14 +67,17 @@ class _RandomState:
         self.cpu = torch.get_rng_state()
         self.cuda = None if self.device is None else torch.cuda.get_rng_state(self.device)
 
+    def rewind(self) -> None:
+        """Set the generators back to this state."""
+        torch.set_rng_state(self.cpu)
+        if self.device is not None:
+            torch.cuda.set_rng_state(self.cuda, self.device)
+
     @contextlib.contextmanager
     def restored(self) -> Iterator[None]:
         """The body draws from this state; afterwards the generators are as they were."""
-        devices = [] if self.device is None else [self.device]
-        with torch.random.fork_rng(devices=devices):
-            torch.set_rng_state(self.cpu)
-            if self.device is not None:
-                torch.cuda.set_rng_state(self.cuda, self.device)
+        with torch.random.fork_rng(devices=[] if self.device is None else [self.device]):
+            self.rewind()
             yield
 
 
@@ -132,7 +135,9 @@ def recomputed(forward: Callable[[Tensor], Tensor], x: Tensor) -> Tensor:
             output = forward(leaf)
     except RuntimeError:
         # Refused on the detached input (an in-place step the probes' sizes did not take): the
-        # refusal comes before the step runs, and stock's forward decides.
+        # refusal comes before the step runs, and stock's forward decides, drawing what the
+        # refused run drew.
+        random_state.rewind()
         return forward(x)
     uses = len(_edges_into(output, leaf))
     if uses == 0:  # the output does not depend on the input: stock's own graph

@@ -418,3 +418,28 @@ def test_called_by_keyword() -> None:
     assert torch.equal(converted(x=x), stock(x=x))
     with pytest.raises(TypeError, match="unexpected keyword"):
         converted(input=x)
+
+
+class NoisyThenInPlaceWhenLarge(nn.Module):
+    """Draws, then works in place on inputs larger than the probes'."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        noise = torch.rand_like(x) if x.numel() > 1000 else torch.zeros_like(x)
+        if x.numel() > 1000:
+            return x.mul_(torch.sigmoid(x)).add_(noise * 0)
+        return x * torch.sigmoid(x) + noise * 0
+
+
+def test_stock_graph_after_a_refused_run_draws_as_stock() -> None:
+    """The run refused on the detached input had drawn already: stock's run draws the same, and
+    the generator ends where stock's does."""
+    stock = nn.Sequential(nn.Linear(64, 64), NoisyThenInPlaceWhenLarge())
+    converted = convert(stock)
+    assert converted_counts(converted) == {"NoisyThenInPlaceWhenLarge": 1}
+    x = torch.randn(32, 64)
+    after = []
+    for model in (stock, converted):
+        torch.manual_seed(0)
+        model(x).sum().backward()
+        after.append(torch.rand(3))
+    assert torch.equal(*after)
