@@ -50,6 +50,8 @@ def _in_this_process(model: ModelLike, case: Case, impl: str, chosen: Settings) 
     device_notes: list[str] = []  # as memsave profile resolves it: auto, unknown names
     device = resolve_device(chosen.device, device_notes, chosen.fsdp, chosen.reshard)
     chosen = replace(chosen, device=device)
+    if chosen.dtype is None and isinstance(model, nn.Module):
+        chosen = replace(chosen, dtype=own_dtype(model, device_notes))
     spec, built = _resolve(model, chosen)
     job = Job(spec, case, impl, chosen.device, **chosen.job_settings())
     shape = {"batch_size": chosen.batch_size, "input_shape": chosen.input_shape}
@@ -61,6 +63,25 @@ def _in_this_process(model: ModelLike, case: Case, impl: str, chosen: Settings) 
     run = measure(job, built)
     warn_notes(spec.text, [*device_notes, *notes])
     return run
+
+
+def own_dtype(model: nn.Module, notes: list[str]) -> str:
+    """The dtype a model object is measured in when the test names none: its floating-point
+    parameters' where they share one that a step can run in, else float32, with a note saying
+    why (a float64 model, or parameters of several dtypes)."""
+    from memsave_cli.step import DTYPES as STEP_DTYPES
+
+    found = {p.dtype for p in model.parameters() if p.is_floating_point()}
+    if not found:
+        return "float32"
+    names = sorted(str(dtype).removeprefix("torch.") for dtype in found)
+    if len(names) == 1 and names[0] in STEP_DTYPES:
+        return names[0]
+    notes.append(
+        f"measured in float32: the model's parameters are {', '.join(names)}, and a step runs "
+        f"in one of {', '.join(STEP_DTYPES)}; pass dtype= to choose"
+    )
+    return "float32"
 
 
 def warn_notes(name: str, notes: Sequence[str]) -> None:

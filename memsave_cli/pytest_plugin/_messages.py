@@ -63,7 +63,7 @@ def saves_message(
         f"expected at least {format_share(at_least)} ({label} {format_change(before, after)})",
         f"({chosen.describe(impl).replace(f', {impl} layers', '')})",
     ]
-    report = Report(name, chosen.device, chosen.dtype, chosen.batch_size, False)
+    report = Report(name, chosen.device, chosen.dtype or "float32", chosen.batch_size, False)
     found = summary.layer_rows(report.with_runs((stock, memsave)), stock.case, TOP_LAYERS)
     if found is not None and found[0]:
         lines.append("layers memsave changes most (saved for backward, PyTorch -> memsave):")

@@ -34,7 +34,7 @@ class Settings:
     input_grad: bool | None = None
     batch_size: int | None = None
     input_shape: tuple[int, ...] | None = None
-    dtype: str = "float32"
+    dtype: str | None = None  # None: a model object's own dtype, else float32 (measure_model)
     device: str = "meta"
     bn_eval: bool = False
     optimizer: str | None = None
@@ -117,7 +117,7 @@ class Settings:
     def job_settings(self) -> dict[str, Any]:
         """Keyword arguments of a ``measure.Job`` (memory only: ``repeat=0``)."""
         return {
-            "dtype": self.dtype,
+            "dtype": self.dtype or "float32",
             "batch_size": self.batch_size,
             "input_shape": self.input_shape,
             "bn_eval": self.bn_eval,

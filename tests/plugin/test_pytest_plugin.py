@@ -562,3 +562,22 @@ def test_a_device_object_and_auto_are_read_as_names() -> None:
     with pytest.warns(MemsaveNote, match="device auto"):
         auto = MemsaveFixture().measure(_small_net(), device="auto", **settings)
     assert on_cpu.saved_bytes == auto.saved_bytes > 0
+
+
+def test_a_model_object_is_measured_in_its_own_dtype() -> None:
+    """A bfloat16 model is measured in bfloat16 unless the test names a dtype (it was measured
+    in float32, at twice its activations' bytes); a float64 one, which a step cannot run in,
+    in float32 with a note saying so."""
+    from memsave_cli.pytest_plugin import MemsaveFixture, MemsaveNote
+
+    fixture, settings = MemsaveFixture(), {"batch_size": 2, "input_shape": (3, 8, 8)}
+    own = fixture.measure(_small_net().to(torch.bfloat16), **settings)
+    named = fixture.measure(_small_net(), dtype="bfloat16", **settings)
+    chosen = fixture.measure(_small_net().to(torch.bfloat16), dtype="float32", **settings)
+    plain = fixture.measure(_small_net(), **settings)
+    assert (own.peak_bytes, own.saved_bytes) == (named.peak_bytes, named.saved_bytes)
+    assert (chosen.peak_bytes, chosen.saved_bytes) == (plain.peak_bytes, plain.saved_bytes)
+    assert own.saved_bytes < plain.saved_bytes
+    with pytest.warns(MemsaveNote, match="measured in float32: the model's parameters are float64"):
+        wide = fixture.measure(_small_net().double(), **settings)
+    assert wide.saved_bytes == plain.saved_bytes
