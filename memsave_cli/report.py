@@ -157,9 +157,12 @@ class Report:
     @classmethod
     def from_json(cls, text: str) -> Report:
         try:
-            return cls.from_dict(json.loads(text))
-        except json.JSONDecodeError as exc:
+            data = json.loads(text)
+        except RecursionError:
+            raise ReportError("not valid JSON: nested too deeply to read") from None
+        except ValueError as exc:  # a syntax error, or an integer beyond Python's digit limit
             raise ReportError(f"not valid JSON: {exc}") from exc
+        return cls.from_dict(data)
 
     @classmethod
     def load(cls, path: str | Path, *, role: str = "report") -> Report:

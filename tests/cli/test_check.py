@@ -237,6 +237,8 @@ def test_missing_baseline_suggests_update(runner, paper_report, write_report, tm
     [
         ("{not json", "not valid JSON"),
         ("", "not valid JSON"),
+        ("[" * 100_000 + "]" * 100_000, "not valid JSON: nested too deeply"),
+        ('{"schema": 1, "runs": [], "batch_size": ' + "9" * 5000 + "}", "not valid JSON: "),
         ("[1, 2]", "not a memsave report"),
         (json.dumps({"schema": 1, "runs": {}}), "not a memsave report"),
         (json.dumps({"schema": 99, "runs": []}), "unsupported report schema"),
