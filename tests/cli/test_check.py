@@ -394,17 +394,26 @@ def test_markdown_of_a_passing_check(runner, paper_report, write_report):
     assert "| all | stock | 800 MiB → 800 MiB (+0.0%) |" in result.stdout
 
 
-def test_markdown_names_a_failed_run(runner, paper_report, write_report):
+@pytest.mark.parametrize(
+    ("error", "shown"),
+    [
+        ("out of memory", "out of memory"),
+        ("out of\nmemory | on   cuda:0\n", "out of memory / on cuda:0"),
+    ],
+    ids=["one-line", "several-lines"],
+)
+def test_markdown_names_a_failed_run(runner, paper_report, write_report, error, shown):
+    """On one table row, whatever lines or pipes the error holds."""
     baseline = write_report(paper_report, "baseline.json")
     runs = tuple(
-        replace(r, status=Status.OOM, error="out of memory") if r.case == "norm" else r
+        replace(r, status=Status.OOM, error=error) if r.case == "norm" else r
         for r in paper_report.runs
     )
     report = write_report(paper_report.with_runs(runs))
     args = ["check", str(report), "--baseline", str(baseline), "--format", "markdown"]
     result = runner.invoke(app, args)
     assert result.exit_code == 1, result.output
-    assert "| norm | stock | **oom: out of memory** |" in result.stdout
+    assert f"| norm | stock | **oom: {shown}** |" in result.stdout
 
 
 def test_written_reports_are_readable_by_others(runner, paper_report, write_report, tmp_path):
