@@ -23,7 +23,9 @@ model the inputs do not run) becomes a :class:`MemsaveNote` warning, listed afte
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import functools
+import warnings
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -46,9 +48,41 @@ __all__ = ["MARKER", "MemsaveFixture", "MemsaveNote", "Settings", "memsave"]
 MARKER = "memsave_budget"
 
 
+def _notes_once(method: Callable[..., Any]) -> Callable[..., Any]:
+    """``method`` issuing each distinct MemsaveNote once, as raised by its caller's line: the
+    stock and memsave measurements of ``assert_saves`` note the same things, and a note pointed
+    into the plugin, not at the test. Other warnings pass on unchanged."""
+
+    @functools.wraps(method)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        __tracebackhide__ = True
+        caught: list[warnings.WarningMessage] = []
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                return method(*args, **kwargs)
+        finally:
+            _reissue(caught)
+
+    return wrapper
+
+
+def _reissue(caught: list[warnings.WarningMessage]) -> None:
+    seen: set[str] = set()
+    for found in caught:
+        if not issubclass(found.category, MemsaveNote):
+            warnings.warn_explicit(
+                found.message, found.category, found.filename, found.lineno, source=found.source
+            )
+        elif str(found.message) not in seen:
+            seen.add(str(found.message))
+            warnings.warn(found.message, stacklevel=3)  # _reissue, wrapper, the caller
+
+
 class MemsaveFixture:
     """What the ``memsave`` fixture gives a test: measure a model, assert its budget or savings."""
 
+    @_notes_once
     def measure(self, model: ModelLike, *, impl: str = "memsave", **settings: Any) -> Run:
         """One training step of ``model`` with ``impl`` layers (a Run, as ``memsave profile``'s).
 
@@ -64,6 +98,7 @@ class MemsaveFixture:
             pytest.fail(f"memsave: {name_of(model)} could not be measured: {run.error}", False)
         return run
 
+    @_notes_once
     def assert_fits(
         self,
         model: ModelLike,
@@ -89,6 +124,7 @@ class MemsaveFixture:
             raise AssertionError(message)
         return run
 
+    @_notes_once
     def assert_saves(
         self,
         model: ModelLike,

@@ -581,3 +581,20 @@ def test_a_model_object_is_measured_in_its_own_dtype() -> None:
     with pytest.warns(MemsaveNote, match="measured in float32: the model's parameters are float64"):
         wide = fixture.measure(_small_net().double(), **settings)
     assert wide.saved_bytes == plain.saved_bytes
+
+
+def test_a_note_is_given_once_at_the_test_line() -> None:
+    """assert_saves measures twice and both measurements note the same: one warning, raised by
+    the test's own line (it pointed into the plugin)."""
+    import warnings
+
+    from memsave_cli.pytest_plugin import MemsaveFixture, MemsaveNote
+
+    settings = {"batch_size": 2, "input_shape": (3, 8, 8)}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        MemsaveFixture().assert_saves(_small_net().double(), 0.0, **settings)
+    notes = [w for w in caught if issubclass(w.category, MemsaveNote)]
+    assert len(notes) == 1 and notes[0].filename == __file__, [
+        (w.filename, w.message) for w in notes
+    ]
