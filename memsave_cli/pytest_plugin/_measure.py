@@ -52,6 +52,11 @@ def _in_this_process(model: ModelLike, case: Case, impl: str, chosen: Settings) 
     chosen = replace(chosen, device=device)
     if chosen.dtype is None and isinstance(model, nn.Module):
         chosen = replace(chosen, dtype=own_dtype(model, device_notes))
+    if isinstance(model, nn.Module) and not model.training:
+        device_notes.append(
+            "measured in training mode, as a training step runs, though the model was in eval "
+            "mode; bn_eval=True keeps its BatchNorm layers in eval mode"
+        )
     spec, built = _resolve(model, chosen)
     job = Job(spec, case, impl, chosen.device, **chosen.job_settings())
     shape = {"batch_size": chosen.batch_size, "input_shape": chosen.input_shape}

@@ -598,3 +598,11 @@ def test_a_note_is_given_once_at_the_test_line() -> None:
     assert len(notes) == 1 and notes[0].filename == __file__, [
         (w.filename, w.message) for w in notes
     ]
+
+
+def test_a_model_in_eval_mode_is_noted() -> None:
+    from memsave_cli.pytest_plugin import MemsaveFixture, MemsaveNote
+
+    settings = {"batch_size": 2, "input_shape": (3, 8, 8)}
+    with pytest.warns(MemsaveNote, match="measured in training mode"):
+        MemsaveFixture().measure(_small_net().eval(), **settings)
