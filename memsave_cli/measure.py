@@ -300,9 +300,16 @@ _META_HINTS = ("meta tensor", "no data", "data-dependent", "data dependent", "da
 
 @contextlib.contextmanager
 def _meta_errors(job: Job) -> Iterator[None]:
-    """Turn a meta run's failure to compute with tensor values into NeedsRealDataError."""
+    """Turn a meta run's failure to compute with tensor values into NeedsRealDataError.
+
+    Anomaly detection is off for a meta run: its checks for NaN read gradients' values, which
+    meta tensors do not have, and a model measured under ``set_detect_anomaly(True)`` would
+    seem to need real data.
+    """
+    anomaly = job.device == "meta" and torch.is_anomaly_enabled()
     try:
-        yield
+        with torch.autograd.set_detect_anomaly(False) if anomaly else contextlib.nullcontext():
+            yield
     except (RuntimeError, NotImplementedError) as error:
         if job.device != "meta" or not any(h in str(error).lower() for h in _META_HINTS):
             raise

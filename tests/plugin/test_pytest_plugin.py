@@ -606,3 +606,16 @@ def test_a_model_in_eval_mode_is_noted() -> None:
     settings = {"batch_size": 2, "input_shape": (3, 8, 8)}
     with pytest.warns(MemsaveNote, match="measured in training mode"):
         MemsaveFixture().measure(_small_net().eval(), **settings)
+
+
+def test_anomaly_detection_does_not_stop_a_meta_estimate() -> None:
+    """Its NaN checks read values meta has not: the estimate runs with it off (it said the model
+    needs real data), and the test's setting is back afterwards."""
+    from memsave_cli.pytest_plugin import MemsaveFixture
+
+    fixture, settings = MemsaveFixture(), {"batch_size": 2, "input_shape": (3, 8, 8)}
+    plain = fixture.measure(_small_net(), **settings)
+    with torch.autograd.set_detect_anomaly(True):
+        checked = fixture.measure(_small_net(), **settings)
+        assert torch.is_anomaly_enabled()
+    assert (checked.peak_bytes, checked.saved_bytes) == (plain.peak_bytes, plain.saved_bytes)
