@@ -140,7 +140,7 @@ class Report:
         """The report ``data`` holds; ReportError naming the first value that is wrong."""
         if not isinstance(data, dict) or not isinstance(data.get("runs"), list | tuple):
             raise ReportError("not a memsave report: expected a JSON object with a 'runs' list")
-        if data.get("schema") != SCHEMA:
+        if type(data.get("schema")) is not int or data.get("schema") != SCHEMA:
             raise ReportError(
                 f"unsupported report schema {data.get('schema')!r}: expected {SCHEMA}"
             )
@@ -203,10 +203,13 @@ def _run_from_dict(data: Any) -> Run:
     """One run, its byte counts checked: a check computes with them."""
     if not isinstance(data, dict):
         raise ValueError(f"expected an object, got {data!r}")
-    layers = tuple(LayerSaved(**layer) for layer in data.get("layers", ()))
+    layers = tuple(_layer(layer) for layer in data.get("layers", ()))
     values = {k: v for k, v in data.items() if k != "layers"}
     values["status"] = Status(values.get("status", "ok"))
-    values["times_s"] = tuple(values.get("times_s", ()))
+    times = values.get("times_s", ())
+    if not isinstance(times, list | tuple) or not all(_non_negative(t) for t in times):
+        raise ValueError(f"times_s must be a list of non-negative numbers, got {times!r}")
+    values["times_s"] = tuple(times)
     run = Run(**values, layers=layers)
     for name in ("case", "impl"):
         if not isinstance(getattr(run, name), str):
@@ -216,6 +219,23 @@ def _run_from_dict(data: Any) -> Run:
     if run.time_s is not None and not _non_negative(run.time_s):
         raise ValueError(f"time_s must be null or a non-negative number, got {run.time_s!r}")
     return run
+
+
+def _layer(data: Any) -> LayerSaved:
+    """One row of a run's per-layer table, its types checked (reports render and compare it)."""
+    if not isinstance(data, dict):
+        raise ValueError(f"a layer must be an object, got {data!r}")
+    layer = LayerSaved(**data)
+    if not (isinstance(layer.name, str) and isinstance(layer.type, str)):
+        raise ValueError(f"a layer's name and type must be strings, got {data!r}")
+    if not isinstance(layer.shared, bool):
+        raise ValueError(f"layer {layer.name}: shared must be true or false, got {layer.shared!r}")
+    if type(layer.saved_bytes) is not int or layer.saved_bytes < 0:
+        raise ValueError(
+            f"layer {layer.name}: saved_bytes must be a non-negative whole number, "
+            f"got {layer.saved_bytes!r}"
+        )
+    return layer
 
 
 def _count(value: Any, name: str, *, least: int = 0) -> None:

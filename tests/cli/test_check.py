@@ -242,6 +242,7 @@ def test_missing_baseline_suggests_update(runner, paper_report, write_report, tm
         ("[1, 2]", "not a memsave report"),
         (json.dumps({"schema": 1, "runs": {}}), "not a memsave report"),
         (json.dumps({"schema": 99, "runs": []}), "unsupported report schema"),
+        (json.dumps({"schema": True, "runs": []}), "unsupported report schema True"),
         (json.dumps({"schema": 1, "runs": [{"case": "all"}]}), "malformed memsave report"),
     ],
 )
@@ -268,6 +269,12 @@ MALFORMED = {
     "negative": ({"saved_bytes": -5}, "run 1: saved_bytes must be null or a non-negative whole"),
     "case": ({"case": 3}, "run 1: case must be a string, got 3"),
     "time": ({"time_s": "1s"}, "run 1: time_s must be null or a non-negative number"),
+    "times": ({"times_s": "abc"}, "run 1: times_s must be a list of non-negative numbers"),
+    "layer bytes": (
+        {"layers": [{"name": "fc", "type": "Linear", "saved_bytes": "abc"}]},
+        "run 1: layer fc: saved_bytes must be a non-negative whole number, got 'abc'",
+    ),
+    "layer": ({"layers": [7]}, "run 1: a layer must be an object, got 7"),
 }
 
 
