@@ -108,7 +108,7 @@ def _recomputation_serves(module: nn.Module, case: _Case) -> bool:
     converting adds no tensor that a later in-place change of the input could invalidate."""
     generator = torch.Generator().manual_seed(0)
     x, grad = _probe_input(case, generator), _probe_input(case, generator)
-    probe = _shallow_copy(module)
+    probe = copy.deepcopy(_shallow_copy(module))  # what it holds, too: a probe changes nothing
     forward = functools.partial(type(module).forward, probe)
     try:
         settings, random_state = _settings_of(probe), _random_states()
@@ -125,6 +125,10 @@ def _recomputation_serves(module: nn.Module, case: _Case) -> bool:
             return False
         kept.pop(out.untyped_storage().data_ptr(), None)
         unchanged = leaf._version == 0 and _bitwise_equal(leaf.detach(), x)
+        if getattr(leaf, "_backward_hooks", None) or getattr(
+            leaf, "_post_accumulate_grad_hooks", None
+        ):
+            return False  # a hook on the input would see the activation's share of its gradient
         keeps_input = leaf.untyped_storage().data_ptr() in kept
         if not (unchanged and keeps_input) or sum(kept.values()) <= x.untyped_storage().nbytes():
             return False
@@ -132,9 +136,10 @@ def _recomputation_serves(module: nn.Module, case: _Case) -> bool:
             again = forward(x.clone())
             order = torch.randperm(x.numel(), generator=generator)
             permuted = forward(x.flatten()[order].view(x.shape)).flatten()
+            mode = probe.training
             probe.eval()
             in_eval = forward(x.clone())
-            probe.train()
+            probe.train(mode)
         # Close, not bitwise: a vectorised kernel may round an element otherwise at another place.
         elementwise = torch.allclose(
             permuted.double(), out.detach().flatten()[order].double(), 0.02, 1e-6, equal_nan=True
@@ -155,8 +160,9 @@ def _random_states() -> tuple[bytes, object, bytes]:
 
 
 def _settings_of(module: nn.Module) -> dict[str, str]:
-    """A module's public attributes, each as its type and ``repr`` (to see a forward change them)."""
-    return {k: f"{type(v)}:{v!r}" for k, v in vars(module).items() if not k.startswith("_")}
+    """A module's attributes, private ones included, each as its type and ``repr`` (to see a
+    forward change them)."""
+    return {k: f"{type(v)}:{v!r}" for k, v in vars(module).items() if not k.endswith("hooks")}
 
 
 def _recomputed_pairs(
@@ -290,7 +296,8 @@ def _shallow_copy(
 class _probing:
     """Probes run eagerly on CPU with gradients on, whatever mode or device the caller set up
     (``inference_mode`` included, under which every probe would fail and the answer be cached),
-    and leave the CPU's random state as they found it (a forward may draw: dropout)."""
+    and leave the random states as they found them, torch's CPU generator, Python's and numpy's
+    (a forward may draw: dropout)."""
 
     def __enter__(self) -> None:
         self._contexts = [
@@ -302,7 +309,10 @@ class _probing:
         ]
         for context in self._contexts:
             context.__enter__()
+        self._states = random.getstate(), numpy.random.get_state()
 
     def __exit__(self, *exc: object) -> None:
+        random.setstate(self._states[0])
+        numpy.random.set_state(self._states[1])
         for context in reversed(self._contexts):
             context.__exit__(*exc)

@@ -32,6 +32,7 @@ class pickles as its stock class and recipe, so converted models save and load w
 
 from __future__ import annotations
 
+import copy
 import functools
 import inspect
 import types
@@ -101,23 +102,16 @@ def candidate_kind(module: nn.Module) -> str | None:
     if has_proj and isinstance(getattr(module, "down_proj", None), nn.Module):
         return "gated_mlp" if _act(module) is not None and _takes_one_argument(cls) else None
     if _is_stateless_leaf(module) and cls.forward is not nn.Module.forward:
-        return "activation" if _takes_one_argument(cls) else None
+        plain = _activation_key(module) is not None
+        return "activation" if plain and _takes_one_argument(cls) else None
     return None
 
 
 def recognise(module: nn.Module, kind: str) -> Recipe | None:
     """The recipe reproducing ``module`` bitwise on the probes (cached), None if there is none.
-
-    An activation's answer is cached only where its attributes are all described by value
-    (:func:`_activation_key`): one instance of a class may draw random numbers through a tensor,
-    closure, bound method or module attribute where another does not, and must be probed itself.
-    """
-    if kind == "activation":
-        key = _activation_key(module)
-        if key is None:
-            return probe_recipes(module, kind, None)
-    else:
-        key = _settings_key(module)
+    An activation's key is :func:`_activation_key`, complete for the plain values a candidate
+    holds."""
+    key = _activation_key(module) if kind == "activation" else _settings_key(module)
     if key not in _RECIPES:
         _RECIPES[key] = probe_recipes(module, kind, _eps_name(module))
     return _RECIPES[key]
@@ -154,10 +148,11 @@ def _restore(stock: type[nn.Module], recipe: Recipe) -> nn.Module:
 def _taking_one_argument(stock: type[nn.Module], body: Callable) -> Callable:
     """A ``forward`` calling ``body(self, x)`` with its one argument, given by position or by the
     name of ``stock.forward``'s parameter; any other call goes to stock's (and its error)."""
-    name = _parameters(stock)[0].name
+    parameter = _parameters(stock)[0]
+    name = parameter.name if parameter.kind is not inspect.Parameter.POSITIONAL_ONLY else None
 
     def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-        if len(args) + len(kwargs) == 1 and (args or name in kwargs):
+        if len(args) + len(kwargs) == 1 and (args or (name is not None and name in kwargs)):
             return body(self, args[0] if args else kwargs[name])
         return stock.forward(self, *args, **kwargs)
 
@@ -184,7 +179,9 @@ def _mlp_forward(stock: type[nn.Module], recipe: Recipe) -> Callable:
 
 def _activation_forward(stock: type[nn.Module], recipe: Recipe) -> Callable:
     def forward(self: nn.Module, input: Tensor) -> Tensor:
-        return recomputed(functools.partial(stock.forward, self), input)
+        # A snapshot: backward recomputes with the settings and mode of this call (NOTE
+        # [activations holding only values]).
+        return recomputed(functools.partial(stock.forward, copy.copy(self)), input)
 
     return forward
 
@@ -194,12 +191,28 @@ _MODULE_ATTRIBUTES = frozenset(vars(nn.Module()))
 
 
 def _activation_key(module: nn.Module) -> tuple | None:
-    """The class and every other attribute of ``module``, private ones included, described by
-    value; None where one is not such a value (see :func:`recognise`)."""
+    """The class, its plain class attributes and every other attribute of ``module`` (private
+    ones included), described by value; None where an attribute is not such a value.
+
+    NOTE [activations holding only values]: an activation candidate must hold plain values only
+    (numbers, strings, dtypes, functions without closures whose defaults are such values). What
+    it computes is then its class's code and those values, so the key tells apart every
+    instance that may compute otherwise, and a snapshot of the module (a shallow copy) is its
+    state at the time of a forward. One holding a tensor, a generator, a list, a module, a
+    closure or a bound method could draw or change state in ways probes on small inputs do not
+    see (its own generator only on large inputs), and stays stock.
+    """
     own = sorted((k, v) for k, v in vars(module).items() if k not in _MODULE_ATTRIBUTES)
     if not all(_by_value(v) for _, v in own):
         return None
-    return ("activation", type(module), tuple((k, _described(v)) for k, v in own))
+    shared = sorted(
+        (k, _described(v))
+        for cls in type(module).__mro__
+        if cls.__module__ is not None and not cls.__module__.startswith("torch")
+        for k, v in vars(cls).items()
+        if not k.startswith("__") and _by_value(v) and not callable(v)
+    )
+    return ("activation", type(module), tuple(shared), tuple((k, _described(v)) for k, v in own))
 
 
 def _by_value(value: object) -> bool:
@@ -215,9 +228,13 @@ def _by_value(value: object) -> bool:
     if isinstance(value, functools.partial):
         parts = (value.func, *value.args, *value.keywords.values())
         return all(_by_value(v) for v in parts)
-    if isinstance(value, types.BuiltinFunctionType):
-        return True
-    return isinstance(value, types.FunctionType) and value.__closure__ is None
+    if isinstance(value, types.BuiltinFunctionType):  # a module's or a class's, not an object's
+        owner = getattr(value, "__self__", None)
+        return owner is None or isinstance(owner, types.ModuleType | type)
+    if not isinstance(value, types.FunctionType) or value.__closure__ is not None:
+        return False
+    defaults = (*(value.__defaults__ or ()), *(value.__kwdefaults__ or {}).values())
+    return all(_by_value(v) for v in defaults)
 
 
 def _settings_key(module: nn.Module) -> tuple:
@@ -261,9 +278,14 @@ def _described(value: object) -> object:
                 _described(value.keywords))  # fmt: skip
     function = getattr(value, "__func__", value)  # a bound method: its function
     if callable(function) and hasattr(function, "__qualname__"):
-        # Python functions by their code as well: two lambdas of one scope share a qualname.
+        # Python functions by their code and defaults as well: two lambdas of one scope share a
+        # qualified name, and one function made twice shares its code.
         code = id(function.__code__) if hasattr(function, "__code__") else None
-        return ("callable", getattr(function, "__module__", None), function.__qualname__, code)
+        defaults = _described(getattr(function, "__defaults__", None))
+        keyword_defaults = _described(getattr(function, "__kwdefaults__", None))
+        name = function.__qualname__
+        return ("callable", getattr(function, "__module__", None), name, code, defaults,
+                keyword_defaults)  # fmt: skip
     try:
         return ("object", type(value), repr(value))
     except Exception:  # a repr that fails: this instance only

@@ -314,21 +314,59 @@ class SwishThen(nn.Module):
         return self.then(x * torch.sigmoid(x))
 
 
+class OwnGenerator(nn.Module):
+    """Draws from a generator of its own, on inputs larger than the probes'."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.generator = torch.Generator().manual_seed(0)
+
+    def forward(self, x: Tensor) -> Tensor:
+        y = x * torch.sigmoid(x)
+        if x.numel() > 1000:
+            y = y * torch.rand(x.shape, generator=self.generator)
+        return y
+
+
+def _swish_or_noisy(noisy: bool):
+    """Functions of one code without a closure, told apart by a default argument."""
+
+    def function(x: Tensor, noisy: bool = noisy) -> Tensor:
+        y = x * torch.sigmoid(x)
+        return nn.functional.dropout(y, 0.5) if noisy else y
+
+    return function
+
+
+@pytest.mark.parametrize(
+    "holder",
+    [
+        SwishThen(_swish_then(False)),
+        TensorRate(0.0),
+        HeldModule(nn.Sigmoid()),
+        SwishThen(Rate(0.0).apply),
+        HeldModule(torch.Generator().manual_seed(0).seed),
+        OwnGenerator(),
+    ],
+    ids=["closure", "tensor", "module", "bound-method", "generator-method", "generator"],
+)
+def test_a_module_holding_more_than_values_stays_stock(holder: nn.Module) -> None:
+    """What it holds (a closure, a tensor, a module, a bound method) could draw or change state
+    where the probes do not look (NOTE [activations holding only values])."""
+    assert converted_counts(convert(nn.Sequential(holder))) == {}
+
+
 @pytest.mark.parametrize(
     "harmless, random",
     [
-        (SwishThen(_swish_then(False)), SwishThen(_swish_then(True))),
         (PrivateRate(0.0), PrivateRate(0.5)),
-        (TensorRate(0.0), TensorRate(0.5)),
-        (HeldModule(nn.Sigmoid()), HeldModule(nn.Dropout(0.5))),
-        (SwishThen(Rate(0.0).apply), SwishThen(Rate(0.5).apply)),
+        (Lambda(_swish_or_noisy(False)), Lambda(_swish_or_noisy(True))),
     ],
-    ids=["closure", "private-attribute", "tensor-attribute", "held-module", "bound-method"],
+    ids=["private-attribute", "function-default"],
 )
-def test_instances_told_apart_by_what_they_hold(harmless: nn.Module, random: nn.Module) -> None:
-    """An instance whose behaviour lies in what it holds beyond values (a closure, a tensor, a
-    module, a bound method) or in a private attribute is probed itself: a random one is left
-    stock beside a harmless one of its class, whichever comes first."""
+def test_instances_told_apart_by_their_values(harmless: nn.Module, random: nn.Module) -> None:
+    """Values the key holds, private ones and functions' defaults included: a random instance is
+    left stock beside a harmless one of its class, whichever comes first."""
     for first, second in ((harmless, random), (random, harmless)):
         model = convert(nn.Sequential(first, second))
         converted = [type(m) is not type(harmless) for m in model]
@@ -350,7 +388,23 @@ class InPlaceWhenLarge(nn.Module):
         return x * torch.sigmoid(x)
 
 
-@pytest.mark.parametrize("make", [NoisyWhenLarge, InPlaceWhenLarge], ids=["random", "in-place"])
+class PythonRandomWhenLarge(nn.Module):
+    def forward(self, x: Tensor) -> Tensor:
+        y = x * torch.sigmoid(x)
+        return y * random.random() if x.numel() > 1000 else y
+
+
+class TupleWhenLarge(nn.Module):
+    def forward(self, x: Tensor):
+        y = x * torch.sigmoid(x)
+        return (y,) if x.numel() > 1000 else y
+
+
+@pytest.mark.parametrize(
+    "make",
+    [NoisyWhenLarge, InPlaceWhenLarge, PythonRandomWhenLarge],
+    ids=["random", "in-place", "python-random"],
+)
 def test_behaviour_the_probes_did_not_see(make) -> None:
     """Converted on the probes, these act otherwise on large inputs: the random one draws in
     backward what it drew in forward (and leaves the generator as stock does), the in-place one
@@ -362,11 +416,91 @@ def test_behaviour_the_probes_did_not_see(make) -> None:
     results = []
     for model in (stock, converted):
         torch.manual_seed(0)
+        random.seed(0)
         out = model(x)
         out.sum().backward()
-        results.append((out.detach(), model[0].weight.grad, torch.rand(3)))
+        after = torch.tensor([random.random()])
+        results.append((out.detach(), model[0].weight.grad, torch.rand(3), after))
     for a, b in zip(*results, strict=True):
         assert torch.equal(a, b)
+
+
+def test_a_tuple_where_the_probes_saw_a_tensor_runs_stock() -> None:
+    model = convert(nn.Sequential(TupleWhenLarge()))
+    assert converted_counts(model) == {"TupleWhenLarge": 1}
+    x = torch.randn(32, 64, requires_grad=True)
+    (out,) = model(x)
+    out.sum().backward()
+    assert torch.equal(x.grad, torch.autograd.grad(TupleWhenLarge()(x)[0].sum(), x)[0])
+
+
+class RateWhenLarge(nn.Module):
+    """Dropout at a rate set after conversion, on inputs larger than the probes'."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rate = 0.0
+
+    def forward(self, x: Tensor) -> Tensor:
+        y = x * torch.sigmoid(x)
+        if x.numel() > 1000 and self.rate > 0:
+            y = nn.functional.dropout(y, self.rate, self.training)
+        return y
+
+
+def test_backward_recomputes_as_forward_ran() -> None:
+    """Settings and mode changed between forward and backward: the recomputation uses those of
+    the forward, as stock's graph does."""
+    stock = nn.Sequential(nn.Linear(64, 64), RateWhenLarge())
+    converted = convert(stock)
+    assert converted_counts(converted) == {"RateWhenLarge": 1}
+    x, grads = torch.randn(32, 64), []
+    for model in (stock, converted):
+        model[1].rate = 0.3
+        model.train()
+        torch.manual_seed(0)
+        out = model(x)
+        model.eval()
+        model[1].rate = 0.9
+        out.sum().backward()
+        grads.append(model[0].weight.grad)
+    assert torch.equal(*grads)
+
+
+class CountingPrivately(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self._calls = 0
+
+    def forward(self, x: Tensor) -> Tensor:
+        self._calls += 1
+        return x * torch.sigmoid(x)
+
+
+class HookedInput(nn.Module):
+    def forward(self, x: Tensor) -> Tensor:
+        if x.requires_grad:
+            x.register_hook(lambda grad: None)
+        return x * torch.sigmoid(x)
+
+
+class PositionalOnly(nn.Module):
+    def forward(self, x: Tensor, /) -> Tensor:
+        return x * torch.sigmoid(x)
+
+
+@pytest.mark.parametrize("make", [CountingPrivately, HookedInput], ids=["private-state", "hook"])
+def test_private_state_and_input_hooks_left_stock(make) -> None:
+    """A private counter would count twice; a hook on the input would see the activation's
+    share of its gradient only."""
+    assert converted_counts(convert(nn.Sequential(make()))) == {}
+
+
+def test_a_positional_only_argument_stays_positional() -> None:
+    converted = convert(nn.Sequential(PositionalOnly()))[0]
+    assert type(converted) is not PositionalOnly
+    with pytest.raises(TypeError):
+        converted(x=torch.randn(2))
 
 
 class PythonRandom(nn.Module):
