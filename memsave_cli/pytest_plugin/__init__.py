@@ -51,32 +51,53 @@ MARKER = "memsave_budget"
 def _notes_once(method: Callable[..., Any]) -> Callable[..., Any]:
     """``method`` issuing each distinct MemsaveNote once, as raised by its caller's line: the
     stock and memsave measurements of ``assert_saves`` note the same things, and a note pointed
-    into the plugin, not at the test. Other warnings pass on unchanged."""
+    into the plugin, not at the test. Other warnings pass on, each once per place."""
 
     @functools.wraps(method)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         __tracebackhide__ = True
         caught: list[warnings.WarningMessage] = []
         try:
-            with warnings.catch_warnings(record=True) as caught:
-                warnings.simplefilter("always")
+            with _collected() as caught:
                 return method(*args, **kwargs)
         finally:
-            _reissue(caught)
+            _reissue(caught, stacklevel=3)  # _reissue, wrapper, the caller
 
     return wrapper
 
 
-def _reissue(caught: list[warnings.WarningMessage]) -> None:
-    seen: set[str] = set()
+@contextlib.contextmanager
+def _collected() -> Iterator[list[warnings.WarningMessage]]:
+    """Every warning of the body, recorded instead of issued."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        yield caught
+
+
+def _reissue(
+    caught: list[warnings.WarningMessage],
+    *,
+    stacklevel: int = 3,
+    at: tuple[str, int] | None = None,
+) -> None:
+    """Issue ``caught`` again, each distinct one once: a MemsaveNote by its text, as raised
+    ``stacklevel`` frames up or at the file and line ``at``; any other by its text and place."""
+    seen: set[tuple] = set()
     for found in caught:
-        if not issubclass(found.category, MemsaveNote):
+        note = issubclass(found.category, MemsaveNote)
+        where = () if note else (found.filename, found.lineno)
+        key = (found.category, str(found.message), *where)
+        if key in seen:
+            continue
+        seen.add(key)
+        if not note:
             warnings.warn_explicit(
                 found.message, found.category, found.filename, found.lineno, source=found.source
             )
-        elif str(found.message) not in seen:
-            seen.add(str(found.message))
-            warnings.warn(found.message, stacklevel=3)  # _reissue, wrapper, the caller
+        elif at is not None:
+            warnings.warn_explicit(found.message, found.category, *at)
+        else:
+            warnings.warn(found.message, stacklevel=stacklevel)
 
 
 class MemsaveFixture:
@@ -187,9 +208,15 @@ def pytest_configure(config: pytest.Config) -> None:
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_call(item: pytest.Item) -> None:
-    """Check every ``memsave_budget`` marker of ``item`` before its body runs."""
-    for mark in item.iter_markers(name=MARKER):
-        check_marker(mark.args, dict(mark.kwargs))
+    """Check every ``memsave_budget`` marker of ``item`` before its body runs; each distinct
+    note once, at the test's line."""
+    caught: list[warnings.WarningMessage] = []
+    try:
+        with _collected() as caught:
+            for mark in item.iter_markers(name=MARKER):
+                check_marker(mark.args, dict(mark.kwargs))
+    finally:
+        _reissue(caught, at=(str(item.path), item.location[1] + 1))
 
 
 def check_marker(args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:

@@ -52,9 +52,11 @@ def _in_this_process(model: ModelLike, case: Case, impl: str, chosen: Settings) 
     chosen = replace(chosen, device=device)
     if chosen.dtype is None and isinstance(model, nn.Module):
         chosen = replace(chosen, dtype=own_dtype(model, device_notes))
-    if isinstance(model, nn.Module) and not model.training:
+    in_eval = [m for m in model.modules() if not m.training] if isinstance(model, nn.Module) else []
+    if in_eval:
+        which = "the model" if in_eval[0] is model else f"{len(in_eval)} of its modules"
         device_notes.append(
-            "measured in training mode, as a training step runs, though the model was in eval "
+            f"measured in training mode, as a training step runs, though {which} was in eval "
             "mode; bn_eval=True keeps its BatchNorm layers in eval mode"
         )
     spec, built = _resolve(model, chosen)

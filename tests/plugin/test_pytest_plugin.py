@@ -619,3 +619,50 @@ def test_anomaly_detection_does_not_stop_a_meta_estimate() -> None:
         checked = fixture.measure(_small_net(), **settings)
         assert torch.is_anomaly_enabled()
     assert (checked.peak_bytes, checked.saved_bytes) == (plain.peak_bytes, plain.saved_bytes)
+
+
+def test_marker_notes_once_at_the_test(pytester: pytest.Pytester) -> None:
+    """A marker with a budget and a saving measures three times: its note is listed once, at
+    the test's file (it was listed three times, at the plugin's lines)."""
+    result = run_suite(
+        pytester,
+        """
+        import pytest
+        from torch import nn
+
+        @pytest.mark.memsave_budget(
+            nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU()).double(), budget="1MiB", at_least=0.0,
+            batch_size=2, input_shape=(3, 8, 8),
+        )
+        def test_marked():
+            pass
+        """,
+    )
+    result.assert_outcomes(passed=1)
+    listed = [line for line in result.outlines if "the model's parameters are float64" in line]
+    assert len(listed) == 1, result.outlines
+    assert any("test_user.py:" in line for line in result.outlines), result.outlines
+
+
+class _Warns(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        import warnings
+
+        warnings.warn("a warning of the model's own", UserWarning, stacklevel=1)
+        return x.flatten(1)
+
+
+def test_other_warnings_once_per_place_and_eval_submodules_noted() -> None:
+    import warnings
+
+    from memsave_cli.pytest_plugin import MemsaveFixture, MemsaveNote
+
+    model = torch.nn.Sequential(_small_net(), _Warns())
+    model[0][0].eval()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        MemsaveFixture().assert_saves(model, 0.0, batch_size=2, input_shape=(3, 8, 8))
+    own = [w for w in caught if "of the model's own" in str(w.message)]
+    notes = [str(w.message) for w in caught if issubclass(w.category, MemsaveNote)]
+    assert len(own) == 1, own
+    assert any("1 of its modules was in eval mode" in note for note in notes), notes
