@@ -15,11 +15,14 @@ keeping more than their input beside their output.
 NOTE [forward again in backward]: as under activation checkpointing, the module's forward runs
 twice per step, once in forward and again in backward, on a snapshot of the module taken at the
 first (its settings and mode then: NOTE [activations holding only values] in ``recognise.py``).
-The global random states (torch's for the CPU and the input's CUDA device, Python's, numpy's)
-are recorded before the first run and restored for the second, so a forward drawing random
-numbers where the probes did not look (only on large inputs) draws the same ones again, and the
-generators end as stock leaves them. Other side effects of a forward (a counter, a print)
-happen twice; the probes refuse modules showing them on their inputs.
+Torch's random state (the CPU's and the input's CUDA device's) is recorded before the first run
+and restored for the second, so a forward drawing random numbers where the probes did not look
+(only on large inputs) draws the same ones again, and the generators end as stock leaves them.
+Python's and numpy's global generators are not: reading their state costs 10 and 50 us a call
+(a CPU's ``random.getstate()`` and ``numpy.random.get_state()``), as much as a small
+activation's kernels, for forwards the probes refuse when they draw there. Other side effects
+of a forward (a counter, a print, such draws) happen twice where they occur only on inputs the
+probes did not try; the probes refuse modules showing them on their own inputs.
 
 NOTE [one edge per use of the input]: the formula reads its input several times (``gelu_new``:
 three), and stock's engine adds each of those gradients into the input's buffer in turn. A
@@ -34,11 +37,9 @@ and returns them on those edges. Their sum is then formed exactly as stock forms
 from __future__ import annotations
 
 import contextlib
-import random
 from collections.abc import Callable, Iterator
 from typing import Any
 
-import numpy
 import torch
 from torch import Tensor
 from torch.autograd import Function
@@ -63,34 +64,26 @@ class _Forward:
 
 
 class _RandomState:
-    """The global random states, torch's for the CPU and for ``x``'s CUDA device, Python's and
-    numpy's, to draw again in backward what forward drew (NOTE [forward again in backward])."""
+    """Torch's random state for the CPU and for ``x``'s CUDA device, to draw again in backward
+    what forward drew (NOTE [forward again in backward])."""
 
     def __init__(self, x: Tensor) -> None:
         self.device = x.device if x.is_cuda else None
         self.cpu = torch.get_rng_state()
         self.cuda = None if self.device is None else torch.cuda.get_rng_state(self.device)
-        self.python, self.numpy = random.getstate(), numpy.random.get_state()
 
     def rewind(self) -> None:
         """Set the generators back to this state."""
         torch.set_rng_state(self.cpu)
         if self.device is not None:
             torch.cuda.set_rng_state(self.cuda, self.device)
-        random.setstate(self.python)
-        numpy.random.set_state(self.numpy)
 
     @contextlib.contextmanager
     def restored(self) -> Iterator[None]:
         """The body draws from this state; afterwards the generators are as they were."""
-        python, numpy_state = random.getstate(), numpy.random.get_state()
-        try:
-            with torch.random.fork_rng(devices=[] if self.device is None else [self.device]):
-                self.rewind()
-                yield
-        finally:
-            random.setstate(python)
-            numpy.random.set_state(numpy_state)
+        with torch.random.fork_rng(devices=[] if self.device is None else [self.device]):
+            self.rewind()
+            yield
 
 
 class RecomputedFunction(Function):
