@@ -1,7 +1,7 @@
 """Whether one of memsave's recipes reproduces a candidate module bitwise: probes on small CPU
 copies of it (NOTE [converting by behaviour] in ``recognise.py``). A formula activation's single
 recipe, recomputation, reproduces any deterministic forward; its probes ask whether the module is
-one that recomputation serves and that keeps more than its input (NOTE [what a formula
+one that recomputation serves and that keeps its input and more (NOTE [what a formula
 activation keeps] in ``recomputed.py``)."""
 
 from __future__ import annotations

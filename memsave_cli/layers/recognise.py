@@ -7,18 +7,20 @@ MLP classes, one per model family, which are not in the registry of exact stock 
 a leaf with only a ``weight`` parameter and a float ``eps`` or ``variance_epsilon``; an MLP
 candidate has ``down_proj`` and either ``gate_proj`` and ``up_proj`` or ``gate_up_proj``; an
 activation candidate is a leaf with neither parameters nor buffers, defined outside ``torch.nn``
-(whose activations are single kernels keeping one tensor). Its forward must take one argument. A candidate is converted only if one of memsave's recipes
-(an RMSNorm style, or an MLP layout with an activation) reproduces the candidate's own forward
-*and* its gradients bitwise on probe inputs: small CPU copies of the module (its own class and
+(whose activations are single kernels keeping one tensor), holding plain values only (NOTE
+[activations holding only values]). Its forward must take one argument. A candidate is
+converted only if one of memsave's recipes (an RMSNorm style, an MLP layout with an activation,
+an activation's recomputation) reproduces the candidate's own forward *and* its gradients
+bitwise on probe inputs: small CPU copies of the module (its own class and
 settings, fresh small weights), several shapes and dtypes, infinities and NaN included, in
 training and in eval mode (a conversion lasts through ``train()`` and ``eval()``: a forward
 applying dropout in training matches no recipe unless its rate is 0). The answer is cached per
 class and settings, so a model probes each kind of layer once (the probes:
 ``recipe_probes.py``): the settings are the attributes of the module and of every submodule the
 probes keep (all but the projections, which they replace), each described by value where it
-can be (numbers, strings, dtypes, functions by name and code: an activation's flags and the
-function it picked, a dropout's rate) and otherwise by ``repr``, which for most objects names the instance,
-so that such a module is probed on its own. Anything else stays stock, and
+can be (numbers, strings, dtypes, functions by name, code and defaults: an activation's flags
+and the function it picked, a dropout's rate) and otherwise by ``repr``, which for most objects
+names the instance, so that such a module is probed on its own. Anything else stays stock, and
 :func:`unrecognised_counts` names the RMSNorm and MLP look-alikes among it (an activation left
 stock is one recomputing would not serve or gain from: NOTE [what a formula activation keeps]
 in ``recomputed.py``).
