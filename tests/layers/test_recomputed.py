@@ -47,12 +47,15 @@ class NoisySwish(nn.Module):
 
 
 class CountingSwish(nn.Module):
-    def __init__(self) -> None:
+    """Counts its calls in the attribute it is given (public or private)."""
+
+    def __init__(self, counter: str = "calls") -> None:
         super().__init__()
-        self.calls = 0
+        self.counter = counter
+        setattr(self, counter, 0)
 
     def forward(self, x: Tensor) -> Tensor:
-        self.calls += 1
+        setattr(self, self.counter, getattr(self, self.counter) + 1)
         return x * torch.sigmoid(x)
 
 
@@ -461,16 +464,6 @@ def test_backward_recomputes_as_forward_ran() -> None:
     assert torch.equal(*grads)
 
 
-class CountingPrivately(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self._calls = 0
-
-    def forward(self, x: Tensor) -> Tensor:
-        self._calls += 1
-        return x * torch.sigmoid(x)
-
-
 class HookedInput(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         if x.requires_grad:
@@ -483,7 +476,9 @@ class PositionalOnly(nn.Module):
         return x * torch.sigmoid(x)
 
 
-@pytest.mark.parametrize("make", [CountingPrivately, HookedInput], ids=["private-state", "hook"])
+@pytest.mark.parametrize(
+    "make", [lambda: CountingSwish("_calls"), HookedInput], ids=["private-state", "hook"]
+)
 def test_private_state_and_input_hooks_left_stock(make) -> None:
     """A private counter would count twice; a hook on the input would see the activation's
     share of its gradient only."""
