@@ -47,15 +47,17 @@ def _in_this_process(model: ModelLike, case: Case, impl: str, chosen: Settings) 
     from memsave_cli.plan_model import PlanModel
     from memsave_cli.preflight import check_plan
 
-    device_notes: list[str] = []  # as memsave profile resolves it: auto, unknown names
-    device = resolve_device(chosen.device, device_notes, chosen.fsdp, chosen.reshard)
+    # What the settings' resolution notes: the device (as memsave profile resolves it: auto,
+    # unknown names), a model object's dtype and mode.
+    setting_notes: list[str] = []
+    device = resolve_device(chosen.device, setting_notes, chosen.fsdp, chosen.reshard)
     chosen = replace(chosen, device=device)
     if chosen.dtype is None and isinstance(model, nn.Module):
-        chosen = replace(chosen, dtype=own_dtype(model, device_notes))
+        chosen = replace(chosen, dtype=own_dtype(model, setting_notes))
     in_eval = [m for m in model.modules() if not m.training] if isinstance(model, nn.Module) else []
-    if in_eval:
+    if in_eval and not chosen.bn_eval:
         which = "the model" if in_eval[0] is model else f"{len(in_eval)} of its modules"
-        device_notes.append(
+        setting_notes.append(
             f"measured in training mode, as a training step runs, though {which} was in eval "
             "mode; bn_eval=True keeps its BatchNorm layers in eval mode"
         )
@@ -68,7 +70,7 @@ def _in_this_process(model: ModelLike, case: Case, impl: str, chosen: Settings) 
     notes = check_plan(spec, [case], **shape, plan_model=plan_model, dtype=job.dtype)
     fed_inputs(plan_model.model, job.inputs, spec.text)  # raises: tokens for a vision model
     run = measure(job, built)
-    warn_notes(spec.text, [*device_notes, *notes])
+    warn_notes(spec.text, [*setting_notes, *notes])
     return run
 
 

@@ -601,11 +601,16 @@ def test_a_note_is_given_once_at_the_test_line() -> None:
 
 
 def test_a_model_in_eval_mode_is_noted() -> None:
+    import warnings
+
     from memsave_cli.pytest_plugin import MemsaveFixture, MemsaveNote
 
     settings = {"batch_size": 2, "input_shape": (3, 8, 8)}
     with pytest.warns(MemsaveNote, match="measured in training mode"):
         MemsaveFixture().measure(_small_net().eval(), **settings)
+    with warnings.catch_warnings():  # bn_eval given: the note would suggest what was asked
+        warnings.simplefilter("error", MemsaveNote)
+        MemsaveFixture().measure(_small_net().eval(), bn_eval=True, **settings)
 
 
 def test_anomaly_detection_does_not_stop_a_meta_estimate() -> None:
