@@ -181,6 +181,8 @@ def _mlp_forward(stock: type[nn.Module], recipe: Recipe) -> Callable:
 
 def _activation_forward(stock: type[nn.Module], recipe: Recipe) -> Callable:
     def forward(self: nn.Module, input: Tensor) -> Tensor:
+        if not (torch.is_grad_enabled() and input.requires_grad):  # no copy where none records
+            return stock.forward(self, input)
         # A snapshot: backward recomputes with the settings and mode of this call (NOTE
         # [activations holding only values]).
         return recomputed(functools.partial(stock.forward, copy.copy(self)), input)
