@@ -132,8 +132,8 @@ def main(scenario: str, rank: str, world_size: str, rendezvous: str, out: str) -
     except BaseException:
         dist.destroy_process_group()
         raise
-    # Leave without tearing gloo down: its teardown at exit still aborted a rank now and then
-    # under a full suite's load (seen in two full-suite runs), after the result was written.
+    # Leave without tearing gloo down: its teardown still aborted a rank now and then under a
+    # full suite's load (seen in two full-suite runs). The result is written before.
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
