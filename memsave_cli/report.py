@@ -147,6 +147,11 @@ class Report:
         try:
             runs = _runs(data["runs"])
             known = {f.name for f in fields(cls)} - {"runs", "notes", "unrecorded"}
+            if unknown := sorted(set(data) - known - {"runs", "notes"}, key=str):
+                raise ValueError(
+                    f"unknown key {unknown[0]!r}: not one this memsave writes (a report of a "
+                    "newer memsave, or an edit)"
+                )
             settings = _settings({k: v for k, v in data.items() if k in known})
             unrecorded = tuple(name for name in LATER_SETTINGS if name not in data)
             notes = _patterns(data.get("notes", []), "notes")

@@ -314,8 +314,9 @@ def test_malformed_run_names_the_file(
             "input_shape sizes must be positive whole numbers",
         ),
         (lambda data: data.update(lora=[8]), "lora must be null or an object, got [8]"),
+        (lambda data: data.update(batchsize=8), "unknown key 'batchsize': not one this memsave"),
     ],
-    ids=["run-number", "twice", "batch-text", "bn-eval", "shape", "lora"],
+    ids=["run-number", "twice", "batch-text", "bn-eval", "shape", "lora", "unknown-key"],
 )
 def test_malformed_report_is_one_line(runner, paper_report, write_report, tmp_path, edit, message):
     data = json.loads(paper_report.to_json())
