@@ -10,6 +10,7 @@ import torch
 from memsave_cli.arguments import count, device_name, dtype_name, seconds, several
 from memsave_cli.cases import PAPER_CASES, Case, has_norm_layers, resolve_case
 from memsave_cli.checkpointing import checkpoint_notes, read_patterns
+from memsave_cli.deadline import planning
 from memsave_cli.errors import MemsaveError
 from memsave_cli.fsdp import sharded_device
 from memsave_cli.hf_inputs import fed_inputs
@@ -71,53 +72,60 @@ def profile(
     MemsaveError before any worker starts (checked on meta: globs that select nothing, inputs the
     forward cannot take, on one meta build of the model); a failing run is a Run with a status.
     """
-    spec = parse_spec(model, model_kwargs)
-    cases, impls, dtype = several(cases), several(impls), dtype_name(dtype)
-    device, batch_size = (
-        device_name(device),
-        count(batch_size, "batch size", optional=True, most=MAX_BATCH_SIZE),
-    )
-    timeout, workers = seconds(timeout, "timeout"), count(workers, "workers", optional=True)
-    threads = count(threads, "threads", optional=True)
-    checkpoint = read_patterns(checkpoint)
-    autocast = dtype_name(autocast)
-    notes: list[str] = []
-    chosen = resolve_device(device, notes, fsdp, reshard)
-    settings = {
-        "dtype": dtype,
-        "batch_size": batch_size,
-        "input_shape": read_shape(input_shape),
-        "bn_eval": bn_eval,
-        "optimizer": optimizer,
-        "repeat": repeat,
-        "inputs": inputs,
-        "attention": attention,
-        "fsdp": fsdp,
-        "reshard": reshard,
-        "checkpoint": checkpoint,
-        "autocast": autocast,
-    }
-    _check_settings(spec, impls, chosen, settings)
-    check_threads(threads)
-    shape = settings["input_shape"]
-    plan_model = PlanModel(spec, batch_size=batch_size, input_shape=shape)  # NOTE [one build]
-    notes.extend(checkpoint_notes(plan_model.model, checkpoint))  # raises: selects nothing
-    selected = _select_cases(plan_model, cases, notes, lora)
-    notes += check_plan(
-        spec, selected, batch_size=batch_size, input_shape=shape, plan_model=plan_model, dtype=dtype
-    )
-    fed = fed_inputs(plan_model.model, inputs, spec.text)
-    for case in selected:
-        check_job(Job(spec, case, impls[0], chosen, **settings))
-    if "memsave" in impls:
-        notes.extend(_unrecognised_notes(plan_model))
-    # NOTE [paired timing] in timing.py: on cpu, times come from one worker per model alternating
-    # the implementations, not from the memory runs.
-    paired = chosen == "cpu" and repeat > 0
-    memory = settings | {"repeat": 0} if paired else settings
-    jobs = [Job(spec, case, impl, chosen, **memory) for case in selected for impl in impls]
-    if not jobs:
-        raise MemsaveError("nothing to measure: every case was skipped")
+    timeout = seconds(timeout, "timeout")
+    with planning(timeout, model):
+        spec = parse_spec(model, model_kwargs)
+        cases, impls, dtype = several(cases), several(impls), dtype_name(dtype)
+        device, batch_size = (
+            device_name(device),
+            count(batch_size, "batch size", optional=True, most=MAX_BATCH_SIZE),
+        )
+        workers = count(workers, "workers", optional=True)
+        threads = count(threads, "threads", optional=True)
+        checkpoint = read_patterns(checkpoint)
+        autocast = dtype_name(autocast)
+        notes: list[str] = []
+        chosen = resolve_device(device, notes, fsdp, reshard)
+        settings = {
+            "dtype": dtype,
+            "batch_size": batch_size,
+            "input_shape": read_shape(input_shape),
+            "bn_eval": bn_eval,
+            "optimizer": optimizer,
+            "repeat": repeat,
+            "inputs": inputs,
+            "attention": attention,
+            "fsdp": fsdp,
+            "reshard": reshard,
+            "checkpoint": checkpoint,
+            "autocast": autocast,
+        }
+        _check_settings(spec, impls, chosen, settings)
+        check_threads(threads)
+        shape = settings["input_shape"]
+        plan_model = PlanModel(spec, batch_size=batch_size, input_shape=shape)  # NOTE [one build]
+        notes.extend(checkpoint_notes(plan_model.model, checkpoint))  # raises: selects nothing
+        selected = _select_cases(plan_model, cases, notes, lora)
+        notes += check_plan(
+            spec,
+            selected,
+            batch_size=batch_size,
+            input_shape=shape,
+            plan_model=plan_model,
+            dtype=dtype,
+        )
+        fed = fed_inputs(plan_model.model, inputs, spec.text)
+        for case in selected:
+            check_job(Job(spec, case, impls[0], chosen, **settings))
+        if "memsave" in impls:
+            notes.extend(_unrecognised_notes(plan_model))
+        # NOTE [paired timing] in timing.py: on cpu, times come from one worker per model
+        # alternating the implementations, not from the memory runs.
+        paired = chosen == "cpu" and repeat > 0
+        memory = settings | {"repeat": 0} if paired else settings
+        jobs = [Job(spec, case, impl, chosen, **memory) for case in selected for impl in impls]
+        if not jobs:
+            raise MemsaveError("nothing to measure: every case was skipped")
     if on_plan is not None:
         on_plan(len(jobs) + (len(selected) if paired else 0))
     runs, chosen = _run_with_fallback(jobs, device, timeout, workers, on_run, notes)

@@ -19,6 +19,7 @@ from memsave_cli.arguments import count, device_name, dtype_name, seconds, sever
 from memsave_cli.budget import BudgetError, read_size
 from memsave_cli.cases import PAPER_CASES, Case, has_norm_layers, resolve_case
 from memsave_cli.checkpointing import checkpoint_notes, read_patterns
+from memsave_cli.deadline import TimeLimitError, deadline, planning
 from memsave_cli.errors import MemsaveError, SpecError, one_line
 from memsave_cli.fit_search import MAX_BATCH_SIZE, Search, largest_fitting
 from memsave_cli.input_shape import read_shape
@@ -137,27 +138,34 @@ def fit(
     budget_bytes = _budget(budget)
     max_batch_size = count(max_batch_size, "maximum batch size")
     cases, impls, dtype = several(cases), several(impls), dtype_name(dtype)
-    timeout, device = seconds(timeout, "timeout"), device_name(device)
-    spec = parse_spec(model, model_kwargs)
-    checkpoint = read_patterns(checkpoint)
-    autocast = dtype_name(autocast)
-    notes: list[str] = []
-    device = resolve_device(device, notes, fsdp, reshard)
-    settings = {"dtype": dtype, "input_shape": read_shape(input_shape), "bn_eval": bn_eval}
-    shape = settings["input_shape"]
-    plan_model = PlanModel(spec, batch_size=1, input_shape=shape)  # NOTE [one build]
-    notes.extend(checkpoint_notes(plan_model.model, checkpoint))  # raises: selects nothing
-    chosen, skipped = _cases(plan_model, cases)
-    notes.extend(skipped)
-    # before any run; notes on parts the inputs do not call (NOTE [idle parts])
-    plan = {"input_shape": shape, "plan_model": plan_model, "dtype": dtype}
-    first = _first_batch(notes, spec, chosen, max_batch_size, **plan)
-    settings |= {"optimizer": optimizer, "repeat": 1, "per_layer": False}
-    settings |= {"fsdp": fsdp, "reshard": reshard, "checkpoint": checkpoint, "autocast": autocast}
-    jobs = {(c, i): Job(spec, c, i, device, **settings) for c in chosen for i in impls}
-    for job in jobs.values():
-        check_job(job)
-    searches = {key: largest_fitting(budget_bytes, max_batch_size, first) for key in jobs}
+    timeout = seconds(timeout, "timeout")
+    with planning(timeout, model):
+        device = device_name(device)
+        spec = parse_spec(model, model_kwargs)
+        checkpoint = read_patterns(checkpoint)
+        autocast = dtype_name(autocast)
+        notes: list[str] = []
+        device = resolve_device(device, notes, fsdp, reshard)
+        settings = {"dtype": dtype, "input_shape": read_shape(input_shape), "bn_eval": bn_eval}
+        shape = settings["input_shape"]
+        plan_model = PlanModel(spec, batch_size=1, input_shape=shape)  # NOTE [one build]
+        notes.extend(checkpoint_notes(plan_model.model, checkpoint))  # raises: selects nothing
+        chosen, skipped = _cases(plan_model, cases)
+        notes.extend(skipped)
+        # before any run; notes on parts the inputs do not call (NOTE [idle parts])
+        plan = {"input_shape": shape, "plan_model": plan_model, "dtype": dtype}
+        first = _first_batch(notes, spec, chosen, max_batch_size, **plan)
+        settings |= {"optimizer": optimizer, "repeat": 1, "per_layer": False}
+        settings |= {
+            "fsdp": fsdp,
+            "reshard": reshard,
+            "checkpoint": checkpoint,
+            "autocast": autocast,
+        }
+        jobs = {(c, i): Job(spec, c, i, device, **settings) for c in chosen for i in impls}
+        for job in jobs.values():
+            check_job(job)
+        searches = {key: largest_fitting(budget_bytes, max_batch_size, first) for key in jobs}
     answers = run_searches(searches, jobs, _measurer(device, timeout), on_measure)
     return FitResult(
         spec.text,
@@ -270,7 +278,7 @@ def _cases(plan_model: PlanModel, cases: Sequence[str | Case]) -> tuple[list[Cas
 def _measurer(device: str, timeout: float) -> Callable[[list[Job]], list[Run]]:
     """In-process measurements on meta; isolated workers elsewhere (real out-of-memory)."""
     if device == "meta":
-        return lambda jobs: [_measure_here(job) for job in jobs]
+        return lambda jobs: [_measure_here(job, timeout) for job in jobs]
 
     def isolated(jobs: list[Job]) -> list[Run]:
         from memsave_cli.runner import run_jobs
@@ -280,10 +288,14 @@ def _measurer(device: str, timeout: float) -> Callable[[list[Job]], list[Run]]:
     return isolated
 
 
-def _measure_here(job: Job) -> Run:
-    """``measure(job)`` in this process; a model's own exception becomes a failed Run."""
+def _measure_here(job: Job, timeout: float) -> Run:
+    """``measure(job)`` in this process; a model's own exception becomes a failed Run, and so
+    does a measurement that takes longer than ``timeout`` (NOTE [a deadline for planning])."""
     try:
-        return measure(job)
+        with deadline(timeout, f"batch size {job.batch_size}"):
+            return measure(job)
+    except TimeLimitError as error:
+        return Run(job.case.label, job.impl, status=Status.TIMEOUT, error=str(error))
     except MemsaveError:
         raise
     except Exception as error:

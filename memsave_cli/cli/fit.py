@@ -83,7 +83,11 @@ def fit(
     << 20,
     timeout: Annotated[
         float,
-        typer.Option(min=1, max=MAX_TIMEOUT_S, help="Seconds per measurement (cpu/cuda workers)."),
+        typer.Option(
+            min=1,
+            max=MAX_TIMEOUT_S,
+            help="Seconds per measurement, and for the preparation before them.",
+        ),
     ] = 600.0,
     json_path: Annotated[
         str | None,

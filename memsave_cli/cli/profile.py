@@ -112,7 +112,8 @@ def profile(
         typer.Option(
             min=1,
             max=MAX_TIMEOUT_S,
-            help="Seconds per isolated run (cpu timing: per case and implementation).",
+            help="Seconds per isolated run (cpu timing: per case and implementation), and for the "
+            "preparation before them.",
         ),
     ] = 600.0,
     workers: Annotated[

@@ -1,0 +1,82 @@
+"""A time limit on work a call does in its own process: the planning before the isolated runs,
+and ``fit``'s measurements on meta.
+
+NOTE [a deadline for planning]: ``profile`` and ``fit`` resolve the spec, build the model once on
+meta, probe what converts and run one meta forward in the calling process (NOTE [one build]).
+Workers are killed at ``timeout``; this part had no limit, so a spec whose build or forward never
+returns (a user's callable, a config of runaway size) hung the command with no line at all, and
+so did ``fit`` on meta, which measures in-process too. The same ``timeout`` now bounds each: an
+interval timer raises in the main thread when it runs out. The
+exception derives from BaseException, as KeyboardInterrupt does, so that model code's ``except
+Exception`` (and the plan check's own "only real data can say" fallback) cannot swallow it. A
+signal reaches Python between bytecodes only: one long native op finishes first.
+
+Where the timer cannot be ours it is not set and the planning runs unbounded as before: outside
+the main thread, on platforms without ``setitimer``, and where someone else's SIGALRM handler or
+timer is active (pytest-timeout's signal method, a user's ``alarm``), which must not be replaced.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import threading
+from collections.abc import Iterator
+
+from memsave_cli.errors import MemsaveError
+
+
+class TimeLimitError(MemsaveError):
+    """Work in this process took longer than the call's timeout."""
+
+
+class _Expired(BaseException):
+    """Raised by the timer's handler; BaseException so that ``except Exception`` lets it pass."""
+
+
+@contextlib.contextmanager
+def deadline(seconds: float, what: str, hint: str = "") -> Iterator[None]:
+    """Raise TimeLimitError, saying ``what`` took longer (and ``hint`` after a colon), if the
+    block runs longer than ``seconds``; no limit where the timer is not free (see the NOTE)."""
+    if not _timer_free():
+        yield
+        return
+
+    armed = True
+
+    def expire(signum: int, frame: object) -> None:
+        if armed:  # not once the block has left: the signal must not break what follows it
+            raise _Expired
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+        armed = False
+    except _Expired:
+        line = f"{what} took more than the timeout of {seconds:g} s"
+        raise TimeLimitError(f"{line}: {hint}" if hint else line) from None
+    finally:
+        armed = False
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def planning(seconds: float, model: str) -> contextlib.AbstractContextManager[None]:
+    """``deadline`` for the planning of ``model`` (NOTE [a deadline for planning])."""
+    return deadline(
+        seconds,
+        f"preparing {model}",
+        "its build, conversion checks and one forward on meta, before any run; raise --timeout "
+        "if it needs longer",
+    )
+
+
+def _timer_free() -> bool:
+    """Whether this thread may set the process's interval timer without displacing another's."""
+    return (
+        hasattr(signal, "setitimer")
+        and threading.current_thread() is threading.main_thread()
+        and signal.getsignal(signal.SIGALRM) in (signal.SIG_DFL, signal.SIG_IGN, None)
+        and signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)
+    )

@@ -1,0 +1,112 @@
+"""The timeout bounds the work a call does in its own process: the preparation before its runs
+(one meta build and forward) and ``fit``'s measurements on meta (NOTE [a deadline for planning])."""
+
+from __future__ import annotations
+
+import signal
+import time
+
+import pytest
+from typer.testing import CliRunner
+
+from memsave_cli.api import profile
+from memsave_cli.cli import app
+from memsave_cli.deadline import TimeLimitError, deadline
+from memsave_cli.fit import fit
+
+SLOW = """
+import time
+
+from torch import nn
+
+
+def spin():
+    # a loop that swallows what model code often swallows: ``except Exception``
+    while True:
+        try:
+            time.sleep(0.01)
+        except Exception:
+            pass
+
+
+class SlowAbove(nn.Linear):
+    def forward(self, x):
+        while x.shape[0] > 12:
+            spin()
+        return super().forward(x)
+
+
+def slow_build():
+    spin()
+
+
+def slow_forward():
+    return SlowAbove(8, 2)
+"""
+
+
+@pytest.fixture
+def slow(tmp_path) -> str:
+    path = tmp_path / "slow.py"
+    path.write_text(SLOW)
+    return str(path)
+
+
+@pytest.fixture(autouse=True)
+def _timer_restored():
+    yield
+    assert signal.getsignal(signal.SIGALRM) == signal.SIG_DFL
+    assert signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)
+
+
+@pytest.mark.parametrize("builder", ["slow_build", "slow_forward"])
+def test_a_preparation_that_never_ends_is_one_line_after_the_timeout(slow, builder):
+    start = time.monotonic()
+    result = CliRunner().invoke(
+        app,
+        ["profile", f"{slow}:{builder}", "--device", "meta", "--timeout", "1"]
+        + (["--input-shape", "8", "--batch-size", "16"] if builder == "slow_forward" else []),
+    )
+    assert time.monotonic() - start < 30
+    assert result.exit_code == 2, result.output
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in result.output, result.output
+    assert f"preparing {slow}:{builder} took more than the timeout of 1 s" in lines[0]
+    assert "raise --timeout" in lines[0]
+
+
+def test_the_api_raises_the_memsave_error(slow):
+    with pytest.raises(TimeLimitError, match="took more than the timeout of 1 s"):
+        profile(f"{slow}:slow_build", device="meta", timeout=1)
+
+
+def test_a_meta_measurement_of_fit_past_the_timeout_is_its_rows_failure(slow):
+    # at most 16: the search (16, 8, 12, 14, 13) meets three timeouts of 4 s
+    settings = {"input_shape": (8,), "cases": ("all",), "impls": ("stock",), "timeout": 4}
+    settings["max_batch_size"] = 16
+    result = fit(f"{slow}:slow_forward", budget="1GB", **settings)
+    assert len(result.rows) == 1
+    for row in result.rows:
+        assert row.batch_size == 12 and row.peak_bytes is not None
+        assert row.failure is not None and row.failure.status == "timeout"
+        assert row.failure.batch_size == 13
+        assert "took more than the timeout of 4 s" in row.failure.reason
+
+
+def test_a_block_within_its_time_is_left_alone():
+    with deadline(5, "nothing"):
+        value = sum(range(1000))
+    assert value == 499500
+
+
+def test_another_alarm_is_not_displaced():
+    """pytest-timeout's signal method, or a user's own alarm: the block runs unbounded."""
+    fired = []
+    previous = signal.signal(signal.SIGALRM, lambda *_: fired.append(True))
+    try:
+        with deadline(0.05, "waiting"):
+            time.sleep(0.2)
+        assert fired == []  # memsave set no timer of its own, and raised nothing
+        assert signal.getsignal(signal.SIGALRM) is not signal.SIG_DFL
+    finally:
+        signal.signal(signal.SIGALRM, previous)
