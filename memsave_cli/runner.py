@@ -15,9 +15,9 @@ it.
 
 A worker that needs its own environment (the timing worker's heap settings, NOTE [a heap
 without page faults] in ``timing.py``) is a fresh interpreter started with that environment
-instead, since the fork server's C library read its settings when the server started. Like a
-forked worker, it does not import the caller's main script (a spawned interpreter would, and run
-a script without a ``__main__`` guard again): every target is importable from its module.
+instead, since the fork server's C library read its settings when the server started. No worker
+imports the caller's main script (``_no_main_script``): every target is importable from its
+module.
 """
 
 from __future__ import annotations
@@ -80,7 +80,11 @@ def run_jobs(
         while pending or active:
             while pending and len(active) < workers:
                 index, job = pending.popleft()
-                with _spawned_with(environment), _ctrl_c_ignored(environment is not None):
+                with (
+                    _no_main_script(),
+                    _spawned_with(environment),
+                    _ctrl_c_ignored(environment is not None),
+                ):
                     active.append(_Worker.start(context, index, job, target, timeout))
             _wait_any(active)
             for worker in list(active):
@@ -142,14 +146,34 @@ def _ctrl_c_ignored(ignored: bool = True) -> Iterator[None]:
 
 @contextmanager
 def _spawned_with(variables: Mapping[str, str] | None) -> Iterator[None]:
-    """``variables`` set in this process's environment, which a spawned worker inherits, and no
-    main script for it to import (see the module's docstring); both as they were afterwards."""
+    """``variables`` set in this process's environment, which a spawned worker inherits; as they
+    were afterwards."""
     if variables is None:
         yield
         return
     saved = {name: os.environ.get(name) for name in variables}
-    main = sys.modules.get("__main__")
     os.environ.update(variables)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+@contextmanager
+def _no_main_script() -> Iterator[None]:
+    """An empty ``__main__`` while a worker starts, so that it does not run the caller's script.
+
+    A forkserver or spawned child imports the parent's main script before its target runs (what
+    multiprocessing does for a target defined there). A script calling ``profile()`` without an
+    ``if __name__ == "__main__":`` guard then ran again in every worker, up to its ``profile()``
+    call, which multiprocessing refuses in a child: each run was "crashed: worker exited with
+    code 1", under a traceback from every worker. Workers need nothing from the script: their
+    targets and jobs are importable from memsave's modules (and the model from its spec)."""
+    main = sys.modules.get("__main__")
     sys.modules["__main__"] = types.ModuleType("__main__")
     try:
         yield
@@ -158,11 +182,6 @@ def _spawned_with(variables: Mapping[str, str] | None) -> Iterator[None]:
             del sys.modules["__main__"]
         else:
             sys.modules["__main__"] = main
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
 
 
 @dataclass

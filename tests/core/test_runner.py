@@ -112,6 +112,36 @@ def test_workers_die_with_a_parent_killed_outright(tmp_path: Path) -> None:
         parent.kill()
 
 
+@pytest.mark.parametrize("environment", [None, {"MEMSAVE_TEST": "1"}], ids=["forked", "spawned"])
+def test_a_script_without_a_main_guard_runs_once(tmp_path: Path, environment) -> None:
+    """A caller's script runs in the parent only: a forkserver or spawned worker importing it
+    ran it again up to its ``run_jobs`` call, which multiprocessing refuses in a child, and each
+    run was "crashed"."""
+    count = tmp_path / "ran"
+    script = tmp_path / "unguarded.py"
+    script.write_text(
+        "import fixtures_tracker, test_runner\n"
+        "from memsave_cli.runner import run_jobs\n"
+        f"with open({str(count)!r}, 'a') as handle:\n"
+        "    handle.write('ran\\n')\n"
+        "runs = run_jobs([test_runner.behaviour('ok')], timeout=120,\n"
+        f"    target=fixtures_tracker.behave, environment={environment!r})\n"
+        "print([(run.status.value, run.error) for run in runs])\n"
+    )
+    here = Path(__file__).parent
+    path = os.pathsep.join([str(here), str(here.parents[1]), os.environ.get("PYTHONPATH", "")])
+    done = subprocess.run(
+        [sys.executable, str(script)],
+        env={**os.environ, "PYTHONPATH": path},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[('ok', None)]", done.stdout + done.stderr
+    assert count.read_text() == "ran\n"
+
+
 def _gone(pid: int, within: float = 5.0) -> bool:
     deadline = time.monotonic() + within
     while time.monotonic() < deadline:
