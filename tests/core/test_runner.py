@@ -93,11 +93,7 @@ def test_workers_die_with_a_parent_killed_outright(tmp_path: Path) -> None:
         f"job = test_runner.behaviour('hang', target={str(pid_file)!r})\n"
         "run_jobs([job], timeout=600, target=fixtures_tracker.behave)\n"
     )
-    here = Path(__file__).parent
-    path = os.pathsep.join([str(here), str(here.parents[1]), os.environ.get("PYTHONPATH", "")])
-    parent = subprocess.Popen(
-        [sys.executable, "-c", script], env={**os.environ, "PYTHONPATH": path}
-    )
+    parent = subprocess.Popen([sys.executable, "-c", script], env=_importing_tests())
     try:
         deadline = time.monotonic() + 60
         while not pid_file.exists() or not pid_file.read_text():
@@ -128,11 +124,9 @@ def test_a_script_without_a_main_guard_runs_once(tmp_path: Path, environment) ->
         f"    target=fixtures_tracker.behave, environment={environment!r})\n"
         "print([(run.status.value, run.error) for run in runs])\n"
     )
-    here = Path(__file__).parent
-    path = os.pathsep.join([str(here), str(here.parents[1]), os.environ.get("PYTHONPATH", "")])
     done = subprocess.run(
         [sys.executable, str(script)],
-        env={**os.environ, "PYTHONPATH": path},
+        env=_importing_tests(),
         capture_output=True,
         text=True,
         timeout=300,
@@ -140,6 +134,14 @@ def test_a_script_without_a_main_guard_runs_once(tmp_path: Path, environment) ->
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[('ok', None)]", done.stdout + done.stderr
     assert count.read_text() == "ran\n"
+
+
+def _importing_tests() -> dict[str, str]:
+    """This environment, with this directory and the repository importable (a script's
+    ``import test_runner``)."""
+    here = Path(__file__).parent
+    path = os.pathsep.join([str(here), str(here.parents[1]), os.environ.get("PYTHONPATH", "")])
+    return {**os.environ, "PYTHONPATH": path}
 
 
 def _gone(pid: int, within: float = 5.0) -> bool:
