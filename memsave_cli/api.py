@@ -105,7 +105,7 @@ def profile(
         shape = settings["input_shape"]
         plan_model = PlanModel(spec, batch_size=batch_size, input_shape=shape)  # NOTE [one build]
         notes.extend(checkpoint_notes(plan_model.model, checkpoint))  # raises: selects nothing
-        selected = _select_cases(plan_model, cases, notes, lora)
+        selected = select_cases(plan_model, cases, notes, lora)
         notes += check_plan(
             spec,
             selected,
@@ -187,22 +187,24 @@ def resolve_device(
     return device
 
 
-def _select_cases(
+def select_cases(
     plan_model: PlanModel,
     cases: Sequence[str | Case],
     notes: list[str],
     lora: LoraSettings | None,
 ) -> list[Case]:
-    """Resolve case names; drop ``norm`` with a note when the model has no norm layer to train;
-    check that LoRA targets select layers of the model."""
+    """Resolve case names; drop ``norm`` with a note when the model has no norm layer to train
+    and other cases remain (alone, it is the plan check's CaseError, which says why); check that
+    LoRA targets select layers of the model. ``profile`` and ``fit`` alike."""
     resolved = [case if isinstance(case, Case) else _resolve(case, lora) for case in cases]
     if not resolved:
         raise MemsaveError("no case to measure: give at least one")
     check_lora_cases(plan_model, resolved)
-    if any(case.name == "norm" for case in resolved) and not has_norm_layers(plan_model.model):
+    others = [case for case in resolved if case.name != "norm"]
+    if others != resolved and others and not has_norm_layers(plan_model.model):
         text = plan_model.spec.text
         notes.append(f"case norm skipped: {text} has no normalisation layer with parameters")
-        resolved = [case for case in resolved if case.name != "norm"]
+        return others
     return resolved
 
 

@@ -14,10 +14,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
 from typing import TYPE_CHECKING
 
-from memsave_cli.api import check_lora_cases, resolve_device
+from memsave_cli.api import resolve_device, select_cases
 from memsave_cli.arguments import count, device_name, dtype_name, seconds, several
 from memsave_cli.budget import BudgetError, read_size
-from memsave_cli.cases import PAPER_CASES, Case, has_norm_layers, resolve_case
+from memsave_cli.cases import PAPER_CASES, Case
 from memsave_cli.checkpointing import checkpoint_notes, read_patterns
 from memsave_cli.deadline import TimeLimitError, deadline, planning
 from memsave_cli.errors import MemsaveError, SpecError, one_line
@@ -150,8 +150,7 @@ def fit(
         shape = settings["input_shape"]
         plan_model = PlanModel(spec, batch_size=1, input_shape=shape)  # NOTE [one build]
         notes.extend(checkpoint_notes(plan_model.model, checkpoint))  # raises: selects nothing
-        chosen, skipped = _cases(plan_model, cases)
-        notes.extend(skipped)
+        chosen = select_cases(plan_model, cases, notes, None)
         # before any run; notes on parts the inputs do not call (NOTE [idle parts])
         plan = {"input_shape": shape, "plan_model": plan_model, "dtype": dtype}
         first = _first_batch(notes, spec, chosen, max_batch_size, **plan)
@@ -259,20 +258,6 @@ def _failure(batch: int, run: Run | None) -> FitFailure | None:
     if run is None or run.status is Status.OOM or (run.ok and run.peak_bytes is not None):
         return None
     return FitFailure(batch, run.status.value, run.error or "no peak measured")
-
-
-def _cases(plan_model: PlanModel, cases: Sequence[str | Case]) -> tuple[list[Case], list[str]]:
-    """Resolved cases; ``norm`` is skipped with a note when it is one of the defaults and the
-    model has no norm layers (asked for explicitly, it fails with CaseError instead)."""
-    resolved = [c if isinstance(c, Case) else resolve_case(c) for c in cases]
-    check_lora_cases(plan_model, resolved)
-    if tuple(cases) != PAPER_CASES:
-        return resolved, []
-    model = plan_model.model
-    if has_norm_layers(model):
-        return resolved, []
-    note = f"case norm skipped: {type(model).__name__} has no normalisation layers"
-    return [c for c in resolved if c.name != "norm"], [note]
 
 
 def _measurer(device: str, timeout: float) -> Callable[[list[Job]], list[Run]]:

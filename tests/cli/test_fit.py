@@ -132,6 +132,21 @@ def test_default_cases_skip_norm_without_norm_layers(tiny_models):
     assert "case norm skipped" in result.notes[0]
 
 
+@pytest.mark.parametrize(
+    "args",
+    [["--input-grad"], ["--case", "all", "--case", "norm"]],
+    ids=["input-grad-defaults", "named-with-others"],
+)
+def test_norm_without_norm_layers_is_skipped_as_profile_skips_it(runner, tiny_models, args):
+    """As ``profile`` does, wherever other cases remain (``--input-grad`` made the defaults
+    cases of their own, and fit refused them)."""
+    base = ["--budget", "1MiB", "--impl", "stock", "--input-shape", "16", "--json", "-"]
+    result = runner.invoke(app, ["fit", f"{tiny_models}:mlp", *base, *args])
+    assert result.exit_code == 0, result.output
+    assert "norm" not in {row["case"].split("+")[0] for row in json.loads(result.stdout)}
+    assert "case norm skipped" in result.stderr
+
+
 def test_memsave_fits_more_with_frozen_weights(tiny_models):
     result = fit(f"{tiny_models}:cnn", budget="8MiB", cases=("input",), input_shape=SHAPE)
     batches = {row.impl: row.batch_size for row in result.rows}

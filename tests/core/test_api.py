@@ -155,7 +155,7 @@ def test_explicit_meta_reports_why_it_cannot_run() -> None:
         ({"workers": 0}, MemsaveError, "workers must be a positive integer"),
         ({"threads": 1.5}, MemsaveError, "threads must be a positive integer"),
         ({"cases": ("sideways",)}, CaseError, "unknown case 'sideways'"),
-        ({"cases": ("norm",)}, MemsaveError, "every case was skipped"),
+        ({"cases": ("norm",)}, CaseError, "case 'norm' selects nothing"),
         ({"threads": 0}, MemsaveError, "threads must be a positive integer, got 0"),
         ({"threads": 100_000}, MemsaveError, "give --threads 1 to"),  # crashed the worker
     ],
