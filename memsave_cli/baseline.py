@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from fractions import Fraction
 
 from memsave_cli.errors import MemsaveError
 from memsave_cli.report import LoraAdapters, Report, Run
 
 #: Byte counts compared run by run; each may grow by at most the tolerance.
 METRICS = ("forward_peak_bytes", "peak_bytes", "saved_bytes")
+
+#: The reason of a value the baseline has and an ok run of the report lacks.
+NO_VALUE = "no value in report"
 
 #: Settings that must agree for two reports to be comparable at all.
 SETTINGS = (
@@ -75,6 +80,8 @@ def compare(report: Report, baseline: Report, *, tolerance: float = 0.05) -> Com
     nothing could be compared: a check that compares nothing must not pass.
     """
     unknown = _check_comparable(report, baseline, tolerance)
+    _check_matching(report, baseline)
+    allowed = Fraction(repr(tolerance))  # exact: 0.13 is 13/100, not the float just below it
     regressions: list[Regression] = []
     improvements: list[Regression] = []
     compared = 0
@@ -87,12 +94,15 @@ def compare(report: Report, baseline: Report, *, tolerance: float = 0.05) -> Com
             continue
         for metric in METRICS:
             before, after = getattr(old, metric), getattr(new, metric)
-            if before is None or after is None:
+            if before is None:
+                continue  # a value an older memsave did not record
+            if after is None:
+                regressions.append(Regression(old.case, old.impl, metric, before, None, NO_VALUE))
                 continue
             compared += 1
-            if after > before * (1 + tolerance):
+            if after > before * (1 + allowed):
                 regressions.append(Regression(old.case, old.impl, metric, before, after, "grew"))
-            elif after < before * (1 - tolerance):
+            elif after < before * (1 - allowed):
                 improvements.append(Regression(old.case, old.impl, metric, before, after, "shrank"))
     if not compared and not regressions:
         raise BaselineError(_nothing_compared(baseline))
@@ -102,6 +112,21 @@ def compare(report: Report, baseline: Report, *, tolerance: float = 0.05) -> Com
     return Comparison(
         compared, tuple(regressions), tuple(improvements), unmatched, skipped, unknown
     )
+
+
+def _check_matching(report: Report, baseline: Report) -> None:
+    """Raise BaselineError when no run of ``report`` is one the baseline measured: other cases
+    or implementations (``--input-grad`` makes ``all+input`` of ``all``) are another
+    measurement, which a check cannot judge; some runs missing are regressions instead."""
+    theirs = {(run.case, run.impl) for run in baseline.runs}
+    if theirs and report.runs and not any((run.case, run.impl) in theirs for run in report.runs):
+        mine = ", ".join(f"{run.case}/{run.impl}" for run in report.runs)
+        wanted = ", ".join(f"{case}/{impl}" for case, impl in theirs)
+        raise BaselineError(
+            f"no run of the report is one the baseline measured (report: {mine}; baseline: "
+            f"{wanted}): profile the baseline's cases and implementations, or write a new "
+            "baseline with --update"
+        )
 
 
 def check_baseline(report: Report) -> None:
@@ -138,9 +163,9 @@ def _failed(old: Run, new: Run | None) -> Regression:
 
 def check_tolerance(tolerance: float) -> None:
     """Raise BaselineError unless ``tolerance`` is a growth a check can allow."""
-    if not tolerance >= 0:
+    if not 0 <= tolerance < math.inf:
         raise BaselineError(
-            f"tolerance must be a non-negative fraction (e.g. 0.05), got {tolerance}"
+            f"tolerance must be a finite non-negative fraction (e.g. 0.05), got {tolerance}"
         )
 
 

@@ -244,10 +244,12 @@ def _layer(data: Any) -> LayerSaved:
 
 
 def _count(value: Any, name: str, *, least: int = 0) -> None:
-    """Raise ValueError unless ``value`` is null or a whole number of at least ``least``."""
-    if value is not None and (type(value) is not int or value < least):
+    """Raise ValueError unless ``value`` is null or a whole number of at least ``least`` that
+    fits 64 bits (what a device can hold; beyond it, ratios overflow a float)."""
+    if value is not None and (type(value) is not int or not least <= value < 2**63):
         kind = "a positive" if least else "a non-negative"
-        raise ValueError(f"{name} must be null or {kind} whole number, got {value!r}")
+        shown = f"a number of {len(str(value))} digits" if type(value) is int else repr(value)
+        raise ValueError(f"{name} must be null or {kind} whole number below 2**63, got {shown}")
 
 
 def _non_negative(value: Any) -> bool:

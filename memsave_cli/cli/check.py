@@ -68,10 +68,12 @@ def check(
     """Compare every (case, impl) peak and saved bytes of REPORT with BASELINE.
 
     Exit code 0 when no value exceeds baseline × (1 + tolerance), 1 with a table of regressions
-    otherwise, 2 when a report is missing or unusable.
+    otherwise (a run or value the baseline has and the report lacks is one), 2 when the check
+    cannot judge: a file missing or unusable, other settings, nothing to compare.
     """
     with reported_errors(ctx, debug):
         check_tolerance(tolerance)  # before any file is read, with --update too
+        tolerance += 0.0  # -0 is 0, and shown so
         if update and output_format is Format.markdown:
             raise BaselineError(
                 "--format markdown formats a check's verdict; --update writes a baseline and "

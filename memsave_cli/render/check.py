@@ -41,9 +41,11 @@ def regression_table(rows: tuple[Regression, ...], *, title: str) -> Table:
 def summary_line(comparison: Comparison, tolerance: float) -> str:
     """What the check concluded, in one sentence."""
     if comparison.passed:
+        shrank = len(comparison.improvements)
+        tail = f" ({shrank} shrank beyond it)" if shrank else ""
         return (
-            f"ok: {comparison.compared} values within {format_share(tolerance)} of the baseline, "
-            "no regression"
+            f"ok: {counted(comparison.compared, 'value')} compared, none grew beyond "
+            f"{format_share(tolerance)} of the baseline{tail}"
         )
     regressions = counted(len(comparison.regressions), "regression")
     return f"FAILED: {regressions} beyond {format_share(tolerance)} of the baseline"
@@ -88,8 +90,11 @@ def check_markdown(
 def _md_cell(old: Run, new: Run | None, metric: str, regressed: bool) -> str:
     before = getattr(old, metric)
     after = getattr(new, metric) if new is not None else None
-    if before is None or after is None:
+    if before is None:
         return "-"
-    change = f" ({after / before - 1:+.1%})" if before else ""
-    text = f"{format_bytes(before)} → {format_bytes(after)}{change}"
+    if after is None:
+        text = f"{format_bytes(before)} → no value"
+    else:
+        change = f" ({after / before - 1:+.1%})" if before else ""
+        text = f"{format_bytes(before)} → {format_bytes(after)}{change}"
     return f"**{text}**" if regressed else text

@@ -32,7 +32,7 @@ def test_identical_reports_pass(runner, paper_report, write_report):
     path = write_report(paper_report)
     result = runner.invoke(app, ["check", str(path), "--baseline", str(path)])
     assert result.exit_code == 0, result.output
-    assert "24 values within 5% of the baseline" in result.output
+    assert "24 values compared, none grew beyond 5% of the baseline" in result.output
 
 
 def test_growth_within_tolerance_passes(runner, paper_report, write_report):
@@ -51,6 +51,81 @@ def test_regression_fails_with_table(runner, paper_report, write_report):
     assert "FAILED: 3 regressions beyond 5%" in result.output
     rows = [line for line in result.output.splitlines() if "│ input" in line]
     assert len(rows) == 3 and all("memsave" in row and "+10.0%" in row for row in rows)
+
+
+def _with_peak(report: Report, peak: int | None) -> Report:
+    """``report`` with the first run's step peak set to ``peak``."""
+    first, *rest = report.runs
+    return report.with_runs((replace(first, peak_bytes=peak), *rest))
+
+
+@pytest.mark.parametrize("tolerance", ["0.13", "0.15", "0.36", "0.41"])
+def test_a_value_exactly_at_the_threshold_passes(runner, paper_report, write_report, tolerance):
+    """Only values that exceed baseline x (1 + tolerance) fail: in floating point the product
+    fell below the exact threshold for these tolerances, and the value on it failed."""
+    before = 1_092_300
+    after = before * (100 + round(float(tolerance) * 100)) // 100  # exact: 1_234_299 for 13%
+    assert after * 100 == before * (100 + round(float(tolerance) * 100))
+    baseline = write_report(_with_peak(paper_report, before), "baseline.json")
+    options = ["-b", str(baseline), "--tolerance", tolerance]
+    on = write_report(_with_peak(paper_report, after), "on.json")
+    result = runner.invoke(app, ["check", str(on), *options])
+    assert result.exit_code == 0, result.output
+    over = write_report(_with_peak(paper_report, after + 1), "over.json")
+    assert runner.invoke(app, ["check", str(over), *options]).exit_code == 1
+
+
+def test_a_value_the_report_lacks_is_a_regression(runner, paper_report, write_report):
+    """An ok run without a value the baseline has was skipped, and the check passed with one
+    value fewer."""
+    baseline = write_report(paper_report, "baseline.json")
+    report = write_report(_with_peak(paper_report, None))
+    result = runner.invoke(app, ["check", str(report), "--baseline", str(baseline)])
+    assert result.exit_code == 1, result.output
+    assert "no value in report" in result.output and "FAILED: 1 regression" in result.output
+    args = ["check", str(report), "-b", str(baseline), "--format", "markdown"]
+    markdown = runner.invoke(app, args)
+    assert markdown.exit_code == 1 and " → no value**" in markdown.output, markdown.output
+
+
+def test_a_report_of_other_runs_cannot_be_judged(runner, paper_report, write_report):
+    """Nothing of the baseline's was measured (other cases, ``--input-grad``'s ``all+input``):
+    exit 2, not every baseline run as a regression."""
+    baseline = write_report(paper_report, "baseline.json")
+    renamed = tuple(replace(run, case=f"{run.case}+input") for run in paper_report.runs)
+    report = write_report(paper_report.with_runs(renamed))
+    result = runner.invoke(app, ["check", str(report), "--baseline", str(baseline)])
+    assert result.exit_code == 2, result.output
+    assert "no run of the report is one the baseline measured" in result.output
+    assert len(result.output.strip().splitlines()) == 1
+
+
+def test_the_summary_counts_what_shrank(runner, paper_report, write_report):
+    """It said every value was "within" the tolerance while all had halved."""
+    baseline = write_report(paper_report, "baseline.json")
+    halved = paper_report
+    for run in paper_report.runs:
+        halved = _grow(halved, run.case, run.impl, 0.5)
+    result = runner.invoke(app, ["check", str(write_report(halved)), "-b", str(baseline)])
+    assert result.exit_code == 0, result.output
+    assert "ok: 24 values compared, none grew beyond 5% of the baseline (24 shrank beyond it)" in (
+        result.output
+    )
+
+
+@pytest.mark.parametrize("tolerance", ["inf", "nan", "-inf"])
+def test_a_tolerance_that_is_not_finite_exits_2(runner, paper_report, write_report, tolerance):
+    path = write_report(paper_report)
+    result = runner.invoke(app, ["check", str(path), "-b", str(path), "--tolerance", tolerance])
+    assert result.exit_code == 2, result.output
+    assert "tolerance must be a finite non-negative fraction" in result.output
+
+
+def test_minus_zero_tolerance_is_zero(runner, paper_report, write_report):
+    path = write_report(paper_report)
+    result = runner.invoke(app, ["check", str(path), "-b", str(path), "--tolerance", "-0"])
+    assert result.exit_code == 0, result.output
+    assert "beyond 0% of the baseline" in result.output and "-0%" not in result.output
 
 
 def test_tolerance_option_changes_verdict(runner, paper_report, write_report):
@@ -150,7 +225,7 @@ def test_runs_failed_in_the_baseline_are_named(runner, paper_report, write_repor
     assert "ailed in the baseline (not checked): norm/stock (oom), norm/memsave (oom)" in " ".join(
         result.output.split()
     )
-    assert "18 values within 5%" in result.output
+    assert "18 values compared, none grew beyond 5%" in result.output
 
 
 def test_update_refuses_a_report_whose_runs_all_failed(
@@ -267,6 +342,11 @@ MALFORMED = {
     "nan peak": ({"peak_bytes": float("nan")}, "run 1: peak_bytes must be null or a non-negative"),
     "float peak": ({"peak_bytes": 1.5e9}, "run 1: peak_bytes must be null or a non-negative whole"),
     "negative": ({"saved_bytes": -5}, "run 1: saved_bytes must be null or a non-negative whole"),
+    "huge": (
+        {"peak_bytes": 10**400},
+        "run 1: peak_bytes must be null or a non-negative whole "
+        "number below 2**63, got a number of 401 digits",
+    ),
     "case": ({"case": 3}, "run 1: case must be a string, got 3"),
     "time": ({"time_s": "1s"}, "run 1: time_s must be null or a non-negative number"),
     "times": ({"times_s": "abc"}, "run 1: times_s must be a list of non-negative numbers"),
@@ -357,7 +437,7 @@ def test_negative_tolerance_exits_2(runner, paper_report, write_report, extra):
     args = ["check", str(path), "-b", str(path), "--tolerance", "-0.1", *extra]
     result = runner.invoke(app, args)
     assert result.exit_code == 2, result.output
-    assert "tolerance must be a non-negative fraction" in result.output
+    assert "tolerance must be a finite non-negative fraction" in result.output
 
 
 def test_update_refuses_the_markdown_format(runner, paper_report, write_report, tmp_path):
@@ -398,7 +478,7 @@ def test_markdown_of_a_passing_check(runner, paper_report, write_report):
     args = ["check", str(path), "--baseline", str(path), "--format", "markdown"]
     result = runner.invoke(app, args)
     assert result.exit_code == 0, result.output
-    assert "ok: 24 values within 5% of the baseline, no regression" in result.stdout
+    assert "ok: 24 values compared, none grew beyond 5% of the baseline\n" in result.stdout
     assert "| all | stock | 800 MiB → 800 MiB (+0.0%) |" in result.stdout
 
 
