@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import math
 import re
+from decimal import Decimal
 
 from memsave_cli.errors import MemsaveError
 
@@ -28,6 +28,10 @@ UNITS: dict[str, int] = {
 _SIZE = re.compile(r"^\s*(?P<number>[0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*(?P<unit>[a-zA-Z]*)\s*$")
 
 
+#: The largest size taken: 1024 TiB, more than any device or host holds (above it: a typo).
+MAX_BUDGET = 1 << 50
+
+
 class BudgetError(MemsaveError):
     """A memory budget could not be read as a positive number of bytes."""
 
@@ -44,10 +48,14 @@ def parse_bytes(text: str) -> int:
             f"cannot read memory size {text!r}: expected a number with an optional unit, "
             "e.g. 24GiB, 500MB, 1.5e9"
         )
-    value = float(match["number"]) * UNITS[unit]
-    if not math.isfinite(value) or value < 1:
+    value = Decimal(match["number"]) * UNITS[unit]  # exact: 8.2GB is 8200000000 bytes
+    if value < 1:
         raise BudgetError(f"memory size {text!r} must be a finite size of at least 1 byte")
-    return int(value)
+    if value > MAX_BUDGET:
+        raise BudgetError(
+            f"memory size {text!r} is more than any device holds: expected at most 1024TiB"
+        )
+    return int(value)  # a fraction of a byte is dropped
 
 
 def read_size(given: object) -> int:

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 from memsave_cli.api import resolve_device, select_cases
 from memsave_cli.arguments import count, device_name, dtype_name, seconds, several
-from memsave_cli.budget import BudgetError, read_size
+from memsave_cli.budget import read_size
 from memsave_cli.cases import PAPER_CASES, Case
 from memsave_cli.checkpointing import checkpoint_notes, read_patterns
 from memsave_cli.deadline import TimeLimitError, deadline, planning
@@ -31,9 +31,6 @@ from memsave_cli.specs import ModelSpec, parse_spec
 
 if TYPE_CHECKING:
     import torch
-
-#: The largest budget taken: 1024 TiB, more than any device or host holds.
-MAX_BUDGET = 1 << 50
 
 
 class FitError(MemsaveError):
@@ -135,7 +132,7 @@ def fit(
     forward and loss, as for ``profile``. A measurement that fails (not for memory) ends only
     its own search, whose row names it (``failure``, NOTE [failed measurements]).
     """
-    budget_bytes = _budget(budget)
+    budget_bytes = read_size(budget)
     max_batch_size = count(max_batch_size, "maximum batch size")
     cases, impls, dtype = several(cases), several(impls), dtype_name(dtype)
     timeout = seconds(timeout, "timeout")
@@ -179,16 +176,6 @@ def fit(
         autocast,
         first,
     )
-
-
-def _budget(given: object) -> int:
-    """The budget in bytes; BudgetError for one that no memory comes near."""
-    budget = read_size(given)
-    if budget > MAX_BUDGET:
-        raise BudgetError(
-            f"memory size {given!r} is more than any device holds: expected at most 1024TiB"
-        )
-    return budget
 
 
 def _first_batch(

@@ -36,12 +36,15 @@ def fit_table(result: FitResult) -> Table:
     table.add_column("Case")
     for impl in impls:
         table.add_column(IMPL_LABELS.get(impl, impl), justify="right")
-    if "stock" in impls and len(impls) > 1:
-        table.add_column("Gain", justify="right")
+    # stock's batch size against each other implementation's, wherever stock was measured
+    others = [impl for impl in impls if impl != "stock"] if "stock" in impls else []
+    for impl in others:
+        label = "Gain" if len(others) == 1 else f"Gain {IMPL_LABELS.get(impl, impl)}"
+        table.add_column(label, justify="right")
     for case in cases:
         row = [_cell(cells.get((case, impl)), result) for impl in impls]
-        if "stock" in impls and len(impls) > 1:
-            row.append(_gain(cells.get((case, "stock")), cells.get((case, impls[-1])), result))
+        stock = cells.get((case, "stock"))
+        row += [_gain(stock, cells.get((case, impl)), result) for impl in others]
         table.add_row(case, *row)
     return table
 

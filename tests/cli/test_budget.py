@@ -23,6 +23,9 @@ from memsave_cli.render.units import format_bytes
         ("4096", 4096),
         ("4096B", 4096),
         (".5GiB", 512 * 1024**2),
+        ("8.2GB", 8_200_000_000),  # exactly: a float product made it 8199999999
+        ("1.005kB", 1005),
+        ("1.0005kB", 1000),  # a fraction of a byte is dropped
     ],
 )
 def test_parse_bytes(text, expected):

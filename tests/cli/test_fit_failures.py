@@ -219,3 +219,22 @@ def test_gain_is_unknown_where_stock_reached_the_largest_batch_size():
 def test_gain_is_a_lower_bound_where_only_memsave_reached_it():
     text = _table((FitRow("all", "stock", 32, 10), FitRow("all", "memsave", 64, 8)))
     assert "x2.00+" in text
+
+
+def test_gain_is_against_stock_whatever_the_order_of_the_implementations():
+    """It compared stock with the last implementation given, stock itself when it came last."""
+    rows = (FitRow("all", "memsave", 24, 8), FitRow("all", "stock", 16, 10))
+    row = next(line for line in _table(rows).splitlines() if line.startswith("│ all"))
+    assert row.split("│")[-2].strip() == "x1.50", row
+
+
+def test_each_implementation_has_its_gain():
+    rows = (
+        FitRow("all", "stock", 16, 10),
+        FitRow("all", "memsave-conv", 20, 9),
+        FitRow("all", "memsave", 24, 8),
+    )
+    text = _table(rows)
+    assert "Gain" in text and text.count("Gain ") == 2, text
+    row = next(line for line in text.splitlines() if line.startswith("│ all"))
+    assert [cell.strip() for cell in row.split("│")[-3:-1]] == ["x1.25", "x1.50"], row
