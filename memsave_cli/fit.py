@@ -83,7 +83,10 @@ class FitResult:
         """The rows as a JSON list of ``{case, impl, batch_size, peak_bytes}``; an FSDP2
         estimate adds ``per_rank_of`` and ``reshard_after_forward`` to each, a checkpointed
         step ``checkpoint`` (its patterns), an autocast one ``autocast`` (its dtype), and a
-        search that a failure stopped ``failure`` (``{batch_size, status, reason}``)."""
+        search that a failure stopped ``failure`` (``{batch_size, status, reason}``), a row where
+        none fits ``peak_batch_size`` (the batch size of its ``peak_bytes``, where the search
+        started) and one that reached the largest batch size tried ``capped: true`` (at least
+        that many fit)."""
         shared: dict[str, object] = {} if self.fsdp is None else {"per_rank_of": self.fsdp}
         if shared:
             shared["reshard_after_forward"] = self.reshard
@@ -91,15 +94,19 @@ class FitResult:
             shared["checkpoint"] = list(self.checkpoint)
         if self.autocast:
             shared["autocast"] = self.autocast
-        return json.dumps([_row_json(row) | shared for row in self.rows], indent=2)
+        return json.dumps([self._row_json(row) | shared for row in self.rows], indent=2)
 
-
-def _row_json(row: FitRow) -> dict[str, object]:
-    """A row as JSON: ``failure`` only where a failure stopped the search."""
-    values = asdict(row)
-    if row.failure is None:
-        del values["failure"]
-    return values
+    def _row_json(self, row: FitRow) -> dict[str, object]:
+        """A row as JSON: ``failure`` only where a failure stopped the search, and what the
+        table's "none fits (2 needs ...)" and ``64+`` say."""
+        values = asdict(row)
+        if row.failure is None:
+            del values["failure"]
+        if row.batch_size == 0 and row.peak_bytes is not None:
+            values["peak_batch_size"] = self.min_batch_size
+        if row.batch_size >= self.max_batch_size:
+            values["capped"] = True
+        return values
 
 
 def fit(

@@ -115,7 +115,17 @@ def test_fit_json_to_stdout(runner, tiny_models):
     args = ["fit", f"{tiny_models}:mlp", "--budget", "1MiB", "--input-shape", "16"]
     result = runner.invoke(app, [*args, "--impl", "stock", "--case", "all", "--json", "-"])
     assert result.exit_code == 0, result.output
-    assert json.loads(result.stdout)[0]["batch_size"] > 0
+    (row,) = json.loads(result.stdout)
+    assert row["batch_size"] > 0 and "capped" not in row and "peak_batch_size" not in row
+
+
+def test_a_capped_answer_says_so_in_json(runner, tiny_models):
+    args = ["fit", f"{tiny_models}:mlp", "--budget", "1GiB", "--input-shape", "16"]
+    args += ["--impl", "stock", "--case", "all", "--max-batch-size", "8", "--json", "-"]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.output
+    (row,) = json.loads(result.stdout)
+    assert (row["batch_size"], row["capped"]) == (8, True)
 
 
 def test_nothing_fits(runner, tiny_models):
