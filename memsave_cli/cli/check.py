@@ -93,17 +93,23 @@ def check(
             )
         previous = Report.load(baseline, role="baseline")
         comparison = compare(current, previous, tolerance=tolerance)
-    if output_format is Format.markdown:
-        typer.echo(check_markdown(current, previous, comparison, tolerance), nl=False)
-        if not comparison.passed:
-            raise typer.Exit(FAILED_CHECK_EXIT)
-        return
+        # rendered under the same handler: whatever fails there is one line too
+        if output_format is Format.markdown:
+            typer.echo(check_markdown(current, previous, comparison, tolerance), nl=False)
+        else:
+            _print_verdict(console, comparison, tolerance)
+    if not comparison.passed:
+        raise typer.Exit(FAILED_CHECK_EXIT)
+
+
+def _print_verdict(console: Console, comparison: Comparison, tolerance: float) -> None:
+    """What the check left out or found better, then the regressions and the verdict."""
     _print_notes(console, comparison)
     if not comparison.passed:
         console.print(regression_table(comparison.regressions, title="Regressions"))
         console.print(summary_line(comparison, tolerance), style="bold red")
-        raise typer.Exit(FAILED_CHECK_EXIT)
-    console.print(summary_line(comparison, tolerance), style="green")
+    else:
+        console.print(summary_line(comparison, tolerance), style="green")
 
 
 def _update(console: Console, current: Report, report: Path, baseline: Path) -> None:

@@ -532,3 +532,19 @@ def test_counts_are_said_with_their_noun() -> None:
     from memsave_cli.render.units import counted
 
     assert [counted(n, "run") for n in (0, 1, 8)] == ["0 runs", "1 run", "8 runs"]
+
+
+def test_a_failure_while_rendering_is_one_line(runner, paper_report, write_report, monkeypatch):
+    """The tables were drawn outside the error handler: a failure there was a traceback."""
+
+    def broken(*args, **kwargs):
+        raise OverflowError("cannot draw this")
+
+    monkeypatch.setattr("memsave_cli.cli.check.regression_table", broken)
+    baseline = write_report(paper_report, "baseline.json")
+    report = write_report(_grow(paper_report, "input", "memsave", 1.10))
+    result = runner.invoke(app, ["check", str(report), "--baseline", str(baseline)])
+    assert result.exit_code == 2, result.output
+    assert result.output.strip().splitlines() == [
+        "error: OverflowError: cannot draw this (run with --debug for the traceback)"
+    ]
