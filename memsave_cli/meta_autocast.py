@@ -45,7 +45,7 @@ import torch
 from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
-from memsave_cli.layers._autocast import EMULATED_CASTS, STANDS_FOR_CUDA, autocast_region
+from memsave_cli.layers._autocast import STANDS_FOR_CUDA, autocast_region, emulated_cast
 from memsave_cli.meta_cross_entropy import cross_entropy
 from memsave_cli.report import AUTOCAST_DTYPES
 
@@ -227,22 +227,12 @@ def _cast(value: Any, dtype: torch.dtype, cache: bool = False) -> Any:
     """``value`` with its eligible tensors (also inside lists, tuples and dicts) cast to
     ``dtype``; with ``cache``, casts of trainable float32 leaves are kept for the region."""
     if _eligible(value):
-        return value if value.dtype == dtype else _cast_tensor(value, dtype, cache)
+        return value if value.dtype == dtype else emulated_cast(value, dtype, cache)
     if type(value) in (list, tuple):
         return type(value)(_cast(item, dtype, cache) for item in value)
     if type(value) is dict:
         return {key: _cast(item, dtype, cache) for key, item in value.items()}
     return value
-
-
-def _cast_tensor(t: Tensor, dtype: torch.dtype, cache: bool) -> Tensor:
-    trainable = t.dtype == torch.float32 and t.requires_grad and t.is_leaf and not t._is_view()
-    if not (cache and trainable):
-        return t.to(dtype)
-    hit = EMULATED_CASTS.get(id(t))
-    if hit is None or hit[0] is not t or hit[1].dtype != dtype:
-        hit = EMULATED_CASTS[id(t)] = (t, t.to(dtype))
-    return hit[1]
 
 
 def _float32_unless_dtype(args: tuple, kwargs: dict) -> dict:

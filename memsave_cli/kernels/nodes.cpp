@@ -176,19 +176,17 @@ struct Convolution : public torch::autograd::Function<Convolution> {
     }
 };
 
-// A tensor as autocast casts a lower-precision op's arguments, and as conv.py's _autocast_cast
-// does: floating point, on the autocast's device, neither float64 nor already in its dtype.
-at::Tensor autocast_cast(const at::Tensor &t, c10::DeviceType device, at::ScalarType dtype) {
-    const bool eligible = t.defined() && t.is_floating_point() && t.device().type() == device;
-    if (!eligible || t.scalar_type() == at::kDouble || t.scalar_type() == dtype) return t;
-    return t.to(dtype);
+// A tensor as autocast casts a lower-precision op's arguments: autocast's own cast, through
+// its cache (NOTE [autocast's cache] in layers/_autocast.py), which layers/_autocast.py's
+// autocast_cast calls too.
+at::Tensor autocast_cast(const at::Tensor &t, at::ScalarType dtype) {
+    return at::autocast::cached_cast(dtype, t, t.device().type());
 }
 
-// Under autocast for the input's device, the arguments are cast as memsave's Python path casts
-// them (conv.py, _convolve: with to(), outside autocast's cache, so that the bytes are the
-// ones its meta estimate counts) and the node runs with autocast off, as a stock convolution
-// runs inside its autocast kernel. The callers send no stand-ins here (conv.py: CPU stand-ins
-// are made in Python, and a measurement's meta tensors may stand for CUDA's autocast).
+// Under autocast for the input's device, the arguments are cast as a stock convolution's
+// autocast kernel casts them, and the node runs with autocast off, as a stock convolution runs
+// inside that kernel. The callers send no stand-ins here (conv.py: CPU stand-ins are made in
+// Python, and a measurement's meta tensors may stand for CUDA's autocast).
 at::Tensor convolution(const at::Tensor &x, const at::Tensor &weight,
                        const std::optional<at::Tensor> &bias, at::IntArrayRef stride,
                        at::IntArrayRef padding, at::IntArrayRef dilation, bool transposed,
@@ -203,10 +201,9 @@ at::Tensor convolution(const at::Tensor &x, const at::Tensor &weight,
     TORCH_CHECK(!x_stand_in.has_value() && !weight_stand_in.has_value(),
                 "memsave convolution: no stand-ins under autocast");
     const auto dtype = at::autocast::get_autocast_dtype(device);
-    const auto cast_bias =
-        bias.has_value() ? std::optional<at::Tensor>(autocast_cast(*bias, device, dtype)) : bias;
-    const auto cast_x = autocast_cast(x, device, dtype);
-    const auto cast_weight = autocast_cast(weight, device, dtype);
+    const auto cast_bias = at::autocast::cached_cast(dtype, bias, device);
+    const auto cast_x = at::autocast::cached_cast(dtype, x, device);
+    const auto cast_weight = at::autocast::cached_cast(dtype, weight, device);
     c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
     return Convolution::apply(cast_x, cast_weight, cast_bias, stride, padding, dilation,
                               transposed, output_padding, groups, std::nullopt, std::nullopt);
@@ -863,6 +860,7 @@ PYBIND11_MODULE(memsave_nodes, m) {
     m.def("leaky_relu_", entry("memsave_nodes::leaky_relu_", &leaky_relu_));
     m.def("hardtanh", entry("memsave_nodes::hardtanh", &hardtanh));
     m.def("hardtanh_", entry("memsave_nodes::hardtanh_", &hardtanh_));
+    m.def("autocast_cast", entry("memsave_nodes::autocast_cast", &autocast_cast));
     m.def("set_cpu_kernels", &set_cpu_kernels);
     m.def("register_kernel", &register_kernel);
     m.def("forget_kernels", &forget_kernels);

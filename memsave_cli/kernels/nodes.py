@@ -51,6 +51,8 @@ class Nodes(NamedTuple):
     #: bounds as the kernels compare (``layers.activation.kernel_bounds``).
     hardtanh: Callable[..., Tensor]
     hardtanh_: Callable[..., Tensor]
+    #: ``autocast_cast(t, dtype)``: ``t`` as autocast casts an argument, through its cache.
+    autocast_cast: Callable[[Tensor, torch.dtype], Tensor]
     #: ``register_kernel(name, dtype, device, block, function, threads, shared, params,
     #: scratch)``: a compiled Triton kernel for the nodes to launch (``triton/handover.py``).
     register_kernel: Callable[..., None]

@@ -44,6 +44,41 @@ def autocast_dtype(device_type: str) -> torch.dtype:
     return torch.get_autocast_dtype(autocast_type(device_type))
 
 
+def autocast_cast(t: Tensor | None, device_type: str, dtype: torch.dtype) -> Tensor | None:
+    """``t`` as autocast casts an argument of a lower-precision op on ``device_type``: floating
+    tensors of that device, neither float64 nor already ``dtype``, through autocast's cache.
+
+    NOTE [autocast's cache]: autocast casts a float32 leaf that requires grad (a trainable
+    weight, an input leaf) once per region and hands every later op the same copy; the
+    gradients of all its uses then meet in that copy, added in ``dtype``, and reach the leaf
+    through one cast back. Casting anew at each use added them in float32 instead: a weight
+    shared by two convolutions, or an input read by two (timm's RepVGG), got other gradients
+    than stock's. So a layer that casts for itself takes autocast's own cast (the C++ node's
+    binding of ATen's ``cached_cast``) and, on meta standing for CUDA, the emulation's cache;
+    a plain cast only where neither serves (no compiler for the nodes, traced code)."""
+    eligible = t is not None and t.is_floating_point() and t.device.type == device_type
+    if not eligible or t.dtype in (torch.float64, dtype):
+        return t
+    if device_type in STANDS_FOR_CUDA:
+        return emulated_cast(t, dtype, torch.is_autocast_cache_enabled())
+    from memsave_cli.kernels import nodes  # the kernels import torch's extension machinery
+
+    served = nodes.serving(t)
+    return t.to(dtype) if served is None else served.autocast_cast(t, dtype)
+
+
+def emulated_cast(t: Tensor, dtype: torch.dtype, cache: bool) -> Tensor:
+    """``t`` cast to ``dtype`` on meta standing for CUDA, with CUDA's cache: casts of float32
+    leaves that require grad are kept (:data:`EMULATED_CASTS`) until the region ends."""
+    trainable = t.dtype == torch.float32 and t.requires_grad and t.is_leaf and not t._is_view()
+    if not (cache and trainable):
+        return t.to(dtype)
+    hit = EMULATED_CASTS.get(id(t))
+    if hit is None or hit[0] is not t or hit[1].dtype != dtype:
+        hit = EMULATED_CASTS[id(t)] = (t, t.to(dtype))
+    return hit[1]
+
+
 def autocast_off(device_type: str) -> contextlib.AbstractContextManager:
     """Autocast off for tensors of ``device_type`` in the body (where it is on)."""
     if device_type in STANDS_FOR_CUDA:

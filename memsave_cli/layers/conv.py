@@ -17,7 +17,7 @@ from torch import Tensor, nn
 
 from memsave_cli.kernels import nodes
 from memsave_cli.layers import stand_ins
-from memsave_cli.layers._autocast import autocast_dtype, autocast_off, autocast_on
+from memsave_cli.layers._autocast import autocast_cast, autocast_dtype, autocast_off, autocast_on
 from memsave_cli.layers._backward import forbid_double_backward, records_backward
 from memsave_cli.layers.registry import drop_in
 
@@ -134,21 +134,13 @@ def _padded_input(module: Conv, x: Tensor) -> tuple[Tensor, list[int]]:
     return x, list(module.padding)
 
 
-def _autocast_cast(t: Tensor | None, device_type: str, dtype: torch.dtype) -> Tensor | None:
-    """Cast ``t`` the way autocast casts the arguments of a lower-precision op."""
-    eligible = t is not None and t.is_floating_point() and t.device.type == device_type
-    if not eligible or t.dtype in (torch.float64, dtype):
-        return t
-    return t.to(dtype)
-
-
 def _convolve(x: Tensor, weight: Tensor, bias: Tensor | None, *params: object) -> Tensor:
     """Run ``_ConvFunction``, casting explicitly where autocast would cast a stock convolution."""
     device_type = x.device.type
     if not autocast_on(device_type):
         return _apply(x, weight, bias, *params)
     dtype = autocast_dtype(device_type)
-    x, weight, bias = (_autocast_cast(t, device_type, dtype) for t in (x, weight, bias))
+    x, weight, bias = (autocast_cast(t, device_type, dtype) for t in (x, weight, bias))
     with autocast_off(device_type):
         return _apply(x, weight, bias, *params)
 
