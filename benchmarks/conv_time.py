@@ -18,7 +18,8 @@ from torch import Tensor, nn
 
 from benchmarks.alternating import paired_times
 from memsave_cli.kernels._layout import shape_only
-from memsave_cli.layers.conv import MemSaveConv2d, MemSaveConvTranspose2d, _geometry, _stand_in
+from memsave_cli.layers import stand_ins
+from memsave_cli.layers.conv import MemSaveConv2d, MemSaveConvTranspose2d
 
 #: name -> (stock class, constructor args, constructor kwargs, input shape)
 LAYERS: dict[str, tuple[type[nn.Module], tuple, dict, tuple[int, ...]]] = {
@@ -90,7 +91,7 @@ def stand_in_backward(repeats: int) -> dict[str, float]:
 
     Median per-pair time ratio against the real input: a one-element expanded stand-in (CPU
     kernels copy it into a dense tensor), a fresh uninitialised tensor, and memsave's view of
-    never-written memory (see NOTE [stand-ins for dropped tensors] in ``conv.py``).
+    never-written memory (see NOTE [stand-ins for dropped tensors] in ``stand_ins.py``).
     """
     _, args, kwargs, shape = LAYERS[next(iter(LAYERS))]
     layer = nn.Conv2d(*args, **kwargs)
@@ -101,7 +102,7 @@ def stand_in_backward(repeats: int) -> dict[str, float]:
         "real input": lambda: x,
         "one-element stand-in": lambda: shape_only(grad, shape),
         "fresh empty tensor": lambda: torch.empty(shape),
-        "memsave CPU stand-in": lambda: _stand_in(grad, _geometry(x)),
+        "memsave CPU stand-in": lambda: stand_ins.stand_in(grad, stand_ins.geometry(x)),
     }
     times: dict[str, list[float]] = {name: [] for name in inputs}
     for i in range(repeats + 2):
