@@ -81,7 +81,7 @@ def compare(report: Report, baseline: Report, *, tolerance: float = 0.05) -> Com
     """
     unknown = _check_comparable(report, baseline, tolerance)
     _check_matching(report, baseline)
-    allowed = Fraction(repr(tolerance))  # exact: 0.13 is 13/100, not the float just below it
+    allowed = Fraction(str(float(tolerance)))  # exact: 0.13 is 13/100, not the float below it
     regressions: list[Regression] = []
     improvements: list[Regression] = []
     compared = 0

@@ -20,6 +20,8 @@ from torch.amp.autocast_mode import is_autocast_available
 STANDS_FOR_CUDA: set[str] = set()
 #: Casts of trainable parameters made by the emulation, by ``id``: (parameter, cast).
 EMULATED_CASTS: dict[int, tuple[Tensor, Tensor]] = {}
+#: Device types whose autocast cache the C++ node's cast reaches (NOTE [autocast's cache]).
+_CACHED_BY_NODE = ("cpu", "cuda")
 #: Whether autocast exists for a device type (``torch.is_autocast_enabled`` raises where not).
 _AUTOCAST_EXISTS: dict[str, bool] = {}
 
@@ -63,7 +65,7 @@ def autocast_cast(t: Tensor | None, device_type: str, dtype: torch.dtype) -> Ten
         return emulated_cast(t, dtype, torch.is_autocast_cache_enabled())
     from memsave_cli.kernels import nodes  # the kernels import torch's extension machinery
 
-    served = nodes.serving(t)
+    served = nodes.serving(t) if device_type in _CACHED_BY_NODE else None
     return t.to(dtype) if served is None else served.autocast_cast(t, dtype)
 
 
