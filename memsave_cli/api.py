@@ -18,7 +18,7 @@ from memsave_cli.input_shape import read_shape
 from memsave_cli.inputs import batch_size_of
 from memsave_cli.limits import MAX_BATCH_SIZE
 from memsave_cli.lora import LoraSettings, apply_lora
-from memsave_cli.measure import DEVICES, NEEDS_REAL_DATA, Job, check_job
+from memsave_cli.measure import DEVICES, NEEDS_REAL_DATA, Job, build_for, check_job
 from memsave_cli.plan_model import PlanModel
 from memsave_cli.preflight import check_plan
 from memsave_cli.report import LoraAdapters, Report, Run
@@ -72,10 +72,11 @@ def profile(
     MemsaveError before any worker starts (checked on meta: globs that select nothing, inputs the
     forward cannot take, on one meta build of the model); a failing run is a Run with a status.
     """
-    timeout = seconds(timeout, "timeout")
+    timeout, impls = seconds(timeout, "timeout"), several(impls)
+    build_for(impls)  # a first compilation is not the preparation's time
     with planning(timeout, model):
         spec = parse_spec(model, model_kwargs)
-        cases, impls, dtype = several(cases), several(impls), dtype_name(dtype)
+        cases, dtype = several(cases), dtype_name(dtype)
         device, batch_size = (
             device_name(device),
             count(batch_size, "batch size", optional=True, most=MAX_BATCH_SIZE),

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from fractions import Fraction
 
@@ -11,6 +10,9 @@ from memsave_cli.report import LoraAdapters, Report, Run
 
 #: Byte counts compared run by run; each may grow by at most the tolerance.
 METRICS = ("forward_peak_bytes", "peak_bytes", "saved_bytes")
+
+#: The largest tolerance taken: 100 times the baseline's value (beyond it, a typo).
+MAX_TOLERANCE = 100
 
 #: The reason of a value the baseline has and an ok run of the report lacks.
 NO_VALUE = "no value in report"
@@ -118,8 +120,10 @@ def _check_matching(report: Report, baseline: Report) -> None:
     """Raise BaselineError when no run of ``report`` is one the baseline measured: other cases
     or implementations (``--input-grad`` makes ``all+input`` of ``all``) are another
     measurement, which a check cannot judge; some runs missing are regressions instead."""
-    theirs = {(run.case, run.impl) for run in baseline.runs}
-    if theirs and report.runs and not any((run.case, run.impl) in theirs for run in report.runs):
+    if baseline.runs and not report.runs:
+        raise BaselineError("the report has no runs: there is nothing to check")
+    theirs = [(run.case, run.impl) for run in baseline.runs]
+    if theirs and not any((run.case, run.impl) in theirs for run in report.runs):
         mine = ", ".join(f"{run.case}/{run.impl}" for run in report.runs)
         wanted = ", ".join(f"{case}/{impl}" for case, impl in theirs)
         raise BaselineError(
@@ -163,9 +167,10 @@ def _failed(old: Run, new: Run | None) -> Regression:
 
 def check_tolerance(tolerance: float) -> None:
     """Raise BaselineError unless ``tolerance`` is a growth a check can allow."""
-    if not 0 <= tolerance < math.inf:
+    if not 0 <= tolerance <= MAX_TOLERANCE:
         raise BaselineError(
-            f"tolerance must be a finite non-negative fraction (e.g. 0.05), got {tolerance}"
+            f"tolerance must be a finite non-negative fraction (e.g. 0.05) of at most "
+            f"{MAX_TOLERANCE}, got {tolerance}"
         )
 
 

@@ -48,7 +48,10 @@ def parse_bytes(text: str) -> int:
             f"cannot read memory size {text!r}: expected a number with an optional unit, "
             "e.g. 24GiB, 500MB, 1.5e9"
         )
-    value = Decimal(match["number"]) * UNITS[unit]  # exact: 8.2GB is 8200000000 bytes
+    number = Decimal(match["number"])
+    if number and not -30 < number.adjusted() < 30:  # beyond this, Decimal's range overflows
+        number = Decimal(f"1e{30 if number.adjusted() > 0 else -30}")
+    value = number * UNITS[unit]  # exact: 8.2GB is 8200000000 bytes
     if value < 1:
         raise BudgetError(f"memory size {text!r} must be a finite size of at least 1 byte")
     if value > MAX_BUDGET:

@@ -8,8 +8,11 @@ returns (a user's callable, a config of runaway size) hung the command with no l
 so did ``fit`` on meta, which measures in-process too. The same ``timeout`` now bounds each: an
 interval timer raises in the main thread when it runs out. The
 exception derives from BaseException, as KeyboardInterrupt does, so that model code's ``except
-Exception`` (and the plan check's own "only real data can say" fallback) cannot swallow it. A
-signal reaches Python between bytecodes only: one long native op finishes first.
+Exception`` (and the plan check's own "only real data can say" fallback) cannot swallow it, and
+the timer repeats every second, so that a bare ``except:`` swallows one signal, not the limit. A
+signal reaches Python between bytecodes only: one long native op finishes first. The native
+kernels and C++ nodes are built before any deadline starts: their first compilation (about 40 s)
+is not the model's time.
 
 Where the timer cannot be ours it is not set and the planning runs unbounded as before: outside
 the main thread, on platforms without ``setitimer``, and where someone else's SIGALRM handler or
@@ -24,6 +27,9 @@ import threading
 from collections.abc import Iterator
 
 from memsave_cli.errors import MemsaveError
+
+#: Seconds between the timer's signals once the deadline has passed.
+_AGAIN_S = 1.0
 
 
 class TimeLimitError(MemsaveError):
@@ -49,11 +55,13 @@ def deadline(seconds: float, what: str, hint: str = "") -> Iterator[None]:
             raise _Expired
 
     previous = signal.signal(signal.SIGALRM, expire)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
     try:
+        # Again every second after the first: code with a bare ``except:`` swallows one.
+        signal.setitimer(signal.ITIMER_REAL, seconds, _AGAIN_S)
         yield
         armed = False
     except _Expired:
+        armed = False
         line = f"{what} took more than the timeout of {seconds:g} s"
         raise TimeLimitError(f"{line}: {hint}" if hint else line) from None
     finally:

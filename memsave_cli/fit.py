@@ -23,7 +23,7 @@ from memsave_cli.deadline import TimeLimitError, deadline, planning
 from memsave_cli.errors import MemsaveError, SpecError, one_line
 from memsave_cli.fit_search import MAX_BATCH_SIZE, Search, largest_fitting
 from memsave_cli.input_shape import read_shape
-from memsave_cli.measure import Job, check_job, measure
+from memsave_cli.measure import Job, build_for, check_job, measure
 from memsave_cli.plan_model import PlanModel
 from memsave_cli.preflight import ForwardError, check_plan
 from memsave_cli.report import Run, Status
@@ -143,6 +143,7 @@ def fit(
     max_batch_size = count(max_batch_size, "maximum batch size")
     cases, impls, dtype = several(cases), several(impls), dtype_name(dtype)
     timeout = seconds(timeout, "timeout")
+    build_for(impls)  # a first compilation is in no deadline
     with planning(timeout, model):
         device = device_name(device)
         spec = parse_spec(model, model_kwargs)

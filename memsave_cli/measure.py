@@ -101,22 +101,30 @@ def build_native(jobs: Sequence[Job]) -> None:
     them inside its measured step. A first build of the nodes says so in one line on stderr, and
     a failed one says why in another (a full disk had failed every build without a word)."""
     memsave_jobs = [job for job in jobs if job.impl != "stock"]
-    if any(job.device == "cpu" for job in memsave_jobs):
+    build_for([job.impl for job in jobs], cpu=any(job.device == "cpu" for job in memsave_jobs))
+
+
+def build_for(impls: Sequence[str], *, cpu: bool = True) -> None:
+    """``build_native`` for runs of ``impls``, the CPU's kernels with ``cpu``: also before a
+    call's preparation, whose conversion probes run memsave's layers on small CPU tensors, so
+    that a first compilation is never inside a deadline (NOTE [a deadline for planning])."""
+    if not any(impl in IMPLS and impl != "stock" for impl in impls):
+        return  # unknown names are the preparation's one-line error, before any build
+    if cpu:
         from memsave_cli.kernels import native
 
         native.available()
-    if memsave_jobs:
-        from memsave_cli.kernels import nodes
+    from memsave_cli.kernels import nodes
 
-        building = nodes.to_be_built()
-        if building:
-            print(f"memsave: building its C++ nodes ({nodes.BUILDING})", file=sys.stderr)
-        if not nodes.available() and building:
-            print(
-                f"memsave: {nodes.status()}; memsave's layers take their Python Functions (the "
-                "same results and saved bytes, more host time)",
-                file=sys.stderr,
-            )
+    building = nodes.to_be_built()
+    if building:
+        print(f"memsave: building its C++ nodes ({nodes.BUILDING})", file=sys.stderr)
+    if not nodes.available() and building:
+        print(
+            f"memsave: {nodes.status()}; memsave's layers take their Python Functions (the "
+            "same results and saved bytes, more host time)",
+            file=sys.stderr,
+        )
 
 
 def check_job(job: Job) -> None:

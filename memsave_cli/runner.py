@@ -16,8 +16,8 @@ it.
 A worker that needs its own environment (the timing worker's heap settings, NOTE [a heap
 without page faults] in ``timing.py``) is a fresh interpreter started with that environment
 instead, since the fork server's C library read its settings when the server started. No worker
-imports the caller's main script (``_no_main_script``): every target is importable from its
-module.
+imports the caller's main script unless its job refers to it (``_no_main_script``): every target
+is importable from its module.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from __future__ import annotations
 import faulthandler
 import multiprocessing
 import os
+import pickle
 import select
 import signal
 import sys
@@ -81,7 +82,7 @@ def run_jobs(
             while pending and len(active) < workers:
                 index, job = pending.popleft()
                 with (
-                    _no_main_script(),
+                    _no_main_script(job),
                     _spawned_with(environment),
                     _ctrl_c_ignored(environment is not None),
                 ):
@@ -164,15 +165,21 @@ def _spawned_with(variables: Mapping[str, str] | None) -> Iterator[None]:
 
 
 @contextmanager
-def _no_main_script() -> Iterator[None]:
-    """An empty ``__main__`` while a worker starts, so that it does not run the caller's script.
+def _no_main_script(job: Job) -> Iterator[None]:
+    """An empty ``__main__`` while a worker starts, so that it does not run the caller's script,
+    unless ``job`` refers to the script (its spec ``__main__:build``, or a model keyword holding
+    one of the script's classes), which the worker can only find by running it.
 
     A forkserver or spawned child imports the parent's main script before its target runs (what
     multiprocessing does for a target defined there). A script calling ``profile()`` without an
     ``if __name__ == "__main__":`` guard then ran again in every worker, up to its ``profile()``
     call, which multiprocessing refuses in a child: each run was "crashed: worker exited with
-    code 1", under a traceback from every worker. Workers need nothing from the script: their
-    targets and jobs are importable from memsave's modules (and the model from its spec)."""
+    code 1", under a traceback from every worker. Other jobs need nothing from the script: their
+    targets are importable from memsave's modules, and the model from its spec. While a worker
+    starts, another thread of the caller sees the empty module too."""
+    if _refers_to_main(job):
+        yield
+        return
     main = sys.modules.get("__main__")
     sys.modules["__main__"] = types.ModuleType("__main__")
     try:
@@ -182,6 +189,15 @@ def _no_main_script() -> Iterator[None]:
             del sys.modules["__main__"]
         else:
             sys.modules["__main__"] = main
+
+
+def _refers_to_main(job: Job) -> bool:
+    """Whether ``job``, pickled for its worker, names the main script (a module name pickled
+    in it; a string value that merely contains it errs on the side of running the script)."""
+    try:
+        return b"__main__" in pickle.dumps(job)
+    except Exception:  # the start pickles it again and reports what fails
+        return True
 
 
 @dataclass

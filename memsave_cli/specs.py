@@ -250,8 +250,10 @@ def _load_file(spec: ModelSpec) -> ModuleType:
     try:
         with _on_sys_path(str(path.parent)):
             module_spec.loader.exec_module(module)
-    except (Exception, SystemExit) as error:
-        del sys.modules[name]
+    except BaseException as error:
+        del sys.modules[name]  # also on a timeout or Ctrl-C: a half-run file must not stay
+        if not isinstance(error, Exception | SystemExit):
+            raise
         raise SpecError(f"{spec.text}: loading '{spec.target}' {_raised(error)}") from error
     return module
 

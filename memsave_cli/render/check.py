@@ -47,8 +47,12 @@ def summary_line(comparison: Comparison, tolerance: float) -> str:
             f"ok: {counted(comparison.compared, 'value')} compared, none grew beyond "
             f"{format_share(tolerance)} of the baseline{tail}"
         )
-    regressions = counted(len(comparison.regressions), "regression")
-    return f"FAILED: {regressions} beyond {format_share(tolerance)} of the baseline"
+    grew = sum(r.reason == "grew" for r in comparison.regressions)
+    parts = [f"{counted(grew, 'regression')} beyond {format_share(tolerance)} of the baseline"]
+    lacking = len(comparison.regressions) - grew
+    if lacking:  # missing or failed runs, values the report lacks: no tolerance applies
+        parts.append(f"{lacking} of the baseline's runs or values missing or failed")
+    return "FAILED: " + "; ".join(parts if grew else parts[1:])
 
 
 def check_markdown(

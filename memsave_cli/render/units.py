@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from decimal import Decimal
+
 _BINARY = (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10))
 
 
@@ -45,9 +47,10 @@ def counted(count: int, noun: str) -> str:
 
 def format_share(fraction: float) -> str:
     """A limit given as a fraction, as a percentage with the digits it was given with (``0.0625``
-    -> ``6.25%``, ``0.001`` -> ``0.1%``): rounded to whole percents, a limit of 6.25% read "6%" in
-    a failure that saved 6.1%."""
-    return f"{100 * fraction:.4g}%"
+    -> ``6.25%``, ``0.001`` -> ``0.1%``, ``0.1299999`` -> ``12.99999%``): rounded, a limit of
+    6.25% read "6%" in a failure that saved 6.1%, and 12.99999% read "13%" beside a +13.0% that
+    failed it."""
+    return f"{(Decimal(str(float(fraction))) * 100).normalize():f}%"
 
 
 def format_seconds(seconds: float | None) -> str:

@@ -33,7 +33,8 @@ def test_parse_bytes(text, expected):
 
 
 @pytest.mark.parametrize(
-    "text", ["", "GiB", "24 GiBs", "-1GiB", "0", "0.1B", "1e999", "24 parsecs"]
+    "text",
+    ["", "GiB", "24 GiBs", "-1GiB", "0", "0.1B", "1e999", "24 parsecs", "1e999999GB", "1e-999999"],
 )
 def test_bad_budget_raises(text):
     with pytest.raises(BudgetError, match="memory size"):

@@ -82,7 +82,8 @@ def test_a_value_the_report_lacks_is_a_regression(runner, paper_report, write_re
     report = write_report(_with_peak(paper_report, None))
     result = runner.invoke(app, ["check", str(report), "--baseline", str(baseline)])
     assert result.exit_code == 1, result.output
-    assert "no value in report" in result.output and "FAILED: 1 regression" in result.output
+    assert "no value in report" in result.output
+    assert "FAILED: 1 of the baseline's runs or values missing or failed" in result.output
     args = ["check", str(report), "-b", str(baseline), "--format", "markdown"]
     markdown = runner.invoke(app, args)
     assert markdown.exit_code == 1 and " → no value**" in markdown.output, markdown.output
@@ -100,6 +101,24 @@ def test_a_report_of_other_runs_cannot_be_judged(runner, paper_report, write_rep
     assert len(result.output.strip().splitlines()) == 1
 
 
+def test_a_report_without_runs_cannot_be_judged(runner, paper_report, write_report):
+    baseline = write_report(paper_report, "baseline.json")
+    report = write_report(paper_report.with_runs(()))
+    result = runner.invoke(app, ["check", str(report), "--baseline", str(baseline)])
+    assert result.exit_code == 2, result.output
+    assert "the report has no runs" in result.output
+
+
+def test_a_tolerance_is_shown_with_its_digits(runner, paper_report, write_report):
+    """12.99999% read "13%" beside a +13.0% row that failed it."""
+    baseline = write_report(_with_peak(paper_report, 1_000_000), "baseline.json")
+    report = write_report(_with_peak(paper_report, 1_130_000))
+    args = ["check", str(report), "-b", str(baseline), "--tolerance", "0.1299999"]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 1, result.output
+    assert "FAILED: 1 regression beyond 12.99999% of the baseline" in result.output
+
+
 def test_the_summary_counts_what_shrank(runner, paper_report, write_report):
     """It said every value was "within" the tolerance while all had halved."""
     baseline = write_report(paper_report, "baseline.json")
@@ -113,7 +132,7 @@ def test_the_summary_counts_what_shrank(runner, paper_report, write_report):
     )
 
 
-@pytest.mark.parametrize("tolerance", ["inf", "nan", "-inf"])
+@pytest.mark.parametrize("tolerance", ["inf", "nan", "-inf", "1e308", "100.5"])
 def test_a_tolerance_that_is_not_finite_exits_2(runner, paper_report, write_report, tolerance):
     path = write_report(paper_report)
     result = runner.invoke(app, ["check", str(path), "-b", str(path), "--tolerance", tolerance])

@@ -93,6 +93,26 @@ def test_a_meta_measurement_of_fit_past_the_timeout_is_its_rows_failure(slow):
         assert "took more than the timeout of 4 s" in row.failure.reason
 
 
+def test_a_file_cut_off_while_it_loads_is_not_kept(tmp_path):
+    """A spec file whose import outlived the timeout stayed half-run in ``sys.modules``: every
+    later call in the process (a notebook, the pytest plugin) found no ``build`` in it."""
+    import sys
+
+    path = tmp_path / "slow_import.py"
+    path.write_text(SLOW + "\nspin()\n")
+    with pytest.raises(TimeLimitError):
+        profile(f"{path}:slow_forward", device="meta", timeout=1)
+    assert not [name for name in sys.modules if name.startswith("_memsave_user_slow_import")]
+
+
+@pytest.mark.parametrize("seconds", [1e-6, 1e-4])
+def test_a_timeout_shorter_than_arming_the_timer_is_the_memsave_error(seconds):
+    """The timer fired before the block's ``try``: the raw signal exception escaped and memsave's
+    handler stayed installed, switching every later deadline off (the fixture checks)."""
+    with pytest.raises(TimeLimitError), deadline(seconds, "nothing"):
+        time.sleep(0.05)
+
+
 def test_a_block_within_its_time_is_left_alone():
     with deadline(5, "nothing"):
         value = sum(range(1000))

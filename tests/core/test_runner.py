@@ -136,6 +136,31 @@ def test_a_script_without_a_main_guard_runs_once(tmp_path: Path, environment) ->
     assert count.read_text() == "ran\n"
 
 
+def test_a_guarded_script_may_name_itself_in_a_spec(tmp_path: Path) -> None:
+    """A job naming the script (``__main__:build``, or one of its classes as a model keyword)
+    lets the worker run the script as before: only such a worker can find what it names."""
+    script = tmp_path / "guarded.py"
+    script.write_text(
+        "from torch import nn\n"
+        "from memsave_cli.api import profile\n"
+        "def build():\n"
+        "    return nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))\n"
+        "if __name__ == '__main__':\n"
+        "    report = profile('__main__:build', device='meta', input_shape=(8,), batch_size=2,\n"
+        "                     cases=['all'], impls=['stock'], workers=1, timeout=120)\n"
+        "    print([(run.status.value, run.error) for run in report.runs])\n"
+    )
+    done = subprocess.run(
+        [sys.executable, str(script)],
+        env=_importing_tests(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[('ok', None)]", done.stdout + done.stderr
+
+
 def _importing_tests() -> dict[str, str]:
     """This environment, with this directory and the repository importable (a script's
     ``import test_runner``)."""
