@@ -124,15 +124,7 @@ def test_a_script_without_a_main_guard_runs_once(tmp_path: Path, environment) ->
         f"    target=fixtures_tracker.behave, environment={environment!r})\n"
         "print([(run.status.value, run.error) for run in runs])\n"
     )
-    done = subprocess.run(
-        [sys.executable, str(script)],
-        env=_importing_tests(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == "[('ok', None)]", done.stdout + done.stderr
+    _runs_ok(script)
     assert count.read_text() == "ran\n"
 
 
@@ -150,6 +142,11 @@ def test_a_guarded_script_may_name_itself_in_a_spec(tmp_path: Path) -> None:
         "                     cases=['all'], impls=['stock'], workers=1, timeout=120)\n"
         "    print([(run.status.value, run.error) for run in report.runs])\n"
     )
+    _runs_ok(script)
+
+
+def _runs_ok(script: Path) -> None:
+    """Run ``script``, which prints its runs' statuses and errors: one run, ok."""
     done = subprocess.run(
         [sys.executable, str(script)],
         env=_importing_tests(),
