@@ -178,7 +178,7 @@ struct Convolution : public torch::autograd::Function<Convolution> {
 
 // A tensor as autocast casts a lower-precision op's arguments: autocast's own cast, through
 // its cache (NOTE [autocast's cache] in layers/_autocast.py), which layers/_autocast.py's
-// autocast_cast calls too.
+// autocast_casts calls too.
 at::Tensor autocast_cast(const at::Tensor &t, at::ScalarType dtype) {
     return at::autocast::cached_cast(dtype, t, t.device().type());
 }

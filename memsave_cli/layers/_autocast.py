@@ -16,6 +16,8 @@ import torch
 from torch import Tensor
 from torch.amp.autocast_mode import is_autocast_available
 
+from memsave_cli.kernels import nodes
+
 #: Device types whose tensors stand for CUDA's while a measurement emulates autocast on them.
 STANDS_FOR_CUDA: set[str] = set()
 #: Casts of trainable parameters made by the emulation, by ``id``: (parameter, cast).
@@ -46,9 +48,12 @@ def autocast_dtype(device_type: str) -> torch.dtype:
     return torch.get_autocast_dtype(autocast_type(device_type))
 
 
-def autocast_cast(t: Tensor | None, device_type: str, dtype: torch.dtype) -> Tensor | None:
-    """``t`` as autocast casts an argument of a lower-precision op on ``device_type``: floating
-    tensors of that device, neither float64 nor already ``dtype``, through autocast's cache.
+def autocast_casts(
+    tensors: tuple[Tensor | None, ...], device_type: str, dtype: torch.dtype
+) -> tuple[Tensor | None, ...]:
+    """``tensors`` as autocast casts the arguments of a lower-precision op on ``device_type``:
+    floating tensors of that device, neither float64 nor already ``dtype``, through autocast's
+    cache.
 
     NOTE [autocast's cache]: autocast casts a float32 leaf that requires grad (a trainable
     weight, an input leaf) once per region and hands every later op the same copy; the
@@ -58,15 +63,18 @@ def autocast_cast(t: Tensor | None, device_type: str, dtype: torch.dtype) -> Ten
     than stock's. So a layer that casts for itself takes autocast's own cast (the C++ node's
     binding of ATen's ``cached_cast``) and, on meta standing for CUDA, the emulation's cache;
     a plain cast only where neither serves (no compiler for the nodes, traced code)."""
-    eligible = t is not None and t.is_floating_point() and t.device.type == device_type
-    if not eligible or t.dtype in (torch.float64, dtype):
-        return t
-    if device_type in STANDS_FOR_CUDA:
-        return emulated_cast(t, dtype, torch.is_autocast_cache_enabled())
-    from memsave_cli.kernels import nodes  # the kernels import torch's extension machinery
+    cache = torch.is_autocast_cache_enabled()
+    served = nodes.serving(*tensors) if device_type in _CACHED_BY_NODE else None  # asked once
 
-    served = nodes.serving(t) if device_type in _CACHED_BY_NODE else None
-    return t.to(dtype) if served is None else served.autocast_cast(t, dtype)
+    def cast(t: Tensor | None) -> Tensor | None:
+        eligible = t is not None and t.is_floating_point() and t.device.type == device_type
+        if not eligible or t.dtype in (torch.float64, dtype):
+            return t
+        if device_type in STANDS_FOR_CUDA:
+            return emulated_cast(t, dtype, cache)
+        return t.to(dtype) if served is None else served.autocast_cast(t, dtype)
+
+    return tuple(cast(t) for t in tensors)
 
 
 def emulated_cast(t: Tensor, dtype: torch.dtype, cache: bool) -> Tensor:

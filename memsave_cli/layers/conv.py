@@ -17,7 +17,7 @@ from torch import Tensor, nn
 
 from memsave_cli.kernels import nodes
 from memsave_cli.layers import stand_ins
-from memsave_cli.layers._autocast import autocast_cast, autocast_dtype, autocast_off, autocast_on
+from memsave_cli.layers._autocast import autocast_casts, autocast_dtype, autocast_off, autocast_on
 from memsave_cli.layers._backward import forbid_double_backward, records_backward
 from memsave_cli.layers.registry import drop_in
 
@@ -140,7 +140,7 @@ def _convolve(x: Tensor, weight: Tensor, bias: Tensor | None, *params: object) -
     if not autocast_on(device_type):
         return _apply(x, weight, bias, *params)
     dtype = autocast_dtype(device_type)
-    x, weight, bias = (autocast_cast(t, device_type, dtype) for t in (x, weight, bias))
+    x, weight, bias = autocast_casts((x, weight, bias), device_type, dtype)
     with autocast_off(device_type):
         return _apply(x, weight, bias, *params)
 
