@@ -3,10 +3,11 @@
 NOTE [converting by class swap]: every drop-in subclasses its stock class and overrides
 ``forward`` only, so a module is converted by assigning its ``__class__``. Its ``__dict__`` is
 untouched: parameters, buffers, hooks, ``state_dict`` keys, attributes and the module tree stay
-exactly as they were, and a converted model loads a stock checkpoint (and vice versa). Only
-modules whose type is exactly a registered stock class are swapped (or the class under their
-parametrization's, NOTE [parametrized layers]); a subclass may have its own ``forward``, which a
-drop-in would silently bypass.
+exactly as they were, and a converted model loads a stock checkpoint (and vice versa). Modules
+whose type is exactly a registered stock class are swapped (or the class under their
+parametrization's, NOTE [parametrized layers]), and subclasses of one that replace nothing its
+forward runs (NOTE [plain subclasses] in ``subclassed.py``); any other subclass may compute
+otherwise, which a drop-in would silently bypass, and stays stock.
 
 Modules of other libraries (Hugging Face RMSNorms and gated MLPs) are converted by what they
 compute, not by their class: see NOTE [converting by behaviour] in ``recognise.py``.
@@ -37,6 +38,7 @@ from memsave_cli.layers.activation import MemSaveReLU
 from memsave_cli.layers.parametrized import base_class, swap_class
 from memsave_cli.layers.recognise import convert_module, stock_class  # registers nn.RMSNorm too
 from memsave_cli.layers.registry import DROP_INS
+from memsave_cli.layers.subclassed import drop_in_for
 
 #: Layer types ``convert`` accepts in ``include``: a stock class, its name, or a family name.
 LayerSelection = type[nn.Module] | str
@@ -78,7 +80,7 @@ def convert(
     selected = select_drop_ins(include)
     target = model if inplace else _copy(model, "convert")
     for module in target.modules():
-        drop_in = selected.get(base_class(module))
+        drop_in = drop_in_for(base_class(module), selected)
         if drop_in is not None:
             swap_class(module, drop_in)  # NOTE [parametrized layers]
         else:

@@ -9,7 +9,8 @@ from torch import nn
 from memsave_cli.errors import MemsaveError
 from memsave_cli.layers.parametrized import evaluated_once
 
-#: Exact stock class -> its memsave drop-in. Only exact types are converted, never subclasses.
+#: Exact stock class -> its memsave drop-in. Subclasses convert only when plain (NOTE [plain
+#: subclasses] in ``subclassed.py``).
 DROP_INS: dict[type[nn.Module], type[nn.Module]] = {}
 
 

@@ -1,4 +1,4 @@
-"""convert / revert / converted_counts: exact-type swaps that keep parameters, hooks and checkpoints."""
+"""convert / revert / converted_counts: class swaps that keep parameters, hooks and checkpoints."""
 
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ class OwnForwardConv(nn.Conv2d):
 
 
 class PlainSubclassConv(nn.Conv2d):
-    """A subclass without its own forward: still not an exact stock type."""
+    """A subclass without its own forward: it computes what Conv2d computes, and converts."""
 
 
 def small_cnn() -> nn.Sequential:
@@ -63,16 +63,17 @@ def stock_types(model: nn.Module) -> list[type]:
     return [type(m) for m in model.modules()]
 
 
-def test_convert_swaps_exact_types_only() -> None:
-    """Registered exact types become drop-ins; subclasses and unsupported layers stay."""
+def test_convert_swaps_stock_types_and_plain_subclasses() -> None:
+    """Registered exact types become drop-ins, a plain subclass its own drop-in class; a
+    subclass with its own forward and unsupported layers stay."""
     stock = small_cnn()
     converted = convert(stock)
     for before, after in zip(stock.modules(), converted.modules(), strict=True):
-        expected = DROP_INS.get(type(before), type(before))
-        assert type(after) is expected
+        if type(before) is not PlainSubclassConv:
+            assert type(after) is DROP_INS.get(type(before), type(before))
         assert issubclass(type(after), type(before))
     assert type(converted[4]) is OwnForwardConv
-    assert type(converted[5]) is PlainSubclassConv
+    assert type(converted[5]).__mro__[1:3] == (DROP_INS[nn.Conv2d], PlainSubclassConv)
     assert type(converted[-1]) is nn.Linear
 
 
@@ -172,6 +173,7 @@ def test_converted_counts_per_stock_type() -> None:
     counts = converted_counts(convert(small_cnn()))
     assert counts == {
         "Conv2d": 2,
+        "PlainSubclassConv": 1,
         "BatchNorm2d": 1,
         "ReLU": 1,
         "LeakyReLU": 1,
@@ -190,9 +192,9 @@ def test_converted_counts_per_stock_type() -> None:
 @pytest.mark.parametrize(
     "include, expected",
     [
-        ("conv", {"Conv2d": 2, "ConvTranspose2d": 1}),
-        (nn.Conv2d, {"Conv2d": 2}),
-        ("Conv2d", {"Conv2d": 2}),
+        ("conv", {"Conv2d": 2, "PlainSubclassConv": 1, "ConvTranspose2d": 1}),
+        (nn.Conv2d, {"Conv2d": 2, "PlainSubclassConv": 1}),
+        ("Conv2d", {"Conv2d": 2, "PlainSubclassConv": 1}),
         ("batchnorm2d", {"BatchNorm2d": 1}),
         ("avgpool", {"AvgPool2d": 1, "AdaptiveAvgPool2d": 1}),
         (["ReLU", nn.Dropout], {"ReLU": 1, "Dropout": 1}),

@@ -57,6 +57,26 @@ FAMILIES = {
         ),
         {"Conv2d": 7, "BatchNorm2d": 1, "ReLU": 1},
     ),
+    # Its depthwise convolutions are a plain subclass of nn.Conv2d (NOTE [plain subclasses]).
+    "EfficientNetForImageClassification": (
+        lambda: transformers.EfficientNetConfig(
+            image_size=32,
+            width_coefficient=0.25,
+            depth_coefficient=0.25,
+            hidden_dim=320,  # the top convolution's width at this width coefficient
+            num_labels=4,
+            dropout_rate=0.0,
+            drop_connect_rate=0.0,
+        ),
+        {
+            "Conv2d": 29,
+            "EfficientNetDepthwiseConv2d": 7,
+            "BatchNorm2d": 22,
+            "AdaptiveAvgPool2d": 7,
+            "AvgPool2d": 1,
+            "Dropout": 8,
+        },
+    ),
 }
 
 
