@@ -24,6 +24,8 @@ for a dense input, its memory order. Forward ops come in pairs: ``*_pack`` retur
 from __future__ import annotations
 
 import functools
+import math
+import struct
 from types import SimpleNamespace
 
 import torch
@@ -57,7 +59,11 @@ def reference_pack(
         y = stock_result(kind, x, inplace, args)
         return y, pack_bits(y.bool(), layout, scratch=True)
     # Taken before an in-place update overwrites the input.
-    keep = compare(x, "gt", 0.0) if kind == _LEAKY else hardtanh_keep(x, *args[2:])
+    keep = (
+        compare(x, "gt", 0.0)
+        if kind == _LEAKY
+        else hardtanh_keep(x, *kernel_bounds(x.dtype, *args))
+    )
     return stock_result(kind, x, inplace, args), pack_bits(keep, layout, scratch=True)
 
 
@@ -83,6 +89,62 @@ def hardtanh_keep(x: Tensor, low: float, high: float) -> Tensor:
     if x.device.type == "cpu":
         return compare(x, "gt", low).logical_and_(compare(x, "lt", high))
     return compare(x, "le", low).logical_or_(compare(x, "ge", high)).logical_not_()
+
+
+def kernel_bounds(dtype: torch.dtype, min_val: float, max_val: float) -> tuple[float, float]:
+    """Bounds in ``dtype`` with ``x <= low`` and ``x >= high`` exactly as ``hardtanh_backward`` decides.
+
+    NOTE [hardtanh bounds in reduced precision]: the ATen kernel compares in its math type (float32
+    for float32, float16 and bfloat16; float64 for float64) against the bounds rounded to that
+    type. For float16/bfloat16 inputs that equals comparing against the nearest representable
+    value on the safe side of each bound; a plain ``x <= min_val`` would round ``min_val`` to the
+    nearest bfloat16 instead and disagree with stock next to the bound.
+    """
+    if dtype == torch.float64:
+        return min_val, max_val
+    low, high = _float32(min_val), _float32(max_val)
+    if dtype == torch.bfloat16:
+        return _bfloat16_bracket(low)[0], _bfloat16_bracket(high)[1]
+    if dtype == torch.float16:
+        return _float16_bracket(low)[0], _float16_bracket(high)[1]
+    return low, high
+
+
+def _float32(value: float) -> float:
+    """``value`` rounded to the nearest float32, overflowing to infinity."""
+    try:
+        return struct.unpack("<f", struct.pack("<f", value))[0]
+    except OverflowError:
+        return math.copysign(math.inf, value)
+
+
+def _bfloat16_bracket(value: float) -> tuple[float, float]:
+    """The largest bfloat16 <= ``value`` and the smallest >= it, for a float32 ``value``."""
+    if math.isnan(value):
+        return value, value
+    bits = struct.unpack("<I", struct.pack("<f", value))[0]
+    toward_zero = bits & 0xFFFF0000
+    if toward_zero == bits:
+        return value, value
+    near = struct.unpack("<f", struct.pack("<I", toward_zero))[0]
+    far = struct.unpack("<f", struct.pack("<I", toward_zero + 0x10000))[0]
+    return min(near, far), max(near, far)
+
+
+def _float16_bracket(value: float) -> tuple[float, float]:
+    """The largest float16 <= ``value`` and the smallest >= it, for a float32 ``value``."""
+    if math.isnan(value):
+        return value, value
+    try:
+        nearest = struct.unpack("<e", struct.pack("<e", value))[0]
+    except OverflowError:
+        nearest = math.copysign(math.inf, value)
+    if nearest == value:
+        return value, value
+    bits = struct.unpack("<H", struct.pack("<e", nearest))[0]
+    step = 1 if abs(value) > abs(nearest) else -1
+    neighbour = struct.unpack("<e", struct.pack("<H", bits + step))[0]
+    return min(nearest, neighbour), max(nearest, neighbour)
 
 
 def reference_select(
@@ -151,7 +213,7 @@ def fused_pack(
         kernels.relu_pack(x, y, bits, checked=False)
     elif kind == _LEAKY:
         kernels.leaky_pack(x, y, bits, args[0], checked=False)
-    elif kernels.hardtanh_pack(x, y, bits, args[2], args[3], checked=False):
+    elif kernels.hardtanh_pack(x, y, bits, *kernel_bounds(x.dtype, *args), checked=False):
         F.hardtanh(y, args[0], args[1], inplace=True)  # stock finishes the held elements
     return y, bits
 
@@ -350,6 +412,6 @@ def _gradient_strides(shape, grad, saved, grad_first: bool) -> tuple[int, ...]:
 library = torch.library.Library("memsave", "FRAGMENT")
 relu_pack, relu_pack_ = _register_pack(_RELU, ())
 leaky_pack, leaky_pack_ = _register_pack(_LEAKY, ("slope",))
-hardtanh_pack, hardtanh_pack_ = _register_pack(_HARDTANH, ("min_val", "max_val", "low", "high"))
+hardtanh_pack, hardtanh_pack_ = _register_pack(_HARDTANH, ("min_val", "max_val"))
 select_bits = _register_select("select_bits")
 select_scale = _register_select("select_scale")

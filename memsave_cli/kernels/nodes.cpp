@@ -742,8 +742,8 @@ struct Hardtanh : public torch::autograd::Function<Hardtanh> {
                               double max_val, double low, double high, bool inplace) {
         auto order = memory_order(x);
         const std::vector<int64_t> saved(x.strides().begin(), x.strides().end());
-        const auto params = {c10::IValue(min_val), c10::IValue(max_val), c10::IValue(low),
-                             c10::IValue(high)};
+        // The op brackets the bounds itself (kernels/activation.py's kernel_bounds).
+        const auto params = {c10::IValue(min_val), c10::IValue(max_val)};
         auto [y, bits] = pack(x, order, inplace, "hardtanh", params,
                               [&](at::Tensor &out, at::Tensor &mask) {
                                   return kernels::hardtanh_pack(x, inplace, min_val, max_val, low,

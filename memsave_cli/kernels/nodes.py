@@ -48,7 +48,7 @@ class Nodes(NamedTuple):
     leaky_relu: Callable[[Tensor, float], Tensor]
     leaky_relu_: Callable[[Tensor, float], Tensor]
     #: ``hardtanh(x, min_val, max_val, low, high)`` and in place: ``low``/``high`` are the
-    #: bounds as the kernels compare (``layers.activation.kernel_bounds``).
+    #: bounds as the kernels compare (``kernels.activation.kernel_bounds``).
     hardtanh: Callable[..., Tensor]
     hardtanh_: Callable[..., Tensor]
     #: ``autocast_cast(t, dtype)``: ``t`` as autocast casts an argument, through its cache.

@@ -17,8 +17,6 @@ save, for LeakyReLU); they differ only for an in-place call on a view (NOTE [in-
 
 from __future__ import annotations
 
-import math
-import struct
 from collections.abc import Callable
 
 import torch
@@ -87,7 +85,7 @@ class _HardtanhFunction(Function):
         ctx, x: Tensor, min_val: float, max_val: float, inplace: bool, saves_result: bool
     ) -> Tensor:
         ctx.layout = layout_of(x)
-        args = (ctx.layout.order, min_val, max_val, *kernel_bounds(x.dtype, min_val, max_val))
+        args = (ctx.layout.order, min_val, max_val)
         y, bits = (x, ops.hardtanh_pack_(x, *args)) if inplace else ops.hardtanh_pack(x, *args)
         return _save_bits(ctx, x, y, bits, inplace, saved=x.stride())
 
@@ -166,63 +164,6 @@ def _relu(x: Tensor, inplace: bool) -> Tensor:
     return _activate(_ReLUFunction, F.relu, x, inplace=inplace)
 
 
-def kernel_bounds(dtype: torch.dtype, min_val: float, max_val: float) -> tuple[float, float]:
-    """Bounds in ``dtype`` with ``x <= low`` and ``x >= high`` exactly as ``hardtanh_backward`` decides.
-
-    NOTE [hardtanh bounds in reduced precision]: the ATen kernel compares in its math type (float32
-    for float32, float16 and bfloat16; float64 for float64) against the bounds rounded to that
-    type. For float16/bfloat16 inputs that equals comparing against the nearest representable
-    value on the safe side of each bound; a plain ``x <= min_val`` would round ``min_val`` to the
-    nearest bfloat16 instead and disagree with stock next to the bound.
-    """
-    if dtype == torch.float64 or torch.compiler.is_compiling():
-        # Compiled code rounds its own way (bounds may be symbolic floats there), see test.
-        return min_val, max_val
-    low, high = _float32(min_val), _float32(max_val)
-    if dtype == torch.bfloat16:
-        return _bfloat16_bracket(low)[0], _bfloat16_bracket(high)[1]
-    if dtype == torch.float16:
-        return _float16_bracket(low)[0], _float16_bracket(high)[1]
-    return low, high
-
-
-def _float32(value: float) -> float:
-    """``value`` rounded to the nearest float32, overflowing to infinity."""
-    try:
-        return struct.unpack("<f", struct.pack("<f", value))[0]
-    except OverflowError:
-        return math.copysign(math.inf, value)
-
-
-def _bfloat16_bracket(value: float) -> tuple[float, float]:
-    """The largest bfloat16 <= ``value`` and the smallest >= it, for a float32 ``value``."""
-    if math.isnan(value):
-        return value, value
-    bits = struct.unpack("<I", struct.pack("<f", value))[0]
-    toward_zero = bits & 0xFFFF0000
-    if toward_zero == bits:
-        return value, value
-    near = struct.unpack("<f", struct.pack("<I", toward_zero))[0]
-    far = struct.unpack("<f", struct.pack("<I", toward_zero + 0x10000))[0]
-    return min(near, far), max(near, far)
-
-
-def _float16_bracket(value: float) -> tuple[float, float]:
-    """The largest float16 <= ``value`` and the smallest >= it, for a float32 ``value``."""
-    if math.isnan(value):
-        return value, value
-    try:
-        nearest = struct.unpack("<e", struct.pack("<e", value))[0]
-    except OverflowError:
-        nearest = math.copysign(math.inf, value)
-    if nearest == value:
-        return value, value
-    bits = struct.unpack("<H", struct.pack("<e", nearest))[0]
-    step = 1 if abs(value) > abs(nearest) else -1
-    neighbour = struct.unpack("<e", struct.pack("<H", bits + step))[0]
-    return min(nearest, neighbour), max(nearest, neighbour)
-
-
 @drop_in(nn.ReLU)
 class MemSaveReLU(nn.ReLU):
     """``nn.ReLU`` saving a 1-bit mask (numel / 8 bytes) instead of its full result."""
@@ -256,7 +197,7 @@ def _hardtanh(module: nn.Hardtanh, input: Tensor) -> Tensor:
     plain = input.requires_grad and not (inplace and input.is_leaf) and input.is_floating_point()
     if plain and (served := nodes.serving(input)):
         node = served.hardtanh_ if inplace else served.hardtanh
-        return node(input, *bounds, *kernel_bounds(input.dtype, *bounds))
+        return node(input, *bounds, *ops.kernel_bounds(input.dtype, *bounds))
     return _activate(_HardtanhFunction, F.hardtanh, input, *bounds, inplace=inplace)
 
 

@@ -17,7 +17,7 @@ from memsave_cli.kernels.bitmask import layout_of
 PACKS = {
     "relu": (),
     "leaky": (0.1,),
-    "hardtanh": (-1.0, 1.0, -1.0, 1.0),
+    "hardtanh": (-1.0, 1.0),
 }
 #: Layouts: contiguous, channels-last (dense, another memory order), and a strided view.
 LAYOUTS = ["contiguous", "channels_last", "strided"]

@@ -112,7 +112,7 @@ def _real_calls() -> dict[str, tuple[EagerOp, tuple]]:
     offsets = torch.randint(0, 4, (2, 3, 6), dtype=torch.int8)
     return {
         "relu_pack": (activation.relu_pack, (x, [0, 1, 2, 3])),
-        "hardtanh_pack_": (activation.hardtanh_pack_, (x.clone(), [0, 1, 2, 3], -1, 1, -1, 1)),
+        "hardtanh_pack_": (activation.hardtanh_pack_, (x.clone(), [0, 1, 2, 3], -1, 1)),
         "select_scale": (
             activation.select_scale,
             (x, activation.relu_pack(x, [0, 1, 2, 3])[1], [0, 1, 2, 3], list(x.stride()), 0.1),

@@ -108,7 +108,7 @@ def _activations() -> None:
             for kind, args in (
                 ("relu", ()),
                 ("leaky", (0.1,)),
-                ("hardtanh", (-1.0, 1.0, -1.0, 1.0)),
+                ("hardtanh", (-1.0, 1.0)),
             )[: 3 if wide else 1]:
                 for inplace in (False, True):
                     activation._cuda_pack(kind, x.clone(), inplace, order, args)

@@ -13,6 +13,7 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from memsave_cli.kernels import bitmask, native, nodes
+from memsave_cli.kernels.activation import kernel_bounds
 from memsave_cli.kernels.bitmask import packed_numel
 from memsave_cli.layers import convert
 from memsave_cli.layers.activation import (
@@ -20,7 +21,6 @@ from memsave_cli.layers.activation import (
     MemSaveLeakyReLU,
     MemSaveReLU,
     MemSaveReLU6,
-    kernel_bounds,
 )
 from memsave_cli.layers.registry import DROP_INS
 from memsave_cli.saved import SavedTensorRecorder
@@ -526,6 +526,34 @@ def test_compiled_with_dynamic_shapes_matches_stock() -> None:
         x = torch.randn(batch, 3, 12, 12, generator=torch.Generator().manual_seed(batch))
         expected = _model_gradients(_small_model(memsave=False), x)
         torch.testing.assert_close(_model_gradients(model, x), expected)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_compiled_hardtanh_in_half_precision_decides_next_to_its_bounds_as_stock(
+    dtype: torch.dtype,
+) -> None:
+    """Bounds a 16-bit type cannot hold (-0.7, 0.1): the inputs nearest them inside pass the
+    gradient in stock; compiled, the op must still bracket the bounds (NOTE [hardtanh bounds in
+    reduced precision]) rather than round them to the input's type."""
+    torch._dynamo.reset()
+    for bounds in ((-0.7, 0.7), (-0.1, 0.1), (-0.3, 0.7)):
+        # The values of ``dtype`` nearest each bound on its inner side, then just beyond it.
+        inside = [_inner_neighbour(bound, dtype) for bound in bounds]
+        x = torch.stack([*inside, *(value.nextafter(value * 2) for value in inside)])
+        compiled = torch.compile(convert(nn.Hardtanh(*bounds)), backend="aot_eager")
+        grads = []
+        for module in (nn.Hardtanh(*bounds), compiled):
+            leaf = x.clone().requires_grad_(True)
+            module(leaf).sum().backward()
+            grads.append(leaf.grad)
+        assert torch.equal(grads[0][:2], torch.ones(2, dtype=dtype))
+        assert torch.equal(grads[1], grads[0]), (bounds, x, grads)
+
+
+def _inner_neighbour(bound: float, dtype: torch.dtype) -> Tensor:
+    """The value of ``dtype`` nearest ``bound`` that lies strictly between it and zero."""
+    value = torch.tensor(bound, dtype=torch.float32).to(dtype)
+    return value if abs(float(value)) < abs(bound) else value.nextafter(torch.zeros_like(value))
 
 
 @pytest.mark.parametrize("cls", [nn.ReLU, nn.LeakyReLU, nn.ReLU6])
