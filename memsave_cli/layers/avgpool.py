@@ -70,7 +70,10 @@ class AvgPoolShapeOnly(torch.autograd.Function):
             memory_format=layout,
         )
         _, pool_backward = _AVG_KERNELS[nd]
-        if no_out_form(grad_output):  # the buffer then only stands in for the input
+        # A wrapper subclass (DTensor, TwoTensor) computes per component and would write each
+        # into the one plain buffer: its functional form returns its own type, as stock's does.
+        if no_out_form(grad_output) or type(grad_input) is not type(grad_output):
+            # The buffer then only stands in for the input.
             grad_input = pool_backward.overloadpacket.default(grad_output, grad_input, *ctx.options)
         else:
             pool_backward(grad_output, grad_input, *ctx.options, grad_input=grad_input)

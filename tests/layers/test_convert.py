@@ -369,6 +369,44 @@ def test_tensor_subclass_inputs_run_as_stock(weight_grad: bool) -> None:
         assert torch.equal(a, e)
 
 
+WRAPPED_LAYERS = [
+    nn.AvgPool1d(2),
+    nn.AvgPool2d(2),
+    nn.AvgPool3d(2),
+    nn.AdaptiveAvgPool2d(3),
+    nn.MaxPool2d(2),
+    nn.ReLU(),
+    nn.LeakyReLU(0.1),
+    nn.Hardtanh(-0.5, 0.5),
+    nn.BatchNorm2d(3).eval(),
+    nn.Conv2d(3, 3, 3),
+    nn.Conv2d(3, 3, 3).requires_grad_(False),
+    nn.Dropout(0.0),
+]
+
+
+@pytest.mark.parametrize("layer", WRAPPED_LAYERS, ids=str)
+def test_wrapper_subclass_inputs_get_stocks_gradient_in_every_part(layer: nn.Module) -> None:
+    """A ``__torch_dispatch__`` wrapper (torch's ``TwoTensor``, which disables
+    ``__torch_function__`` as DTensor does) runs the memsave layers: each of its parts gets
+    stock's gradient, in the wrapper's type."""
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    shape = {"AvgPool1d": (2, 3, 8), "AvgPool3d": (2, 3, 4, 6, 6)}.get(type(layer).__name__)
+    shape = shape or (2, 3, 6, 6)
+    parts = [torch.randn(shape, generator=torch.Generator().manual_seed(seed)) for seed in (0, 1)]
+    results = []
+    for module in (layer, convert(layer)):
+        x = TwoTensor(*(part.clone() for part in parts)).requires_grad_()
+        y = module(x)
+        grad_output = TwoTensor(torch.ones(y.shape), torch.full(y.shape, 7.0))
+        (grad,) = torch.autograd.grad(y, x, grad_output)
+        assert type(grad) is TwoTensor
+        results.append((y.a, y.b, grad.a, grad.b))
+    for expected, actual in zip(*results, strict=True):
+        assert torch.equal(expected, actual)
+
+
 @pytest.mark.parametrize("layer", [nn.LeakyReLU(), nn.Conv2d(3, 4, 3), nn.MaxPool2d(2)], ids=str)
 def test_torch_function_modes_keep_memsave_layers(layer: nn.Module) -> None:
     """A torch function mode (``torch.device(...)``, the meta estimates' emulations) is no
