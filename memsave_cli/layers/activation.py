@@ -11,8 +11,8 @@ bits, backward one that selects (LeakyReLU: scales) the gradient by them (``kern
 C kernels, Triton kernels or stock's own ATen kernels on the unpacked 0/1 mask), so gradients are
 bitwise equal to stock, infinities and NaN included.
 
-Every Function takes ``inplace`` (modify ``x``) and ``saves_result`` (which tensor stock would
-save, for LeakyReLU); they differ only for an in-place call on a view (NOTE [in-place drop-ins]).
+Every Function takes ``inplace``: modify ``x``, as stock's in-place op (which, for LeakyReLU,
+then saves its result instead of its input; NOTE [in-place drop-ins]).
 """
 
 from __future__ import annotations
@@ -35,18 +35,18 @@ class _ReLUFunction(Function):
     """ReLU keeping one bit per element, set where the gradient passes (``result <= 0`` is false)."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, inplace: bool, saves_result: bool) -> Tensor:
+    def forward(ctx, x: Tensor, inplace: bool) -> Tensor:
         ctx.layout = layout_of(x)
         order = ctx.layout.order
         y, bits = (x, ops.relu_pack_(x, order)) if inplace else ops.relu_pack(x, order)
         return _save_bits(ctx, x, y, bits, inplace, saved=y.stride())
 
     @staticmethod
-    def backward(ctx, grad: Tensor) -> tuple[Tensor | None, None, None]:
+    def backward(ctx, grad: Tensor) -> tuple[Tensor | None, None]:
         forbid_double_backward("MemSaveReLU")
         if not ctx.needs_input_grad[0]:
-            return None, None, None
-        return _select(ctx, grad, "relu"), None, None
+            return None, None
+        return _select(ctx, grad, "relu"), None
 
 
 class _LeakyReLUFunction(Function):
@@ -54,23 +54,24 @@ class _LeakyReLUFunction(Function):
     (``saved > 0`` for the tensor stock saves: the same unless stock's backward raises)."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, slope: float, inplace: bool, saves_result: bool) -> Tensor:
-        ctx.slope, ctx.saves_result = slope, saves_result
+    def forward(ctx, x: Tensor, slope: float, inplace: bool) -> Tensor:
+        ctx.slope, ctx.inplace = slope, inplace
         ctx.layout = layout_of(x)
         order = ctx.layout.order
         y, bits = (
             (x, ops.leaky_pack_(x, order, slope)) if inplace else ops.leaky_pack(x, order, slope)
         )
-        return _save_bits(ctx, x, y, bits, inplace, saved=(y if saves_result else x).stride())
+        # Stock saves its input, or in place its result: ``x`` either way.
+        return _save_bits(ctx, x, y, bits, inplace, saved=x.stride())
 
     @staticmethod
-    def backward(ctx, grad: Tensor) -> tuple[Tensor | None, None, None, None]:
+    def backward(ctx, grad: Tensor) -> tuple[Tensor | None, None, None]:
         forbid_double_backward("MemSaveLeakyReLU")
         if not ctx.needs_input_grad[0]:
-            return None, None, None, None
-        if ctx.saves_result and not ctx.slope >= 0:  # stock's backward raises: so does this
+            return None, None, None
+        if ctx.inplace and not ctx.slope >= 0:  # stock's backward raises: so does this
             torch.ops.aten.leaky_relu_backward(grad, grad, ctx.slope, True)
-        return _select(ctx, grad, "leaky_relu", ctx.slope), None, None, None
+        return _select(ctx, grad, "leaky_relu", ctx.slope), None, None
 
 
 class _HardtanhFunction(Function):
@@ -81,9 +82,7 @@ class _HardtanhFunction(Function):
     """
 
     @staticmethod
-    def forward(
-        ctx, x: Tensor, min_val: float, max_val: float, inplace: bool, saves_result: bool
-    ) -> Tensor:
+    def forward(ctx, x: Tensor, min_val: float, max_val: float, inplace: bool) -> Tensor:
         ctx.layout = layout_of(x)
         args = (ctx.layout.order, min_val, max_val)
         y, bits = (x, ops.hardtanh_pack_(x, *args)) if inplace else ops.hardtanh_pack(x, *args)
@@ -93,8 +92,8 @@ class _HardtanhFunction(Function):
     def backward(ctx, grad: Tensor) -> tuple[Tensor | None, ...]:
         forbid_double_backward("MemSaveHardtanh/MemSaveReLU6")
         if not ctx.needs_input_grad[0]:
-            return None, None, None, None, None
-        return _select(ctx, grad, "hardtanh"), None, None, None, None
+            return None, None, None, None
+        return _select(ctx, grad, "hardtanh"), None, None, None
 
 
 def _save_bits(
@@ -141,19 +140,16 @@ def _activate(
     """Apply ``function`` to ``x`` like ``stock(x, *args, inplace)``, saving a 1-bit mask.
 
     NOTE [in-place drop-ins]: stock runs (and saves nothing) when no gradient can reach ``x``,
-    and for an in-place call on a leaf that requires grad, so the error is stock's own. A
-    compiled in-place call computes out of place and copies the result back (torch 2.11's
-    inductor fails on the in-place op); ``saves_result`` keeps the bits those of the in-place
-    call, so gradients are the same. The Function's one output is the result: the bits are
-    saved, not returned, so that it may modify a view in place as stock's op does.
+    and for an in-place call on a leaf that requires grad, so the error is stock's own. The
+    Function's one output is the result: the bits are saved, not returned, so that it may modify
+    a view in place as stock's op does, compiled too (an out-of-place result copied back would
+    give the layer before a gradient of another layout, which its backward rounds otherwise).
     """
     if not (x.requires_grad and records_backward(x)) or (inplace and x.is_leaf):
         return stock(x, *args, inplace)
     if not x.is_floating_point():
         return stock(x, *args, inplace)  # complex: stock's own error
-    if inplace and torch.compiler.is_compiling():
-        return x.copy_(function.apply(x, *args, False, True))
-    return function.apply(x, *args, inplace, inplace)
+    return function.apply(x, *args, inplace)
 
 
 def _relu(x: Tensor, inplace: bool) -> Tensor:

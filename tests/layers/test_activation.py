@@ -528,6 +528,36 @@ def test_compiled_with_dynamic_shapes_matches_stock() -> None:
         torch.testing.assert_close(_model_gradients(model, x), expected)
 
 
+@pytest.mark.parametrize("train", [False, True], ids=["eval", "train"])
+def test_compiled_in_place_activations_on_channels_last_maps_are_stocks(train: bool) -> None:
+    """Compiled, an in-place activation still runs in place: the batch norm before it gets a
+    gradient of stock's layout, and so rounds its reductions as stock's does."""
+
+    def build(memsave: bool) -> nn.Module:
+        torch.manual_seed(0)
+        model = nn.Sequential(
+            nn.BatchNorm2d(8),
+            nn.ReLU(inplace=True),
+            nn.Conv2d(8, 8, 1),
+            nn.BatchNorm2d(8),
+            nn.LeakyReLU(0.1, inplace=True),
+            nn.Conv2d(8, 8, 1),
+            nn.BatchNorm2d(8),
+            nn.Hardtanh(-0.5, 0.5, inplace=True),
+        ).train(train)
+        return convert(model) if memsave else model
+
+    x = torch.randn(2, 8, 5, 5, generator=torch.Generator().manual_seed(1))
+    x = x.contiguous(memory_format=torch.channels_last)
+    results = []
+    for memsave in (False, True):
+        torch._dynamo.reset()
+        model = build(memsave)
+        results.append(_model_gradients(torch.compile(model, backend="aot_eager"), x))
+    for expected, actual in zip(*results, strict=True):
+        assert torch.equal(expected, actual)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 def test_compiled_hardtanh_in_half_precision_decides_next_to_its_bounds_as_stock(
     dtype: torch.dtype,
