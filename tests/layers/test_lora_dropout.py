@@ -220,3 +220,14 @@ def test_cpu_random_state_is_made_where_a_memory_tracker_sees_it() -> None:
         state = rng_state(torch.device("cpu"))
     assert torch.equal(state, torch.get_rng_state())
     assert seen, "no aten op made the saved state"
+
+
+def test_changing_x_in_place_after_the_projection_is_autograds_error() -> None:
+    """``x`` is kept itself (stock keeps its dropped copy): an in-place change of it before
+    backward must be autograd's loud error, never a replay on other values."""
+    project = nn.Linear(8, 4)
+    x = torch.randn(3, 8, requires_grad=True) * 1
+    y = _memsave(x, 0.5, project, _identity)
+    x.add_(1)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.sum().backward()

@@ -233,3 +233,16 @@ def test_cuda_matches_stock(family: str, dtype: torch.dtype) -> None:
     x = special_input((3, 5, 7), dtype, "contiguous").cuda()
     grad = torch.randn(3, 5, 7, device="cuda").to(dtype)
     assert_same(run(stock, x, grad, (True, True)), run(memsave, x, grad, (True, True)))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_changing_the_input_in_place_after_the_norm_is_autograds_error(dtype) -> None:
+    """The drop-in keeps the input itself where stock keeps a float32 copy: an in-place change
+    of it before backward must be autograd's loud error, never a gradient of other values."""
+    norm = convert(LlamaRMSNorm(16)).to(dtype)
+    hidden = torch.randn(2, 3, 16, dtype=dtype, requires_grad=True)
+    x = hidden * 1
+    y = norm(x)
+    x.add_(1)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.sum().backward()
