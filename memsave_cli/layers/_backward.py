@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
 from memsave_cli.kernels._layout import batched
@@ -71,6 +73,15 @@ def _wraps_results(tensor: torch.Tensor) -> bool:
 
 
 _NO_TORCH_FUNCTION = torch._C._disabled_torch_function_impl
+
+
+def sharded(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is a DTensor (tensor and sequence parallelism), which memsave's own ops
+    do not take: DTensor runs an op only by a sharding rule registered for it, and stand-ins for
+    dropped tensors are plain. The layers calling them run stock there (their Functions of ATen
+    ops alone, batch norm's and RMSNorm's, take DTensors)."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(tensor, module.DTensor)
 
 
 def graph_capturing(tensor: torch.Tensor) -> bool:

@@ -113,7 +113,51 @@ def _full(grad: torch.Tensor) -> torch.Tensor:
     return grad.full_tensor() if hasattr(grad, "full_tensor") else grad.clone()
 
 
+#: Layers fed DTensor activations (tensor and sequence parallelism), built alike on each rank.
+DTENSOR_LAYERS: dict[str, Callable[[], nn.Module]] = {
+    "ReLU": nn.ReLU,
+    "ReLU(inplace)": lambda: nn.ReLU(inplace=True),
+    "LeakyReLU": lambda: nn.LeakyReLU(0.1),
+    "Hardtanh": nn.Hardtanh,
+    "MaxPool2d": lambda: nn.MaxPool2d(2),
+    "AvgPool2d": lambda: nn.AvgPool2d(2),
+    "AdaptiveAvgPool2d": lambda: nn.AdaptiveAvgPool2d(1),
+    "Conv2d, frozen": lambda: nn.Conv2d(3, 3, 3).requires_grad_(False),
+    "Conv2d": lambda: nn.Conv2d(3, 3, 3),
+    "BatchNorm2d, eval": lambda: nn.BatchNorm2d(3).eval(),
+    "Dropout": lambda: nn.Dropout(0.0),
+    "RMSNorm": lambda: nn.RMSNorm(6),
+}
+
+
+def dtensor_layers(rank: int, world_size: int) -> dict[str, object]:
+    """Each layer, stock and converted, on a DTensor sharded over the batch: its output and
+    input gradient gathered, or the name of the error it raised."""
+    from torch.distributed.tensor import (
+        Shard,
+        distribute_module,
+        distribute_tensor,
+        init_device_mesh,
+    )
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    results: dict[str, object] = {}
+    for name, make in DTENSOR_LAYERS.items():
+        for impl in ("stock", "memsave"):
+            torch.manual_seed(0)
+            layer = distribute_module(convert(make()) if impl == "memsave" else make(), mesh)
+            x = distribute_tensor(torch.randn(4, 3, 6, 6), mesh, [Shard(0)]).requires_grad_()
+            try:
+                y = layer(x * 1)
+                (grad,) = torch.autograd.grad(y.square().sum(), [x])
+                results[name, impl] = (_full(y.detach()), _full(grad))
+            except Exception as error:  # stock's own limits (no sharding rule) compare too
+                results[name, impl] = type(error).__name__
+    return results
+
+
 SCENARIOS: dict[str, Callable[[int, int], object]] = {
+    "dtensor-layers": dtensor_layers,
     "peaks": measure_peaks,
     "grads-ddp": lambda rank, size: gradients("ddp", rank, size),
     "grads-fsdp": lambda rank, size: gradients("fsdp", rank, size),

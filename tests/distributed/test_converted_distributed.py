@@ -28,3 +28,21 @@ def test_converted_gradients_equal_stock(wrap: str, tmp_path) -> None:
     for key, grads in first.items():  # the ranks stepped on different data, then reduced
         for name, grad in grads.items():
             assert torch.equal(grad, second[key][name]), (key, name)
+
+
+def test_dtensor_activations_get_stocks_results(tmp_path) -> None:
+    """Sharded activations (DTensor, 2 ranks): each converted layer gives stock's output and
+    input gradient, or stock's error where stock has no sharding rule; memsave's own ops, which
+    have none, leave such inputs to stock."""
+    from dist_worker import DTENSOR_LAYERS
+
+    for result in run_ranks("dtensor-layers", 2, tmp_path):
+        for name in DTENSOR_LAYERS:
+            stock, memsave = result[name, "stock"], result[name, "memsave"]
+            if isinstance(stock, str):
+                assert memsave == stock, name
+                continue
+            assert not isinstance(memsave, str), (name, memsave)
+            for expected, actual in zip(stock, memsave, strict=True):
+                assert torch.equal(expected, actual), name
+        assert not isinstance(result["ReLU", "stock"], str)
