@@ -282,12 +282,20 @@ def write_atomic(path: Path, data: str | bytes) -> None:
     """Write ``data`` (text or bytes) to ``path`` through a temporary file in the same folder and a
     rename, so that a crash never leaves half a file. The file gets the permissions any new file
     gets (0644 under the usual umask), not the temporary file's 0600: CI uploads it as another user.
+    A symbolic link stays one: the file it names is written. A path that exists but is no regular
+    file (``/dev/null``, ``/dev/stdout``, a named pipe) is written through, never replaced.
     """
+    mode = "wb" if isinstance(data, bytes) else "w"
+    if path.exists() and not path.is_file() and not path.is_dir():
+        with open(path, mode) as handle:
+            handle.write(data)
+        return
+    path = Path(os.path.realpath(path))
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         os.fchmod(fd, 0o666 & ~_umask())
-        with os.fdopen(fd, "wb" if isinstance(data, bytes) else "w") as handle:
+        with os.fdopen(fd, mode) as handle:
             handle.write(data)
         os.replace(tmp, path)
     except BaseException:

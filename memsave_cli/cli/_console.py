@@ -78,6 +78,11 @@ def check_writable(**outputs: str | Path | None) -> None:
             raise MemsaveError(f"{same} and {flag} both name {path}; give each its own file")
         if target.is_dir():
             raise MemsaveError(f"{flag} {path}: is a folder; give a file, e.g. {target / 'out'}")
+        if target.exists() and not target.is_file():  # a device or a pipe: written through
+            if not os.access(target, os.W_OK):
+                raise MemsaveError(f"{flag} {path}: is not writable")
+            continue
+        target = Path(os.path.realpath(target))  # a link: the file it names is written
         folder = _nearest_existing(target.parent)
         if not folder.is_dir():
             raise MemsaveError(f"{flag} {path}: {folder} is a file, not a folder")

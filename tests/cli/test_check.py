@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import stat
+import threading
 from dataclasses import replace
 
 import pytest
@@ -199,6 +201,32 @@ def test_update_writes_baseline(runner, paper_report, write_report, tmp_path):
     grown = write_report(_grow(paper_report, "all", "stock", 2.0), "grown.json")
     result = runner.invoke(app, ["check", str(grown), "--baseline", str(baseline)])
     assert result.exit_code == 1, result.output
+
+
+def test_update_through_a_link_or_a_pipe_writes_what_they_name(
+    runner, paper_report, write_report, tmp_path
+):
+    """A baseline path that is a symbolic link stays one (the file it names is written); one
+    that is a named pipe (as ``/dev/stdout`` may be, or ``/dev/null`` a device) is written
+    through, never replaced by a file."""
+    report = write_report(paper_report)
+    target, link = tmp_path / "shared" / "baseline.json", tmp_path / "baseline.json"
+    target.parent.mkdir()
+    target.write_text("{}")
+    link.symlink_to(target)
+    result = runner.invoke(app, ["check", str(report), "-b", str(link), "--update"])
+    assert result.exit_code == 0, result.output
+    assert link.is_symlink() and Report.load(target) == paper_report
+    pipe = tmp_path / "pipe"
+    os.mkfifo(pipe)
+    read: list[bytes] = []
+    reader = threading.Thread(target=lambda: read.append(pipe.read_bytes()))
+    reader.start()
+    result = runner.invoke(app, ["check", str(report), "-b", str(pipe), "--update"])
+    reader.join(timeout=30)
+    assert result.exit_code == 0, result.output
+    assert stat.S_ISFIFO(pipe.stat().st_mode)
+    assert Report.from_json(read[0].decode()) == paper_report
 
 
 def _failing(report: Report, *cases: str) -> Report:
