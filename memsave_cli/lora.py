@@ -14,6 +14,7 @@ left out because peft needs the rank to be divisible by the groups.
 from __future__ import annotations
 
 import importlib.util
+import math
 import warnings
 from dataclasses import dataclass
 
@@ -65,8 +66,8 @@ def lora_settings(
         raise CaseError(f"LoRA rank must be a positive integer, got {rank}")
     if not 0.0 <= dropout < 1.0:
         raise CaseError(f"LoRA dropout must lie in [0, 1), got {dropout}")
-    if alpha <= 0:
-        raise CaseError(f"LoRA alpha must be positive, got {alpha}")
+    if not 0 < alpha < math.inf:  # NaN too
+        raise CaseError(f"LoRA alpha must be a positive finite number, got {alpha}")
     return LoraSettings(rank, float(alpha), float(dropout), targets or (ALL_LINEAR,))
 
 

@@ -35,7 +35,10 @@ def test_default_settings() -> None:
         ({"rank": -3}, "rank must be a positive integer"),
         ({"dropout": 1.0}, r"dropout must lie in \[0, 1\), got 1.0"),
         ({"dropout": -0.1}, "dropout must lie in"),
-        ({"alpha": 0}, "alpha must be positive"),
+        ({"alpha": 0}, "alpha must be a positive finite number"),
+        ({"alpha": float("nan")}, "alpha must be a positive finite number, got nan"),
+        ({"alpha": float("inf")}, "alpha must be a positive finite number"),
+        ({"dropout": float("nan")}, "dropout must lie in"),
     ],
 )
 def test_bad_settings(options: dict, message: str) -> None:
