@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from collections.abc import Callable
@@ -36,6 +37,14 @@ def stderr_console() -> Console:
 def human_console(*data_paths: str | None) -> Console:
     """The console for tables: stderr when one of ``data_paths`` sends machine output to stdout."""
     return stderr_console() if STDOUT in data_paths else stdout_console()
+
+
+def printing_aside(*data_paths: str | None) -> contextlib.AbstractContextManager:
+    """While active, what Python code prints (a model's builder, its forward) goes to stderr when
+    one of ``data_paths`` sends machine output to stdout, which then carries that data alone."""
+    if STDOUT in data_paths:
+        return contextlib.redirect_stdout(sys.stderr)
+    return contextlib.nullcontext()
 
 
 def write_output(path: str, text: str) -> None:

@@ -6,7 +6,12 @@ from typing import Annotated
 
 import typer
 
-from memsave_cli.cli._console import check_writable, human_console, write_around
+from memsave_cli.cli._console import (
+    check_writable,
+    human_console,
+    printing_aside,
+    write_around,
+)
 from memsave_cli.cli._errors import USAGE_EXIT, reported_errors
 from memsave_cli.cli._help import DEBUG_HELP, examples
 from memsave_cli.cli._options import (
@@ -109,7 +114,7 @@ def fit(
         from memsave_cli.fit import fit as fit_core
         from memsave_cli.render.fit import fit_view
 
-        with progress_bar("fitting", None) as bar:
+        with printing_aside(json_path), progress_bar("fitting", None) as bar:
             result = fit_core(
                 model,
                 budget=budget,

@@ -6,7 +6,13 @@ from typing import Annotated
 
 import typer
 
-from memsave_cli.cli._console import STDOUT, check_writable, human_console, write_around
+from memsave_cli.cli._console import (
+    STDOUT,
+    check_writable,
+    human_console,
+    printing_aside,
+    write_around,
+)
 from memsave_cli.cli._errors import USAGE_EXIT, reported_errors
 from memsave_cli.cli._help import DEBUG_HELP, examples
 from memsave_cli.cli._options import (
@@ -154,7 +160,10 @@ def profile(
             LoraOptions(lora_rank, lora_alpha, lora_dropout, lora_targets),
         )
         impls = impl_names(impl)
-        with progress_bar(f"profiling {model}", len(cases) * len(impls)) as bar:
+        with (
+            printing_aside(json_path, csv_path),
+            progress_bar(f"profiling {model}", len(cases) * len(impls)) as bar,
+        ):
             report = profile_core(
                 model,
                 cases=cases,

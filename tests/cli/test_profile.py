@@ -225,3 +225,26 @@ def test_debug_shows_traceback(runner, tiny_models):
     result = runner.invoke(app, ["profile", f"{tiny_models}:broken", "--debug"])
     assert result.exit_code == 2
     assert "Traceback" in result.output and "this factory always fails" in result.output
+
+
+def test_what_a_builder_prints_stays_off_stdout_data(runner, tmp_path):
+    """``--json -``: stdout carries the report alone, whatever the model's code prints (it goes
+    to stderr), in profile's preparation and in fit's measurements in this process."""
+    spec = tmp_path / "loud.py"
+    spec.write_text(
+        "from torch import nn\n"
+        "def build():\n"
+        "    print('hello from the builder')\n"
+        "    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))\n"
+    )
+    common = ["--device", "meta", "--input-shape", "8", "--case", "all"]
+    result = runner.invoke(app, ["profile", f"{spec}:build", *common, "--json", "-"])
+    assert result.exit_code == 0, result.output
+    assert Report.from_json(result.stdout).runs
+    assert "hello from the builder" in result.stderr
+    result = runner.invoke(
+        app, ["fit", f"{spec}:build", *common, "--budget", "1MiB", "--json", "-"]
+    )
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)
+    assert "hello from the builder" in result.stderr
