@@ -104,9 +104,10 @@ def check(
 
 def _print_verdict(console: Console, comparison: Comparison, tolerance: float) -> None:
     """What the check left out or found better, then the regressions and the verdict."""
-    _print_notes(console, comparison)
+    _print_notes(console, comparison, tolerance)
     if not comparison.passed:
-        console.print(regression_table(comparison.regressions, title="Regressions"))
+        table = regression_table(comparison.regressions, title="Regressions", tolerance=tolerance)
+        console.print(table)
         console.print(summary_line(comparison, tolerance), style="bold red")
     else:
         console.print(summary_line(comparison, tolerance), style="green")
@@ -130,11 +131,13 @@ def _update(console: Console, current: Report, report: Path, baseline: Path) -> 
         )
 
 
-def _print_notes(console: Console, comparison: Comparison) -> None:
+def _print_notes(console: Console, comparison: Comparison, tolerance: float) -> None:
     """What the check left out or found better, before its verdict."""
     if comparison.improvements:
         console.print(
-            regression_table(comparison.improvements, title="Improved beyond the tolerance")
+            regression_table(
+                comparison.improvements, title="Improved beyond the tolerance", tolerance=tolerance
+            )
         )
         console.print("consider updating the baseline with --update")
     for line in comparison.left_out():

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from fractions import Fraction
+
 from memsave_cli.errors import MemsaveError
 from memsave_cli.pytest_plugin._settings import Settings
-from memsave_cli.render.units import format_bytes, format_change, format_share
+from memsave_cli.render.units import format_against, format_bytes, format_change, format_share
 from memsave_cli.report import Report, Run
 
 #: What a budget is checked against: the Run attribute and how a message names it.
@@ -58,8 +60,9 @@ def saves_message(
 
     attribute, label = metric_of(metric)
     before, after = getattr(stock, attribute), getattr(memsave, attribute)
+    saving = format_against(1 - Fraction(after, before), at_least)
     lines = [
-        f"{impl} saves {1 - after / before:.1%} of the {label} of {name}, "
+        f"{impl} saves {saving} of the {label} of {name}, "
         f"expected at least {format_share(at_least)} ({label} {format_change(before, after)})",
         f"({chosen.describe(impl).replace(f', {impl} layers', '')})",
     ]

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from fractions import Fraction
+
 from rich.table import Table
 
 from memsave_cli.baseline import METRICS, Comparison, Regression
-from memsave_cli.render.units import counted, format_bytes, format_share
+from memsave_cli.render.units import counted, format_against, format_bytes, format_share
 from memsave_cli.report import Report, Run
 
 _METRIC_LABEL = {
@@ -16,7 +18,7 @@ _METRIC_LABEL = {
 }
 
 
-def regression_table(rows: tuple[Regression, ...], *, title: str) -> Table:
+def regression_table(rows: tuple[Regression, ...], *, title: str, tolerance: float) -> Table:
     """One row per regressed (or improved) value: baseline, now, change and why."""
     table = Table(title=title, title_justify="left")
     for column in ("case", "impl", "metric"):
@@ -32,7 +34,7 @@ def regression_table(rows: tuple[Regression, ...], *, title: str) -> Table:
             _METRIC_LABEL.get(row.metric, row.metric),
             format_bytes(row.baseline),
             format_bytes(row.current),
-            "-" if change is None else f"{change:+.1%}",
+            "-" if change is None else format_against(exact_change(row), tolerance, signed=True),
             row.reason,
         )
     return table
@@ -53,6 +55,11 @@ def summary_line(comparison: Comparison, tolerance: float) -> str:
     if lacking:  # missing or failed runs, values the report lacks: no tolerance applies
         parts.append(f"{lacking} of the baseline's runs or values missing or failed")
     return "FAILED: " + "; ".join(parts if grew else parts[1:])
+
+
+def exact_change(row: Regression) -> Fraction:
+    """``row.change`` without rounding, as the check decided it."""
+    return Fraction(row.current, row.baseline) - 1
 
 
 def check_markdown(
@@ -82,7 +89,9 @@ def check_markdown(
             lines.append(f"| {old.case} | {old.impl} | **{reason}** |" + " |" * (len(METRICS) - 1))
             continue
         new = report.run(old.case, old.impl)
-        cells = [_md_cell(old, new, m, (old.case, old.impl, m) in flagged) for m in METRICS]
+        cells = [
+            _md_cell(old, new, m, (old.case, old.impl, m) in flagged, tolerance) for m in METRICS
+        ]
         lines.append(f"| {old.case} | {old.impl} | " + " | ".join(cells) + " |")
     for line in comparison.left_out():
         lines += ["", line[0].upper() + line[1:]]
@@ -91,7 +100,7 @@ def check_markdown(
     return "\n".join(lines) + "\n"
 
 
-def _md_cell(old: Run, new: Run | None, metric: str, regressed: bool) -> str:
+def _md_cell(old: Run, new: Run | None, metric: str, regressed: bool, tolerance: float) -> str:
     before = getattr(old, metric)
     after = getattr(new, metric) if new is not None else None
     if before is None:
@@ -99,6 +108,7 @@ def _md_cell(old: Run, new: Run | None, metric: str, regressed: bool) -> str:
     if after is None:
         text = f"{format_bytes(before)} → no value"
     else:
-        change = f" ({after / before - 1:+.1%})" if before else ""
+        growth = Fraction(after, before) - 1 if before else None
+        change = f" ({format_against(growth, tolerance, signed=True)})" if before else ""
         text = f"{format_bytes(before)} → {format_bytes(after)}{change}"
     return f"**{text}**" if regressed else text

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from decimal import Decimal
+from fractions import Fraction
 
 _BINARY = (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10))
 
@@ -51,6 +52,24 @@ def format_share(fraction: float) -> str:
     6.25% read "6%" in a failure that saved 6.1%, and 12.99999% read "13%" beside a +13.0% that
     failed it."""
     return f"{(Decimal(str(float(fraction))) * 100).normalize():f}%"
+
+
+def format_against(fraction: Fraction, limit: float, *, signed: bool = False) -> str:
+    """``fraction`` (exact) as a percentage with one decimal, or with as many more as it takes to
+    read on its own side of ``limit`` and ``-limit``: a growth of 5.000002% against a limit of 5%
+    reads "+5.000002%", not "+5.0%" beside "beyond 5%"."""
+    value = Fraction(fraction) * 100
+    bound = abs(Fraction(str(float(limit)))) * 100  # the limit as given, as ``format_share``
+    digits, shown = 1, round(value, 1)
+    while _sides(shown, bound) != _sides(value, bound) and digits < 15:
+        digits += 1
+        shown = round(value, digits)
+    return f"{float(shown):{'+' if signed else ''}.{digits}f}%"
+
+
+def _sides(value: Fraction, bound: Fraction) -> tuple[int, int]:
+    """Where ``value`` lies against ``bound`` and ``-bound``: below, on, or above each."""
+    return (value > bound) - (value < bound), (value > -bound) - (value < -bound)
 
 
 def format_seconds(seconds: float | None) -> str:

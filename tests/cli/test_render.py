@@ -5,12 +5,15 @@ from __future__ import annotations
 import csv
 import io
 from dataclasses import replace
+from fractions import Fraction
 
+import pytest
 from rich.console import Console
 
 from memsave_cli.render import summary
 from memsave_cli.render.csv import RUN_COLUMNS, report_csv
 from memsave_cli.render.profile import print_profile
+from memsave_cli.render.units import format_against
 from memsave_cli.report import Status
 
 MIB = 2**20
@@ -158,3 +161,23 @@ def test_layer_rows_name_drop_ins_by_their_stock_type(paper_report, make_run):
         ("relu", "ReLU", 4 * MIB, 0),
         ("conv", "Conv2d", 0, 2 * MIB),
     }
+
+
+@pytest.mark.parametrize(
+    ("fraction", "limit", "text"),
+    [
+        (Fraction(5000002, 10**8), 0.05, "+5.000002%"),  # beyond: never "+5.0%"
+        (Fraction(1, 20), 0.05, "+5.0%"),  # on the limit, which passes
+        (Fraction(4999999, 10**8), 0.05, "+4.999999%"),  # within: never "+5.0%"
+        (Fraction(-5000001, 10**8), 0.05, "-5.000001%"),
+        (Fraction(123, 1000), 0.05, "+12.3%"),
+        (Fraction(0), 0.05, "+0.0%"),
+    ],
+)
+def test_a_change_reads_on_its_side_of_the_limit(fraction, limit, text):
+    assert format_against(fraction, limit, signed=True) == text
+
+
+def test_a_saving_short_of_the_one_asked_for_does_not_read_as_it():
+    assert format_against(Fraction(139999, 10**7), 0.014) == "1.39999%"
+    assert format_against(Fraction(14, 1000), 0.014) == "1.4%"
