@@ -86,18 +86,24 @@ def check_markdown(
         if (old.case, old.impl) in gone:
             # One table row: a pipe would end the cell, a line break the row.
             reason = " ".join(gone[old.case, old.impl].reason.replace("|", "/").split())
-            lines.append(f"| {old.case} | {old.impl} | **{reason}** |" + " |" * (len(METRICS) - 1))
+            lines.append(f"{_md_key(old)} **{reason}** |" + " |" * (len(METRICS) - 1))
             continue
         new = report.run(old.case, old.impl)
         cells = [
             _md_cell(old, new, m, (old.case, old.impl, m) in flagged, tolerance) for m in METRICS
         ]
-        lines.append(f"| {old.case} | {old.impl} | " + " | ".join(cells) + " |")
+        lines.append(f"{_md_key(old)} " + " | ".join(cells) + " |")
     for line in comparison.left_out():
         lines += ["", line[0].upper() + line[1:]]
     if comparison.improvements:
         lines += ["", "Some values shrank beyond the tolerance: consider `memsave check --update`."]
     return "\n".join(lines) + "\n"
+
+
+def _md_key(run: Run) -> str:
+    """A row's case and impl cells: a pipe (a glob's ``[0|2]``) escaped, which would end a cell."""
+    case, impl = (text.replace("|", "\\|") for text in (run.case, run.impl))
+    return f"| {case} | {impl} |"
 
 
 def _md_cell(old: Run, new: Run | None, metric: str, regressed: bool, tolerance: float) -> str:

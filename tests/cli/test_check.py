@@ -529,6 +529,18 @@ def test_markdown_of_a_passing_check(runner, paper_report, write_report):
     assert "| all | stock | 800 MiB → 800 MiB (+0.0%) |" in result.stdout
 
 
+def test_markdown_escapes_a_pipe_in_a_case(runner, paper_report, write_report):
+    """A custom case's glob (``[0|2].*``) keeps its row to five cells."""
+    runs = tuple(replace(r, case="[0|2].*") if r.case == "input" else r for r in paper_report.runs)
+    path = write_report(paper_report.with_runs(runs))
+    args = ["check", str(path), "--baseline", str(path), "--format", "markdown"]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.output
+    rows = [line for line in result.stdout.splitlines() if line.startswith("| [0")]
+    assert rows and all(row.startswith("| [0\\|2].* | ") for row in rows)
+    assert all(row.replace("\\|", "").count("|") == 6 for row in rows)
+
+
 @pytest.mark.parametrize(
     ("error", "shown"),
     [
