@@ -8,7 +8,7 @@ import typer
 
 from memsave_cli import __version__
 from memsave_cli.cli import check, fit, layers, probe, profile
-from memsave_cli.cli._errors import OneLineUsageErrors
+from memsave_cli.cli._errors import OneLineUsageErrors, terminate_on_sigterm
 
 app = typer.Typer(
     name="memsave",
@@ -61,4 +61,5 @@ app.command("probe", epilog=probe.EPILOG)(probe.probe)
 
 def main() -> None:
     """Entry point of the ``memsave`` console script."""
+    terminate_on_sigterm()
     app(prog_name="memsave")

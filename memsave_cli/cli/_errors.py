@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -16,6 +17,24 @@ from memsave_cli.errors import MemsaveError
 #: Exit code of bad input or a failed measurement; 1 is reserved for a failed ``check``.
 USAGE_EXIT = 2
 INTERRUPT_EXIT = 130
+TERMINATE_EXIT = 128 + signal.SIGTERM
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM arrived (a CI job cancelled, ``kill``): unwound as an interrupt, so that workers
+    are stopped and one line says so."""
+
+
+def terminate_on_sigterm() -> None:
+    """Raise :class:`Terminated` in the main thread on SIGTERM, unless someone else handles it.
+
+    Workers do not inherit it: they start from a fresh interpreter (NOTE [worker protocol])."""
+    if signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, _raise_terminated)
+
+
+def _raise_terminated(signum: int, frame: object) -> None:
+    raise Terminated
 
 
 def debug_requested(ctx: typer.Context | None, flag: bool = False) -> bool:
@@ -35,6 +54,9 @@ def reported_errors(ctx: typer.Context | None, debug: bool = False) -> Iterator[
         yield
     except _PASSED_ON:
         raise
+    except Terminated:
+        _say("terminated")
+        raise typer.Exit(TERMINATE_EXIT) from None
     except KeyboardInterrupt:
         _say("interrupted")
         raise typer.Exit(INTERRUPT_EXIT) from None

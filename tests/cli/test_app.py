@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,6 +20,7 @@ from memsave_cli.kernels import native, nodes
 from memsave_cli.kernels import triton as triton_kernels
 
 COMMANDS = ("profile", "check", "fit", "probe", "layers")
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_version(runner):
@@ -97,3 +102,27 @@ def test_version_does_not_build_the_nodes(runner, monkeypatch, tmp_path):
     assert result.exit_code == 0, result.output
     assert "C++ nodes: not built yet (compiled on first use" in result.output
     assert nodes._LOADED == [] and not list((tmp_path / "cache").glob("memsave_nodes_*"))
+
+
+def test_sigterm_is_one_line_and_exit_143(tmp_path):
+    """A terminated command (a cancelled CI job) says so in one line, as an interrupted one."""
+    (tmp_path / "slow.py").write_text(
+        "import pathlib, time\nfrom torch import nn\n"
+        "def build():\n    pathlib.Path('started').touch()\n    time.sleep(120)\n"
+        "    return nn.Linear(4, 4)\n"
+    )
+    process = subprocess.Popen(
+        [sys.executable, "-m", "memsave_cli", "profile", "slow.py:build", "--device", "meta"],
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    started = time.monotonic()
+    while not (tmp_path / "started").exists() and time.monotonic() - started < 60:
+        time.sleep(0.2)
+    process.send_signal(signal.SIGTERM)
+    _, stderr = process.communicate(timeout=60)
+    assert process.returncode == 143, stderr
+    assert stderr.strip().splitlines()[-1] == "error: terminated"
