@@ -197,6 +197,9 @@ def select_cases(
     """Resolve case names; drop ``norm`` with a note when the model has no norm layer to train
     and other cases remain (alone, it is the plan check's CaseError, which says why); check that
     LoRA targets select layers of the model. ``profile`` and ``fit`` alike."""
+    for case in cases:
+        if not isinstance(case, str | Case):
+            raise MemsaveError(f"a case is a name such as 'all' or a Case, got {case!r}")
     resolved = [case if isinstance(case, Case) else _resolve(case, lora) for case in cases]
     if not resolved:
         raise MemsaveError("no case to measure: give at least one")

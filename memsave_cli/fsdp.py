@@ -89,10 +89,18 @@ def _on_mesh_device(value: object) -> bool:
     return isinstance(value, torch.device) and value.type == MESH_DEVICE
 
 
+#: The most ranks an estimate takes (a process group's size is a 32-bit integer; an estimate's
+#: time grows with the ranks, about 35 s for 10,000 on a small model).
+MAX_RANKS = 2**20
+
+
 def check_world_size(world_size: object) -> int:
-    """``world_size`` as a positive int, or FsdpError saying what would be right."""
+    """``world_size`` as a positive int up to :data:`MAX_RANKS`, or FsdpError saying what would be
+    right."""
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise FsdpError(f"--fsdp takes a number of ranks, a positive integer; got {world_size!r}")
+    if world_size > MAX_RANKS:
+        raise FsdpError(f"--fsdp takes at most {MAX_RANKS} ranks; got {world_size}")
     return world_size
 
 

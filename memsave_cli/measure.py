@@ -153,6 +153,13 @@ def check_job(job: Job) -> None:
         raise MemsaveError(
             f"unknown autocast dtype '{job.autocast}': expected one of {', '.join(AUTOCAST_DTYPES)}"
         )
+    for name in ("bn_eval", "reshard"):  # "no" would read as true
+        if not isinstance(getattr(job, name), bool):
+            raise MemsaveError(f"{name} must be True or False, got {getattr(job, name)!r}")
+    for name in ("repeat", "batch_size", "fsdp"):
+        value = getattr(job, name)
+        if not (value is None and name != "repeat") and type(value) is not int:
+            raise MemsaveError(f"{name} must be a whole number, got {value!r}")
     if job.repeat < 0:
         raise MemsaveError(f"repeat must be 0 (memory only) or more, got {job.repeat}")
     if job.fsdp is not None:

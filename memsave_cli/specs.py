@@ -55,6 +55,8 @@ def parse_spec(text: str, kwargs: Sequence[str] | Mapping[str, object] = ()) -> 
 
     Module and file specs are imported here (not called) so that a typo fails before any worker starts.
     """
+    if not isinstance(text, str):
+        raise SpecError(f"a model spec is a string such as 'torchvision:resnet18', got {text!r}")
     text = text.strip()
     pairs = parse_kwargs(kwargs)
     prefix, sep, rest = text.partition(":")
@@ -105,6 +107,11 @@ def parse_kwargs(kwargs: Sequence[str] | Mapping[str, object]) -> tuple[tuple[st
     when they parse as one (ints, floats, bools, None, tuples; lists become tuples), else strings."""
     if isinstance(kwargs, Mapping):
         pairs = [(str(key), _freeze(value)) for key, value in kwargs.items()]
+    elif not isinstance(kwargs, str | Sequence) or not all(isinstance(k, str) for k in kwargs):
+        raise SpecError(
+            f"model kwargs are a mapping or 'key=value' strings such as ('depth=3',), "
+            f"got {kwargs!r}"
+        )
     else:
         pairs = [_parse_pair(item) for item in ([kwargs] if isinstance(kwargs, str) else kwargs)]
     seen: set[str] = set()

@@ -80,4 +80,6 @@ def parse_ranks(text: str | None) -> int | None:
         raise MemsaveError(
             f"--fsdp takes a number of ranks, a positive integer such as 4; got {text!r}"
         )
-    return int(value)
+    from memsave_cli.fsdp import check_world_size
+
+    return check_world_size(int(value))

@@ -158,6 +158,14 @@ def test_explicit_meta_reports_why_it_cannot_run() -> None:
         ({"cases": ("norm",)}, CaseError, "case 'norm' selects nothing"),
         ({"threads": 0}, MemsaveError, "threads must be a positive integer, got 0"),
         ({"threads": 100_000}, MemsaveError, "give --threads 1 to"),  # crashed the worker
+        # Settings of the wrong kind: "no" read as true, the others were raw errors.
+        ({"bn_eval": "no"}, MemsaveError, "bn_eval must be True or False, got 'no'"),
+        ({"reshard": "yes"}, MemsaveError, "reshard must be True or False"),
+        ({"repeat": "3"}, MemsaveError, "repeat must be a whole number, got '3'"),
+        ({"repeat": None}, MemsaveError, "repeat must be a whole number, got None"),
+        ({"cases": None}, MemsaveError, "a case is a name such as 'all' or a Case, got None"),
+        ({"model_kwargs": 5}, SpecError, "model kwargs are a mapping or 'key=value' strings"),
+        ({"fsdp": 2**21}, MemsaveError, "--fsdp takes at most 1048576 ranks"),
     ],
 )
 def test_bad_settings_fail_before_any_worker(settings: dict, error: type, message: str) -> None:
@@ -168,6 +176,9 @@ def test_bad_settings_fail_before_any_worker(settings: dict, error: type, messag
 def test_bad_spec_is_a_spec_error() -> None:
     with pytest.raises(SpecError):
         profile("fixtures_tracker:no_such_model", device="meta")
+    for model in (None, 123):
+        with pytest.raises(SpecError, match="a model spec is a string such as"):
+            profile(model, device="meta")
 
 
 @no_cuda

@@ -78,6 +78,12 @@ def test_bad_world_sizes_are_refused(size: object) -> None:
         check_world_size(size)
 
 
+def test_world_sizes_are_bounded() -> None:
+    assert check_world_size(2**20) == 2**20
+    with pytest.raises(FsdpError, match="at most 1048576 ranks"):
+        check_world_size(2**20 + 1)
+
+
 def test_units_are_blocks() -> None:
     model = small_cnn()
     assert [type(unit).__name__ for unit in shard_units(model)] == ["ConvBlock"] * 3
