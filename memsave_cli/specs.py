@@ -84,19 +84,25 @@ def parse_spec(text: str, kwargs: Sequence[str] | Mapping[str, object] = ()) -> 
     return spec
 
 
+def call_builder(who: str, build: Callable[[], object]) -> object:
+    """``build()`` on the current default device; any failure of it a SpecError saying ``who``
+    raised what, except running out of memory, an outcome of the measurement (unchanged)."""
+    try:
+        return build_on_default_device(build)
+    except (MemsaveError, torch.OutOfMemoryError, MemoryError):
+        raise
+    except (Exception, SystemExit) as error:
+        raise SpecError(f"{who} {_raised(error)}") from error
+
+
 def build_model(spec: ModelSpec) -> nn.Module:
     """Build the model on the current default device (wrap in ``with torch.device("meta"):``).
 
     Any failure of the builder is a SpecError naming the spec, except running out of memory, which
     is an outcome of the measurement and propagates unchanged.
     """
-    try:
-        model = build_on_default_device(lambda: _BUILDERS[spec.kind](spec))
-    except (MemsaveError, torch.OutOfMemoryError, MemoryError):
-        raise
-    except (Exception, SystemExit) as error:
-        who = spec.text if spec.kind in ("module", "file") else f"building {spec.text}"
-        raise SpecError(f"{who} {_raised(error)}") from error
+    who = spec.text if spec.kind in ("module", "file") else f"building {spec.text}"
+    model = call_builder(who, lambda: _BUILDERS[spec.kind](spec))
     if not isinstance(model, nn.Module):
         raise SpecError(f"{spec.text} returned {type(model).__name__}, not a torch.nn.Module")
     return model

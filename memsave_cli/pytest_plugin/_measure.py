@@ -133,10 +133,10 @@ def _resolve(model: ModelLike, chosen: Settings) -> tuple[ModelSpec, nn.Module |
         importable = _importable_name(model)
         if importable is not None:  # a top-level builder: its <name>_inputs companion applies
             return parse_spec(importable, dict(chosen.kwargs or {})), None
-        from memsave_cli.meta_build import build_on_default_device
+        from memsave_cli.specs import call_builder
 
         with torch.device(chosen.device):
-            built = build_on_default_device(lambda: model(**dict(chosen.kwargs or {})))
+            built = call_builder(name_of(model), lambda: model(**dict(chosen.kwargs or {})))
         if not isinstance(built, nn.Module):
             raise MemsaveError(
                 f"{name_of(model)} returned {type(built).__name__}, not an nn.Module"

@@ -73,6 +73,13 @@ class Settings:
             raise MemsaveError(
                 f"trainable must be a glob or a list of globs such as 'fc.*', got {trainable!r}"
             )
+        if values.get("case") is not None and not isinstance(values["case"], str):
+            raise MemsaveError(f"case must be a name such as 'input', got {values['case']!r}")
+        kwargs = values.get("kwargs")
+        if kwargs is not None and not isinstance(kwargs, Mapping):
+            raise MemsaveError(
+                f"kwargs must be a mapping such as {{'num_classes': 10}}, got {kwargs!r}"
+            )
         if "device" in values and not isinstance(values["device"], str):
             values["device"] = str(values["device"])  # torch.device("cpu") -> "cpu"
         for key in ("batch_size", "fsdp", "lora_rank"):  # a count no run could use fails here

@@ -543,8 +543,19 @@ def test_a_training_step_is_measured_whatever_the_grad_mode() -> None:
         ({"trainable": 5}, "trainable must be a glob or a list of globs such as 'fc.*', got 5"),
         ({"device": "tpu"}, "unknown device 'tpu': expected auto, cuda, cpu, meta"),
         ({"kwargs": {"width": 2}}, "kwargs are the keyword arguments of a spec string or a "),
+        ({"case": 3}, "case must be a name such as 'input', got 3"),
+        ({"kwargs": ["width=2"]}, "kwargs must be a mapping such as {'num_classes': 10}, got"),
     ],
-    ids=["input_grad", "bn_eval", "reshard", "trainable", "device", "kwargs"],
+    ids=[
+        "input_grad",
+        "bn_eval",
+        "reshard",
+        "trainable",
+        "device",
+        "kwargs",
+        "case",
+        "kwargs-list",
+    ],
 )
 def test_settings_of_a_wrong_kind_are_one_line(settings: dict, line: str) -> None:
     from memsave_cli.pytest_plugin import MemsaveFixture
@@ -552,6 +563,16 @@ def test_settings_of_a_wrong_kind_are_one_line(settings: dict, line: str) -> Non
     with pytest.raises(pytest.fail.Exception) as failure:
         MemsaveFixture().measure(_small_net(), batch_size=2, input_shape=(3, 8, 8), **settings)
     assert str(failure.value).startswith(f"memsave: {line}")
+
+
+def test_a_builder_that_raises_is_one_line() -> None:
+    """A builder passed itself (not named by a spec string) that raises: one line naming it."""
+    from memsave_cli.pytest_plugin import MemsaveFixture
+
+    with pytest.raises(pytest.fail.Exception) as failure:
+        MemsaveFixture().measure(torch.nn.Linear, batch_size=2, input_shape=(3,))
+    assert str(failure.value).startswith("memsave: ")
+    assert "raised TypeError" in str(failure.value) and "\n" not in str(failure.value).strip()
 
 
 def test_a_device_object_and_auto_are_read_as_names() -> None:
