@@ -248,7 +248,8 @@ def _count(value: Any, name: str, *, least: int = 0) -> None:
     fits 64 bits (what a device can hold; beyond it, ratios overflow a float)."""
     if value is not None and (type(value) is not int or not least <= value < 2**63):
         kind = "a positive" if least else "a non-negative"
-        shown = f"a number of {len(str(value))} digits" if type(value) is int else repr(value)
+        huge = type(value) is int and abs(value) >= 10**20  # its digits would fill the line
+        shown = f"a number of {len(str(abs(value)))} digits" if huge else repr(value)
         raise ValueError(f"{name} must be null or {kind} whole number below 2**63, got {shown}")
 
 

@@ -388,7 +388,15 @@ MALFORMED = {
     "bool peak": ({"peak_bytes": True}, "run 1: peak_bytes must be null or a non-negative whole"),
     "nan peak": ({"peak_bytes": float("nan")}, "run 1: peak_bytes must be null or a non-negative"),
     "float peak": ({"peak_bytes": 1.5e9}, "run 1: peak_bytes must be null or a non-negative whole"),
-    "negative": ({"saved_bytes": -5}, "run 1: saved_bytes must be null or a non-negative whole"),
+    "negative": (
+        {"saved_bytes": -5},
+        "run 1: saved_bytes must be null or a non-negative whole number below 2**63, got -5",
+    ),
+    "too large": (
+        {"peak_bytes": 2**63},
+        "run 1: peak_bytes must be null or a non-negative whole number below 2**63, "
+        "got 9223372036854775808",
+    ),
     "huge": (
         {"peak_bytes": 10**400},
         "run 1: peak_bytes must be null or a non-negative whole "
