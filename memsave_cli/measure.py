@@ -156,12 +156,10 @@ def check_job(job: Job) -> None:
     for name in ("bn_eval", "reshard"):  # "no" would read as true
         if not isinstance(getattr(job, name), bool):
             raise MemsaveError(f"{name} must be True or False, got {getattr(job, name)!r}")
-    for name in ("repeat", "batch_size", "fsdp"):
-        value = getattr(job, name)
-        if not (value is None and name != "repeat") and type(value) is not int:
-            raise MemsaveError(f"{name} must be a whole number, got {value!r}")
-    if job.repeat < 0:
-        raise MemsaveError(f"repeat must be 0 (memory only) or more, got {job.repeat}")
+    if type(job.repeat) is not int or job.repeat < 0:  # batch size and ranks: counted before
+        raise MemsaveError(
+            f"repeat must be a whole number, 0 (memory only) or more, got {job.repeat!r}"
+        )
     if job.fsdp is not None:
         fsdp.check_job_device(job.device, job.fsdp)
 
