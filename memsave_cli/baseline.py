@@ -41,11 +41,12 @@ class Regression:
     reason: str
 
     @property
-    def change(self) -> float | None:
-        """Relative growth over the baseline (0.1 = 10% more), None when not comparable."""
+    def change(self) -> Fraction | None:
+        """Relative growth over the baseline (1/10 = 10% more), exact as the check decides it;
+        None when not comparable."""
         if self.baseline is None or self.current is None or not self.baseline:
             return None
-        return self.current / self.baseline - 1
+        return Fraction(self.current, self.baseline) - 1
 
 
 @dataclass(frozen=True)

@@ -34,7 +34,7 @@ def regression_table(rows: tuple[Regression, ...], *, title: str, tolerance: flo
             _METRIC_LABEL.get(row.metric, row.metric),
             format_bytes(row.baseline),
             format_bytes(row.current),
-            "-" if change is None else format_against(exact_change(row), tolerance, signed=True),
+            "-" if change is None else format_against(change, tolerance, signed=True),
             row.reason,
         )
     return table
@@ -55,11 +55,6 @@ def summary_line(comparison: Comparison, tolerance: float) -> str:
     if lacking:  # missing or failed runs, values the report lacks: no tolerance applies
         parts.append(f"{lacking} of the baseline's runs or values missing or failed")
     return "FAILED: " + "; ".join(parts if grew else parts[1:])
-
-
-def exact_change(row: Regression) -> Fraction:
-    """``row.change`` without rounding, as the check decided it."""
-    return Fraction(row.current, row.baseline) - 1
 
 
 def check_markdown(
@@ -115,6 +110,6 @@ def _md_cell(old: Run, new: Run | None, metric: str, regressed: bool, tolerance:
         text = f"{format_bytes(before)} → no value"
     else:
         growth = Fraction(after, before) - 1 if before else None
-        change = f" ({format_against(growth, tolerance, signed=True)})" if before else ""
+        change = "" if growth is None else f" ({format_against(growth, tolerance, signed=True)})"
         text = f"{format_bytes(before)} → {format_bytes(after)}{change}"
     return f"**{text}**" if regressed else text

@@ -225,6 +225,7 @@ def test_one_class_per_subclass_and_converting_twice_changes_nothing() -> None:
 
 def test_pickles_deep_copies_and_saves_whole() -> None:
     model = convert(plain_model())
+    assert type(model[3]).__mro__[1:3] == (MemSaveConv2d, PlainConv)  # a created class
     x = torch.randn(1, 3, 8, 8)
     expected = model(x)
     buffer = io.BytesIO()
