@@ -40,7 +40,7 @@ def ratio_of(report: Report, case: str) -> tuple[float, float, int]:
     if cell is None or cell.ratio is None or cell.spread is None:
         why = [*report.notes, *(f"{r.case}/{r.impl}: {r.error}" for r in report.runs if not r.ok)]
         raise SystemExit(f"no paired time ratio for case {case} in the report: {'; '.join(why)}")
-    return cell.ratio, cell.spread, summary.paired_rounds(report)
+    return cell.ratio, cell.spread, len(report.run(case, "memsave").times_s)
 
 
 def main() -> None:

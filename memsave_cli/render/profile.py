@@ -40,7 +40,7 @@ def comparison_table(report: Report) -> RenderableType:
     table.add_column("Case", no_wrap=True)
     for case in cases:
         table.add_column(case, justify="right", no_wrap=True)
-    paired = summary.paired_rounds(report) > 0
+    paired = bool(summary.paired_rounds(report))
     for metric, heading in SECTIONS:
         if not summary.has_metric(report, metric):
             continue

@@ -134,9 +134,10 @@ def host_bound_hint(report: Report) -> str | None:
     )
 
 
-def paired_rounds(report: Report) -> int:
-    """Rounds of side-by-side timing behind the times (0 when they were timed apart)."""
-    return max((len(run.times_s) for run in report.runs if run.ok), default=0)
+def paired_rounds(report: Report) -> tuple[int, ...]:
+    """The numbers of rounds of side-by-side timing behind the times, fewest first (none when
+    they were timed apart): cases timed until a least duration run different numbers."""
+    return tuple(sorted({len(run.times_s) for run in report.runs if run.ok and run.times_s}))
 
 
 def has_metric(report: Report, metric: str) -> bool:
@@ -205,11 +206,11 @@ def provenance(report: Report) -> str:
     if report.device == "cpu":
         if not has_metric(report, "time_s"):
             return "Measured on cpu: tensor accounting on real data; no step was timed."
-        rounds = paired_rounds(report)
-        if rounds:
+        if rounds := paired_rounds(report):
+            counted = f"{rounds[0]}" if len(rounds) == 1 else f"{rounds[0]} to {rounds[-1]}"
             return (
                 "Measured on cpu: tensor accounting on real data; times are medians of "
-                f"{rounds} rounds alternating the implementations in one process."
+                f"{counted} rounds alternating the implementations in one process."
             )
         return "Measured on cpu: tensor accounting on real data; times are wall-clock medians."
     if report.device.startswith("cuda"):

@@ -102,6 +102,17 @@ def test_ratio_is_the_median_of_per_round_ratios_not_of_medians() -> None:
     assert "5 rounds alternating" in _render(report)
 
 
+def test_cases_timed_to_different_round_counts_say_both() -> None:
+    """Cases timed until a least duration run different numbers of rounds: the footnote gives
+    the range, not the largest alone."""
+    short = _report((1.0,) * 6, (1.1,) * 6)
+    long = _report((1.0,) * 10, (1.1,) * 10)
+    runs = (*short.runs, *(replace(run, case="all") for run in long.runs))
+    report = replace(short, runs=runs)
+    assert summary.paired_rounds(report) == (6, 10)
+    assert "medians of 6 to 10 rounds alternating" in _render(report)
+
+
 def test_a_ratio_within_its_spread_is_flagged() -> None:
     report = _report((1.0,) * 6, (0.8, 0.8, 1.1, 1.1, 1.0, 1.2))
     cell = summary.time_cells(report)["memsave", "input"]
