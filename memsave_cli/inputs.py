@@ -10,6 +10,7 @@ be differentiable) and vision models (pixel values as their config describes the
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -56,6 +57,28 @@ class Example:
     family: str = field(default="tensor")  # images, video, flow, segmentation, detection, hf, ...
 
 
+class CompanionRaised(SpecError):
+    """``<callable>_inputs(batch_size)`` raised: on meta perhaps only because its code needs real
+    data, which a worker has (a companion returning no inputs is a plain SpecError)."""
+
+
+#: Bytes past which PyTorch cannot size a tensor's storage (a signed 64-bit count).
+MAX_TENSOR_BYTES = 2**63 - 1
+
+
+def check_size(shape: Sequence[int], dtype: torch.dtype) -> tuple[int, ...]:
+    """``shape`` as a tuple; SpecError if a tensor of it would hold more bytes than PyTorch can
+    count (it overflows on every device alike, so no worker need start to find it)."""
+    shape = tuple(shape)
+    size = math.prod(shape) * dtype.itemsize
+    if size > MAX_TENSOR_BYTES:
+        raise SpecError(
+            f"inputs of shape {shape} would take {size:.2g} bytes in {str(dtype).removeprefix('torch.')}, "
+            "more than one tensor can hold (2**63); give a smaller --input-shape or --batch-size"
+        )
+    return shape
+
+
 class _Maker:
     """Creates seeded tensors directly on one device; on meta they carry no data."""
 
@@ -65,12 +88,14 @@ class _Maker:
         self.generator = None if self.meta else torch.Generator(device).manual_seed(SEED)
 
     def uniform(self, shape: Sequence[int], low: float = 0.0, high: float = 1.0) -> torch.Tensor:
+        shape = check_size(shape, self.dtype)
         if self.meta:
             return torch.empty(tuple(shape), device=self.device, dtype=self.dtype)
         x = torch.rand(tuple(shape), generator=self.generator, device=self.device, dtype=self.dtype)
         return x * (high - low) + low if (low, high) != (0.0, 1.0) else x
 
     def normal(self, shape: Sequence[int]) -> torch.Tensor:
+        shape = check_size(shape, self.dtype)
         if self.meta:
             return torch.empty(tuple(shape), device=self.device, dtype=self.dtype)
         return torch.randn(
@@ -78,6 +103,7 @@ class _Maker:
         )
 
     def integers(self, shape: Sequence[int], high: int, low: int = 0) -> torch.Tensor:
+        shape = check_size(shape, torch.int64)
         if self.meta:
             return torch.empty(tuple(shape), device=self.device, dtype=torch.int64)
         return torch.randint(low, high, tuple(shape), generator=self.generator, device=self.device)
@@ -281,7 +307,7 @@ def _companion_example(
             torch.manual_seed(SEED)
             made = companion(batch)
     except Exception as error:
-        raise SpecError(
+        raise CompanionRaised(
             f"{spec.text}: {name}({batch}) raised {type(error).__name__}: {error}"
         ) from error
     placed = _place(made, make)

@@ -21,7 +21,7 @@ from memsave_cli.cases import Case, trainable_names
 from memsave_cli.errors import SpecError, describe
 from memsave_cli.hf_inputs import MEDIA_INPUTS
 from memsave_cli.idle_parts import calls_recorded, idle_note, idle_parts
-from memsave_cli.inputs import Example, make_example
+from memsave_cli.inputs import CompanionRaised, Example, make_example
 from memsave_cli.loss import loss_of
 from memsave_cli.meta_as_cuda import counted_as_on_cuda
 from memsave_cli.plan_model import PlanModel
@@ -65,10 +65,10 @@ def check_plan(
                 dtype=DTYPES[dtype],
                 device="meta",
             )
+    except CompanionRaised:
+        return []  # the companion's own code may need real data: its worker says
     except SpecError:
-        if input_shape is None and companion_inputs(spec) is not None:
-            return []  # the companion's own code may need real data: its worker says
-        raise  # inputs memsave makes from the model alone fail every run alike
+        raise  # inputs that fail every run alike: made from the model alone, or not inputs
     except Exception:
         return []  # inputs that only real data can make: the worker says what went wrong
     check_inputs(model, spec, example)

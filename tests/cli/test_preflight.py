@@ -284,6 +284,39 @@ def test_input_shape_the_forward_cannot_take_is_one_line(runner, no_workers):
     assert line.endswith("check --input-shape (one sample, without the batch dimension)")
 
 
+def test_input_shape_too_large_for_any_tensor_is_one_line(runner, no_workers):
+    """Sizes whose product overflows PyTorch's byte count fail on every device alike: one line
+    before any worker, where each run failed in its cell."""
+    args = ["profile", "torchvision:resnet18", "--device", "meta"]
+    line = one_error_line(runner.invoke(app, [*args, "--input-shape", "3,99999999999,99999999999"]))
+    assert "inputs of shape (64, 3, 99999999999, 99999999999) would take 7.7e+24 bytes" in line
+    assert line.endswith("give a smaller --input-shape or --batch-size")
+
+
+NO_INPUTS = """
+import torch
+from torch import nn
+
+
+def build():
+    return nn.Linear(4, 3)
+
+
+def build_inputs(batch_size):
+    inputs = torch.randn(batch_size, 4)  # no return
+"""
+
+
+def test_companion_returning_no_inputs_is_one_line(runner, no_workers, tmp_path):
+    """A companion that returns None fails every run alike (a companion that raises may only
+    lack real data on meta, and is left to the workers)."""
+    path = tmp_path / "none.py"
+    path.write_text(NO_INPUTS)
+    result = runner.invoke(app, ["profile", f"{path}:build", "--device", "meta"])
+    line = one_error_line(result)
+    assert line.endswith("build_inputs returned NoneType; expected a tensor, tuple or dict"), line
+
+
 def test_forward_asserting_on_its_input_size_is_one_line(runner, no_workers, tmp_path):
     """Model code often checks sizes with assert (timm's window attention): the guessed image
     size fails it, and the line says to give the size rather than crash in every run."""
