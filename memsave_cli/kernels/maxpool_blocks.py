@@ -19,7 +19,6 @@ pooling] in native.c).
 
 from __future__ import annotations
 
-import functools
 import math
 from typing import Any
 
@@ -237,14 +236,17 @@ def _output_size(size: int, k: int, s: int, p: int, d: int, ceil_mode: bool) -> 
     return out
 
 
-@functools.lru_cache(maxsize=256)
 def _empty_window(sizes: tuple[int, ...], *args: Any) -> bool:
     """Whether some window of max pooling over ``sizes`` holds no input element (dilation
     stepping over the input from the padding): stock's CPU kernel then gives an argmax outside
-    the plane, which its backward writes to."""
+    the plane, which its backward writes to. A window starting inside the input holds its first
+    element, so only those starting in the padding are looked at (a few per dimension)."""
     kernel, stride, padding, dilation, ceil_mode = args
     for size, k, s, p, d in zip(sizes, kernel, stride, padding, dilation, strict=True):
-        for i in range(_output_size(size, k, s, p, d, ceil_mode)):
+        out = _output_size(size, k, s, p, d, ceil_mode)
+        before = min(out, -(-p // s))  # windows starting left of the input
+        after = max(before, -(-(size + p) // s))  # windows starting right of it
+        for i in (*range(before), *range(after, out)):
             start = i * s - p
             if not any(0 <= start + j * d < size for j in range(k)):
                 return True
