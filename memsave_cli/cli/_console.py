@@ -82,7 +82,14 @@ def check_writable(**outputs: str | Path | None) -> None:
         if path is None or str(path) == STDOUT:
             continue
         flag, target = f"--{option.replace('_', '-')}", Path(path)
-        same = named.setdefault(target.resolve(), flag)
+        try:
+            resolved = target.resolve()
+        except (RuntimeError, OSError):  # RuntimeError before Python 3.13, OSError (ELOOP) after
+            raise MemsaveError(
+                f"{flag} {path}: its symbolic links form a loop; give a path to a file or to a "
+                "link that names one"
+            ) from None
+        same = named.setdefault(resolved, flag)
         if same != flag:
             raise MemsaveError(f"{same} and {flag} both name {path}; give each its own file")
         if target.is_dir():

@@ -245,6 +245,16 @@ def test_output_folder_without_permission(runner, no_workers, tmp_path, monkeypa
     assert f"cannot create files in {tmp_path} (no permission)" in line
 
 
+@pytest.mark.parametrize("below", ["", "inside"], ids=["link", "below-link"])
+def test_output_through_a_loop_of_links_is_one_line(runner, no_workers, tmp_path, below):
+    (tmp_path / "a").symlink_to(tmp_path / "b")
+    (tmp_path / "b").symlink_to(tmp_path / "a")
+    path = tmp_path / "a" / below if below else tmp_path / "a"
+    args = ["profile", "torchvision:resnet18", "--device", "meta", "--csv", str(path)]
+    line = one_error_line(runner.invoke(app, args))
+    assert line.startswith(f"error: --csv {path}: its symbolic links form a loop"), line
+
+
 def test_hub_id_outside_the_local_cache_is_one_line_without_network(
     runner, no_workers, tmp_path, monkeypatch
 ):
