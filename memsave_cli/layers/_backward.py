@@ -75,13 +75,23 @@ def _wraps_results(tensor: torch.Tensor) -> bool:
 _NO_TORCH_FUNCTION = torch._C._disabled_torch_function_impl
 
 
-def sharded(tensor: torch.Tensor) -> bool:
-    """Whether ``tensor`` is a DTensor (tensor and sequence parallelism), which memsave's own ops
-    do not take: DTensor runs an op only by a sharding rule registered for it, and stand-ins for
-    dropped tensors are plain. The layers calling them run stock there (their Functions of ATen
-    ops alone, batch norm's and RMSNorm's, take DTensors)."""
+def records_ops(*inputs: torch.Tensor) -> bool:
+    """:func:`records_backward`, for a layer whose backward calls memsave's own ops or plain
+    stand-ins: also no input is a DTensor (:func:`ops_run`)."""
+    return torch.is_grad_enabled() and ops_run(*inputs)
+
+
+def ops_run(*inputs: torch.Tensor) -> bool:
+    """:func:`functions_run`, and no input is a DTensor (tensor and sequence parallelism).
+
+    DTensor runs an op only by a sharding rule registered for it, which memsave's own ops lack,
+    and stand-ins for dropped tensors are plain: the layers calling them run stock there. Layers
+    whose Functions call ATen ops alone (batch norm, RMSNorm, the gated MLP) take DTensors, and
+    ask :func:`records_backward`.
+    """
     module = sys.modules.get("torch.distributed.tensor")
-    return module is not None and isinstance(tensor, module.DTensor)
+    dtensor = module is not None and any(isinstance(t, module.DTensor) for t in inputs)
+    return not dtensor and functions_run(*inputs)
 
 
 def graph_capturing(tensor: torch.Tensor) -> bool:

@@ -27,7 +27,7 @@ from torch.autograd import Function
 from memsave_cli.kernels import activation as ops
 from memsave_cli.kernels import nodes
 from memsave_cli.kernels.bitmask import layout_of
-from memsave_cli.layers._backward import forbid_double_backward, records_backward, sharded
+from memsave_cli.layers._backward import forbid_double_backward, records_ops
 from memsave_cli.layers.registry import drop_in
 
 
@@ -145,7 +145,7 @@ def _activate(
     a view in place as stock's op does, compiled too (an out-of-place result copied back would
     give the layer before a gradient of another layout, which its backward rounds otherwise).
     """
-    if not (x.requires_grad and records_backward(x)) or (inplace and x.is_leaf) or sharded(x):
+    if not (x.requires_grad and records_ops(x)) or (inplace and x.is_leaf):
         return stock(x, *args, inplace)
     if not x.is_floating_point():
         return stock(x, *args, inplace)  # complex: stock's own error

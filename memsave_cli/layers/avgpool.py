@@ -28,7 +28,7 @@ from torch import Tensor, nn
 from torch.nn.modules.utils import _list_with_default, _pair, _single, _triple
 
 from memsave_cli.kernels._layout import memory_format, no_out_form, shape_only
-from memsave_cli.layers._backward import forbid_double_backward, records_backward, sharded
+from memsave_cli.layers._backward import forbid_double_backward, records_ops
 from memsave_cli.layers.registry import drop_in
 
 aten = torch.ops.aten
@@ -109,8 +109,7 @@ def _needs_memsave(input: Tensor, nd: int) -> bool:
     """Whether the shape-only path applies; otherwise stock runs (and raises stock's errors)."""
     return (
         input.requires_grad
-        and records_backward(input)
-        and not sharded(input)
+        and records_ops(input)
         and input.numel() > 0
         and input.dim() in (nd + 1, nd + 2)
     )

@@ -18,7 +18,7 @@ from torch import Tensor, nn
 from memsave_cli.kernels import nodes
 from memsave_cli.layers import stand_ins
 from memsave_cli.layers._autocast import autocast_casts, autocast_dtype, autocast_off, autocast_on
-from memsave_cli.layers._backward import forbid_double_backward, records_backward, sharded
+from memsave_cli.layers._backward import forbid_double_backward, records_backward, records_ops
 from memsave_cli.layers.registry import drop_in
 
 Conv = nn.Conv1d | nn.Conv2d | nn.Conv3d
@@ -274,7 +274,7 @@ def _use_memsave(module: Conv | ConvTranspose, x: Tensor) -> bool:
     both = x.requires_grad and weight.requires_grad
     if both and module.padding_mode not in _PAD_KERNELS:
         return False  # asked first: most training calls end here (the rest costs microseconds)
-    if not records_backward(x) or x.dim() not in (weight.dim() - 1, weight.dim()) or sharded(x):
+    if not records_ops(x) or x.dim() not in (weight.dim() - 1, weight.dim()):
         return False
     if not x.is_floating_point():
         return False  # complex: stock decomposes it into real convolutions (integers: its error)

@@ -19,10 +19,9 @@ from memsave_cli.kernels.dropout import dropout_noise as dropout_noise  # re-exp
 from memsave_cli.kernels.iterator_layout import contiguous_strides, like_strides
 from memsave_cli.layers._backward import (
     forbid_double_backward,
-    functions_run,
     graph_capturing,
+    ops_run,
     refuse_batched,
-    sharded,
 )
 from memsave_cli.layers.registry import drop_in
 
@@ -128,9 +127,7 @@ def _needs_memsave(input: Tensor, p: float, training: bool, inplace: bool) -> bo
     """
     if inplace and input.is_leaf and input.requires_grad and torch.is_grad_enabled():
         return False  # stock raises its own error for an in-place op on such a leaf
-    if not (training and 0.0 < p < 1.0 and input.numel() > 0 and functions_run(input)):
-        return False
-    if sharded(input):
+    if not (training and 0.0 < p < 1.0 and input.numel() > 0 and ops_run(input)):
         return False
     if input.is_complex():
         return False  # stock's bernoulli_ refuses complex inputs, and so stock runs to say so

@@ -29,7 +29,7 @@ from torch.nn.modules.utils import _pair, _single, _triple
 
 from memsave_cli.kernels._layout import memory_format
 from memsave_cli.kernels.maxpool_blocks import pool, pool_backward
-from memsave_cli.layers._backward import forbid_double_backward, records_backward, sharded
+from memsave_cli.layers._backward import forbid_double_backward, records_ops
 from memsave_cli.layers.registry import drop_in
 
 
@@ -65,8 +65,7 @@ def _needs_memsave(module: nn.Module, input: Tensor, nd: int) -> bool:
     return (
         not module.return_indices
         and input.requires_grad
-        and records_backward(input)
-        and not sharded(input)
+        and records_ops(input)
         and input.numel() > 0
         and input.dim() in (nd + 1, nd + 2)
     )
