@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
 from typing import TYPE_CHECKING
 
+from memsave_cli import limits
 from memsave_cli.api import resolve_device, select_cases
 from memsave_cli.arguments import count, device_name, dtype_name, seconds, several
 from memsave_cli.budget import read_size
@@ -21,7 +22,7 @@ from memsave_cli.cases import PAPER_CASES, Case
 from memsave_cli.checkpointing import checkpoint_notes, read_patterns
 from memsave_cli.deadline import TimeLimitError, deadline, planning
 from memsave_cli.errors import MemsaveError, SpecError, one_line
-from memsave_cli.fit_search import MAX_BATCH_SIZE, Search, largest_fitting
+from memsave_cli.fit_search import FAILED, MAX_BATCH_SIZE, Search, largest_fitting
 from memsave_cli.input_shape import read_shape
 from memsave_cli.measure import Job, build_for, check_job, measure
 from memsave_cli.plan_model import PlanModel
@@ -140,7 +141,7 @@ def fit(
     its own search, whose row names it (``failure``, NOTE [failed measurements]).
     """
     budget_bytes = read_size(budget)
-    max_batch_size = count(max_batch_size, "maximum batch size")
+    max_batch_size = count(max_batch_size, "maximum batch size", most=limits.MAX_BATCH_SIZE)
     cases, impls, dtype = several(cases), several(impls), dtype_name(dtype)
     timeout = seconds(timeout, "timeout")
     build_for(impls)  # a first compilation is in no deadline
@@ -232,7 +233,7 @@ def run_searches(
                 on_measure(job, run)
             measured[key][job.batch_size] = run
             try:
-                asked[key] = searches[key].send(run.peak_bytes if run.ok else None)
+                asked[key] = searches[key].send(_peak(run))
             except StopIteration as stop:
                 del asked[key]
                 answers[key] = _row(key, stop.value, first[key], measured[key])
@@ -246,6 +247,13 @@ def _row(key: tuple[Case, str], batch: int, first: int, runs: dict[int, Run]) ->
     stopped_at = batch + 1 if batch else first
     failure = _failure(stopped_at, runs.get(stopped_at))
     return FitRow(case.label, impl, batch, ended.peak_bytes, failure)
+
+
+def _peak(run: Run) -> int | None:
+    """What a search receives for ``run``: its peak, None for out of memory, FAILED else."""
+    if run.ok:
+        return run.peak_bytes
+    return None if run.status is Status.OOM else FAILED
 
 
 def _failure(batch: int, run: Run | None) -> FitFailure | None:

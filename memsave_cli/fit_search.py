@@ -6,7 +6,11 @@ only nearly so. The search therefore measures the two smallest batch sizes (1 an
 a model whose forward fails on one sample, see ``fit._first_batch``), takes the affine guess as
 its first probe, gallops from there (steps 1, 2, 4, ... up while it fits, down while it does
 not) until it brackets the answer, and finishes with a binary search: exact for any monotone
-peak, and about four measurements when the guess is right. All searches advance together, one
+peak, and about four measurements when the guess is right. A guess that fails for another reason
+than memory (:data:`FAILED`: an error, a timeout) says nothing about the answer's distance, and
+each failure may cost a whole timeout: the search then gallops up from the largest batch size
+known to fit, which meets the first failing size after few failures, rather than down from the
+guess through a failure at every step. All searches advance together, one
 round of measurements at a time, so that a round can run in parallel worker processes.
 """
 
@@ -17,8 +21,11 @@ from collections.abc import Generator
 #: Upper end of the search when nothing else stops it (a peak that ignores the batch size).
 MAX_BATCH_SIZE = 1 << 20
 
-#: A search yields batch sizes to measure, receives their peaks (None: did not fit) and
-#: returns the largest batch size that fits (0 when even the smallest does not).
+#: What a search receives for a measurement that failed for another reason than memory.
+FAILED = -1
+
+#: A search yields batch sizes to measure, receives their peaks (None: out of memory;
+#: :data:`FAILED`) and returns the largest batch size that fits (0 when even the smallest does not).
 Search = Generator[int, "int | None", int]
 
 
@@ -33,7 +40,7 @@ def largest_fitting(
         if batch not in peaks:
             peaks[batch] = yield batch
         peak = peaks[batch]
-        return peak is not None and peak <= budget
+        return peak is not None and 0 <= peak <= budget
 
     first = min_batch_size
     if not (yield from fits(first)):
@@ -44,25 +51,34 @@ def largest_fitting(
         second = peaks[first + 1]
     guess = min(max(affine_guess(first, peaks[first], second, budget), first), max_batch_size)
     # Invariant from here on: lo fits, hi does not (or lies just past the end).
-    lo, hi = yield from _bracket(fits, guess, first, max_batch_size + 1)
+    if (yield from fits(guess)):
+        lo, hi = yield from _gallop_up(fits, guess, max_batch_size + 1)
+    elif peaks[guess] == FAILED:
+        known = first + 1 if second is not None and 0 <= second <= budget else first
+        lo, hi = yield from _gallop_up(fits, known, guess)
+    else:
+        lo, hi = yield from _gallop_down(fits, first, guess)
     while hi - lo > 1:
         mid = (lo + hi) // 2
         lo, hi = (mid, hi) if (yield from fits(mid)) else (lo, mid)
     return lo
 
 
-def _bracket(fits, start: int, lo: int, hi: int) -> Generator[int, int | None, tuple[int, int]]:
-    """Gallop from ``start`` (steps 1, 2, 4, ...) up while it fits, or down while it does not,
-    until a fitting and a non-fitting batch size enclose the answer; returns them."""
+def _gallop_up(fits, lo: int, hi: int) -> Generator[int, int | None, tuple[int, int]]:
+    """From ``lo``, which fits, up in steps of 1, 2, 4, ... until a batch size does not fit (or
+    ``hi``, which does not, is reached); returns the two enclosing the answer."""
     step = 1
-    if (yield from fits(start)):
-        lo = start
-        while lo + step < hi:
-            if not (yield from fits(lo + step)):
-                return lo, lo + step
-            lo, step = lo + step, step * 2
-        return lo, hi
-    hi = start
+    while lo + step < hi:
+        if not (yield from fits(lo + step)):
+            return lo, lo + step
+        lo, step = lo + step, step * 2
+    return lo, hi
+
+
+def _gallop_down(fits, lo: int, hi: int) -> Generator[int, int | None, tuple[int, int]]:
+    """From ``hi``, which does not fit, down in steps of 1, 2, 4, ... until a batch size fits
+    (or ``lo``, which does, is reached); returns the two enclosing the answer."""
+    step = 1
     while hi - step > lo:
         if (yield from fits(hi - step)):
             return hi - step, hi
@@ -73,7 +89,7 @@ def _bracket(fits, start: int, lo: int, hi: int) -> Generator[int, int | None, t
 def affine_guess(first: int, peak1: int | None, peak2: int | None, budget: int) -> int:
     """The largest batch size an affine peak through the measurements of ``first`` and
     ``first + 1`` allows."""
-    if peak1 is None or peak2 is None:
+    if peak1 is None or peak2 is None or peak2 == FAILED:
         return first
     slope = peak2 - peak1
     if slope <= 0:

@@ -36,7 +36,7 @@ from memsave_cli.cli._options import (
 )
 from memsave_cli.cli._parse import parse_ranks, parse_shape, select_cases
 from memsave_cli.cli._progress import progress_bar
-from memsave_cli.limits import MAX_TIMEOUT_S
+from memsave_cli.limits import MAX_BATCH_SIZE, MAX_TIMEOUT_S
 
 EPILOG = examples(
     "memsave fit torchvision:resnet101 --budget 24GiB",
@@ -84,8 +84,9 @@ def fit(
         list[str] | None,
         typer.Option(metavar="KEY=VALUE", help="Model keyword argument (repeatable)."),
     ] = None,
-    max_batch_size: Annotated[int, typer.Option(min=1, help="Largest batch size to try.")] = 1
-    << 20,
+    max_batch_size: Annotated[
+        int, typer.Option(min=1, max=MAX_BATCH_SIZE, help="Largest batch size to try.")
+    ] = 1 << 20,
     timeout: Annotated[
         float,
         typer.Option(

@@ -10,8 +10,9 @@ import torch
 
 from memsave_cli.cases import resolve_case
 from memsave_cli.cli import app
+from memsave_cli.errors import MemsaveError
 from memsave_cli.fit import fit
-from memsave_cli.fit_search import largest_fitting
+from memsave_cli.fit_search import FAILED, largest_fitting
 from memsave_cli.measure import Job, measure
 from memsave_cli.specs import parse_spec
 
@@ -34,7 +35,7 @@ def _brute_force(peak_at, budget, max_batch_size, min_batch_size=1):
     best = 0
     for batch in range(min_batch_size, max_batch_size + 1):
         peak = peak_at(batch)
-        if peak is None or peak > budget:
+        if peak is None or not 0 <= peak <= budget:
             break
         best = batch
     return best
@@ -53,11 +54,21 @@ def test_search_is_exact_for_monotone_peaks():
     for _ in range(500):
         base, slope = rng.randint(0, 10**6), rng.randint(1, 10**4)
         kink, jump, block = rng.randint(1, 600), rng.randint(0, 10**5), rng.choice([1, 512])
-        oom = rng.choice([None, rng.randint(1, 700)])
+        oom = rng.choice([None, rng.randint(1, 700)])  # out of memory, or failing, from there
+        unmeasured = rng.choice([None, FAILED])
 
-        def peak_at(b, base=base, slope=slope, kink=kink, jump=jump, block=block, oom=oom):
+        def peak_at(
+            b,
+            base=base,
+            slope=slope,
+            kink=kink,
+            jump=jump,
+            block=block,
+            oom=oom,
+            unmeasured=unmeasured,
+        ):
             if oom is not None and b >= oom:
-                return None
+                return unmeasured
             raw = base + slope * b + jump * (b > kink)
             return -(-raw // block) * block
 
@@ -71,6 +82,21 @@ def test_search_is_exact_for_monotone_peaks():
 def test_search_needs_few_measurements_for_affine_peaks():
     answer, count = _drive(lambda b: 1000 + 100 * b, 1000 + 100 * 37 + 50)
     assert answer == 37 and count == 4  # batch 1, 2, the guess, and one past it
+
+
+def test_a_failing_guess_costs_few_failed_measurements():
+    """Measurements fail (an error, a timeout) from batch 5 on, under a budget that allows a
+    million: the search gallops up from batch 2 to the first failure rather than down from the
+    guess, which failed at every step (each failure may cost a whole timeout)."""
+    asked: list[int] = []
+
+    def peak_at(batch: int) -> int:
+        asked.append(batch)
+        return 1000 + batch if batch < 5 else FAILED
+
+    answer, _ = _drive(peak_at, 10**6)
+    assert answer == 4
+    assert len([b for b in asked if b >= 5]) <= 3, asked
 
 
 def test_search_when_nothing_fits_and_when_everything_fits():
@@ -157,6 +183,13 @@ def test_norm_without_norm_layers_is_skipped_as_profile_skips_it(runner, tiny_mo
     assert "case norm skipped" in result.stderr
 
 
+def test_api_refuses_a_largest_batch_no_run_takes(tiny_models):
+    """The batch sizes ``profile`` refuses (past 2**31 - 1 tensor sizes overflow) are not
+    searched either: fit reported such sizes as fitting."""
+    with pytest.raises(MemsaveError, match="maximum batch size"):
+        fit(f"{tiny_models}:mlp", budget="1TiB", max_batch_size=2**40)
+
+
 def test_memsave_fits_more_with_frozen_weights(tiny_models):
     result = fit(f"{tiny_models}:cnn", budget="8MiB", cases=("input",), input_shape=SHAPE)
     batches = {row.impl: row.batch_size for row in result.rows}
@@ -178,6 +211,7 @@ def test_memsave_fits_more_with_frozen_weights(tiny_models):
         (["--budget", "1GiB", "--input-shape", "16,,4"], "is not a shape"),  # no size dropped
         (["--budget", "1GiB", "--input-shape", "16,²"], "is not a shape"),  # a digit, not decimal
         (["--budget", "1GiB", "--max-batch-size", "0"], "--max-batch-size"),
+        (["--budget", "1GiB", "--max-batch-size", str(2**31)], "less than or equal to 2147483647"),
         (["--budget", "1GiB", "--device", "tpu"], "--device"),
     ],
 )
