@@ -42,8 +42,9 @@ def _in_this_process(model: ModelLike, case: Case, impl: str, chosen: Settings) 
     """``measure_model`` of a model object, a builder, or a spec on meta."""
     from memsave_cli.api import resolve_device
     from memsave_cli.checkpointing import checkpoint_targets
+    from memsave_cli.deadline import deadline
     from memsave_cli.hf_inputs import fed_inputs
-    from memsave_cli.measure import Job, measure
+    from memsave_cli.measure import Job, build_for, measure
     from memsave_cli.plan_model import PlanModel
     from memsave_cli.preflight import check_plan
 
@@ -61,15 +62,22 @@ def _in_this_process(model: ModelLike, case: Case, impl: str, chosen: Settings) 
             f"measured in training mode, as a training step runs, though {which} was in eval "
             "mode; bn_eval=True keeps its BatchNorm layers in eval mode"
         )
-    spec, built = _resolve(model, chosen)
-    job = Job(spec, case, impl, chosen.device, **chosen.job_settings())
-    shape = {"batch_size": chosen.batch_size, "input_shape": chosen.input_shape}
-    on_meta = None if built is None else _copy_to(built, torch.device("meta"))
-    plan_model = PlanModel(spec, **shape, built=on_meta)
-    checkpoint_targets(plan_model.model, chosen.checkpoint)  # a pattern that selects nothing raises
-    notes = check_plan(spec, [case], **shape, plan_model=plan_model, dtype=job.dtype)
-    fed_inputs(plan_model.model, job.inputs, spec.text)  # raises: tokens for a vision model
-    run = measure(job, built)
+    build_for((impl,))  # a first compilation is in no deadline
+    name = model if isinstance(model, str) else getattr(model, "__name__", type(model).__name__)
+    # In this process, as fit on meta: the settings' timeout bounds it (a model that hangs
+    # would hang the test session), NOTE [a deadline for planning].
+    with deadline(chosen.timeout, f"measuring {name}", "raise timeout= if it needs longer"):
+        spec, built = _resolve(model, chosen)
+        job = Job(spec, case, impl, chosen.device, **chosen.job_settings())
+        shape = {"batch_size": chosen.batch_size, "input_shape": chosen.input_shape}
+        on_meta = None if built is None else _copy_to(built, torch.device("meta"))
+        plan_model = PlanModel(spec, **shape, built=on_meta)
+        checkpoint_targets(
+            plan_model.model, chosen.checkpoint
+        )  # a pattern selecting nothing raises
+        notes = check_plan(spec, [case], **shape, plan_model=plan_model, dtype=job.dtype)
+        fed_inputs(plan_model.model, job.inputs, spec.text)  # raises: tokens for a vision model
+        run = measure(job, built)
     warn_notes(spec.text, [*setting_notes, *notes])
     return run
 

@@ -575,6 +575,30 @@ def test_a_builder_that_raises_is_one_line() -> None:
     assert "raised TypeError" in str(failure.value) and "\n" not in str(failure.value).strip()
 
 
+def test_a_model_that_hangs_on_meta_fails_at_the_timeout() -> None:
+    """On meta the measurement runs in the test's process; the settings' timeout bounds it as it
+    bounds a worker (a hanging model hung the test session)."""
+    import time
+
+    from memsave_cli.pytest_plugin import MemsaveFixture
+
+    class Slow(torch.nn.Linear):
+        def forward(self, x):
+            time.sleep(0.5)  # 20 layers: 10 s a forward
+            return super().forward(x)
+
+    def build():
+        return torch.nn.Sequential(*(Slow(3, 3) for _ in range(20)))
+
+    start = time.monotonic()
+    with pytest.raises(pytest.fail.Exception) as failure:
+        MemsaveFixture().measure(build, batch_size=2, input_shape=(3,), timeout=1)
+    assert time.monotonic() - start < 8
+    assert str(failure.value).startswith(
+        "memsave: measuring build took more than the timeout of 1 s"
+    )
+
+
 def test_a_device_object_and_auto_are_read_as_names() -> None:
     from memsave_cli.pytest_plugin import MemsaveFixture, MemsaveNote
 
