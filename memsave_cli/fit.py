@@ -21,7 +21,7 @@ from memsave_cli.budget import read_size
 from memsave_cli.cases import PAPER_CASES, Case
 from memsave_cli.checkpointing import checkpoint_notes, read_patterns
 from memsave_cli.deadline import TimeLimitError, deadline, planning
-from memsave_cli.errors import MemsaveError, SpecError, one_line
+from memsave_cli.errors import MemsaveError, NeedsRealDataError, SpecError, one_line
 from memsave_cli.fit_search import FAILED, MAX_BATCH_SIZE, Search, largest_fitting
 from memsave_cli.input_shape import read_shape
 from memsave_cli.measure import Job, build_for, check_job, measure
@@ -278,12 +278,16 @@ def _measurer(device: str, timeout: float) -> Callable[[list[Job]], list[Run]]:
 
 def _measure_here(job: Job, timeout: float) -> Run:
     """``measure(job)`` in this process; a model's own exception becomes a failed Run, and so
-    does a measurement that takes longer than ``timeout`` (NOTE [a deadline for planning])."""
+    does a measurement that takes longer than ``timeout`` (NOTE [a deadline for planning]) and
+    one needing tensor values that the plan's forward did not (in backward, or only at some
+    batch sizes): it ends its own search, not every other's (NOTE [failed measurements])."""
     try:
         with deadline(timeout, f"batch size {job.batch_size}"):
             return measure(job)
     except TimeLimitError as error:
         return Run(job.case.label, job.impl, status=Status.TIMEOUT, error=str(error))
+    except NeedsRealDataError as error:
+        return Run(job.case.label, job.impl, status=Status.ERROR, error=str(error))
     except MemsaveError:
         raise
     except Exception as error:

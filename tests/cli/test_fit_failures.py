@@ -64,6 +64,28 @@ def fails_in_training():
     return FailsInTraining(16, 4)
 
 
+class ItemInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        ctx.batch = x.shape[0]
+        return x * 1
+
+    @staticmethod
+    def backward(ctx, grad):
+        if ctx.batch > 8:
+            grad.sum().item()  # a value, which meta tensors lack
+        return grad
+
+
+class ValueAbove(nn.Linear):
+    def forward(self, x):
+        return torch.tanh(ItemInBackward.apply(super().forward(x)))  # a gradient of values
+
+
+def value_above():
+    return ValueAbove(16, 4)
+
+
 def batch_norm():
     return nn.Sequential(nn.Linear(16, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Linear(32, 4))
 
@@ -108,6 +130,16 @@ def test_a_failure_above_a_batch_size_stops_the_search_below_it(failing):
     for row in result.rows:
         assert row.batch_size == 8 and row.peak_bytes is not None
         assert row.failure == FitFailure(9, "error", "RuntimeError: too big [/] :fire: batch")
+
+
+def test_needing_values_above_a_batch_size_ends_only_its_search(failing):
+    """A backward reading a value from batch 9 on (the plan's forward cannot see it): the
+    searches end below it with the reason in their rows; it ended the whole fit in one line."""
+    result = fit(f"{failing}:value_above", budget="1GB", cases=("all",), input_shape=(16,))
+    for row in result.rows:
+        assert row.batch_size == 8 and row.failure is not None
+        assert (row.failure.batch_size, row.failure.status) == (9, "error")
+        assert "computes with tensor values" in row.failure.reason
 
 
 def test_the_table_says_the_failure_stopped_the_search(failing):
