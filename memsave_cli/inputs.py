@@ -72,9 +72,10 @@ def check_size(shape: Sequence[int], dtype: torch.dtype) -> tuple[int, ...]:
     shape = tuple(shape)
     size = math.prod(shape) * dtype.itemsize
     if size > MAX_TENSOR_BYTES:
+        name = str(dtype).removeprefix("torch.")
         raise SpecError(
-            f"inputs of shape {shape} would take {size:.2g} bytes in {str(dtype).removeprefix('torch.')}, "
-            "more than one tensor can hold (2**63); give a smaller --input-shape or --batch-size"
+            f"inputs of shape {shape} would take {size:.2g} bytes in {name}, more than one "
+            "tensor can hold (2**63); give a smaller --input-shape or --batch-size"
         )
     return shape
 
@@ -90,23 +91,21 @@ class _Maker:
     def uniform(self, shape: Sequence[int], low: float = 0.0, high: float = 1.0) -> torch.Tensor:
         shape = check_size(shape, self.dtype)
         if self.meta:
-            return torch.empty(tuple(shape), device=self.device, dtype=self.dtype)
-        x = torch.rand(tuple(shape), generator=self.generator, device=self.device, dtype=self.dtype)
+            return torch.empty(shape, device=self.device, dtype=self.dtype)
+        x = torch.rand(shape, generator=self.generator, device=self.device, dtype=self.dtype)
         return x * (high - low) + low if (low, high) != (0.0, 1.0) else x
 
     def normal(self, shape: Sequence[int]) -> torch.Tensor:
         shape = check_size(shape, self.dtype)
         if self.meta:
-            return torch.empty(tuple(shape), device=self.device, dtype=self.dtype)
-        return torch.randn(
-            tuple(shape), generator=self.generator, device=self.device, dtype=self.dtype
-        )
+            return torch.empty(shape, device=self.device, dtype=self.dtype)
+        return torch.randn(shape, generator=self.generator, device=self.device, dtype=self.dtype)
 
     def integers(self, shape: Sequence[int], high: int, low: int = 0) -> torch.Tensor:
         shape = check_size(shape, torch.int64)
         if self.meta:
-            return torch.empty(tuple(shape), device=self.device, dtype=torch.int64)
-        return torch.randint(low, high, tuple(shape), generator=self.generator, device=self.device)
+            return torch.empty(shape, device=self.device, dtype=torch.int64)
+        return torch.randint(low, high, shape, generator=self.generator, device=self.device)
 
 
 def feeds_embeddings(inputs: str, case: Case) -> bool:
