@@ -72,9 +72,7 @@ def _in_this_process(model: ModelLike, case: Case, impl: str, chosen: Settings) 
         shape = {"batch_size": chosen.batch_size, "input_shape": chosen.input_shape}
         on_meta = None if built is None else _copy_to(built, torch.device("meta"))
         plan_model = PlanModel(spec, **shape, built=on_meta)
-        checkpoint_targets(
-            plan_model.model, chosen.checkpoint
-        )  # a pattern selecting nothing raises
+        checkpoint_targets(plan_model.model, chosen.checkpoint)  # raises: selects nothing
         notes = check_plan(spec, [case], **shape, plan_model=plan_model, dtype=job.dtype)
         fed_inputs(plan_model.model, job.inputs, spec.text)  # raises: tokens for a vision model
         run = measure(job, built)
