@@ -12,7 +12,9 @@ Exception`` (and the plan check's own "only real data can say" fallback) cannot 
 the timer repeats every second, so that a bare ``except:`` swallows one signal, not the limit. A
 signal reaches Python between bytecodes only: one long native op finishes first. The native
 kernels and C++ nodes are built before any deadline starts: their first compilation (about 40 s)
-is not the model's time.
+is not the model's time, nor is torch's compiler front end (``torch._dynamo``, about 3.5 s), which
+torch imports lazily at its first use in a forward: a deadline imports it before its timer
+starts, so that a timeout of one or two seconds bounds the model, not the import.
 
 Where the timer cannot be ours it is not set and the planning runs unbounded as before: outside
 the main thread, on platforms without ``setitimer``, and where someone else's SIGALRM handler or
@@ -47,6 +49,8 @@ def deadline(seconds: float, what: str, hint: str = "") -> Iterator[None]:
     if not _timer_free():
         yield
         return
+
+    import torch._dynamo  # noqa: F401  (imported lazily by torch; not the block's time, see NOTE)
 
     armed = True
 

@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import signal
+import subprocess
+import sys
 import time
 
 import pytest
@@ -130,3 +132,17 @@ def test_another_alarm_is_not_displaced():
         assert signal.getsignal(signal.SIGALRM) is not signal.SIG_DFL
     finally:
         signal.signal(signal.SIGALRM, previous)
+
+
+def test_torchs_lazy_compiler_import_is_not_the_blocks_time():
+    """A fresh process: torch imports ``torch._dynamo`` (seconds) at its first use in a forward;
+    the deadline imports it before its timer starts."""
+    code = (
+        "import sys\n"
+        "from memsave_cli.deadline import deadline\n"
+        "assert 'torch._dynamo' not in sys.modules\n"
+        "with deadline(60, 'x'):\n"
+        "    print('torch._dynamo' in sys.modules)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "True"
