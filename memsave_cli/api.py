@@ -72,7 +72,7 @@ def profile(
     MemsaveError before any worker starts (checked on meta: globs that select nothing, inputs the
     forward cannot take, on one meta build of the model); a failing run is a Run with a status.
     """
-    timeout, impls = seconds(timeout, "timeout"), several(impls)
+    timeout, impls = seconds(timeout, "timeout"), implementations(impls)
     build_for(impls)  # a first compilation is not the preparation's time
     with planning(timeout, model):
         spec = parse_spec(model, model_kwargs)
@@ -240,10 +240,17 @@ def _unrecognised_notes(plan_model: PlanModel) -> list[str]:
     return [f"memsave left stock what it does not reproduce bitwise: {names}"]
 
 
-def _check_settings(spec: ModelSpec, impls: Sequence[str], device: str, settings: dict) -> None:
-    """Raise MemsaveError for any setting no run could use, before a worker starts."""
+def implementations(given: str | Sequence[str]) -> tuple[str, ...]:
+    """``given`` as a tuple without repeats (names checked by the jobs); MemsaveError when it
+    names none. ``profile`` and ``fit`` alike."""
+    impls = several(given)
     if not impls:
         raise MemsaveError("no implementation to measure: give stock, memsave or memsave-conv")
+    return impls
+
+
+def _check_settings(spec: ModelSpec, impls: Sequence[str], device: str, settings: dict) -> None:
+    """Raise MemsaveError for any setting no run could use, before a worker starts."""
     for impl in impls:
         check_job(Job(spec, Case("all"), impl, device, **settings))
 

@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass, replace
 from typing import TYPE_CHECKING
 
 from memsave_cli import limits
-from memsave_cli.api import resolve_device, select_cases
+from memsave_cli.api import implementations, resolve_device, select_cases
 from memsave_cli.arguments import count, device_name, dtype_name, seconds, several
 from memsave_cli.budget import read_size
 from memsave_cli.cases import PAPER_CASES, Case
@@ -142,7 +142,7 @@ def fit(
     """
     budget_bytes = read_size(budget)
     max_batch_size = count(max_batch_size, "maximum batch size", most=limits.MAX_BATCH_SIZE)
-    cases, impls, dtype = several(cases), several(impls), dtype_name(dtype)
+    cases, impls, dtype = several(cases), implementations(impls), dtype_name(dtype)
     timeout = seconds(timeout, "timeout")
     build_for(impls)  # a first compilation is in no deadline
     with planning(timeout, model):

@@ -167,6 +167,7 @@ def test_explicit_meta_reports_why_it_cannot_run() -> None:
         ({"cases": None}, MemsaveError, "a case is a name such as 'all' or a Case, got None"),
         ({"model_kwargs": 5}, SpecError, "model kwargs are a mapping or 'key=value' strings"),
         ({"fsdp": 2**21}, MemsaveError, "--fsdp takes at most 1048576 ranks"),
+        ({"impls": ()}, MemsaveError, "no implementation to measure: give stock, memsave"),
     ],
 )
 def test_bad_settings_fail_before_any_worker(settings: dict, error: type, message: str) -> None:
@@ -209,3 +210,5 @@ def test_fit_reads_its_arguments_as_profile_does() -> None:
         fit("fixtures_tracker:flat_mlp", budget=None)
     with pytest.raises(MemsaveError, match="timeout must be at most"):
         fit("fixtures_tracker:flat_mlp", budget="1MiB", device="cpu", timeout=1e12)
+    with pytest.raises(MemsaveError, match="no implementation to measure"):  # no empty result
+        fit("fixtures_tracker:flat_mlp", budget="1MiB", impls=())
