@@ -307,8 +307,10 @@ def nvml_process_bytes() -> int | None:
         pynvml.nvmlShutdown()
 
 
-#: ``data-independent``: meta's ``nonzero`` (a boolean mask as an index) says none exists.
-_META_HINTS = ("meta tensor", "no data", "data-dependent", "data dependent", "data-independent")
+#: Words of torch's errors for values a meta tensor lacks ("Cannot copy out of meta tensor; no
+#: data!"); ``data-independent``: meta's ``nonzero`` (a boolean mask as an index) says none
+#: exists. Not "no data" alone: a model's own error may say it.
+_META_HINTS = ("meta tensor", "data-dependent", "data dependent", "data-independent")
 
 
 @contextlib.contextmanager

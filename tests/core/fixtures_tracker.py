@@ -138,6 +138,21 @@ def item_net_inputs(batch_size: int) -> torch.Tensor:
     return torch.randn(batch_size, 8)
 
 
+class NoDataNet(nn.Module):
+    """A model error whose words ("no data") are not meta's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("no data loaded for this layer")
+
+
+def no_data_net() -> nn.Module:
+    return NoDataNet()
+
+
 class OomNet(nn.Module):
     def __init__(self) -> None:
         super().__init__()

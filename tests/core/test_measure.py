@@ -182,6 +182,11 @@ def test_data_dependent_model_on_meta_says_so() -> None:
     assert measure(job("item_net", device="cpu", repeat=1)).ok
 
 
+def test_a_models_own_error_saying_no_data_is_reported_as_it_is() -> None:
+    with pytest.raises(RuntimeError, match=r"^no data loaded for this layer$"):
+        measure(job("no_data_net"))
+
+
 def test_out_of_memory_is_an_outcome() -> None:
     run = measure(job("oom_net"))
     assert run.status is Status.OOM
