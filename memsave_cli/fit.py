@@ -23,6 +23,7 @@ from memsave_cli.checkpointing import checkpoint_notes, read_patterns
 from memsave_cli.deadline import TimeLimitError, deadline, planning
 from memsave_cli.errors import MemsaveError, NeedsRealDataError, SpecError, one_line
 from memsave_cli.fit_search import FAILED, MAX_BATCH_SIZE, Search, largest_fitting
+from memsave_cli.hf_inputs import fed_inputs
 from memsave_cli.input_shape import read_shape
 from memsave_cli.measure import Job, build_for, check_job, measure
 from memsave_cli.plan_model import PlanModel
@@ -79,11 +80,14 @@ class FitResult:
     checkpoint: tuple[str, ...] = ()  # patterns of the modules recomputed in backward
     autocast: str | None = None  # dtype of the autocast forward and loss ran under, if any
     min_batch_size: int = 1  # where the searches started (2: the forward fails on one sample)
+    inputs: str = "auto"  # what the model was fed, as a profile report says (hf_inputs.py)
+    attention: str = "auto"  # the attention kernel forced, or auto (as a CUDA device picks)
 
     def to_json(self) -> str:
         """The rows as a JSON list of ``{case, impl, batch_size, peak_bytes}``; an FSDP2
         estimate adds ``per_rank_of`` and ``reshard_after_forward`` to each, a checkpointed
-        step ``checkpoint`` (its patterns), an autocast one ``autocast`` (its dtype), and a
+        step ``checkpoint`` (its patterns), an autocast one ``autocast`` (its dtype), a forced
+        attention kernel ``attention``, language models' inputs other than auto ``inputs``, and a
         search that a failure stopped ``failure`` (``{batch_size, status, reason}``), a row where
         none fits ``peak_batch_size`` (the batch size of its ``peak_bytes``, where the search
         started) and one that reached the largest batch size tried ``capped: true`` (at least
@@ -95,6 +99,10 @@ class FitResult:
             shared["checkpoint"] = list(self.checkpoint)
         if self.autocast:
             shared["autocast"] = self.autocast
+        if self.attention != "auto":
+            shared["attention"] = self.attention
+        if self.inputs != "auto":
+            shared["inputs"] = self.inputs
         return json.dumps([self._row_json(row) | shared for row in self.rows], indent=2)
 
     def _row_json(self, row: FitRow) -> dict[str, object]:
@@ -129,6 +137,8 @@ def fit(
     reshard: bool = True,
     checkpoint: str | Sequence[str] = (),
     autocast: str | torch.dtype | None = None,
+    inputs: str = "auto",
+    attention: str = "auto",
 ) -> FitResult:
     """Find, per case and implementation, the largest batch size whose step peak fits ``budget``.
 
@@ -137,7 +147,8 @@ def fit(
     ``device="auto"`` is cuda when available, else meta. ``fsdp=N`` fits one rank of N under
     FSDP2 (``memsave_cli.fsdp``): the batch size is per rank, the budget one rank's memory.
     ``checkpoint`` names the modules recomputed in backward, and ``autocast`` the dtype of the
-    forward and loss, as for ``profile``. A measurement that fails (not for memory) ends only
+    forward and loss, ``inputs`` what language models are fed and ``attention`` the attention
+    kernel, as for ``profile``. A measurement that fails (not for memory) ends only
     its own search, whose row names it (``failure``, NOTE [failed measurements]).
     """
     budget_bytes = read_size(budget)
@@ -153,6 +164,7 @@ def fit(
         notes: list[str] = []
         device = resolve_device(device, notes, fsdp, reshard)
         settings = {"dtype": dtype, "input_shape": read_shape(input_shape), "bn_eval": bn_eval}
+        settings |= {"inputs": inputs, "attention": attention}
         shape = settings["input_shape"]
         plan_model = PlanModel(spec, batch_size=1, input_shape=shape)  # NOTE [one build]
         notes.extend(checkpoint_notes(plan_model.model, checkpoint))  # raises: selects nothing
@@ -160,6 +172,7 @@ def fit(
         # before any run; notes on parts the inputs do not call (NOTE [idle parts])
         plan = {"input_shape": shape, "plan_model": plan_model, "dtype": dtype}
         first = _first_batch(notes, spec, chosen, max_batch_size, **plan)
+        fed = fed_inputs(plan_model.model, inputs, spec.text)
         settings |= {"optimizer": optimizer, "repeat": 1, "per_layer": False}
         settings |= {
             "fsdp": fsdp,
@@ -184,6 +197,8 @@ def fit(
         checkpoint,
         autocast,
         first,
+        fed,
+        attention,
     )
 
 

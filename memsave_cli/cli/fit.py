@@ -15,6 +15,8 @@ from memsave_cli.cli._console import (
 from memsave_cli.cli._errors import USAGE_EXIT, reported_errors
 from memsave_cli.cli._help import DEBUG_HELP, examples
 from memsave_cli.cli._options import (
+    Attention,
+    AttentionOpt,
     AutocastOpt,
     CasesOpt,
     CheckpointOpt,
@@ -23,6 +25,8 @@ from memsave_cli.cli._options import (
     FsdpOpt,
     Impl,
     InputGradOpt,
+    Inputs,
+    InputsOpt,
     LoraAlphaOpt,
     LoraDropoutOpt,
     LoraOptions,
@@ -84,6 +88,8 @@ def fit(
         list[str] | None,
         typer.Option(metavar="KEY=VALUE", help="Model keyword argument (repeatable)."),
     ] = None,
+    inputs: InputsOpt = Inputs.auto,
+    attention: AttentionOpt = Attention.auto,
     max_batch_size: Annotated[
         int, typer.Option(min=1, max=MAX_BATCH_SIZE, help="Largest batch size to try.")
     ] = 1 << 20,
@@ -138,6 +144,8 @@ def fit(
                 reshard=reshard,
                 checkpoint=checkpoint or (),
                 autocast=autocast.value if autocast else None,
+                inputs=inputs.value,
+                attention=attention.value,
                 on_measure=lambda job, run: bar.advance(
                     f"{job.case.label}/{job.impl} batch {job.batch_size}"
                 ),

@@ -18,13 +18,21 @@ def fit_view(result: FitResult) -> Group:
     step = f"a training step{checkpointed(result.checkpoint)}{autocast(result.autocast)}"
     heading = Text(
         f"{result.model}: largest batch size{ranks} within {format_bytes(result.budget_bytes)} "
-        f"(peak of {step}, on {result.device})",
+        f"(peak of {step}{_forced(result)}, on {result.device})",
         style="italic",
     )
     failures = failures_table(result)
     if failures is None:
         return Group(heading, fit_table(result))
     return Group(heading, fit_table(result), Text(""), failures)
+
+
+def _forced(result: FitResult) -> str:
+    """``, flash attention, fed embeds`` for the settings given other than auto."""
+    forced = [f"{result.attention} attention"] if result.attention != "auto" else []
+    if result.inputs in ("tokens", "embeds"):
+        forced.append(f"fed {result.inputs}")
+    return "".join(f", {item}" for item in forced)
 
 
 def fit_table(result: FitResult) -> Table:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import random
+from dataclasses import replace
 
 import pytest
 import torch
@@ -240,3 +241,32 @@ def test_fit_bad_model_exits_2(runner, tiny_models, spec, message):
     assert result.exit_code == 2, result.output
     assert message in result.output
     assert len(result.output.strip().splitlines()) == 1, result.output
+
+
+def _llm_peak(spec, batch, **settings):
+    job = Job(spec, resolve_case("all"), "stock", "meta", batch_size=batch, dtype="bfloat16")
+    return measure(replace(job, **settings)).peak_bytes
+
+
+@pytest.mark.parametrize("name, value", [("attention", "math"), ("inputs", "embeds")])
+def test_attention_and_inputs_reach_the_measurements(runner, tiny_llama_dir, name, value):
+    """Fit searches with the attention kernel and inputs it is given, as profile measures (in
+    bfloat16, auto is flash attention on meta)."""
+    spec = parse_spec(f"hf:{tiny_llama_dir}")
+    budget = _llm_peak(spec, 24, **{name: value}) + 100
+    assert _llm_peak(spec, 24) != budget - 100  # the setting changes the peak
+    args = ["fit", spec.text, "--budget", str(budget), "--impl", "stock", "--case", "all"]
+    args += ["--dtype", "bfloat16", f"--{name}", value]
+    result = runner.invoke(app, [*args, "--json", "-"])
+    assert result.exit_code == 0, result.output
+    (row,) = json.loads(result.stdout)
+    assert (row[name], row["batch_size"]) == (value, 24)
+    assert _llm_peak(spec, 25, **{name: value}) > budget
+    shown = runner.invoke(app, args)
+    assert {"attention": "math attention", "inputs": "fed embeds"}[name] in shown.output
+
+
+def test_tokens_for_a_differentiated_input_exit_2(runner, tiny_llama_dir):
+    args = ["fit", f"hf:{tiny_llama_dir}", "--budget", "1GiB", "--case", "input"]
+    result = runner.invoke(app, [*args, "--inputs", "tokens"])
+    assert result.exit_code == 2 and "use --inputs auto or embeds" in result.output
