@@ -13,8 +13,9 @@ the timer repeats every second, so that a bare ``except:`` swallows one signal, 
 signal reaches Python between bytecodes only: one long native op finishes first. The native
 kernels and C++ nodes are built before any deadline starts: their first compilation (about 40 s)
 is not the model's time, nor is torch's compiler front end (``torch._dynamo``, about 3.5 s), which
-torch imports lazily at its first use in a forward: a deadline imports it before its timer
-starts, so that a timeout of one or two seconds bounds the model, not the import.
+torch imports lazily at its first use in a forward: the forwards import it first with the clock
+paused (``import_compiler``), so that a timeout of one or two seconds bounds the model, not the
+import, and a spec refused before any forward is still answered without it.
 
 Where the timer cannot be ours it is not set and the planning runs unbounded as before: outside
 the main thread, on platforms without ``setitimer``, and where someone else's SIGALRM handler or
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import signal
+import sys
 import threading
 from collections.abc import Iterator
 
@@ -32,6 +34,13 @@ from memsave_cli.errors import MemsaveError
 
 #: Seconds between the timer's signals once the deadline has passed.
 _AGAIN_S = 1.0
+
+#: Seconds left to a deadline resumed after a pause, at least (0 would disarm its timer).
+_LEAST_S = 1e-3
+
+#: Whether a deadline of this module holds the process's timer now (they do not nest: an inner
+#: one finds the timer taken and sets none).
+_holding = False
 
 
 class TimeLimitError(MemsaveError):
@@ -46,11 +55,10 @@ class _Expired(BaseException):
 def deadline(seconds: float, what: str, hint: str = "") -> Iterator[None]:
     """Raise TimeLimitError, saying ``what`` took longer (and ``hint`` after a colon), if the
     block runs longer than ``seconds``; no limit where the timer is not free (see the NOTE)."""
+    global _holding
     if not _timer_free():
         yield
         return
-
-    import torch._dynamo  # noqa: F401  (imported lazily by torch; not the block's time, see NOTE)
 
     armed = True
 
@@ -62,6 +70,7 @@ def deadline(seconds: float, what: str, hint: str = "") -> Iterator[None]:
     try:
         # Again every second after the first: code with a bare ``except:`` swallows one.
         signal.setitimer(signal.ITIMER_REAL, seconds, _AGAIN_S)
+        _holding = True
         yield
         armed = False
     except _Expired:
@@ -69,7 +78,7 @@ def deadline(seconds: float, what: str, hint: str = "") -> Iterator[None]:
         line = f"{what} took more than the timeout of {seconds:g} s"
         raise TimeLimitError(f"{line}: {hint}" if hint else line) from None
     finally:
-        armed = False
+        armed = _holding = False
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
 
@@ -82,6 +91,28 @@ def planning(seconds: float, model: str) -> contextlib.AbstractContextManager[No
         "its build, conversion checks and one forward on meta, before any run; raise --timeout "
         "if it needs longer",
     )
+
+
+@contextlib.contextmanager
+def paused() -> Iterator[None]:
+    """Stop the clock of the deadline running now for the block, and go on with the time it had
+    left after it; without one the block runs as it is."""
+    if not _holding or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    left, again = signal.setitimer(signal.ITIMER_REAL, 0)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, max(left, _LEAST_S), again)
+
+
+def import_compiler() -> None:
+    """Import ``torch._dynamo``, which torch imports at its first use in a forward (seconds), with
+    any deadline's clock paused (see the NOTE)."""
+    if "torch._dynamo" not in sys.modules:
+        with paused():
+            import torch._dynamo  # noqa: F401
 
 
 def _timer_free() -> bool:

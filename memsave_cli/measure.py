@@ -27,6 +27,7 @@ from torch import nn
 
 from memsave_cli import fsdp
 from memsave_cli.cases import Case
+from memsave_cli.deadline import import_compiler
 from memsave_cli.errors import MemsaveError, NeedsRealDataError, one_line
 from memsave_cli.inputs import INPUTS
 from memsave_cli.meta_as_cuda import counted_as_on_cuda
@@ -77,6 +78,7 @@ def measure(job: Job, model: nn.Module | None = None) -> Run:
     """
     check_job(job)
     _forget_tables()
+    import_compiler()  # torch's own import at the first forward is not a deadline's time
     try:
         with _ranks(job) as world:
             prepared = prepare(job, model, world)

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from memsave_cli.cases import Case, trainable_names
+from memsave_cli.deadline import import_compiler
 from memsave_cli.errors import SpecError, describe
 from memsave_cli.hf_inputs import MEDIA_INPUTS
 from memsave_cli.idle_parts import calls_recorded, idle_note, idle_parts
@@ -118,6 +119,7 @@ def check_forward(
     holds nothing to take a loss of (an integer tensor, None); else the notes on the parts of
     the model those inputs do not call (NOTE [idle parts])."""
     called: set[int] = set()
+    import_compiler()  # torch's own import at the first forward is not the model's time
     try:
         with (
             torch.no_grad(),
