@@ -101,7 +101,7 @@ def profile(
             "checkpoint": checkpoint,
             "autocast": autocast,
         }
-        _check_settings(spec, impls, chosen, settings)
+        check_settings(spec, impls, chosen, settings)
         check_threads(threads)
         shape = settings["input_shape"]
         plan_model = PlanModel(spec, batch_size=batch_size, input_shape=shape)  # NOTE [one build]
@@ -249,8 +249,9 @@ def implementations(given: str | Sequence[str]) -> tuple[str, ...]:
     return impls
 
 
-def _check_settings(spec: ModelSpec, impls: Sequence[str], device: str, settings: dict) -> None:
-    """Raise MemsaveError for any setting no run could use, before a worker starts."""
+def check_settings(spec: ModelSpec, impls: Sequence[str], device: str, settings: dict) -> None:
+    """Raise MemsaveError for any setting no run could use, before the plan and any worker.
+    ``profile`` and ``fit`` alike."""
     for impl in impls:
         check_job(Job(spec, Case("all"), impl, device, **settings))
 

@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass, replace
 from typing import TYPE_CHECKING
 
 from memsave_cli import limits
-from memsave_cli.api import implementations, resolve_device, select_cases
+from memsave_cli.api import check_settings, implementations, resolve_device, select_cases
 from memsave_cli.arguments import count, device_name, dtype_name, seconds, several
 from memsave_cli.budget import read_size
 from memsave_cli.cases import PAPER_CASES, Case
@@ -163,8 +163,21 @@ def fit(
         autocast = dtype_name(autocast)
         notes: list[str] = []
         device = resolve_device(device, notes, fsdp, reshard)
-        settings = {"dtype": dtype, "input_shape": read_shape(input_shape), "bn_eval": bn_eval}
-        settings |= {"inputs": inputs, "attention": attention}
+        settings = {
+            "dtype": dtype,
+            "input_shape": read_shape(input_shape),
+            "bn_eval": bn_eval,
+            "optimizer": optimizer,
+            "repeat": 1,
+            "per_layer": False,
+            "inputs": inputs,
+            "attention": attention,
+            "fsdp": fsdp,
+            "reshard": reshard,
+            "checkpoint": checkpoint,
+            "autocast": autocast,
+        }
+        check_settings(spec, impls, device, settings)  # before the plan, as profile does
         shape = settings["input_shape"]
         plan_model = PlanModel(spec, batch_size=1, input_shape=shape)  # NOTE [one build]
         notes.extend(checkpoint_notes(plan_model.model, checkpoint))  # raises: selects nothing
@@ -173,16 +186,9 @@ def fit(
         plan = {"input_shape": shape, "plan_model": plan_model, "dtype": dtype}
         first = _first_batch(notes, spec, chosen, max_batch_size, **plan)
         fed = fed_inputs(plan_model.model, inputs, spec.text)
-        settings |= {"optimizer": optimizer, "repeat": 1, "per_layer": False}
-        settings |= {
-            "fsdp": fsdp,
-            "reshard": reshard,
-            "checkpoint": checkpoint,
-            "autocast": autocast,
-        }
         jobs = {(c, i): Job(spec, c, i, device, **settings) for c in chosen for i in impls}
         for job in jobs.values():
-            check_job(job)
+            check_job(job)  # what depends on the case (tokens for a differentiated input)
         searches = {key: largest_fitting(budget_bytes, max_batch_size, first) for key in jobs}
     answers = run_searches(searches, jobs, _measurer(device, timeout), on_measure)
     return FitResult(

@@ -270,3 +270,21 @@ def test_tokens_for_a_differentiated_input_exit_2(runner, tiny_llama_dir):
     args = ["fit", f"hf:{tiny_llama_dir}", "--budget", "1GiB", "--case", "input"]
     result = runner.invoke(app, [*args, "--inputs", "tokens"])
     assert result.exit_code == 2 and "use --inputs auto or embeds" in result.output
+
+
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        ({"attention": "efficient", "device": "cpu"}, "'efficient' does not run on cpu"),
+        ({"optimizer": "lion"}, "unknown optimizer 'lion'"),
+        ({"dtype": "int8"}, "unknown dtype 'int8'"),
+    ],
+)
+def test_settings_no_run_could_use_fail_before_the_plan(
+    tiny_models, monkeypatch, settings, message
+):
+    import memsave_cli.fit
+
+    monkeypatch.setattr(memsave_cli.fit, "PlanModel", lambda *a, **k: pytest.fail("planned"))
+    with pytest.raises(MemsaveError, match=message):
+        fit(f"{tiny_models}:mlp", budget="1MiB", input_shape=(16,), **settings)
