@@ -36,7 +36,8 @@ def check_target(text: str, target: str) -> None:
         raise SpecError(
             f"{text}: '{target}' is neither a directory nor in the local Hugging Face cache, and "
             f"memsave never downloads; give a directory with a config.json, or fetch it once "
-            f"with: huggingface-cli download {target} config.json"
+            f"with: hf download {target} config.json (huggingface-cli download with huggingface_hub "
+            "before 0.34)"
         )
 
 

@@ -265,7 +265,7 @@ def test_hub_id_outside_the_local_cache_is_one_line_without_network(
     assert (
         "'some-org/some-model' is neither a directory nor in the local Hugging Face cache" in line
     )
-    assert "huggingface-cli download some-org/some-model config.json" in line
+    assert "hf download some-org/some-model config.json (huggingface-cli" in line
 
 
 def test_hub_id_in_the_local_cache_is_built_from_it(tmp_path, monkeypatch):
