@@ -104,7 +104,7 @@ def profile(
         typer.Option(
             min=1,
             help="Timed steps per implementation (cpu/cuda); on cpu at least, in alternating "
-            "rounds, at least 6 and until each has run 10 s.",
+            "rounds, at least 6 and until each has run 10 s (at most 40 rounds).",
         ),
     ] = 3,
     threads: Annotated[
