@@ -16,20 +16,26 @@ settings, fresh small weights), several shapes and dtypes, infinities and NaN in
 training and in eval mode (a conversion lasts through ``train()`` and ``eval()``: a forward
 applying dropout in training matches no recipe unless its rate is 0). The answer is cached per
 class and settings, so a model probes each kind of layer once (the probes:
-``recipe_probes.py``): the settings are the attributes of the module and of every submodule the
-probes keep (all but the projections, which they replace), each described by value where it
-can be (numbers, strings, dtypes, functions by name, code and defaults: an activation's flags
-and the function it picked, a dropout's rate) and otherwise by ``repr``, which for most objects
-names the instance, so that such a module is probed on its own. Anything else stays stock, and
-:func:`unrecognised_counts` names the RMSNorm and MLP look-alikes among it (an activation left
-stock is one recomputing would not serve or gain from: NOTE [what a formula activation keeps]
-in ``recomputed.py``).
+``recipe_probes.py``): the settings are every attribute of the module and of every submodule the
+probes keep (all but the projections, which they replace), private ones included, each
+described by value where it can be (numbers, strings, dtypes, functions by name, code and
+defaults: an activation's flags and the function it picked, a dropout's rate) and otherwise by
+``repr``, which for most objects names the instance, so that such a module is probed on its own.
+A recipe computes from the projections, an RMSNorm's weight and its epsilon only, so a candidate
+whose kept parts hold any other tensor (a buffer, a parameter, a tensor attribute) stays stock:
+its value may differ from the probes' (a checkpoint loaded, an optimizer step) where the recipe
+would not follow. Setting an attribute of a converted module probes it again (a changed epsilon
+is read at each call anyway); a change inside an object it holds is not seen (revert, then
+convert again). Anything else stays stock, and :func:`unrecognised_counts` names the RMSNorm and
+MLP look-alikes among it (an activation left stock is one recomputing would not serve or gain
+from: NOTE [what a formula activation keeps] in ``recomputed.py``).
 
 A recognised class ``C`` is converted by assigning ``module.__class__`` to ``MemSaveC``, a
-subclass of ``C`` created once per (class, recipe) whose only member is the recipe's ``forward``;
-``revert`` assigns ``C`` back. As with registered drop-ins, ``__dict__`` is untouched: parameters,
-submodules (LoRA adapters included), hooks and ``state_dict`` keys stay as they were. A created
-class pickles as its stock class and recipe, so converted models save and load whole.
+subclass of ``C`` created once per (class, recipe) whose members are the recipe's ``forward``
+and, for an RMSNorm or MLP, a ``__setattr__`` probing again; ``revert`` assigns ``C`` back. As
+with registered drop-ins, ``__dict__`` is untouched: parameters, submodules (LoRA adapters
+included), hooks and ``state_dict`` keys stay as they were. A created class pickles as its stock
+class and recipe, so converted models save and load whole.
 """
 
 from __future__ import annotations
@@ -113,7 +119,9 @@ def recognise(module: nn.Module, kind: str) -> Recipe | None:
     """The recipe reproducing ``module`` bitwise on the probes (cached), None if there is none.
     An activation's key is :func:`_activation_key`, complete for the plain values a candidate
     holds."""
-    key = _activation_key(module) if kind == "activation" else _settings_key(module)
+    key = _activation_key(module) if kind == "activation" else _settings_key(module, kind)
+    if key is None:  # state no recipe follows
+        return None
     if key not in _RECIPES:
         _RECIPES[key] = probe_recipes(module, kind, _eps_name(module))
     return _RECIPES[key]
@@ -131,9 +139,25 @@ def _drop_in_class(stock: type[nn.Module], recipe: Recipe) -> type[nn.Module]:
         namespace["__doc__"] = f"{stock.__name__} recognised as memsave's {recipe}."
         namespace["__module__"] = __name__
         namespace["__prepare_scriptable__"] = refuse_scripting
+        if recipe.kind != "activation":  # an activation recomputes its own forward
+            namespace["__setattr__"] = _setting_probes_again
         _CLASSES[key] = type(f"MemSave{stock.__name__}", (stock,), namespace)
         evaluated_once(_CLASSES[key])  # NOTE [parametrized layers]
     return _CLASSES[key]
+
+
+def _setting_probes_again(self: nn.Module, name: str, value: object) -> None:
+    """Set an attribute of a recognised RMSNorm or MLP, then probe it again: it keeps a recipe
+    that reproduces its new settings, or becomes its stock class."""
+    created = next(cls for cls in type(self).__mro__ if "_memsave_stock" in cls.__dict__)
+    stock, kind = created._memsave_stock, created._memsave_recipe.kind
+    stock.__setattr__(self, name, value)
+    if type(self) is not created or name in _MODULE_ATTRIBUTES:  # parametrized: a subclass
+        return
+    self.__class__ = stock
+    recipe = recognise(self, kind) if candidate_kind(self) == kind else None
+    if recipe is not None:
+        self.__class__ = _drop_in_class(stock, recipe)
 
 
 def _reduce_ex(self: nn.Module, protocol: int) -> tuple:
@@ -241,19 +265,30 @@ def _by_value(value: object) -> bool:
     return all(_by_value(v) for v in defaults)
 
 
-def _settings_key(module: nn.Module) -> tuple:
-    """What a recipe may depend on: the parameter ranks, and the class and settings of the module
-    and of each submodule the probes keep (NOTE [converting by behaviour])."""
-    ranks = tuple((n, p.dim()) for n, p in module._parameters.items() if p is not None)
-    parts = [ranks]
+def _settings_key(module: nn.Module, kind: str) -> tuple | None:
+    """What a recipe may depend on: the class and every attribute of the module and of each
+    submodule the probes keep (NOTE [converting by behaviour]); None where one of them holds a
+    tensor a recipe does not use (anything but an RMSNorm's ``weight``)."""
+    parts = []
     for name, sub in _kept_modules(module):
-        settings = sorted(
-            (k, _described(v))
-            for k, v in vars(sub).items()
-            if not k.startswith("_") and k != "training" and not isinstance(v, nn.Module)
-        )
-        parts.append((name, type(sub), tuple(settings)))
+        own = {n: p for n, p in sub._parameters.items() if p is not None}
+        if sub._buffers or own.keys() - ({"weight"} if name == "" and kind == "rmsnorm" else set()):
+            return None
+        settings = [(k, v) for k, v in vars(sub).items() if k not in _MODULE_ATTRIBUTES]
+        if any(_holds_tensor(v) for _, v in settings):
+            return None
+        described = sorted((k, _described(v)) for k, v in settings)
+        parts.append((name, type(sub), tuple(described)))
     return tuple(parts)
+
+
+def _holds_tensor(value: object) -> bool:
+    """Whether ``value`` is a tensor or a tuple, list or dict holding one."""
+    if isinstance(value, Tensor):
+        return True
+    if type(value) in (tuple, list):
+        return any(_holds_tensor(v) for v in value)
+    return isinstance(value, dict) and any(_holds_tensor(v) for v in value.values())
 
 
 def _kept_modules(module: nn.Module, prefix: str = "") -> list[tuple[str, nn.Module]]:
@@ -275,8 +310,6 @@ def _described(value: object) -> object:
         return ("dict", *sorted((repr(k), _described(v)) for k, v in value.items()))
     if isinstance(value, (torch.dtype, torch.device)):
         return str(value)
-    if isinstance(value, Tensor):
-        return ("tensor", value.dtype, tuple(value.shape))
     if isinstance(value, functools.partial):
         return ("partial", _described(value.func), _described(value.args),
                 _described(value.keywords))  # fmt: skip

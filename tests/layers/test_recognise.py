@@ -352,3 +352,119 @@ def test_activation_settings_are_part_of_the_answer() -> None:
         mlps[0].act_fn, mlps[1].act_fn = fast, python
         assert recognise(mlps[0], "gated_mlp") is not None
         assert recognise(mlps[1], "gated_mlp") is None
+
+
+class OffsetNorm(EpsOutsideNorm):
+    """An LLaMA RMSNorm adding a private offset: 0 computes as LLaMA's, anything else does not."""
+
+    def __init__(self, size: int, offset: float) -> None:
+        super().__init__(size)
+        self._offset = offset
+
+    def forward(self, x: Tensor) -> Tensor:
+        x32 = x.to(torch.float32)
+        variance = x32.pow(2).mean(-1, keepdim=True)
+        normed = (x32 * torch.rsqrt(variance + self.variance_epsilon)).to(x.dtype)
+        return self.weight * normed + self._offset
+
+
+def _hold(module: nn.Module, kind: str) -> None:
+    """Give ``module`` a ``scale`` of 1 as ``kind``: a buffer, a frozen parameter or a plain
+    tensor attribute."""
+    if kind == "buffer":
+        module.register_buffer("scale", torch.tensor(1.0))
+    elif kind == "parameter":
+        module.scale = nn.Parameter(torch.tensor(1.0), requires_grad=False)
+    else:
+        module.scale = torch.tensor(1.0)
+
+
+class ScaledSiLU(nn.Module):
+    """SiLU times the ``scale`` it holds."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        _hold(self, kind)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return nn.functional.silu(x) * self.scale
+
+
+class ScaleHoldingMLP(PlainMLP):
+    """LLaMA's MLP whose product is scaled by the ``scale`` it holds."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        _hold(self, kind)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x) * self.scale)
+
+
+def _stock_and_converted(*modules: nn.Module) -> tuple[nn.Sequential, nn.Sequential]:
+    stock = nn.Sequential(*modules)
+    return stock, convert(stock)
+
+
+def _assert_same_outputs(stock: nn.Module, converted: nn.Module, x: Tensor) -> None:
+    for a, b in zip(stock, converted, strict=True):
+        assert torch.equal(a(x), b(x)), type(a).__name__
+
+
+def test_private_settings_are_part_of_the_answer() -> None:
+    """Two norms of one class differing only in a private attribute are probed each: the one
+    the recipe reproduces converts, the other stays stock (not the first one's recipe)."""
+    torch.manual_seed(0)
+    stock, converted = _stock_and_converted(OffsetNorm(8, 0.0), OffsetNorm(8, 1.0))
+    assert [type(m).__name__ for m in converted] == ["MemSaveOffsetNorm", "OffsetNorm"]
+    _assert_same_outputs(stock, converted, torch.randn(3, 8))
+
+
+@pytest.mark.parametrize("place", ["activation", "mlp"])
+@pytest.mark.parametrize("kind", ["buffer", "parameter", "attribute"])
+def test_tensors_no_recipe_reads_keep_a_module_stock(place: str, kind: str) -> None:
+    """A tensor held beside the projections (in the activation or the MLP) may change after
+    conversion (a checkpoint, an optimizer), which a recipe would not follow: stock, reported.
+    At 1 the recipe reproduces it; loading 2 must still match stock."""
+    torch.manual_seed(0)
+    if place == "activation":
+        mlp = PlainMLP()
+        mlp.act_fn = ScaledSiLU(kind)
+    else:
+        mlp = ScaleHoldingMLP(kind)
+    stock, converted = _stock_and_converted(mlp)
+    assert converted_counts(converted) == {}
+    assert unrecognised_counts(converted) == {type(mlp).__name__: 1}
+    for model in (stock, converted):
+        holder = model[0].act_fn if place == "activation" else model[0]
+        with torch.no_grad():
+            holder.scale.fill_(2.0)
+    _assert_same_outputs(stock, converted, torch.randn(3, 8))
+
+
+def test_a_tensor_attribute_keeps_a_norm_stock() -> None:
+    norm = OffsetNorm(8, 0.0)
+    norm._offset = torch.tensor(0.0)
+    assert recognise(norm, "rmsnorm") is None
+
+
+def test_setting_an_attribute_probes_again() -> None:
+    """A converted module whose settings change keeps a recipe only where one reproduces them."""
+    torch.manual_seed(0)
+    stock, converted = _stock_and_converted(OffsetNorm(8, 0.0), PlainMLP())
+    norm, mlp = converted
+    x = torch.randn(3, 8)
+    for model in (stock, converted):
+        model[0].variance_epsilon = 1e-2  # read at each call: still LLaMA's
+    assert type(norm).__name__ == "MemSaveOffsetNorm"
+    for model in (stock, converted):
+        model[0]._offset = 0.5
+        model[1].act_fn = nn.GELU(approximate="tanh")
+    assert type(norm) is OffsetNorm
+    converted.eval()  # the mode is no setting
+    assert converted_counts(converted) == {"PlainMLP": 1}
+    _assert_same_outputs(stock.eval(), converted, x)
+    for model in (stock, converted):
+        model[1].act_fn = nn.Tanh()
+    assert type(mlp) is PlainMLP
+    _assert_same_outputs(stock, converted, x)
