@@ -56,10 +56,10 @@ def profile(
     """Measure ``model`` (a spec such as ``"torchvision:resnet101"``) for every case x impl.
 
     Every run happens in its own worker process (``timeout`` seconds each, ``workers`` at once);
-    ``on_plan`` learns how many runs there will be (after skipped cases are dropped) and
-    ``on_run`` sees each run as it finishes; ``threads`` sets cpu timing's intra-op threads.
-    ``device="auto"`` is cuda when available, else meta; there a model that needs real data
-    (detection) is measured on cpu instead. ``inputs`` says what language models are fed
+    ``on_plan`` learns how many runs there will be (after skipped cases are dropped; again when
+    a fallback to cpu adds timing) and ``on_run`` sees each run as it finishes; ``threads`` sets
+    cpu timing's intra-op threads. ``device="auto"`` is cuda when available, else meta; there a
+    model that needs real data (detection) is measured and timed on cpu instead. ``inputs`` says what language models are fed
     (``auto``: token ids and labels, embeddings where the case differentiates the input;
     ``embeds``: embeddings in every case, as the paper did); ``attention`` forces one attention
     kernel (``auto``: the one a CUDA device picks). Case ``"lora"`` adds peft LoRA adapters with
@@ -129,7 +129,11 @@ def profile(
             raise MemsaveError("nothing to measure: every case was skipped")
     if on_plan is not None:
         on_plan(len(jobs) + (len(selected) if paired else 0))
-    runs, chosen = _run_with_fallback(jobs, device, timeout, workers, on_run, notes)
+    runs, chosen, moved = _run_with_fallback(jobs, device, timeout, workers, on_run, notes)
+    if moved and repeat > 0:  # measured on cpu after all: timed as on cpu
+        paired, jobs = True, moved
+        if on_plan is not None:
+            on_plan(len(runs) + len({job.case.label for job in moved}))
     if paired:
         timed = [replace(job, repeat=repeat) for job in jobs]
         runs, failures = time_runs(timed, runs, timeout=timeout, threads=threads, on_done=on_run)
@@ -165,6 +169,10 @@ def _case_settings(spec: ModelSpec, cases: Sequence[Case]) -> dict[str, object]:
     }
 
 
+#: How the note on ``auto`` without a GPU begins.
+AUTO_ON_META = "device auto: no CUDA device, so memory is estimated on meta"
+
+
 def resolve_device(
     device: str, notes: list[str], fsdp: int | None = None, reshard: bool = True
 ) -> str:
@@ -177,8 +185,7 @@ def resolve_device(
             notes.append("device auto: measuring on cuda")
             return "cuda"
         notes.append(
-            "device auto: no CUDA device, so memory is estimated on meta "
-            "(exact tensor accounting, no time); use --device cpu for times"
+            f"{AUTO_ON_META} (exact tensor accounting, no time); use --device cpu for times"
         )
         return "meta"
     if device not in DEVICES:
@@ -263,34 +270,39 @@ def _run_with_fallback(
     workers: int | None,
     on_run: Callable[[Run], None] | None,
     notes: list[str],
-) -> tuple[list[Run], str]:
+) -> tuple[list[Run], str, list[Job]]:
     """Run ``jobs``; with ``auto`` on meta, rerun on cpu every run of a case in which a run needs
     real data, so that the two implementations of a case are measured alike (a model that
-    computes with tensor values may do so in one run and not in another: random masking)."""
+    computes with tensor values may do so in one run and not in another: random masking). The
+    runs, the device they report, and the jobs rerun on cpu (memory only: the caller times them
+    as cpu runs are timed)."""
     fallback = device == "auto" and jobs[0].device == "meta"
     report = on_run if on_run is not None else (lambda run: None)
     runs = run_jobs(
         jobs, timeout=timeout, workers=workers, on_done=None if fallback else _reporting(report)
     )
     if not fallback:
-        return runs, jobs[0].device
+        return runs, jobs[0].device, []
     cases = {run.case for run in runs if _needs_real_data(run)}
     redo = [i for i, run in enumerate(runs) if run.case in cases]
     for i, run in enumerate(runs):
         if i not in redo:
             report(run)
     if not redo:
-        return runs, jobs[0].device
-    cpu_jobs = [_on_cpu(jobs[i]) for i in redo]
+        return runs, jobs[0].device, []
+    cpu_jobs = [replace(jobs[i], device="cpu", repeat=0) for i in redo]
     cpu_runs = run_jobs(cpu_jobs, timeout=timeout, on_done=_reporting(report))
     for i, run in zip(redo, cpu_runs, strict=True):
         runs[i] = run
+    moved_all = len(redo) == len(runs)
+    if moved_all:  # nothing was estimated on meta after all
+        notes[:] = [note for note in notes if not note.startswith(AUTO_ON_META)]
     notes.append(
         f"{jobs[0].spec.text} computes with tensor values, which meta tensors do not have: "
-        f"case {', '.join(sorted(cases))} measured on cpu instead (exact tensor accounting, "
-        "real times)"
+        f"case {', '.join(sorted(cases))} measured on cpu instead (exact tensor accounting on "
+        "real data)"
     )
-    return runs, "cpu" if len(redo) == len(runs) else "meta"
+    return runs, "cpu" if moved_all else "meta", cpu_jobs
 
 
 def _reporting(report: Callable[[Run], None]) -> Callable[[Job, Run], None]:
@@ -299,7 +311,3 @@ def _reporting(report: Callable[[Run], None]) -> Callable[[Job, Run], None]:
 
 def _needs_real_data(run: Run) -> bool:
     return run.error is not None and run.error.startswith(NEEDS_REAL_DATA)
-
-
-def _on_cpu(job: Job) -> Job:
-    return replace(job, device="cpu")

@@ -9,6 +9,7 @@ from memsave_cli.api import profile
 from memsave_cli.cases import Case
 from memsave_cli.errors import CaseError, MemsaveError, SpecError
 from memsave_cli.measure import Job, measure
+from memsave_cli.render import summary
 from memsave_cli.report import Report, Status
 from memsave_cli.specs import parse_spec
 
@@ -92,8 +93,13 @@ def test_auto_falls_back_to_cpu_when_meta_cannot_run() -> None:
     )
     assert report.device == "cpu"
     assert all(r.ok and r.time_s is not None for r in report.runs)
-    assert len(seen) == 2 and all(r.ok for r in seen)  # the meta failures are not reported
+    # timed as on cpu: rounds alternating the implementations in one worker, a ratio's spread
+    assert all(len(r.times_s) >= 2 and len(r.times_s) % 2 == 0 for r in report.runs)
+    assert "alternating the implementations" in summary.provenance(report)
+    # the cpu runs, then the timing worker's cases; the meta failures are not reported
+    assert len(seen) == 4 and all(r.ok for r in seen)
     assert any("measured on cpu instead" in note for note in report.notes)
+    assert not any("estimated on meta" in note for note in report.notes)
 
 
 @no_cuda
@@ -119,7 +125,7 @@ def test_fallback_reruns_both_implementations_of_a_case(monkeypatch: pytest.Monk
 
     monkeypatch.setattr(api, "run_jobs", run_jobs)
     seen: list[Run] = []
-    report = profile("fixtures_tracker:mlp", cases=("all", "input"), on_run=seen.append)
+    report = profile("fixtures_tracker:mlp", cases=("all", "input"), on_run=seen.append, repeat=0)
     device = {(r.case, r.impl): "cpu" if r.param_bytes == 3 else "meta" for r in report.runs}
     assert device == {
         ("all", "stock"): "cpu",
@@ -129,6 +135,20 @@ def test_fallback_reruns_both_implementations_of_a_case(monkeypatch: pytest.Monk
     }
     assert all(r.ok for r in report.runs) and sorted(seen, key=id) == sorted(report.runs, key=id)
     assert any("case all measured on cpu instead" in note for note in report.notes)
+    assert any("estimated on meta" in note for note in report.notes)  # case input still is
+
+    timed: list[Job] = []
+
+    def time_runs(jobs, runs, **kwargs):
+        timed.extend(jobs)
+        return runs, []
+
+    monkeypatch.setattr(api, "time_runs", time_runs)
+    profile("fixtures_tracker:mlp", cases=("all", "input"), repeat=2)
+    assert [(job.case.label, job.impl, job.device, job.repeat) for job in timed] == [
+        ("all", "stock", "cpu", 2),
+        ("all", "memsave", "cpu", 2),
+    ]
 
 
 def test_explicit_meta_reports_why_it_cannot_run() -> None:
