@@ -21,10 +21,16 @@ def fit_view(result: FitResult) -> Group:
         f"(peak of {step}{_forced(result)}, on {result.device})",
         style="italic",
     )
+    parts = [heading, fit_table(result)]
+    if any(row.batch_size >= result.max_batch_size for row in result.rows):
+        parts.append(
+            Text(
+                f"+ the largest batch size tried ({result.max_batch_size}, --max-batch-size) "
+                "fits: the search stops there, more may fit"
+            )
+        )
     failures = failures_table(result)
-    if failures is None:
-        return Group(heading, fit_table(result))
-    return Group(heading, fit_table(result), Text(""), failures)
+    return Group(*parts) if failures is None else Group(*parts, Text(""), failures)
 
 
 def _forced(result: FitResult) -> str:

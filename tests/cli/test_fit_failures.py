@@ -247,6 +247,11 @@ def test_gain_is_unknown_where_stock_reached_the_largest_batch_size():
     text = _table((FitRow("all", "stock", 64, 10), FitRow("all", "memsave", 64, 8)))
     row = next(line for line in text.splitlines() if line.startswith("│ all"))
     assert "64+" in row and "x1.00" not in row and row.endswith("│    - │")
+    assert "+ the largest batch size tried (64, --max-batch-size) fits" in text
+
+
+def test_no_cap_note_below_the_largest_batch_size():
+    assert "largest batch size tried" not in _table((FitRow("all", "stock", 63, 10),))
 
 
 def test_gain_is_a_lower_bound_where_only_memsave_reached_it():
