@@ -67,11 +67,13 @@ def gated_product(gate: Tensor, up: Tensor, activation: str) -> Tensor:
     return GatedProductFunction.apply(gate, up, activation)
 
 
-#: MLP layouts: how the projections produce ``gate`` and ``up``.
+#: MLP layouts: how the projections produce ``gate`` and ``up`` (split ones in the order of the
+#: calls, which decides the order in which the engine adds the input's gradients).
 #:   split:     down(act(gate_proj(x)) * up_proj(x))                   (LLaMA, Mistral, Qwen2, Gemma)
+#:   split_up:  down(up_proj(x) * act(gate_proj(x)))                   (Falcon-H1)
 #:   fused:     gate, up = gate_up_proj(x).chunk(2, -1); down(up * act(gate))   (Phi-3)
 #:   fused_up:  up, gate = gate_up_proj(x).chunk(2, -1); down(up * act(gate))
-LAYOUTS = ("split", "fused", "fused_up")
+LAYOUTS = ("split", "split_up", "fused", "fused_up")
 
 
 def gated_mlp(module: nn.Module, x: Tensor, layout: str, activation: str) -> Tensor:
@@ -80,6 +82,9 @@ def gated_mlp(module: nn.Module, x: Tensor, layout: str, activation: str) -> Ten
     if layout == "split":
         gate = module.gate_proj(x)
         return module.down_proj(gated_product(gate, module.up_proj(x), activation))
+    if layout == "split_up":
+        up = module.up_proj(x)
+        return module.down_proj(gated_product(module.gate_proj(x), up, activation))
     first, second = module.gate_up_proj(x).chunk(2, dim=-1)
     gate, up = (first, second) if layout == "fused" else (second, first)
     return module.down_proj(gated_product(gate, up, activation))

@@ -51,7 +51,8 @@ def probe_recipes(module: nn.Module, kind: str, eps_name: str | None) -> Recipe 
                 if all(_same(_norm_probe(module, recipe, case)) for case in _norm_cases()):
                     return recipe
             return None
-        layouts = ("split",) if hasattr(module, "gate_proj") else LAYOUTS[1:]
+        split = hasattr(module, "gate_proj")
+        layouts = [layout for layout in LAYOUTS if layout.startswith("split") == split]
         for layout in layouts:
             for activation in ACTIVATIONS:
                 recipe = Recipe(kind, layout, activation)
@@ -222,17 +223,23 @@ def _mlp_probe(module: nn.Module, recipe: Recipe, case: _Case) -> Iterator[tuple
 def _compare(
     stock: Callable, ours: Callable[[Tensor], Tensor], probe: nn.Module, x: Tensor, grad: Tensor
 ) -> Iterator[tuple[Tensor | None, Tensor | None]]:
-    """Pairs (stock, ours) of output and every gradient; ``(None, 0)`` when either raises."""
-    results = []
-    for run in (lambda t: stock(probe, t), ours):
-        leaves = [x.clone().requires_grad_(), *probe.parameters()]
-        try:
-            out = run(leaves[0])
-            results.append([out, *torch.autograd.grad(out, leaves, grad, allow_unused=True)])
-        except Exception:  # a forward we cannot run is one we do not reproduce
-            yield None, 0
-            return
-    yield from zip(*results, strict=True)
+    """Pairs (stock, ours) of output and every gradient, alone and beside a newer consumer of
+    the input (``f(x) + x``, a residual: the engine adds the input's gradients in the order of
+    the edges, which a recipe calling the projections in another order would change);
+    ``(None, 0)`` when either raises."""
+    for beside in (False, True):
+        results = []
+        for run in (lambda t: stock(probe, t), ours):
+            leaves = [x.clone().requires_grad_(), *probe.parameters()]
+            try:
+                out = run(leaves[0])
+                total = out + leaves[0] if beside else out
+                grads = torch.autograd.grad(total, leaves, grad, allow_unused=True)
+                results.append([out, *grads])
+            except Exception:  # a forward we cannot run is one we do not reproduce
+                yield None, 0
+                return
+        yield from zip(*results, strict=True)
 
 
 def _same(pairs: Iterator[tuple]) -> bool:

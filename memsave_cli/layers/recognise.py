@@ -1,34 +1,35 @@
 """Recognise RMSNorms, gated MLPs and formula activations of any family by what they compute,
 and convert them.
 
-NOTE [converting by behaviour]: Hugging Face (and other libraries) define their own RMSNorm and
-MLP classes, one per model family, which are not in the registry of exact stock classes (NOTE
-[converting by class swap]). A module is a *candidate* by its structure: an RMSNorm candidate is
-a leaf with only a ``weight`` parameter and a float ``eps`` or ``variance_epsilon``; an MLP
-candidate has ``down_proj`` and either ``gate_proj`` and ``up_proj`` or ``gate_up_proj``; an
-activation candidate is a leaf with neither parameters nor buffers, defined outside ``torch.nn``
-(whose activations are single kernels keeping one tensor), holding plain values only (NOTE
-[activations holding only values]). Its forward must take one argument. A candidate is
-converted only if one of memsave's recipes (an RMSNorm style, an MLP layout with an activation,
-an activation's recomputation) reproduces the candidate's own forward *and* its gradients
-bitwise on probe inputs: small CPU copies of the module (its own class and
-settings, fresh small weights), several shapes and dtypes, infinities and NaN included, in
-training and in eval mode (a conversion lasts through ``train()`` and ``eval()``: a forward
-applying dropout in training matches no recipe unless its rate is 0). The answer is cached per
-class and settings, so a model probes each kind of layer once (the probes:
+NOTE [converting by behaviour]: Hugging Face (and other libraries) define their own RMSNorm and MLP
+classes, one per model family, which are not in the registry of exact stock classes (NOTE
+[converting by class swap]). A module is a *candidate* by its structure: an RMSNorm candidate is a
+leaf with only a ``weight`` parameter and a float ``eps`` or ``variance_epsilon``; an MLP candidate
+has ``down_proj`` and either ``gate_proj`` and ``up_proj`` or ``gate_up_proj``; an activation
+candidate is a leaf with neither parameters nor buffers, defined outside ``torch.nn`` (whose
+activations are single kernels keeping one tensor), holding plain values only (NOTE [activations
+holding only values]). Its forward must take one argument. A candidate is converted only if one of
+memsave's recipes (an RMSNorm style, an MLP layout with an activation, an activation's
+recomputation) reproduces the candidate's own forward *and* its gradients bitwise on probe inputs:
+small CPU copies of the module (its own class and settings, fresh small weights), several shapes and
+dtypes, infinities and NaN included, alone and beside a residual (``f(x) + x``: the input's
+gradients add in the order of its uses, so a recipe must call the projections in the module's
+order), in training and in eval mode (a conversion lasts through ``train()`` and ``eval()``: a
+forward applying dropout in training matches no recipe unless its rate is 0). The answer is cached
+per class and settings, so a model probes each kind of layer once (the probes:
 ``recipe_probes.py``): the settings are every attribute of the module and of every submodule the
-probes keep (all but the projections, which they replace), private ones included, each
-described by value where it can be (numbers, strings, dtypes, functions by name, code and
-defaults: an activation's flags and the function it picked, a dropout's rate) and otherwise by
-``repr``, which for most objects names the instance, so that such a module is probed on its own.
-A recipe computes from the projections, an RMSNorm's weight and its epsilon only, so a candidate
-whose kept parts hold any other tensor (a buffer, a parameter, a tensor attribute) stays stock:
-its value may differ from the probes' (a checkpoint loaded, an optimizer step) where the recipe
-would not follow. Setting an attribute of a converted module probes it again (a changed epsilon
-is read at each call anyway); a change inside an object it holds is not seen (revert, then
-convert again). Anything else stays stock, and :func:`unrecognised_counts` names the RMSNorm and
-MLP look-alikes among it (an activation left stock is one recomputing would not serve or gain
-from: NOTE [what a formula activation keeps] in ``recomputed.py``).
+probes keep (all but the projections, which they replace), private ones included, each described by
+value where it can be (numbers, strings, dtypes, functions by name, code and defaults: an
+activation's flags and the function it picked, a dropout's rate) and otherwise by ``repr``, which
+for most objects names the instance, so that such a module is probed on its own. A recipe computes
+from the projections, an RMSNorm's weight and its epsilon only, so a candidate whose kept parts hold
+any other tensor (a buffer, a parameter, a tensor attribute) stays stock: its value may differ from
+the probes' (a checkpoint loaded, an optimizer step) where the recipe would not follow. Setting an
+attribute of a converted module probes it again (a changed epsilon is read at each call anyway); a
+change inside an object it holds is not seen (revert, then convert again). Anything else stays
+stock, and :func:`unrecognised_counts` names the RMSNorm and MLP look-alikes among it (an activation
+left stock is one recomputing would not serve or gain from: NOTE [what a formula activation keeps]
+in ``recomputed.py``).
 
 A recognised class ``C`` is converted by assigning ``module.__class__`` to ``MemSaveC``, a
 subclass of ``C`` created once per (class, recipe) whose members are the recipe's ``forward``

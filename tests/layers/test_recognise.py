@@ -468,3 +468,52 @@ def test_setting_an_attribute_probes_again() -> None:
         model[1].act_fn = nn.Tanh()
     assert type(mlp) is PlainMLP
     _assert_same_outputs(stock, converted, x)
+
+
+class UpFirstMLP(ScaledMLP):
+    """LLaMA's MLP calling ``up_proj`` first (Falcon-H1's order): the same output, but beside a
+    residual the input's gradients add in another order."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(self.up_proj(x) * self.act_fn(self.gate_proj(x)))
+
+
+class Residual(nn.Module):
+    def __init__(self, mlp: nn.Module) -> None:
+        super().__init__()
+        self.mlp = mlp
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x + self.mlp(x)
+
+
+@pytest.mark.parametrize("mlp", [PlainMLP, UpFirstMLP])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_residual_block_is_bitwise_whichever_projection_comes_first(
+    mlp: type[nn.Module], dtype: torch.dtype
+) -> None:
+    """``x + mlp(x)``, as in every transformer block: converted, with the input's gradient as
+    stock's (the recipe calls the projections in the module's order)."""
+    torch.manual_seed(0)
+    stock = Residual(mlp()).to(dtype)
+    converted = convert(stock)
+    assert converted_counts(converted) == {mlp.__name__: 1}
+    x = torch.randn(4, 5, 8).to(dtype)
+    grads = []
+    for model in (stock, converted):
+        leaf = x.clone().requires_grad_()
+        model(leaf).square().sum().backward()
+        grads.append(leaf.grad)
+    assert torch.equal(*grads)
+
+
+def test_the_probes_see_the_order_of_the_projections(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without the layout calling ``up_proj`` first, such an MLP matches none: alone the
+    probes could not tell, beside a residual they do."""
+    from memsave_cli.layers import recipe_probes
+    from memsave_cli.layers import recognise as recognising
+
+    monkeypatch.setattr(recipe_probes, "LAYOUTS", ("split", "fused", "fused_up"))
+    monkeypatch.setattr(recognising, "_RECIPES", {})
+    assert recognise(UpFirstMLP(), "gated_mlp") is None
+    assert recognise(PlainMLP(), "gated_mlp") is not None
