@@ -18,18 +18,20 @@ order), in training and in eval mode (a conversion lasts through ``train()`` and
 forward applying dropout in training matches no recipe unless its rate is 0). The answer is cached
 per class and settings, so a model probes each kind of layer once (the probes:
 ``recipe_probes.py``): the settings are every attribute of the module and of every submodule the
-probes keep (all but the projections, which they replace), private ones included, each described by
-value where it can be (numbers, strings, dtypes, functions by name, code and defaults: an
-activation's flags and the function it picked, a dropout's rate) and otherwise by ``repr``, which
-for most objects names the instance, so that such a module is probed on its own. A recipe computes
-from the projections, an RMSNorm's weight and its epsilon only, so a candidate whose kept parts hold
-any other tensor (a buffer, a parameter, a tensor attribute) stays stock: its value may differ from
-the probes' (a checkpoint loaded, an optimizer step) where the recipe would not follow. Setting an
-attribute of a converted module probes it again (a changed epsilon is read at each call anyway); a
-change inside an object it holds is not seen (revert, then convert again). Anything else stays
-stock, and :func:`unrecognised_counts` names the RMSNorm and MLP look-alikes among it (an activation
-left stock is one recomputing would not serve or gain from: NOTE [what a formula activation keeps]
-in ``recomputed.py``).
+probes keep (all but the projections, which they replace), private ones included, and their classes'
+attributes, each described by value where it can be (numbers, strings, dtypes, functions by name,
+code and defaults: an activation's flags and the function it picked, a dropout's rate) and objects
+by what they hold (not by ``repr``, which may leave some of it out). A recipe computes from the
+projections, an RMSNorm's weight and its epsilon only, so a candidate whose kept parts hold any
+other tensor or module (a buffer, a parameter, one anywhere in their attributes, an MLP's submodule
+other than its activation) or whose activation has hooks stays stock: such state may differ from the
+probes' (a checkpoint loaded, an optimizer step, a dropout rate set) or go uncalled where the recipe
+would not follow. Setting an attribute of a converted module probes it again (a changed epsilon is
+read at each call anyway); a change inside an object it holds or to its class is not seen, nor hooks
+added to a converted MLP's activation (revert, then convert again). Anything else stays stock, and
+:func:`unrecognised_counts` names the RMSNorm and MLP look-alikes among it (an activation left stock
+is one recomputing would not serve or gain from: NOTE [what a formula activation keeps] in
+``recomputed.py``).
 
 A recognised class ``C`` is converted by assigning ``module.__class__`` to ``MemSaveC``, a
 subclass of ``C`` created once per (class, recipe) whose members are the recipe's ``forward``
@@ -268,28 +270,44 @@ def _by_value(value: object) -> bool:
 
 def _settings_key(module: nn.Module, kind: str) -> tuple | None:
     """What a recipe may depend on: the class and every attribute of the module and of each
-    submodule the probes keep (NOTE [converting by behaviour]); None where one of them holds a
-    tensor a recipe does not use (anything but an RMSNorm's ``weight``)."""
+    submodule the probes keep, and their classes' attributes (NOTE [converting by behaviour]).
+    None where the recipe would not follow what they hold: a tensor or module among them
+    (anything but an RMSNorm's ``weight``), a submodule of an MLP that is not its activation,
+    or hooks on the activation (the recipe does not call it)."""
+    kept = _kept_modules(module)
+    if kind == "gated_mlp":
+        allowed = {id(module), *(id(sub) for sub in _act(module).modules())}
+        if any(id(sub) not in allowed or _has_hooks(sub) for _, sub in kept[1:]):
+            return None
     parts = []
-    for name, sub in _kept_modules(module):
+    for name, sub in kept:
         own = {n: p for n, p in sub._parameters.items() if p is not None}
         if sub._buffers or own.keys() - ({"weight"} if name == "" and kind == "rmsnorm" else set()):
             return None
-        settings = [(k, v) for k, v in vars(sub).items() if k not in _MODULE_ATTRIBUTES]
-        if any(_holds_tensor(v) for _, v in settings):
+        settings = {k: v for k, v in vars(sub).items() if k not in _MODULE_ATTRIBUTES}
+        try:
+            parts.append((name, type(sub), _described(settings), _class_settings(type(sub))))
+        except _HoldsState:
             return None
-        described = sorted((k, _described(v)) for k, v in settings)
-        parts.append((name, type(sub), tuple(described)))
     return tuple(parts)
 
 
-def _holds_tensor(value: object) -> bool:
-    """Whether ``value`` is a tensor or a tuple, list or dict holding one."""
-    if isinstance(value, Tensor):
-        return True
-    if type(value) in (tuple, list):
-        return any(_holds_tensor(v) for v in value)
-    return isinstance(value, dict) and any(_holds_tensor(v) for v in value.values())
+def _has_hooks(module: nn.Module) -> bool:
+    hooks = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+    return any(getattr(module, name, None) for name in hooks)
+
+
+def _class_settings(cls: type) -> object:
+    """The attributes other than functions of ``cls`` and its bases outside torch, described."""
+    return _described(
+        [
+            (k, v)
+            for base in cls.__mro__
+            if base.__module__ is not None and not base.__module__.startswith("torch")
+            for k, v in vars(base).items()
+            if not k.startswith("__") and not callable(v)
+        ]
+    )
 
 
 def _kept_modules(module: nn.Module, prefix: str = "") -> list[tuple[str, nn.Module]]:
@@ -301,29 +319,50 @@ def _kept_modules(module: nn.Module, prefix: str = "") -> list[tuple[str, nn.Mod
     return kept
 
 
-def _described(value: object) -> object:
-    """``value`` as a hashable description that tells apart what may compute differently."""
-    if value is None or type(value) in (bool, int, float, str):
+class _HoldsState(Exception):
+    """A tensor or a module among a module's settings: state that a recipe would not follow."""
+
+
+#: How deep :func:`_described` looks into objects; deeper ones stand for themselves.
+_DEPTH = 6
+
+
+def _described(value: object, depth: int = 0) -> object:
+    """``value`` as a hashable description that tells apart what may compute differently:
+    plain values by value, containers and objects by what they hold (their attributes, not their
+    ``repr``, which may leave some out), functions by name, code and defaults; raises
+    :class:`_HoldsState` where it meets a tensor or a module."""
+    if value is None or type(value) in (bool, int, float, complex, str, bytes):
         return value
-    if isinstance(value, (tuple, list)):
-        return (type(value).__name__, *[_described(v) for v in value])
-    if isinstance(value, dict):
-        return ("dict", *sorted((repr(k), _described(v)) for k, v in value.items()))
+    if isinstance(value, (Tensor, nn.Module)):
+        raise _HoldsState
     if isinstance(value, (torch.dtype, torch.device)):
         return str(value)
+    if depth > _DEPTH:  # this object only
+        return ("object", type(value), id(value))
+    inner = functools.partial(_described, depth=depth + 1)
+    if isinstance(value, (tuple, list)):  # named tuples too
+        return (type(value), *map(inner, value))
+    if isinstance(value, (set, frozenset)):
+        return (type(value), *sorted(map(inner, value), key=repr))
+    if isinstance(value, dict):
+        return ("dict", *sorted((repr(k), inner(v)) for k, v in value.items()))
     if isinstance(value, functools.partial):
-        return ("partial", _described(value.func), _described(value.args),
-                _described(value.keywords))  # fmt: skip
-    function = getattr(value, "__func__", value)  # a bound method: its function
+        return ("partial", inner(value.func), inner(value.args), inner(value.keywords))
+    function = getattr(value, "__func__", value)  # a bound method: its function and its object
     if callable(function) and hasattr(function, "__qualname__"):
         # Python functions by their code and defaults as well: two lambdas of one scope share a
         # qualified name, and one function made twice shares its code.
         code = id(function.__code__) if hasattr(function, "__code__") else None
-        defaults = _described(getattr(function, "__defaults__", None))
-        keyword_defaults = _described(getattr(function, "__kwdefaults__", None))
+        defaults = inner(getattr(function, "__defaults__", None))
+        keyword_defaults = inner(getattr(function, "__kwdefaults__", None))
+        owner = getattr(value, "__self__", None)
+        bound = None if owner is None or isinstance(owner, types.ModuleType | type) else owner
         name = function.__qualname__
         return ("callable", getattr(function, "__module__", None), name, code, defaults,
-                keyword_defaults)  # fmt: skip
+                keyword_defaults, inner(bound))  # fmt: skip
+    if hasattr(value, "__dict__") and not isinstance(value, type):
+        return ("object", type(value), inner(vars(value)))
     try:
         return ("object", type(value), repr(value))
     except Exception:  # a repr that fails: this instance only

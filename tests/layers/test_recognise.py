@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import copy
 
 import pytest
@@ -306,7 +307,8 @@ class DropoutMLP(ScaledMLP):
     def __init__(self, p: float, functional: bool = False) -> None:
         super().__init__()
         self.functional, self.rate = functional, p
-        self.dropout = nn.Dropout(p)
+        if not functional:
+            self.dropout = nn.Dropout(p)
 
     def forward(self, x: Tensor) -> Tensor:
         product = self.act_fn(self.gate_proj(x)) * self.up_proj(x)
@@ -321,11 +323,16 @@ class DropoutMLP(ScaledMLP):
 def test_mlp_dropout_is_kept_in_every_mode(functional: bool) -> None:
     """A conversion lasts through ``train()``: an MLP whose dropout is off in eval mode still
     applies it in training, which no recipe does, so it stays stock wherever it was converted;
-    a rate of 0 converts, and is not taken for another rate's answer."""
+    a rate of 0 held as a number converts (setting another probes again), and is not taken for
+    another rate's answer; a dropout module, whose rate may be set later, keeps it stock."""
     for mode in (False, True):
         model = nn.Sequential(DropoutMLP(0.5, functional)).train(mode)
         assert type(convert(model)[0]) is DropoutMLP
-    assert type(convert(nn.Sequential(DropoutMLP(0.0, functional)))[0]) is not DropoutMLP
+    converted = convert(nn.Sequential(DropoutMLP(0.0, functional)))
+    assert (type(converted[0]) is DropoutMLP) is not functional
+    if functional:
+        converted[0].rate = 0.5
+        assert type(converted[0]) is DropoutMLP
     converted = convert(nn.Sequential(DropoutMLP(0.5, functional)).eval()).train()
     x = torch.randn(3, 8)
     assert not torch.equal(converted(x), converted.eval()(x))  # dropout applied in training
@@ -517,3 +524,91 @@ def test_the_probes_see_the_order_of_the_projections(monkeypatch: pytest.MonkeyP
     monkeypatch.setattr(recognising, "_RECIPES", {})
     assert recognise(UpFirstMLP(), "gated_mlp") is None
     assert recognise(PlainMLP(), "gated_mlp") is not None
+
+
+class Switches:
+    """A config object whose ``repr`` leaves out the switch a forward reads."""
+
+    def __init__(self, zero_centred: bool) -> None:
+        self.zero_centred = zero_centred
+
+    def __repr__(self) -> str:
+        return "Switches()"
+
+
+class SwitchedNorm(OffsetNorm):
+    """An LLaMA RMSNorm, or Gemma's ``1 + weight`` where its class or its config says so."""
+
+    zero_centred = False
+
+    def __init__(self, size: int, config: Switches | None = None) -> None:
+        super().__init__(size, 0.0)
+        self.config = config or Switches(False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x32 = x.to(torch.float32)
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        shifted = self.zero_centred or self.config.zero_centred
+        return (1.0 + self.weight if shifted else self.weight) * normed.to(x.dtype)
+
+
+def test_settings_are_described_by_what_objects_hold_not_their_repr() -> None:
+    torch.manual_seed(0)
+    modules = SwitchedNorm(8, Switches(False)), SwitchedNorm(8, Switches(True))
+    stock, converted = _stock_and_converted(*modules)
+    assert [type(m).__name__ for m in converted] == ["MemSaveSwitchedNorm", "SwitchedNorm"]
+    _assert_same_outputs(stock, converted, torch.randn(3, 8))
+
+
+def test_class_attributes_are_part_of_the_answer(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A class switched between two conversions is probed again."""
+    assert converted_counts(convert(nn.Sequential(SwitchedNorm(8)))) == {"SwitchedNorm": 1}
+    monkeypatch.setattr(SwitchedNorm, "zero_centred", True)
+    stock, converted = _stock_and_converted(SwitchedNorm(8))
+    assert converted_counts(converted) == {}
+    _assert_same_outputs(stock, converted, torch.randn(3, 8))
+
+
+Pair = collections.namedtuple("Pair", "gamma beta")
+
+
+class HeldMLP(PlainMLP):
+    """LLaMA's MLP scaled by a tensor it holds out of the registry: a parameter of a module held
+    in a list (one shared module), or a tensor in a named tuple."""
+
+    def __init__(self, held: object) -> None:
+        super().__init__()
+        self.held = held
+
+    def forward(self, x: Tensor) -> Tensor:
+        held = self.held
+        scale = held.gamma if isinstance(held, Pair) else held[0].gamma
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x)) * scale
+
+
+@pytest.mark.parametrize("held", ["module in a list", "named tuple"])
+def test_tensors_held_out_of_the_registry_keep_a_module_stock(held: str) -> None:
+    shared = nn.Module()
+    shared.gamma = nn.Parameter(torch.ones(()))  # a 0-d scale keeps the product's dtype
+    value = [shared] if held == "module in a list" else Pair(torch.ones(()), torch.zeros(()))
+    converted = convert(nn.Sequential(HeldMLP(value)))
+    assert converted_counts(converted) == {}
+    assert unrecognised_counts(converted) == {"HeldMLP": 1}
+
+
+def test_an_mlp_holding_more_than_its_activation_stays_stock() -> None:
+    """A dropout of rate 0 computes nothing, but a rate set after conversion would go uncalled."""
+    mlp = PlainMLP()
+    mlp.dropout = nn.Dropout(0.0)
+    assert recognise(mlp, "gated_mlp") is None
+
+
+def test_hooks_on_the_activation_keep_an_mlp_stock() -> None:
+    """The recipe never calls the activation module, whose hooks would not run: stock, also
+    where another instance without hooks was converted first."""
+    torch.manual_seed(0)
+    mlps = PlainMLP(), PlainMLP()
+    mlps[1].act_fn.register_forward_hook(lambda module, args, out: out * 2)
+    stock, converted = _stock_and_converted(*mlps)
+    assert [type(m).__name__ for m in converted] == ["MemSavePlainMLP", "PlainMLP"]
+    _assert_same_outputs(stock, converted, torch.randn(3, 8))
