@@ -84,14 +84,16 @@ def _norm_cases() -> list[_Case]:
             _Case((5, 16), bf16, bf16),
             _Case((3, 9), f16, f16),
             _Case((2, 2, 7), bf16, f32),
+            _Case((2, 5), f32, bf16),  # a float32 residual stream, half weights
             _Case((3, 7), torch.float64, torch.float64),
         ]
     )
 
 
 def _mlp_cases() -> list[_Case]:
-    f32, bf16 = torch.float32, torch.bfloat16
-    return _both_modes([_Case((2, 3, 6), f32, f32), _Case((5, 6), bf16, bf16)])
+    f32, bf16, f16 = torch.float32, torch.bfloat16, torch.float16
+    cases = [_Case((2, 3, 6), f32, f32), _Case((5, 6), bf16, bf16), _Case((3, 6), f16, f16)]
+    return _both_modes(cases)
 
 
 def _activation_cases() -> list[_Case]:
@@ -227,12 +229,15 @@ def _compare(
     the input (``f(x) + x``, a residual: the engine adds the input's gradients in the order of
     the edges, which a recipe calling the projections in another order would change);
     ``(None, 0)`` when either raises."""
+    settings = [_settings_of(module) for module in probe.modules()]
     for beside in (False, True):
         results = []
         for run in (lambda t: stock(probe, t), ours):
             leaves = [x.clone().requires_grad_(), *probe.parameters()]
             try:
                 out = run(leaves[0])
+                if [_settings_of(module) for module in probe.modules()] != settings:
+                    raise ValueError("the forward changes the module, which a recipe would not")
                 total = out + leaves[0] if beside else out
                 grads = torch.autograd.grad(total, leaves, grad, allow_unused=True)
                 results.append([out, *grads])
@@ -312,6 +317,7 @@ class _probing:
             torch.device("cpu"),
             torch.inference_mode(False),
             torch.enable_grad(),
+            torch.autocast("cpu", enabled=False),
             torch.random.fork_rng(devices=[]),
         ]
         for context in self._contexts:

@@ -15,23 +15,24 @@ small CPU copies of the module (its own class and settings, fresh small weights)
 dtypes, infinities and NaN included, alone and beside a residual (``f(x) + x``: the input's
 gradients add in the order of its uses, so a recipe must call the projections in the module's
 order), in training and in eval mode (a conversion lasts through ``train()`` and ``eval()``: a
-forward applying dropout in training matches no recipe unless its rate is 0). The answer is cached
-per class and settings, so a model probes each kind of layer once (the probes:
-``recipe_probes.py``): the settings are every attribute of the module and of every submodule the
-probes keep (all but the projections, which they replace), private ones included, and their classes'
-attributes, each described by value where it can be (numbers, strings, dtypes, functions by name,
-code and defaults: an activation's flags and the function it picked, a dropout's rate) and objects
-by what they hold (not by ``repr``, which may leave some of it out). A recipe computes from the
-projections, an RMSNorm's weight and its epsilon only, so a candidate whose kept parts hold any
-other tensor or module (a buffer, a parameter, one anywhere in their attributes, an MLP's submodule
-other than its activation) or whose activation has hooks stays stock: such state may differ from the
-probes' (a checkpoint loaded, an optimizer step, a dropout rate set) or go uncalled where the recipe
-would not follow. Setting an attribute of a converted module probes it again (a changed epsilon is
-read at each call anyway); a change inside an object it holds or to its class is not seen, nor hooks
-added to a converted MLP's activation (revert, then convert again). Anything else stays stock, and
-:func:`unrecognised_counts` names the RMSNorm and MLP look-alikes among it (an activation left stock
-is one recomputing would not serve or gain from: NOTE [what a formula activation keeps] in
-``recomputed.py``).
+forward applying dropout in training matches no recipe unless its rate is 0). The module's own
+forward must leave its attributes as they were (a recipe would not update a counter), and the probes
+run with autocast off. The answer is cached per class and settings, so a model probes each kind of
+layer once (the probes: ``recipe_probes.py``): the settings are every attribute of the module and of
+every submodule the probes keep (all but the projections, which they replace), private ones
+included, and their classes' attributes, each described by value where it can be (numbers, strings,
+dtypes, functions by name, code and defaults: an activation's flags and the function it picked, a
+dropout's rate) and objects by what they hold (not by ``repr``, which may leave some of it out). A
+recipe computes from the projections, an RMSNorm's weight and its epsilon only, so a candidate whose
+kept parts hold any other tensor or module (a buffer, a parameter, one anywhere in their attributes,
+an MLP's submodule other than its activation) or whose activation has hooks stays stock: such state
+may differ from the probes' (a checkpoint loaded, an optimizer step, a dropout rate set) or go
+uncalled where the recipe would not follow. Setting an attribute of a converted module probes it
+again (a changed epsilon is read at each call anyway); a change inside an object it holds or to its
+class is not seen, nor hooks added to a converted MLP's activation (revert, then convert again).
+Anything else stays stock, and :func:`unrecognised_counts` names the RMSNorm and MLP look-alikes
+among it (an activation left stock is one recomputing would not serve or gain from: NOTE [what a
+formula activation keeps] in ``recomputed.py``).
 
 A recognised class ``C`` is converted by assigning ``module.__class__`` to ``MemSaveC``, a
 subclass of ``C`` created once per (class, recipe) whose members are the recipe's ``forward``
@@ -52,6 +53,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.compiler import is_compiling
 from torch.nn.utils import parametrize
 
 from memsave_cli.layers.gated_mlp import gated_mlp
@@ -101,7 +103,14 @@ def unrecognised_counts(model: nn.Module) -> dict[str, int]:
 
 def candidate_kind(module: nn.Module) -> str | None:
     """``"rmsnorm"``, ``"gated_mlp"`` or ``"activation"`` when ``module`` is built like one, else
-    None."""
+    None (also where looking raises: a property named like a setting that fails or warns)."""
+    try:
+        return _candidate_kind(module)
+    except Exception:
+        return None
+
+
+def _candidate_kind(module: nn.Module) -> str | None:
     cls = type(module)
     if cls in DROP_INS or stock_class(cls) is not None or cls.__module__.startswith("torch.nn"):
         return None
@@ -208,7 +217,9 @@ def _mlp_forward(stock: type[nn.Module], recipe: Recipe) -> Callable:
 
 def _activation_forward(stock: type[nn.Module], recipe: Recipe) -> Callable:
     def forward(self: nn.Module, input: Tensor) -> Tensor:
-        if not (torch.is_grad_enabled() and input.requires_grad):  # no copy where none records
+        # No copy where nothing records; under torch.compile, the compiler decides what its
+        # graph keeps, and a copy would break the graph.
+        if not (torch.is_grad_enabled() and input.requires_grad) or is_compiling():
             return stock.forward(self, input)
         # A snapshot: backward recomputes with the settings and mode of this call (NOTE
         # [activations holding only values]).
@@ -248,13 +259,13 @@ def _activation_key(module: nn.Module) -> tuple | None:
 
 def _by_value(value: object) -> bool:
     """Whether :func:`_described` tells ``value`` apart from every value computing otherwise:
-    numbers, strings, dtypes, devices, containers of them, and functions without closures
+    numbers, strings, dtypes, devices, tuples of them, and functions without closures
     (by name and code), or partial applications of such to such."""
     if value is None or type(value) in (bool, int, float, complex, str):
         return True
     if isinstance(value, (torch.dtype, torch.device)):
         return True
-    if type(value) in (tuple, list):
+    if type(value) is tuple:  # not a list, which may change between forward and backward
         return all(_by_value(v) for v in value)
     if isinstance(value, functools.partial):
         parts = (value.func, *value.args, *value.keywords.values())
@@ -358,15 +369,26 @@ def _described(value: object, depth: int = 0) -> object:
         keyword_defaults = inner(getattr(function, "__kwdefaults__", None))
         owner = getattr(value, "__self__", None)
         bound = None if owner is None or isinstance(owner, types.ModuleType | type) else owner
+        captured = inner(
+            [_cell_value(cell) for cell in getattr(function, "__closure__", None) or ()]
+        )
         name = function.__qualname__
         return ("callable", getattr(function, "__module__", None), name, code, defaults,
-                keyword_defaults, inner(bound))  # fmt: skip
+                keyword_defaults, inner(bound), captured)  # fmt: skip
     if hasattr(value, "__dict__") and not isinstance(value, type):
         return ("object", type(value), inner(vars(value)))
     try:
         return ("object", type(value), repr(value))
     except Exception:  # a repr that fails: this instance only
         return ("object", type(value), id(value))
+
+
+def _cell_value(cell: types.CellType) -> object:
+    """What a closure's cell holds (a marker for a cell not yet filled)."""
+    try:
+        return cell.cell_contents
+    except ValueError:
+        return ("empty cell",)
 
 
 def _eps_name(module: nn.Module) -> str | None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import copy
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -612,3 +613,137 @@ def test_hooks_on_the_activation_keep_an_mlp_stock() -> None:
     stock, converted = _stock_and_converted(*mlps)
     assert [type(m).__name__ for m in converted] == ["MemSavePlainMLP", "PlainMLP"]
     _assert_same_outputs(stock, converted, torch.randn(3, 8))
+
+
+class HalfWeightNorm(OffsetNorm):
+    """LLaMA's norm, but cast to a half weight's dtype rather than the input's (T5's rule)."""
+
+    def __init__(self, size: int) -> None:
+        super().__init__(size, 0.0)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x32 = x.to(torch.float32)
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        half = self.weight.dtype in (torch.float16, torch.bfloat16)
+        return self.weight * normed.to(self.weight.dtype if half else x.dtype)
+
+
+class HalfClampedMLP(PlainMLP):
+    """LLaMA's MLP clamping its product in float16 only (an overflow guard)."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        product = self.act_fn(self.gate_proj(x)) * self.up_proj(x)
+        if product.dtype == torch.float16:
+            product = product.clamp(-1e3, 1e3)
+        return self.down_proj(product)
+
+
+class CountingNorm(OffsetNorm):
+    """LLaMA's norm counting its calls, and clamping once warmed up."""
+
+    def __init__(self, size: int) -> None:
+        super().__init__(size, 0.0)
+        self.calls = 0
+
+    def forward(self, x: Tensor) -> Tensor:
+        self.calls += 1
+        x32 = x.to(torch.float32)
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        normed = normed.clamp(-1, 1) if self.calls > 3 else normed
+        return self.weight * normed.to(x.dtype)
+
+
+@pytest.mark.parametrize("module", [HalfWeightNorm(8), HalfClampedMLP(), CountingNorm(8)])
+def test_probes_cover_half_weights_float16_and_forwards_that_change_the_module(
+    module: nn.Module,
+) -> None:
+    """A float32 input with half weights (a float32 residual stream), a float16 MLP, a forward
+    updating the module's own attributes: each differs from the recipe only there."""
+    assert recognise(module, candidate_kind(module)) is None
+
+
+def test_converting_under_autocast_probes_without_it() -> None:
+    """Under autocast the probes' float32 cases would run in bfloat16 and miss what float32
+    does; the answer, cached, would then serve models converted outside it."""
+
+    class Float32ClampedMLP(PlainMLP):
+        def forward(self, x: Tensor) -> Tensor:
+            product = self.act_fn(self.gate_proj(x)) * self.up_proj(x)
+            if product.dtype == torch.float32:
+                product = product.clamp(-0.5, 0.5)
+            return self.down_proj(product)
+
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert converted_counts(convert(nn.Sequential(Float32ClampedMLP()))) == {}
+
+
+class Applied(nn.Module):
+    """An activation module applying the function it holds."""
+
+    def __init__(self, function: Callable[[Tensor], Tensor]) -> None:
+        super().__init__()
+        self.function = function
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.function(x)
+
+
+def _gelu(approximate: str) -> Callable[[Tensor], Tensor]:
+    return lambda x: nn.functional.gelu(x, approximate=approximate)
+
+
+def test_a_closures_values_are_part_of_the_answer() -> None:
+    """Two lambdas from one factory share their code; what they captured tells them apart."""
+    mlps = PlainMLP(), PlainMLP()
+    mlps[0].act_fn, mlps[1].act_fn = Applied(_gelu("none")), Applied(_gelu("tanh"))
+    recipes = [recognise(mlp, "gated_mlp") for mlp in mlps]
+    assert [recipe.detail for recipe in recipes] == ["gelu", "gelu_tanh"]
+
+
+def test_a_property_that_fails_is_no_candidate() -> None:
+    """Looking for settings evaluates properties; one that raises (or warns, under ``-W
+    error``) leaves its module alone instead of failing the conversion."""
+
+    class Failing(nn.Module):
+        @property
+        def eps(self) -> float:
+            raise RuntimeError("not set up")
+
+        def forward(self, x: Tensor) -> Tensor:
+            return x
+
+    assert candidate_kind(Failing()) is None
+    assert converted_counts(convert(nn.Sequential(Failing()))) == {}
+
+
+class ListedSlope(nn.Module):
+    """QuickGELU with its slope in a list, which may change between a forward and its backward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.slope = [1.702]
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x * torch.sigmoid(self.slope[0] * x)
+
+
+def test_an_activation_holding_a_list_stays_stock() -> None:
+    assert candidate_kind(ListedSlope()) is None
+
+
+def test_compiling_a_recognised_activation_adds_no_graph_break() -> None:
+    """Under torch.compile the activation is the compiler's: no snapshot, no graph break."""
+    from transformers.activations import NewGELUActivation
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc, self.act, self.proj = nn.Linear(4, 8), NewGELUActivation(), nn.Linear(8, 4)
+
+        def forward(self, x: Tensor) -> Tensor:
+            return x + self.proj(self.act(self.fc(x)))
+
+    model = convert(Block())
+    assert converted_counts(model)["NewGELUActivation"] == 1
+    explained = torch._dynamo.explain(model)(torch.randn(2, 4, requires_grad=True))
+    assert explained.graph_break_count == 0
