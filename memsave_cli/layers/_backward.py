@@ -55,12 +55,14 @@ def functions_run(*inputs: torch.Tensor) -> bool:
     traced one records no backward, and must not need memsave's ops to run: it gets stock's.
     A subclass's ``__torch_function__`` (a metadata-carrying tensor, as MONAI's) wraps a
     Function's output as a view of it, which an in-place op after the layer may not modify.
+    An inference tensor (made under ``inference_mode``) cannot be saved for backward, which a
+    Function may do where stock saves only what it computed from it.
     """
     if any(t.is_nested or _wraps_results(t) for t in inputs):
         return False
     if torch.compiler.is_compiling():
         return not torch.compiler.is_exporting()
-    return plain_eager()
+    return plain_eager() and not any(t.is_inference() for t in inputs)
 
 
 def _wraps_results(tensor: torch.Tensor) -> bool:

@@ -27,12 +27,13 @@ recipe computes from the projections, an RMSNorm's weight and its epsilon only, 
 kept parts hold any other tensor or module (a buffer, a parameter, one anywhere in their attributes,
 an MLP's submodule other than its activation) or whose activation has hooks stays stock: such state
 may differ from the probes' (a checkpoint loaded, an optimizer step, a dropout rate set) or go
-uncalled where the recipe would not follow. Setting an attribute of a converted module probes it
-again (a changed epsilon is read at each call anyway); a change inside an object it holds or to its
-class is not seen, nor hooks added to a converted MLP's activation (revert, then convert again).
-Anything else stays stock, and :func:`unrecognised_counts` names the RMSNorm and MLP look-alikes
-among it (an activation left stock is one recomputing would not serve or gain from: NOTE [what a
-formula activation keeps] in ``recomputed.py``).
+uncalled where the recipe would not follow. Setting or deleting an attribute of a converted module
+probes it again, at most :data:`MOST_PROBES_AGAIN` times (a changed epsilon is read at each call
+anyway); a change inside an object it holds or to its class is not seen, nor hooks added to a
+converted MLP's activation (revert, then convert again). Anything else stays stock, and
+:func:`unrecognised_counts` names the RMSNorm and MLP look-alikes among it (an activation left stock
+is one recomputing would not serve or gain from: NOTE [what a formula activation keeps] in
+``recomputed.py``).
 
 A recognised class ``C`` is converted by assigning ``module.__class__`` to ``MemSaveC``, a
 subclass of ``C`` created once per (class, recipe) whose members are the recipe's ``forward``
@@ -48,6 +49,7 @@ import copy
 import functools
 import inspect
 import types
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -153,23 +155,53 @@ def _drop_in_class(stock: type[nn.Module], recipe: Recipe) -> type[nn.Module]:
         namespace["__prepare_scriptable__"] = refuse_scripting
         if recipe.kind != "activation":  # an activation recomputes its own forward
             namespace["__setattr__"] = _setting_probes_again
+            namespace["__delattr__"] = _deleting_probes_again
         _CLASSES[key] = type(f"MemSave{stock.__name__}", (stock,), namespace)
         evaluated_once(_CLASSES[key])  # NOTE [parametrized layers]
     return _CLASSES[key]
 
 
 def _setting_probes_again(self: nn.Module, name: str, value: object) -> None:
-    """Set an attribute of a recognised RMSNorm or MLP, then probe it again: it keeps a recipe
-    that reproduces its new settings, or becomes its stock class."""
-    created = next(cls for cls in type(self).__mro__ if "_memsave_stock" in cls.__dict__)
-    stock, kind = created._memsave_stock, created._memsave_recipe.kind
-    stock.__setattr__(self, name, value)
-    if type(self) is not created or name in _MODULE_ATTRIBUTES:  # parametrized: a subclass
+    """Set an attribute of a recognised RMSNorm or MLP, then probe it again."""
+    created = _created_class(self)
+    created._memsave_stock.__setattr__(self, name, value)
+    _probe_again(self, created, name)
+
+
+def _deleting_probes_again(self: nn.Module, name: str) -> None:
+    """Delete an attribute of a recognised RMSNorm or MLP, then probe it again."""
+    created = _created_class(self)
+    created._memsave_stock.__delattr__(self, name)
+    _probe_again(self, created, name)
+
+
+def _created_class(module: nn.Module) -> type[nn.Module]:
+    return next(cls for cls in type(module).__mro__ if "_memsave_stock" in cls.__dict__)
+
+
+#: How many times a module's changed settings are probed before it is left stock.
+MOST_PROBES_AGAIN = 3
+_PROBED_AGAIN: weakref.WeakKeyDictionary[nn.Module, int] = weakref.WeakKeyDictionary()
+
+
+def _probe_again(module: nn.Module, created: type[nn.Module], name: str) -> None:
+    """After ``name`` of ``module`` changed: it keeps a recipe that reproduces its settings now,
+    or becomes its stock class. Settings that keep changing (a hook recording a statistic at
+    each call) are probed :data:`MOST_PROBES_AGAIN` times, then the module stays stock."""
+    if type(module) is not created or name in _MODULE_ATTRIBUTES:  # parametrized: a subclass
         return
-    self.__class__ = stock
-    recipe = recognise(self, kind) if candidate_kind(self) == kind else None
+    stock, kind = created._memsave_stock, created._memsave_recipe.kind
+    module.__class__ = stock
+    if candidate_kind(module) != kind:
+        return
+    key = _settings_key(module, kind)
+    if key is not None and key not in _RECIPES:
+        if _PROBED_AGAIN.get(module, 0) >= MOST_PROBES_AGAIN:
+            return
+        _PROBED_AGAIN[module] = _PROBED_AGAIN.get(module, 0) + 1
+    recipe = recognise(module, kind)
     if recipe is not None:
-        self.__class__ = _drop_in_class(stock, recipe)
+        module.__class__ = _drop_in_class(stock, recipe)
 
 
 def _reduce_ex(self: nn.Module, protocol: int) -> tuple:
@@ -190,7 +222,11 @@ def _taking_one_argument(stock: type[nn.Module], body: Callable) -> Callable:
     name = parameter.name if parameter.kind is not inspect.Parameter.POSITIONAL_ONLY else None
 
     def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-        if len(args) + len(kwargs) == 1 and (args or (name is not None and name in kwargs)):
+        # Called as a bound method kept from before the module went back to its stock class (a
+        # wrapper's saved forward), it is the stock class's forward.
+        ours = getattr(type(self), "_memsave_stock", None) is stock
+        one = len(args) + len(kwargs) == 1 and (args or (name is not None and name in kwargs))
+        if ours and one:
             return body(self, args[0] if args else kwargs[name])
         return stock.forward(self, *args, **kwargs)
 

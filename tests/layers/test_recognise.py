@@ -747,3 +747,89 @@ def test_compiling_a_recognised_activation_adds_no_graph_break() -> None:
     assert converted_counts(model)["NewGELUActivation"] == 1
     explained = torch._dynamo.explain(model)(torch.randn(2, 4, requires_grad=True))
     assert explained.graph_break_count == 0
+
+
+class CastMLP(PlainMLP):
+    """LLaMA's MLP casting its input to its projections' dtype (a float32 residual stream)."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = x.to(self.gate_proj.weight.dtype)
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+
+def test_an_mlp_casting_its_input_stays_stock() -> None:
+    """Fed float32 into bfloat16 projections, LLaMA's MLP fails as stock does (and converts);
+    one casting first runs, which the recipe would not."""
+    assert recognise(CastMLP(), "gated_mlp") is None
+    assert recognise(PlainMLP(), "gated_mlp") is not None
+
+
+def test_an_inference_tensor_into_a_norm_with_a_trainable_weight() -> None:
+    """Features made under ``inference_mode``: stock keeps only what it computes from them,
+    which the drop-in must do too (autograd cannot save an inference tensor)."""
+    torch.manual_seed(0)
+    stock, converted = _stock_and_converted(nn.RMSNorm(8))
+    with torch.inference_mode():
+        x = torch.randn(3, 8, dtype=torch.bfloat16)
+    grads = []
+    for model in (stock, converted):
+        out = model(x)
+        out.float().sum().backward()
+        grads.append((out, model[0].weight.grad))
+    assert all(torch.equal(a, b) for a, b in zip(*grads, strict=True))
+
+
+def test_settings_that_keep_changing_are_probed_a_few_times(monkeypatch) -> None:
+    """A hook recording a statistic at each call sets a new value each time: probing each
+    would cost a probe per call; after a few the module stays stock."""
+    from memsave_cli.layers import recognise as recognising
+
+    probes = []
+    probe = recognising.probe_recipes
+    monkeypatch.setattr(recognising, "probe_recipes", lambda *a: probes.append(a) or probe(*a))
+    torch.manual_seed(0)
+    stock, converted = _stock_and_converted(PlainMLP())
+    for model in (stock, converted):
+        model[0].register_forward_hook(lambda m, args, out: setattr(m, "last", out.sum().item()))
+    for _ in range(8):
+        _assert_same_outputs(stock, converted, torch.randn(3, 8))
+    assert len(probes) <= 1 + recognising.MOST_PROBES_AGAIN
+    assert type(converted[0]) is PlainMLP
+
+
+def test_a_forward_kept_from_before_follows_the_module() -> None:
+    """A wrapper keeping the bound forward (accelerate's ``_old_forward``) calls stock's once
+    the module went back to its stock class."""
+    torch.manual_seed(0)
+    stock, converted = _stock_and_converted(PlainMLP())
+    kept = converted[0].forward
+    for model in (stock, converted):
+        model[0].act_fn = nn.Tanh()  # no recipe: back to stock
+    assert type(converted[0]) is PlainMLP
+    x = torch.randn(3, 8)
+    assert torch.equal(kept(x), stock[0](x))
+
+
+class ShiftedNorm(OffsetNorm):
+    """Gemma's norm where the instance says so, LLaMA-like (in float32) by its class."""
+
+    zero_centred = False
+
+    def forward(self, x: Tensor) -> Tensor:
+        x32 = x.to(torch.float32)
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        weight = 1.0 + self.weight.float() if self.zero_centred else self.weight.float()
+        return (normed * weight).to(x.dtype)
+
+
+def test_deleting_an_attribute_probes_again() -> None:
+    """Deleting the instance's switch uncovers the class's: another recipe."""
+    torch.manual_seed(0)
+    norm = ShiftedNorm(8, 0.0)
+    norm.zero_centred = True
+    stock, converted = _stock_and_converted(norm)
+    recipe = type(converted[0])._memsave_recipe
+    for model in (stock, converted):
+        del model[0].zero_centred
+    assert type(converted[0])._memsave_recipe != recipe
+    _assert_same_outputs(stock, converted, torch.randn(3, 8))
