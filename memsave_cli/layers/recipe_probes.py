@@ -218,11 +218,23 @@ def _mlp_probe(module: nn.Module, recipe: Recipe, case: _Case) -> Iterator[tuple
     probe = _shallow_copy(module, modules=modules)
     probe.train(case.training)
     x, grad = _probe_input(case, generator), _probe_input(case, generator)
+    # The recipe calls each projection once, as a module (its hooks, adapters): so must stock.
+    projections = sorted(name for name in sizes if hasattr(module, name))
+    calls: list[str] = []
+    for name in projections:
+        modules[name].register_forward_pre_hook(lambda m, args, name=name: calls.append(name))
+
+    def stock(probe: nn.Module, x: Tensor) -> Tensor:
+        calls.clear()
+        out = type(module).forward(probe, x)
+        if sorted(calls) != projections:
+            raise ValueError("the forward does not call each projection once")
+        return out
 
     def ours(x: Tensor) -> Tensor:
         return gated_mlp(probe, x, recipe.variant, recipe.detail)
 
-    yield from _compare(type(module).forward, ours, probe, x, grad, case)
+    yield from _compare(stock, ours, probe, x, grad, case)
 
 
 def _compare(
@@ -237,14 +249,17 @@ def _compare(
     the input (``f(x) + x``, a residual: the engine adds the input's gradients in the order of
     the edges, which a recipe calling the projections in another order would change);
     ``(None, 0)`` when one raises, or both where ``case`` may not fail. A forward that changes
-    its module's attributes counts as failing: a recipe would not change them."""
+    its module's attributes or draws random numbers counts as failing: a recipe would not."""
     settings = [_settings_of(module) for module in probe.modules()]
 
     def outcome(run: Callable[[Tensor], Tensor], beside: bool) -> list | None:
         leaves = [x.clone().requires_grad_(), *probe.parameters()]
+        random_state = _random_states()
         try:
             out = run(leaves[0])
             if [_settings_of(module) for module in probe.modules()] != settings:
+                return None
+            if _random_states() != random_state:  # a draw the recipe would not make
                 return None
             total = out + leaves[0] if beside else out
             return [out, *torch.autograd.grad(total, leaves, grad, allow_unused=True)]

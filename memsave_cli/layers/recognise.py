@@ -16,28 +16,29 @@ dtypes, infinities and NaN included, alone and beside a residual (``f(x) + x``: 
 gradients add in the order of its uses, so a recipe must call the projections in the module's
 order), in training and in eval mode (a conversion lasts through ``train()`` and ``eval()``: a
 forward applying dropout in training matches no recipe unless its rate is 0). The module's own
-forward must leave its attributes as they were (a recipe would not update a counter), and the probes
-run with autocast off. The answer is cached per class and settings, so a model probes each kind of
-layer once (the probes: ``recipe_probes.py``): the settings are every attribute of the module and of
-every submodule the probes keep (all but the projections, which they replace), private ones
-included, and their classes' attributes, each described by value where it can be (numbers, strings,
-dtypes, functions by name, code and defaults: an activation's flags and the function it picked, a
-dropout's rate) and objects by what they hold (not by ``repr``, which may leave some of it out). A
-recipe computes from the projections, an RMSNorm's weight and its epsilon only, so a candidate whose
-kept parts hold any other tensor or module (a buffer, a parameter, one anywhere in their attributes,
-an MLP's submodule other than its activation) or whose activation has hooks stays stock: such state
-may differ from the probes' (a checkpoint loaded, an optimizer step, a dropout rate set) or go
-uncalled where the recipe would not follow. Setting or deleting an attribute of a converted module
-probes it again, at most :data:`MOST_PROBES_AGAIN` times (a changed epsilon is read at each call
-anyway); a change inside an object it holds or to its class is not seen, nor hooks added to a
-converted MLP's activation (revert, then convert again). Anything else stays stock, and
-:func:`unrecognised_counts` names the RMSNorm and MLP look-alikes among it (an activation left stock
-is one recomputing would not serve or gain from: NOTE [what a formula activation keeps] in
-``recomputed.py``).
+forward must leave its attributes and the random states as they were (a recipe would not update a
+counter or draw), and an MLP's must call each projection once as a module (not ``F.linear`` on its
+weight, which skips its hooks and adapters); the probes run with autocast off. The answer is cached
+per class and settings, so a model probes each kind of layer once (the probes:
+``recipe_probes.py``): the settings are every attribute of the module and of every submodule the
+probes keep (all but the projections, which they replace), private ones included, and their classes'
+attributes, each described by value where it can be (numbers, strings, dtypes, functions by name,
+code and defaults: an activation's flags and the function it picked, a dropout's rate) and objects
+by what they hold (not by ``repr``, which may leave some of it out). A recipe computes from the
+projections, an RMSNorm's weight and its epsilon only, so a candidate whose kept parts hold any
+other tensor or module (a buffer, a parameter, one anywhere in their attributes, an MLP's submodule
+other than its activation) or whose activation has hooks stays stock: such state may differ from the
+probes' (a checkpoint loaded, an optimizer step, a dropout rate set) or go uncalled where the recipe
+would not follow. Setting or deleting an attribute of a converted module probes it again, at most
+:data:`MOST_PROBES_AGAIN` times (a changed epsilon is read at each call anyway); a change inside an
+object it holds or to its class is not seen, nor hooks added to a converted MLP's activation
+(revert, then convert again). Anything else stays stock, and :func:`unrecognised_counts` names the
+RMSNorm and MLP look-alikes among it (an activation left stock is one recomputing would not serve or
+gain from: NOTE [what a formula activation keeps] in ``recomputed.py``).
 
-A recognised class ``C`` is converted by assigning ``module.__class__`` to ``MemSaveC``, a
-subclass of ``C`` created once per (class, recipe) whose members are the recipe's ``forward``
-and, for an RMSNorm or MLP, a ``__setattr__`` probing again; ``revert`` assigns ``C`` back. As
+A recognised class ``C`` is converted by assigning ``module.__class__`` to ``MemSaveC``, a subclass
+of ``C`` created once per (class, recipe) whose members are the recipe's ``forward`` and, for an
+RMSNorm or MLP, ``__setattr__`` and ``__delattr__`` probing again; ``revert`` assigns ``C`` back. As
 with registered drop-ins, ``__dict__`` is untouched: parameters, submodules (LoRA adapters
 included), hooks and ``state_dict`` keys stay as they were. A created class pickles as its stock
 class and recipe, so converted models save and load whole.
@@ -53,6 +54,7 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
+import numpy
 import torch
 from torch import Tensor, nn
 from torch.compiler import is_compiling
@@ -137,7 +139,10 @@ def recognise(module: nn.Module, kind: str) -> Recipe | None:
     if key is None:  # state no recipe follows
         return None
     if key not in _RECIPES:
-        _RECIPES[key] = probe_recipes(module, kind, _eps_name(module))
+        try:
+            _RECIPES[key] = probe_recipes(module, kind, _eps_name(module))
+        except Exception:  # a module the probes cannot copy or run: left stock
+            _RECIPES[key] = None
     return _RECIPES[key]
 
 
@@ -207,7 +212,7 @@ def _probe_again(module: nn.Module, created: type[nn.Module], name: str) -> None
 def _reduce_ex(self: nn.Module, protocol: int) -> tuple:
     """Pickle a recognised module as its stock class and recipe, which rebuild its class."""
     cls = type(self)
-    return _restore, (cls._memsave_stock, cls._memsave_recipe), self.__dict__
+    return _restore, (cls._memsave_stock, cls._memsave_recipe), self.__getstate__()
 
 
 def _restore(stock: type[nn.Module], recipe: Recipe) -> nn.Module:
@@ -246,6 +251,8 @@ def _norm_forward(stock: type[nn.Module], recipe: Recipe) -> Callable:
 
 def _mlp_forward(stock: type[nn.Module], recipe: Recipe) -> Callable:
     def forward(self: nn.Module, hidden_states: Tensor) -> Tensor:
+        if not torch.is_grad_enabled():  # nothing records: stock's, as the probes never looked
+            return stock.forward(self, hidden_states)
         return gated_mlp(self, hidden_states, recipe.variant, recipe.detail)
 
     return forward
@@ -334,7 +341,7 @@ def _settings_key(module: nn.Module, kind: str) -> tuple | None:
         settings = {k: v for k, v in vars(sub).items() if k not in _MODULE_ATTRIBUTES}
         try:
             parts.append((name, type(sub), _described(settings), _class_settings(type(sub))))
-        except _HoldsState:
+        except Exception:  # state a recipe would not follow, or an object that cannot be read
             return None
     return tuple(parts)
 
@@ -381,13 +388,17 @@ def _described(value: object, depth: int = 0) -> object:
     :class:`_HoldsState` where it meets a tensor or a module."""
     if value is None or type(value) in (bool, int, float, complex, str, bytes):
         return value
-    if isinstance(value, (Tensor, nn.Module)):
+    if isinstance(value, (Tensor, nn.Module, numpy.ndarray)):
         raise _HoldsState
+    if isinstance(value, numpy.generic):
+        return ("numpy", str(value.dtype), value.item())
     if isinstance(value, (torch.dtype, torch.device)):
         return str(value)
     if depth > _DEPTH:  # this object only
         return ("object", type(value), id(value))
     inner = functools.partial(_described, depth=depth + 1)
+    if isinstance(value, weakref.ref):
+        return ("weakref", inner(value()))
     if isinstance(value, (tuple, list)):  # named tuples too
         return (type(value), *map(inner, value))
     if isinstance(value, (set, frozenset)):
@@ -400,7 +411,7 @@ def _described(value: object, depth: int = 0) -> object:
     if callable(function) and hasattr(function, "__qualname__"):
         # Python functions by their code and defaults as well: two lambdas of one scope share a
         # qualified name, and one function made twice shares its code.
-        code = id(function.__code__) if hasattr(function, "__code__") else None
+        code = getattr(function, "__code__", None)  # compared by content, and kept alive
         defaults = inner(getattr(function, "__defaults__", None))
         keyword_defaults = inner(getattr(function, "__kwdefaults__", None))
         owner = getattr(value, "__self__", None)
@@ -411,12 +422,15 @@ def _described(value: object, depth: int = 0) -> object:
         name = function.__qualname__
         return ("callable", getattr(function, "__module__", None), name, code, defaults,
                 keyword_defaults, inner(bound), captured)  # fmt: skip
-    if hasattr(value, "__dict__") and not isinstance(value, type):
-        return ("object", type(value), inner(vars(value)))
-    try:
-        return ("object", type(value), repr(value))
-    except Exception:  # a repr that fails: this instance only
-        return ("object", type(value), id(value))
+    if isinstance(value, type):
+        return ("class", value)
+    slots = [name for cls in type(value).__mro__ for name in getattr(cls, "__slots__", ())]
+    held = {name: getattr(value, name, None) for name in slots if name != "__weakref__"}
+    if hasattr(value, "__dict__"):
+        held |= vars(value)
+    if held or slots:
+        return ("object", type(value), inner(held))
+    return ("object", type(value), id(value))  # nothing to read: this object only
 
 
 def _cell_value(cell: types.CellType) -> object:

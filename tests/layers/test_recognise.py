@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import collections
 import copy
+import gc
+import threading
+import weakref
 from collections.abc import Callable
 
+import numpy
 import pytest
 import torch
 from torch import Tensor, nn
@@ -833,3 +837,139 @@ def test_deleting_an_attribute_probes_again() -> None:
         del model[0].zero_centred
     assert type(converted[0])._memsave_recipe != recipe
     _assert_same_outputs(stock, converted, torch.randn(3, 8))
+
+
+class LinearCallingMLP(PlainMLP):
+    """LLaMA's arithmetic through ``F.linear`` on its projections' weights: their hooks and
+    adapters (peft LoRA) never run in stock's forward, and must not in the converted one."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        def project(linear: nn.Linear, t: Tensor) -> Tensor:
+            return nn.functional.linear(t, linear.weight, linear.bias)
+
+        gate, up = project(self.gate_proj, x), project(self.up_proj, x)
+        return project(self.down_proj, self.act_fn(gate) * up)
+
+
+class DrawingMLP(PlainMLP):
+    """LLaMA's MLP drawing a random number it scales by 0 (stochastic depth at rate 0): the
+    recipe would not draw, and every later random op would get another stream."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        keep = 1.0 + 0.0 * torch.rand(())
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x)) * keep
+
+
+@pytest.mark.parametrize("mlp", [LinearCallingMLP, DrawingMLP])
+def test_mlps_not_calling_their_projections_or_drawing_stay_stock(mlp: type[nn.Module]) -> None:
+    assert recognise(mlp(), "gated_mlp") is None
+
+
+class GradModeMLP(PlainMLP):
+    """LLaMA's MLP, doubled where nothing records (a forward the probes, with gradients on,
+    never see)."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        out = super().forward(x)
+        return out if torch.is_grad_enabled() else 2 * out
+
+
+def test_a_converted_mlp_runs_stock_where_nothing_records() -> None:
+    torch.manual_seed(0)
+    stock, converted = _stock_and_converted(GradModeMLP())
+    assert converted_counts(converted) == {"GradModeMLP": 1}
+    with torch.no_grad():
+        _assert_same_outputs(stock, converted, torch.randn(3, 8))
+
+
+class Table:
+    __slots__ = ("shift",)
+
+    def __init__(self, shift: bool) -> None:
+        self.shift = shift
+
+    def __repr__(self) -> str:
+        return "Table()"
+
+
+class HeldStateNorm(ShiftedNorm):
+    """A norm shifted by what it holds: a slotted object, a numpy array or a weak reference."""
+
+    def __init__(self, held: object) -> None:
+        super().__init__(8, 0.0)
+        self.held = held
+
+    def forward(self, x: Tensor) -> Tensor:
+        held = self.held() if isinstance(self.held, weakref.ref) else self.held
+        shift = bool(held.shift if isinstance(held, Table) else held.sum())
+        x32 = x.to(torch.float32)
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        weight = 1.0 + self.weight.float() if shift else self.weight.float()
+        return (normed * weight).to(x.dtype)
+
+
+def test_slotted_objects_are_described_by_their_slots() -> None:
+    torch.manual_seed(0)
+    stock, converted = _stock_and_converted(HeldStateNorm(Table(False)), HeldStateNorm(Table(True)))
+    recipes = [type(m)._memsave_recipe.variant for m in converted]
+    assert recipes[0] != recipes[1]
+    _assert_same_outputs(stock, converted, torch.randn(3, 8))
+
+
+@pytest.mark.parametrize("held", ["numpy", "weakref"])
+def test_arrays_and_weakly_held_tensors_keep_a_norm_stock(held: str) -> None:
+    """Both may change after conversion, where the recipe would not follow."""
+    gain = torch.zeros(1)
+    value = numpy.zeros(1) if held == "numpy" else weakref.ref(gain)
+    assert recognise(HeldStateNorm(value), "rmsnorm") is None
+
+
+class Locked(nn.Module):
+    """SiLU holding a lock: it cannot be deep-copied."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lock = threading.Lock()
+
+    def forward(self, x: Tensor) -> Tensor:
+        return nn.functional.silu(x)
+
+
+def test_an_activation_the_probes_cannot_copy_leaves_its_mlp_stock() -> None:
+    mlp = PlainMLP()
+    mlp.act_fn = Locked()
+    convert(nn.Sequential(mlp), inplace=True)
+    assert type(mlp) is PlainMLP
+
+
+class LockedNorm(OffsetNorm):
+    """LLaMA's norm whose ``__getstate__`` drops a lock it may hold."""
+
+    def __init__(self) -> None:
+        super().__init__(8, 0.0)
+
+    def __getstate__(self) -> dict:
+        state = super().__getstate__()
+        state.pop("lock", None)
+        return state
+
+
+def test_a_converted_module_pickles_by_its_own_getstate() -> None:
+    norm = convert(nn.Sequential(LockedNorm()))[0]
+    assert type(norm).__name__ == "MemSaveLockedNorm"
+    norm.__dict__["lock"] = threading.Lock()  # not a setting: no probe
+    copied = copy.deepcopy(norm)
+    assert type(copied) is type(norm) and "lock" not in vars(copied)
+
+
+def test_functions_are_told_apart_by_their_code_not_its_address() -> None:
+    """A function redefined where a freed one lived (a notebook cell run again) may reuse its
+    code's address: the key holds the code itself."""
+    recipes = []
+    for source in ("lambda x: nn.functional.silu(x)", "lambda x: nn.functional.gelu(x)"):
+        mlp = PlainMLP()
+        mlp.act_fn = Applied(eval(source))
+        recipes.append(recognise(mlp, "gated_mlp").detail)
+        del mlp
+        gc.collect()
+    assert recipes == ["silu", "gelu"]
