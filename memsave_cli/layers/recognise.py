@@ -395,7 +395,7 @@ def _described(value: object, depth: int = 0) -> object:
     if isinstance(value, (torch.dtype, torch.device)):
         return str(value)
     if depth > _DEPTH:  # this object only
-        return ("object", type(value), id(value))
+        return ("object", _Same(value))
     inner = functools.partial(_described, depth=depth + 1)
     if isinstance(value, weakref.ref):
         return ("weakref", inner(value()))
@@ -430,7 +430,22 @@ def _described(value: object, depth: int = 0) -> object:
         held |= vars(value)
     if held or slots:
         return ("object", type(value), inner(held))
-    return ("object", type(value), id(value))  # nothing to read: this object only
+    return ("object", _Same(value))  # nothing to read: this object only
+
+
+class _Same:
+    """Equal to itself only, holding ``value`` (an address alone could be a later object's)."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: object) -> None:
+        self.value = value
+
+    def __hash__(self) -> int:
+        return id(self.value)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Same) and other.value is self.value
 
 
 def _cell_value(cell: types.CellType) -> object:
