@@ -63,19 +63,20 @@ def probe_recipes(module: nn.Module, kind: str, eps_name: str | None) -> Recipe 
 
 class _Case(NamedTuple):
     """One probe: input shape, input dtype, parameter dtype, training mode, whether stock and the
-    recipe may both fail on it."""
+    recipe may both fail on it, whether it runs under autocast."""
 
     shape: tuple[int, ...]
     dtype: torch.dtype
     param_dtype: torch.dtype
     training: bool = True
     may_fail: bool = False  # where stock may fail too (an input of another dtype than a Linear)
+    autocast: bool = False  # under the CPU's bfloat16 autocast, as mixed-precision training runs
 
 
 def _both_modes(cases: list[_Case]) -> list[_Case]:
     """``cases`` in training mode, then the first again in eval mode (a conversion lasts through
-    ``train()`` and ``eval()``)."""
-    return [*cases, cases[0]._replace(training=False)]
+    ``train()`` and ``eval()``) and under autocast (a forward may switch it off itself)."""
+    return [*cases, cases[0]._replace(training=False), cases[0]._replace(autocast=True)]
 
 
 def _norm_cases() -> list[_Case]:
@@ -256,7 +257,8 @@ def _compare(
         leaves = [x.clone().requires_grad_(), *probe.parameters()]
         random_state = _random_states()
         try:
-            out = run(leaves[0])
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=case.autocast):
+                out = run(leaves[0])
             if [_settings_of(module) for module in probe.modules()] != settings:
                 return None
             if _random_states() != random_state:  # a draw the recipe would not make

@@ -18,23 +18,23 @@ order), in training and in eval mode (a conversion lasts through ``train()`` and
 forward applying dropout in training matches no recipe unless its rate is 0). The module's own
 forward must leave its attributes and the random states as they were (a recipe would not update a
 counter or draw), and an MLP's must call each projection once as a module (not ``F.linear`` on its
-weight, which skips its hooks and adapters); the probes run with autocast off. The answer is cached
-per class and settings, so a model probes each kind of layer once (the probes:
-``recipe_probes.py``): the settings are every attribute of the module and of every submodule the
-probes keep (all but the projections, which they replace), private ones included, and their classes'
-attributes, each described by value where it can be (numbers, strings, dtypes, functions by name,
-code and defaults: an activation's flags and the function it picked, a dropout's rate) and objects
-by what they hold (not by ``repr``, which may leave some of it out). A recipe computes from the
-projections, an RMSNorm's weight and its epsilon only, so a candidate whose kept parts hold any
-other tensor or module (a buffer, a parameter, one anywhere in their attributes, an MLP's submodule
-other than its activation) or whose activation has hooks stays stock: such state may differ from the
-probes' (a checkpoint loaded, an optimizer step, a dropout rate set) or go uncalled where the recipe
-would not follow. Setting or deleting an attribute of a converted module probes it again, at most
-:data:`MOST_PROBES_AGAIN` times (a changed epsilon is read at each call anyway); a change inside an
-object it holds or to its class is not seen, nor hooks added to a converted MLP's activation
-(revert, then convert again). Anything else stays stock, and :func:`unrecognised_counts` names the
-RMSNorm and MLP look-alikes among it (an activation left stock is one recomputing would not serve or
-gain from: NOTE [what a formula activation keeps] in ``recomputed.py``).
+weight, which skips its hooks and adapters); the probes run with autocast off, and once under
+bfloat16 autocast. The answer is cached per class and settings, so a model probes each kind of layer
+once (the probes: ``recipe_probes.py``): the settings are every attribute of the module and of every
+submodule the probes keep (all but the projections, which they replace), private ones included, and
+their classes' attributes, each described by value where it can be (numbers, strings, dtypes,
+functions by name, code and defaults: an activation's flags and the function it picked, a dropout's
+rate) and objects by what they hold (not by ``repr``, which may leave some of it out). A recipe
+computes from the projections, an RMSNorm's weight and its epsilon only, so a candidate whose kept
+parts hold any other tensor or module (a buffer, a parameter, one anywhere in their attributes, an
+MLP's submodule other than its activation) or whose activation has hooks stays stock: such state may
+differ from the probes' (a checkpoint loaded, an optimizer step, a dropout rate set) or go uncalled
+where the recipe would not follow. Setting or deleting an attribute of a converted module probes it
+again, at most :data:`MOST_PROBES_AGAIN` times (a changed epsilon is read at each call anyway); a
+change inside an object it holds or to its class is not seen, nor hooks added to a converted MLP's
+activation (revert, then convert again). Anything else stays stock, and :func:`unrecognised_counts`
+names the RMSNorm and MLP look-alikes among it (an activation left stock is one recomputing would
+not serve or gain from: NOTE [what a formula activation keeps] in ``recomputed.py``).
 
 A recognised class ``C`` is converted by assigning ``module.__class__`` to ``MemSaveC``, a subclass
 of ``C`` created once per (class, recipe) whose members are the recipe's ``forward`` and, for an

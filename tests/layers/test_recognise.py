@@ -973,3 +973,18 @@ def test_functions_are_told_apart_by_their_code_not_its_address() -> None:
         del mlp
         gc.collect()
     assert recipes == ["silu", "gelu"]
+
+
+class FullPrecisionMLP(PlainMLP):
+    """LLaMA's MLP keeping full precision under mixed-precision training."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        with torch.autocast(x.device.type, enabled=False):
+            return super().forward(x)
+
+
+def test_an_mlp_switching_autocast_off_stays_stock() -> None:
+    """Probed with autocast off only, it looks like LLaMA's; under the caller's autocast the
+    recipe would compute in bfloat16 where stock does not."""
+    assert recognise(FullPrecisionMLP(), "gated_mlp") is None
+    assert recognise(PlainMLP(), "gated_mlp") is not None
