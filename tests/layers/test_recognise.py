@@ -366,6 +366,12 @@ def test_activation_settings_are_part_of_the_answer() -> None:
         assert recognise(mlps[1], "gated_mlp") is None
 
 
+def _normed(norm: nn.Module, x: Tensor) -> Tensor:
+    """LLaMA's normalisation of ``x`` in float32, before the weight."""
+    x32 = x.to(torch.float32)
+    return x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)
+
+
 class OffsetNorm(EpsOutsideNorm):
     """An LLaMA RMSNorm adding a private offset: 0 computes as LLaMA's, anything else does not."""
 
@@ -551,8 +557,7 @@ class SwitchedNorm(OffsetNorm):
         self.config = config or Switches(False)
 
     def forward(self, x: Tensor) -> Tensor:
-        x32 = x.to(torch.float32)
-        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        normed = _normed(self, x)
         shifted = self.zero_centred or self.config.zero_centred
         return (1.0 + self.weight if shifted else self.weight) * normed.to(x.dtype)
 
@@ -626,19 +631,22 @@ class HalfWeightNorm(OffsetNorm):
         super().__init__(size, 0.0)
 
     def forward(self, x: Tensor) -> Tensor:
-        x32 = x.to(torch.float32)
-        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        normed = _normed(self, x)
         half = self.weight.dtype in (torch.float16, torch.bfloat16)
         return self.weight * normed.to(self.weight.dtype if half else x.dtype)
 
 
-class HalfClampedMLP(PlainMLP):
-    """LLaMA's MLP clamping its product in float16 only (an overflow guard)."""
+class ClampedMLP(PlainMLP):
+    """LLaMA's MLP clamping its product in one dtype only (float16: an overflow guard)."""
+
+    def __init__(self, dtype: torch.dtype = torch.float16, bound: float = 1e3) -> None:
+        super().__init__()
+        self.clamped, self.bound = dtype, bound
 
     def forward(self, x: Tensor) -> Tensor:
         product = self.act_fn(self.gate_proj(x)) * self.up_proj(x)
-        if product.dtype == torch.float16:
-            product = product.clamp(-1e3, 1e3)
+        if product.dtype == self.clamped:
+            product = product.clamp(-self.bound, self.bound)
         return self.down_proj(product)
 
 
@@ -651,13 +659,12 @@ class CountingNorm(OffsetNorm):
 
     def forward(self, x: Tensor) -> Tensor:
         self.calls += 1
-        x32 = x.to(torch.float32)
-        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        normed = _normed(self, x)
         normed = normed.clamp(-1, 1) if self.calls > 3 else normed
         return self.weight * normed.to(x.dtype)
 
 
-@pytest.mark.parametrize("module", [HalfWeightNorm(8), HalfClampedMLP(), CountingNorm(8)])
+@pytest.mark.parametrize("module", [HalfWeightNorm(8), ClampedMLP(), CountingNorm(8)])
 def test_probes_cover_half_weights_float16_and_forwards_that_change_the_module(
     module: nn.Module,
 ) -> None:
@@ -670,15 +677,8 @@ def test_converting_under_autocast_probes_without_it() -> None:
     """Under autocast the probes' float32 cases would run in bfloat16 and miss what float32
     does; the answer, cached, would then serve models converted outside it."""
 
-    class Float32ClampedMLP(PlainMLP):
-        def forward(self, x: Tensor) -> Tensor:
-            product = self.act_fn(self.gate_proj(x)) * self.up_proj(x)
-            if product.dtype == torch.float32:
-                product = product.clamp(-0.5, 0.5)
-            return self.down_proj(product)
-
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        assert converted_counts(convert(nn.Sequential(Float32ClampedMLP()))) == {}
+        assert converted_counts(convert(nn.Sequential(ClampedMLP(torch.float32, 0.5)))) == {}
 
 
 class Applied(nn.Module):
@@ -820,8 +820,7 @@ class ShiftedNorm(OffsetNorm):
     zero_centred = False
 
     def forward(self, x: Tensor) -> Tensor:
-        x32 = x.to(torch.float32)
-        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        normed = _normed(self, x)
         weight = 1.0 + self.weight.float() if self.zero_centred else self.weight.float()
         return (normed * weight).to(x.dtype)
 
@@ -902,8 +901,7 @@ class HeldStateNorm(ShiftedNorm):
     def forward(self, x: Tensor) -> Tensor:
         held = self.held() if isinstance(self.held, weakref.ref) else self.held
         shift = bool(held.shift if isinstance(held, Table) else held.sum())
-        x32 = x.to(torch.float32)
-        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        normed = _normed(self, x)
         weight = 1.0 + self.weight.float() if shift else self.weight.float()
         return (normed * weight).to(x.dtype)
 
