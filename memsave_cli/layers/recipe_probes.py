@@ -21,6 +21,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 from memsave_cli.layers.gated_mlp import ACTIVATIONS, LAYOUTS, gated_mlp
 from memsave_cli.layers.recomputed import recomputed
 from memsave_cli.layers.rmsnorm import rms_norm
+from memsave_cli.layers.settings import HoldsState, described, own_settings
 
 #: Attributes an MLP keeps its activation module in.
 ACT_NAMES = ("act_fn", "activation_fn", "act")
@@ -40,30 +41,65 @@ class Recipe(NamedTuple):
 
 def probe_recipes(module: nn.Module, kind: str, eps_name: str | None) -> Recipe | None:
     """The first recipe of ``kind`` whose outputs and gradients equal ``module``'s on every probe
-    (``eps_name``: the attribute holding an RMSNorm's epsilon)."""
+    (``eps_name``: the attribute holding an RMSNorm's epsilon). The probes run on a stand-in
+    holding copies of what ``module`` holds, so that a forward changing an object it holds changes
+    nothing of the module's; one that did so on the probes is reproduced by no recipe."""
     with _probing():
-        if kind == "activation":
-            qualifies = all(_recomputation_serves(module, case) for case in _activation_cases())
-            return Recipe(kind, "recompute", "") if qualifies else None
-        if kind == "rmsnorm":
-            for style in NORM_STYLES:
-                recipe = Recipe(kind, style, eps_name)
-                if all(_same(_norm_probe(module, recipe, case)) for case in _norm_cases()):
-                    return recipe
-            return None
-        split = hasattr(module, "gate_proj")
-        layouts = [layout for layout in LAYOUTS if layout.startswith("split") == split]
-        for layout in layouts:
-            for activation in ACTIVATIONS:
-                recipe = Recipe(kind, layout, activation)
-                if all(_same(_mlp_probe(module, recipe, case)) for case in _mlp_cases()):
-                    return recipe
+        stand_in = _detached(module)
+        recipe = _first_recipe(stand_in, kind, eps_name)
+        try:
+            unchanged = _held(stand_in) == _held(module)
+        except HoldsState:  # a tensor kept by a forward in something its module holds
+            unchanged = False
+        return recipe if unchanged else None
+
+
+def _first_recipe(module: nn.Module, kind: str, eps_name: str | None) -> Recipe | None:
+    if kind == "activation":
+        qualifies = all(_recomputation_serves(module, case) for case in _activation_cases())
+        return Recipe(kind, "recompute", "") if qualifies else None
+    if kind == "rmsnorm":
+        for style in NORM_STYLES:
+            recipe = Recipe(kind, style, eps_name)
+            if all(_same(_norm_probe(module, recipe, case)) for case in _norm_cases()):
+                return recipe
+        return None
+    split = hasattr(module, "gate_proj")
+    layouts = [layout for layout in LAYOUTS if layout.startswith("split") == split]
+    for layout in layouts:
+        for activation in ACTIVATIONS:
+            recipe = Recipe(kind, layout, activation)
+            if all(_same(_mlp_probe(module, recipe, case)) for case in _mlp_cases()):
+                return recipe
     return None
+
+
+def _detached(module: nn.Module) -> nn.Module:
+    """``module`` with copies of its settings and of its submodules but the projections (which
+    the probes replace), sharing its parameters."""
+    stand_in = object.__new__(type(module))
+    stand_in.__dict__.update(module.__dict__)
+    stand_in.__dict__.update(copy.deepcopy(own_settings(module)))
+    stand_in.__dict__["_modules"] = {
+        name: sub if name in PROJECTIONS else copy.deepcopy(sub)
+        for name, sub in module._modules.items()
+    }
+    return stand_in
+
+
+def _held(module: nn.Module) -> list[object]:
+    """What ``module`` and its submodules but the projections hold, described by value."""
+    kept = [module]
+    for name, sub in module._modules.items():
+        if name not in PROJECTIONS and sub is not None:
+            kept += sub.modules()
+    return [described(own_settings(sub)) for sub in kept]
 
 
 class _Case(NamedTuple):
     """One probe: input shape, input dtype, parameter dtype, training mode, whether stock and the
-    recipe may both fail on it, whether it runs under autocast."""
+    recipe may both fail on it, whether it runs under autocast, whether the input is a permuted
+    view (its last dimension not the innermost in memory)."""
 
     shape: tuple[int, ...]
     dtype: torch.dtype
@@ -71,6 +107,7 @@ class _Case(NamedTuple):
     training: bool = True
     may_fail: bool = False  # where stock may fail too (an input of another dtype than a Linear)
     autocast: bool = False  # under the CPU's bfloat16 autocast, as mixed-precision training runs
+    permuted: bool = False  # a forward may make it contiguous, or reduce in another order
 
 
 def _both_modes(cases: list[_Case]) -> list[_Case]:
@@ -89,6 +126,7 @@ def _norm_cases() -> list[_Case]:
             _Case((2, 2, 7), bf16, f32),
             _Case((2, 5), f32, bf16),  # a float32 residual stream, half weights
             _Case((3, 7), torch.float64, torch.float64),
+            _Case((3, 2, 67), f32, f32, permuted=True),
         ]
     )
 
@@ -96,6 +134,7 @@ def _norm_cases() -> list[_Case]:
 def _mlp_cases() -> list[_Case]:
     f32, bf16, f16 = torch.float32, torch.bfloat16, torch.float16
     cases = [_Case((2, 3, 6), f32, f32), _Case((5, 6), bf16, bf16), _Case((3, 6), f16, f16)]
+    cases.append(_Case((3, 2, 6), f32, f32, permuted=True))
     # a float32 residual stream into half projections: an error for most, a cast for some
     return _both_modes([*cases, _Case((2, 6), f32, bf16, may_fail=True)])
 
@@ -115,7 +154,7 @@ def _recomputation_serves(module: nn.Module, case: _Case) -> bool:
     converting adds no tensor that a later in-place change of the input could invalidate."""
     generator = torch.Generator().manual_seed(0)
     x, grad = _probe_input(case, generator), _probe_input(case, generator)
-    probe = copy.deepcopy(_shallow_copy(module))  # what it holds, too: a probe changes nothing
+    probe = copy.deepcopy(_shallow_copy(module))  # a probe sets its mode
     forward = functools.partial(type(module).forward, probe)
     try:
         settings, random_state = _settings_of(probe), _random_states()
@@ -166,10 +205,13 @@ def _random_states() -> tuple[bytes, object, bytes]:
     return bytes(torch.get_rng_state().numpy()), random.getstate(), numpy_state
 
 
-def _settings_of(module: nn.Module) -> dict[str, str]:
-    """A module's attributes, private ones included, each as its type and ``repr`` (to see a
-    forward change them)."""
-    return {k: f"{type(v)}:{v!r}" for k, v in vars(module).items() if not k.endswith("hooks")}
+def _settings_of(module: nn.Module) -> tuple[object, ...]:
+    """Which objects a module's attributes are, and its mode (to see a forward set them; what
+    they hold is compared once all probes ran, :func:`probe_recipes`)."""
+    holds = [(name, id(value)) for name, value in own_settings(module).items()]
+    parts = [(name, id(value)) for name, value in module._parameters.items()]
+    parts += [(name, id(value)) for name, value in module._modules.items()]
+    return module.training, tuple(holds), tuple(parts), tuple(module._buffers)
 
 
 def _recomputed_pairs(
@@ -208,10 +250,8 @@ def _mlp_probe(module: nn.Module, recipe: Recipe, case: _Case) -> Iterator[tuple
     hidden, inner = case.shape[-1], 10
     sizes = {"gate_proj": (hidden, inner), "up_proj": (hidden, inner)}
     sizes |= {"gate_up_proj": (hidden, 2 * inner), "down_proj": (inner, hidden)}
-    # The activation and any other submodule (a dropout) as copies, whose mode the probe sets.
-    modules = {
-        name: copy.deepcopy(sub) for name, sub in module._modules.items() if name not in PROJECTIONS
-    }
+    # The activation (copied by the stand-in, :func:`_detached`), whose mode the probe sets.
+    modules = {name: sub for name, sub in module._modules.items() if name not in PROJECTIONS}
     for name, (fan_in, fan_out) in sizes.items():
         if hasattr(module, name):
             bias = getattr(getattr(module, name), "bias", None) is not None
@@ -279,7 +319,8 @@ def _compare(
 
 
 def _same(pairs: Iterator[tuple]) -> bool:
-    """Whether every pair holds two tensors of equal dtype, shape and bits (any NaN equal)."""
+    """Whether every pair holds two tensors of equal dtype, shape, strides (a later ``view``
+    may depend on them) and bits (any NaN equal)."""
     return all(_bitwise_equal(a, b) for a, b in pairs)
 
 
@@ -288,7 +329,7 @@ def _bitwise_equal(a: Tensor | None, b: Tensor | None) -> bool:
         return a is None and b is None
     if not isinstance(a, Tensor) or not isinstance(b, Tensor):
         return False
-    if a.dtype != b.dtype or a.shape != b.shape:
+    if a.dtype != b.dtype or a.shape != b.shape or a.stride() != b.stride():
         return False
     nan = a.isnan()
     if not torch.equal(nan, b.isnan()):
@@ -299,11 +340,13 @@ def _bitwise_equal(a: Tensor | None, b: Tensor | None) -> bool:
 
 def _probe_input(case: _Case, generator: torch.Generator) -> Tensor:
     """Random values of ``case``'s shape with a zero, infinities, a NaN and large values."""
-    x = torch.randn(case.shape, generator=generator) * 3
+    shape = case.shape[::-1] if case.permuted else case.shape
+    x = torch.randn(shape, generator=generator) * 3
     flat = x.view(-1)
     flat[:5] = torch.tensor([0.0, float("inf"), -float("inf"), float("nan"), 3e4])
-    flat[-case.shape[-1] :].mul_(1e3)
-    return x.to(case.dtype)
+    flat[-shape[-1] :].mul_(1e3)
+    x = x.to(case.dtype)
+    return x.permute(*reversed(range(x.dim()))) if case.permuted else x
 
 
 def _probe_linear(

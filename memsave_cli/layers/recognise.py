@@ -11,30 +11,32 @@ activations are single kernels keeping one tensor), holding plain values only (N
 holding only values]). Its forward must take one argument. A candidate is converted only if one of
 memsave's recipes (an RMSNorm style, an MLP layout with an activation, an activation's
 recomputation) reproduces the candidate's own forward *and* its gradients bitwise on probe inputs:
-small CPU copies of the module (its own class and settings, fresh small weights), several shapes and
-dtypes, infinities and NaN included, alone and beside a residual (``f(x) + x``: the input's
-gradients add in the order of its uses, so a recipe must call the projections in the module's
-order), in training and in eval mode (a conversion lasts through ``train()`` and ``eval()``: a
-forward applying dropout in training matches no recipe unless its rate is 0). The module's own
-forward must leave its attributes and the random states as they were (a recipe would not update a
-counter or draw), and an MLP's must call each projection once as a module (not ``F.linear`` on its
-weight, which skips its hooks and adapters); the probes run with autocast off, and once under
-bfloat16 autocast. The answer is cached per class and settings, so a model probes each kind of layer
-once (the probes: ``recipe_probes.py``): the settings are every attribute of the module and of every
+small CPU copies of the module (its own class, copies of its settings and what they hold, fresh
+small weights), several shapes and dtypes, infinities and NaN included, a permuted input, alone and
+beside a residual (``f(x) + x``: the input's gradients add in the order of its uses, so a recipe
+must call the projections in the module's order), in training and in eval mode (a conversion lasts
+through ``train()`` and ``eval()``: a forward applying dropout in training matches no recipe unless
+its rate is 0). The module's own forward must leave its attributes, what they hold and the random
+states as they were (a recipe would not update a counter or draw; probing changes nothing of the
+model's), and an MLP's must call each projection once as a module (not ``F.linear`` on its weight,
+which skips its hooks and adapters); the probes run with autocast off, and once under bfloat16
+autocast. The answer is cached per class and settings, so a model probes each kind of layer once
+(the probes: ``recipe_probes.py``): the settings are every attribute of the module and of every
 submodule the probes keep (all but the projections, which they replace), private ones included, and
-their classes' attributes, each described by value where it can be (numbers, strings, dtypes,
-functions by name, code and defaults: an activation's flags and the function it picked, a dropout's
-rate) and objects by what they hold (not by ``repr``, which may leave some of it out). A recipe
-computes from the projections, an RMSNorm's weight and its epsilon only, so a candidate whose kept
-parts hold any other tensor or module (a buffer, a parameter, one anywhere in their attributes, an
-MLP's submodule other than its activation) or whose activation has hooks stays stock: such state may
-differ from the probes' (a checkpoint loaded, an optimizer step, a dropout rate set) or go uncalled
-where the recipe would not follow. Setting or deleting an attribute of a converted module probes it
-again, at most :data:`MOST_PROBES_AGAIN` times (a changed epsilon is read at each call anyway); a
-change inside an object it holds or to its class is not seen, nor hooks added to a converted MLP's
-activation (revert, then convert again). Anything else stays stock, and :func:`unrecognised_counts`
-names the RMSNorm and MLP look-alikes among it (an activation left stock is one recomputing would
-not serve or gain from: NOTE [what a formula activation keeps] in ``recomputed.py``).
+their classes' attributes, each described by value where it can be (numbers by their bits, strings,
+dtypes, functions by name, code and defaults: an activation's flags and the function it picked, a
+dropout's rate) and objects by what they hold (not by ``repr``, which may leave some of it out). A
+recipe computes from the projections, an RMSNorm's weight and its epsilon only, so a candidate whose
+kept parts hold any other tensor or module (a buffer, a parameter, one anywhere in their attributes,
+an MLP's submodule other than its activation) or whose activation has hooks stays stock: such state
+may differ from the probes' (a checkpoint loaded, an optimizer step, a dropout rate set) or go
+uncalled where the recipe would not follow. Setting or deleting an attribute of a converted module
+probes it again, at most :data:`MOST_PROBES_AGAIN` times (a changed epsilon is read at each call
+anyway); a change inside an object it holds or to its class is not seen, nor hooks added to a
+converted MLP's activation (revert, then convert again). Anything else stays stock, and
+:func:`unrecognised_counts` names the RMSNorm and MLP look-alikes among it (an activation left stock
+is one recomputing would not serve or gain from: NOTE [what a formula activation keeps] in
+``recomputed.py``).
 
 A recognised class ``C`` is converted by assigning ``module.__class__`` to ``MemSaveC``, a subclass
 of ``C`` created once per (class, recipe) whose members are the recipe's ``forward`` and, for an
@@ -54,7 +56,6 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-import numpy
 import torch
 from torch import Tensor, nn
 from torch.compiler import is_compiling
@@ -66,6 +67,7 @@ from memsave_cli.layers.recipe_probes import ACT_NAMES, PROJECTIONS, Recipe, pro
 from memsave_cli.layers.recomputed import recomputed
 from memsave_cli.layers.registry import DROP_INS, refuse_scripting
 from memsave_cli.layers.rmsnorm import may_record, rms_norm
+from memsave_cli.layers.settings import MODULE_ATTRIBUTES, described, own_settings
 
 #: Attributes an RMSNorm keeps its epsilon in, in the order they are looked up.
 EPS_NAMES = ("variance_epsilon", "eps")
@@ -193,7 +195,7 @@ def _probe_again(module: nn.Module, created: type[nn.Module], name: str) -> None
     """After ``name`` of ``module`` changed: it keeps a recipe that reproduces its settings now,
     or becomes its stock class. Settings that keep changing (a hook recording a statistic at
     each call) are probed :data:`MOST_PROBES_AGAIN` times, then the module stays stock."""
-    if type(module) is not created or name in _MODULE_ATTRIBUTES:  # parametrized: a subclass
+    if type(module) is not created or name in MODULE_ATTRIBUTES:  # parametrized: a subclass
         return
     stock, kind = created._memsave_stock, created._memsave_recipe.kind
     module.__class__ = stock
@@ -271,10 +273,6 @@ def _activation_forward(stock: type[nn.Module], recipe: Recipe) -> Callable:
     return forward
 
 
-#: Attributes every module has (``nn.Module.__init__``'s), no part of an activation's settings.
-_MODULE_ATTRIBUTES = frozenset(vars(nn.Module()))
-
-
 def _activation_key(module: nn.Module) -> tuple | None:
     """The class, its plain class attributes and every other attribute of ``module`` (private
     ones included), described by value; None where an attribute is not such a value.
@@ -287,21 +285,21 @@ def _activation_key(module: nn.Module) -> tuple | None:
     closure or a bound method could draw or change state in ways probes on small inputs do not
     see (its own generator only on large inputs), and stays stock.
     """
-    own = sorted((k, v) for k, v in vars(module).items() if k not in _MODULE_ATTRIBUTES)
+    own = sorted(own_settings(module).items())
     if not all(_by_value(v) for _, v in own):
         return None
     shared = sorted(
-        (k, _described(v))
+        (k, described(v))
         for cls in type(module).__mro__
         if cls.__module__ is not None and not cls.__module__.startswith("torch")
         for k, v in vars(cls).items()
         if not k.startswith("__") and _by_value(v) and not callable(v)
     )
-    return ("activation", type(module), tuple(shared), tuple((k, _described(v)) for k, v in own))
+    return ("activation", type(module), tuple(shared), tuple((k, described(v)) for k, v in own))
 
 
 def _by_value(value: object) -> bool:
-    """Whether :func:`_described` tells ``value`` apart from every value computing otherwise:
+    """Whether :func:`described` tells ``value`` apart from every value computing otherwise:
     numbers, strings, dtypes, devices, tuples of them, and functions without closures
     (by name and code), or partial applications of such to such."""
     if value is None or type(value) in (bool, int, float, complex, str):
@@ -338,9 +336,10 @@ def _settings_key(module: nn.Module, kind: str) -> tuple | None:
         own = {n: p for n, p in sub._parameters.items() if p is not None}
         if sub._buffers or own.keys() - ({"weight"} if name == "" and kind == "rmsnorm" else set()):
             return None
-        settings = {k: v for k, v in vars(sub).items() if k not in _MODULE_ATTRIBUTES}
         try:
-            parts.append((name, type(sub), _described(settings), _class_settings(type(sub))))
+            parts.append(
+                (name, type(sub), described(own_settings(sub)), _class_settings(type(sub)))
+            )
         except Exception:  # state a recipe would not follow, or an object that cannot be read
             return None
     return tuple(parts)
@@ -353,7 +352,7 @@ def _has_hooks(module: nn.Module) -> bool:
 
 def _class_settings(cls: type) -> object:
     """The attributes other than functions of ``cls`` and its bases outside torch, described."""
-    return _described(
+    return described(
         [
             (k, v)
             for base in cls.__mro__
@@ -371,89 +370,6 @@ def _kept_modules(module: nn.Module, prefix: str = "") -> list[tuple[str, nn.Mod
         if child is not None and not (prefix == "" and name in PROJECTIONS):
             kept += _kept_modules(child, f"{prefix}{name}.")
     return kept
-
-
-class _HoldsState(Exception):
-    """A tensor or a module among a module's settings: state that a recipe would not follow."""
-
-
-#: How deep :func:`_described` looks into objects; deeper ones stand for themselves.
-_DEPTH = 6
-
-
-def _described(value: object, depth: int = 0) -> object:
-    """``value`` as a hashable description that tells apart what may compute differently:
-    plain values by value, containers and objects by what they hold (their attributes, not their
-    ``repr``, which may leave some out), functions by name, code and defaults; raises
-    :class:`_HoldsState` where it meets a tensor or a module."""
-    if value is None or type(value) in (bool, int, float, complex, str, bytes):
-        return value
-    if isinstance(value, (Tensor, nn.Module, numpy.ndarray)):
-        raise _HoldsState
-    if isinstance(value, numpy.generic):
-        return ("numpy", str(value.dtype), value.item())
-    if isinstance(value, (torch.dtype, torch.device)):
-        return str(value)
-    if depth > _DEPTH:  # this object only
-        return ("object", _Same(value))
-    inner = functools.partial(_described, depth=depth + 1)
-    if isinstance(value, weakref.ref):
-        return ("weakref", inner(value()))
-    if isinstance(value, (tuple, list)):  # named tuples too
-        return (type(value), *map(inner, value))
-    if isinstance(value, (set, frozenset)):
-        return (type(value), *sorted(map(inner, value), key=repr))
-    if isinstance(value, dict):
-        return ("dict", *sorted((repr(k), inner(v)) for k, v in value.items()))
-    if isinstance(value, functools.partial):
-        return ("partial", inner(value.func), inner(value.args), inner(value.keywords))
-    function = getattr(value, "__func__", value)  # a bound method: its function and its object
-    if callable(function) and hasattr(function, "__qualname__"):
-        # Python functions by their code and defaults as well: two lambdas of one scope share a
-        # qualified name, and one function made twice shares its code.
-        code = getattr(function, "__code__", None)  # compared by content, and kept alive
-        defaults = inner(getattr(function, "__defaults__", None))
-        keyword_defaults = inner(getattr(function, "__kwdefaults__", None))
-        owner = getattr(value, "__self__", None)
-        bound = None if owner is None or isinstance(owner, types.ModuleType | type) else owner
-        captured = inner(
-            [_cell_value(cell) for cell in getattr(function, "__closure__", None) or ()]
-        )
-        name = function.__qualname__
-        return ("callable", getattr(function, "__module__", None), name, code, defaults,
-                keyword_defaults, inner(bound), captured)  # fmt: skip
-    if isinstance(value, type):
-        return ("class", value)
-    slots = [name for cls in type(value).__mro__ for name in getattr(cls, "__slots__", ())]
-    held = {name: getattr(value, name, None) for name in slots if name != "__weakref__"}
-    if hasattr(value, "__dict__"):
-        held |= vars(value)
-    if held or slots:
-        return ("object", type(value), inner(held))
-    return ("object", _Same(value))  # nothing to read: this object only
-
-
-class _Same:
-    """Equal to itself only, holding ``value`` (an address alone could be a later object's)."""
-
-    __slots__ = ("value",)
-
-    def __init__(self, value: object) -> None:
-        self.value = value
-
-    def __hash__(self) -> int:
-        return id(self.value)
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, _Same) and other.value is self.value
-
-
-def _cell_value(cell: types.CellType) -> object:
-    """What a closure's cell holds (a marker for a cell not yet filled)."""
-    try:
-        return cell.cell_contents
-    except ValueError:
-        return ("empty cell",)
 
 
 def _eps_name(module: nn.Module) -> str | None:

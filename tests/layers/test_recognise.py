@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import copy
 import gc
+import math
 import threading
 import weakref
 from collections.abc import Callable
@@ -373,7 +374,8 @@ def _normed(norm: nn.Module, x: Tensor) -> Tensor:
 
 
 class OffsetNorm(EpsOutsideNorm):
-    """An LLaMA RMSNorm adding a private offset: 0 computes as LLaMA's, anything else does not."""
+    """An LLaMA RMSNorm adding a private offset: -0.0 computes as LLaMA's, anything else does not
+    (0.0 turns an output's -0.0 into 0.0)."""
 
     def __init__(self, size: int, offset: float) -> None:
         super().__init__(size)
@@ -433,9 +435,23 @@ def test_private_settings_are_part_of_the_answer() -> None:
     """Two norms of one class differing only in a private attribute are probed each: the one
     the recipe reproduces converts, the other stays stock (not the first one's recipe)."""
     torch.manual_seed(0)
-    stock, converted = _stock_and_converted(OffsetNorm(8, 0.0), OffsetNorm(8, 1.0))
+    stock, converted = _stock_and_converted(OffsetNorm(8, -0.0), OffsetNorm(8, 1.0))
     assert [type(m).__name__ for m in converted] == ["MemSaveOffsetNorm", "OffsetNorm"]
     _assert_same_outputs(stock, converted, torch.randn(3, 8))
+
+
+@pytest.mark.parametrize("first", [0.0, -0.0])
+def test_signed_zeros_are_settings_apart(first: float) -> None:
+    """0.0 and -0.0 are equal numbers but settings apart: adding 0.0 turns -0.0 into 0.0, which
+    LLaMA's norm gives for a negative input in a row holding an infinity."""
+    torch.manual_seed(0)
+    stock, converted = _stock_and_converted(OffsetNorm(8, first), OffsetNorm(8, -first))
+    expected = ["MemSaveOffsetNorm", "OffsetNorm"]  # -0.0 first
+    names = [type(norm).__name__ for norm in converted]
+    assert names == (expected if math.copysign(1.0, first) < 0 else expected[::-1])
+    x = torch.tensor([[float("inf"), -1.0, 2.0, -3.0, 0.5, -0.5, 1.0, -2.0]])
+    for a, b in zip(stock, converted, strict=True):
+        assert torch.equal(a(x).signbit(), b(x).signbit())
 
 
 @pytest.mark.parametrize("place", ["activation", "mlp"])
@@ -461,7 +477,7 @@ def test_tensors_no_recipe_reads_keep_a_module_stock(place: str, kind: str) -> N
 
 
 def test_a_tensor_attribute_keeps_a_norm_stock() -> None:
-    norm = OffsetNorm(8, 0.0)
+    norm = OffsetNorm(8, -0.0)
     norm._offset = torch.tensor(0.0)
     assert recognise(norm, "rmsnorm") is None
 
@@ -469,7 +485,7 @@ def test_a_tensor_attribute_keeps_a_norm_stock() -> None:
 def test_setting_an_attribute_probes_again() -> None:
     """A converted module whose settings change keeps a recipe only where one reproduces them."""
     torch.manual_seed(0)
-    stock, converted = _stock_and_converted(OffsetNorm(8, 0.0), PlainMLP())
+    stock, converted = _stock_and_converted(OffsetNorm(8, -0.0), PlainMLP())
     norm, mlp = converted
     x = torch.randn(3, 8)
     for model in (stock, converted):
@@ -553,7 +569,7 @@ class SwitchedNorm(OffsetNorm):
     zero_centred = False
 
     def __init__(self, size: int, config: Switches | None = None) -> None:
-        super().__init__(size, 0.0)
+        super().__init__(size, -0.0)
         self.config = config or Switches(False)
 
     def forward(self, x: Tensor) -> Tensor:
@@ -628,7 +644,7 @@ class HalfWeightNorm(OffsetNorm):
     """LLaMA's norm, but cast to a half weight's dtype rather than the input's (T5's rule)."""
 
     def __init__(self, size: int) -> None:
-        super().__init__(size, 0.0)
+        super().__init__(size, -0.0)
 
     def forward(self, x: Tensor) -> Tensor:
         normed = _normed(self, x)
@@ -654,7 +670,7 @@ class CountingNorm(OffsetNorm):
     """LLaMA's norm counting its calls, and clamping once warmed up."""
 
     def __init__(self, size: int) -> None:
-        super().__init__(size, 0.0)
+        super().__init__(size, -0.0)
         self.calls = 0
 
     def forward(self, x: Tensor) -> Tensor:
@@ -671,6 +687,60 @@ def test_probes_cover_half_weights_float16_and_forwards_that_change_the_module(
     """A float32 input with half weights (a float32 residual stream), a float16 MLP, a forward
     updating the module's own attributes: each differs from the recipe only there."""
     assert recognise(module, candidate_kind(module)) is None
+
+
+class Counter:
+    def __init__(self) -> None:
+        self.calls = 0
+
+
+class HeldCounterNorm(OffsetNorm):
+    """LLaMA's norm counting its calls in an object it holds, and clamping once warmed up; and
+    keeping its inputs' largest values in a list."""
+
+    def __init__(self, size: int, warm_up: int) -> None:
+        super().__init__(size, -0.0)
+        self.counter, self.warm_up, self.largest = Counter(), warm_up, []
+
+    def forward(self, x: Tensor) -> Tensor:
+        self.counter.calls += 1
+        self.largest.append(x.detach().abs().max().item())
+        normed = _normed(self, x)
+        normed = normed.clamp(-1, 1) if self.counter.calls > self.warm_up else normed
+        return self.weight * normed.to(x.dtype)
+
+
+@pytest.mark.parametrize("warm_up", [2, 1000])
+def test_probes_change_nothing_a_module_holds(warm_up: int) -> None:
+    """The probes run on copies of what a module holds: converting leaves its counter and list
+    as they were, and a forward changing them (which no recipe does) keeps it stock, whether or
+    not the probes reach the warm-up's end."""
+    torch.manual_seed(0)
+    stock, converted = _stock_and_converted(HeldCounterNorm(8, warm_up))
+    assert type(converted[0]) is HeldCounterNorm
+    assert (converted[0].counter.calls, converted[0].largest) == (0, [])
+    for step in range(4):
+        x = torch.randn(3, 8) * 3
+        assert torch.equal(stock(x), converted(x)), step
+
+
+class ContiguousNorm(OffsetNorm):
+    """LLaMA's norm on a contiguous copy of its input: a contiguous output, and a mean reduced
+    in another order over a permuted input's rows."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = x.contiguous()
+        return self.weight * _normed(self, x).to(x.dtype)
+
+
+def test_a_norm_making_its_input_contiguous_stays_stock() -> None:
+    """On a permuted input its output is contiguous, which a later ``view`` may need; the
+    recipe's follows the input's strides."""
+    torch.manual_seed(0)
+    stock, converted = _stock_and_converted(ContiguousNorm(64, -0.0))
+    assert type(converted[0]) is ContiguousNorm
+    x = torch.randn(64, 5, 3).permute(2, 1, 0)
+    assert stock(x).view(-1, 64).shape == converted(x).view(-1, 64).shape == (15, 64)
 
 
 def test_converting_under_autocast_probes_without_it() -> None:
@@ -828,7 +898,7 @@ class ShiftedNorm(OffsetNorm):
 def test_deleting_an_attribute_probes_again() -> None:
     """Deleting the instance's switch uncovers the class's: another recipe."""
     torch.manual_seed(0)
-    norm = ShiftedNorm(8, 0.0)
+    norm = ShiftedNorm(8, -0.0)
     norm.zero_centred = True
     stock, converted = _stock_and_converted(norm)
     recipe = type(converted[0])._memsave_recipe
@@ -895,7 +965,7 @@ class HeldStateNorm(ShiftedNorm):
     """A norm shifted by what it holds: a slotted object, a numpy array or a weak reference."""
 
     def __init__(self, held: object) -> None:
-        super().__init__(8, 0.0)
+        super().__init__(8, -0.0)
         self.held = held
 
     def forward(self, x: Tensor) -> Tensor:
@@ -944,7 +1014,7 @@ class LockedNorm(OffsetNorm):
     """LLaMA's norm whose ``__getstate__`` drops a lock it may hold."""
 
     def __init__(self) -> None:
-        super().__init__(8, 0.0)
+        super().__init__(8, -0.0)
 
     def __getstate__(self) -> dict:
         state = super().__getstate__()
