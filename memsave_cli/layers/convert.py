@@ -35,10 +35,11 @@ from memsave_cli.errors import MemsaveError
 # Imported for their ``@drop_in`` registrations, so that DROP_INS is complete.
 from memsave_cli.layers import activation, avgpool, batchnorm, conv, dropout, maxpool  # noqa: F401
 from memsave_cli.layers.activation import MemSaveReLU
-from memsave_cli.layers.parametrized import base_class, swap_class
+from memsave_cli.layers.parametrized import base_class
 from memsave_cli.layers.recognise import convert_module, stock_class  # registers nn.RMSNorm too
 from memsave_cli.layers.registry import DROP_INS
 from memsave_cli.layers.subclassed import drop_in_for
+from memsave_cli.layers.swap import swap_class
 
 #: Layer types ``convert`` accepts in ``include``: a stock class, its name, or a family name.
 LayerSelection = type[nn.Module] | str

@@ -25,6 +25,7 @@ from torch import Tensor, nn
 
 from memsave_cli.layers._backward import graph_capturing, records_backward
 from memsave_cli.layers.lora_dropout import dropped_projection
+from memsave_cli.layers.swap import swap_class
 
 #: Arguments with which peft's forward leaves the vanilla path.
 _OFF_PATH_KWARGS = ("adapter_names", *getattr(peft_lora, "VARIANT_KWARG_KEYS", ()))
@@ -143,7 +144,7 @@ def convert_lora(model: nn.Module) -> dict[str, str]:
         if reason is not None:
             left[name] = reason
         elif type(module) in LORA_DROP_INS:
-            module.__class__ = LORA_DROP_INS[type(module)][0]
+            swap_class(module, LORA_DROP_INS[type(module)][0])
     return left
 
 
@@ -152,7 +153,7 @@ def revert_lora(model: nn.Module) -> None:
     for module in model.modules():
         stock = _STOCK_OF.get(type(module))
         if stock is not None:
-            module.__class__ = stock
+            swap_class(module, stock)
 
 
 def lora_counts(model: nn.Module) -> dict[str, int]:
@@ -186,7 +187,7 @@ def _restore_dropouts(layer: nn.Module) -> None:
     """The adapters' dropouts stay stock ``nn.Dropout`` (see the NOTE), also after ``convert``."""
     for dropout in getattr(layer, "lora_dropout", {}).values():
         if isinstance(dropout, nn.Dropout) and type(dropout) is not nn.Dropout:
-            dropout.__class__ = nn.Dropout
+            swap_class(dropout, nn.Dropout)
 
 
 @functools.cache

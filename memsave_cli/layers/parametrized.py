@@ -8,8 +8,8 @@ drop-in reads its weight in its checks and again in its op, which would evaluate
 parametrization two or three times, and a parametrization that draws random numbers or iterates
 (``spectral_norm`` in training) would then change the result. So the generated subclass of a
 drop-in runs its forward under ``parametrize.cached()``: one evaluation per forward, as stock's.
-``convert`` and ``revert`` swap the class under the generated one (a parametrized stock layer
-becomes a parametrized drop-in and back) and keep its properties, so that
+``convert`` and ``revert`` swap the class under the generated one (``swap.py``: a parametrized
+stock layer becomes a parametrized drop-in and back) and keep its properties, so that
 ``remove_parametrizations`` leaves the plain layer of the other kind.
 """
 
@@ -21,9 +21,6 @@ from collections.abc import Callable
 from torch import nn
 from torch.nn.utils import parametrize
 
-#: What the generated class's namespace holds that a class of another base must not take over.
-_OWN = frozenset({"__dict__", "__weakref__", "__module__", "__qualname__", "__doc__", "forward"})
-
 
 def base_class(module: nn.Module) -> type[nn.Module]:
     """The class under ``module``'s parametrization's generated class, else its own class."""
@@ -31,16 +28,6 @@ def base_class(module: nn.Module) -> type[nn.Module]:
     if parametrize.is_parametrized(module) and _generated(cls):
         return cls.__bases__[0]
     return cls
-
-
-def swap_class(module: nn.Module, new: type[nn.Module]) -> None:
-    """Make ``module`` a ``new``, under its parametrization's generated class if it has one."""
-    cls = type(module)
-    if base_class(module) is cls:
-        module.__class__ = new
-        return
-    namespace = {name: value for name, value in vars(cls).items() if name not in _OWN}
-    module.__class__ = type(f"Parametrized{new.__name__}", (new,), namespace)
 
 
 def evaluated_once(drop_in: type[nn.Module]) -> None:

@@ -68,6 +68,7 @@ from memsave_cli.layers.recomputed import recomputed
 from memsave_cli.layers.registry import DROP_INS, refuse_scripting
 from memsave_cli.layers.rmsnorm import may_record, rms_norm
 from memsave_cli.layers.settings import MODULE_ATTRIBUTES, described, own_settings
+from memsave_cli.layers.swap import swap_class
 
 #: Attributes an RMSNorm keeps its epsilon in, in the order they are looked up.
 EPS_NAMES = ("variance_epsilon", "eps")
@@ -86,7 +87,7 @@ def convert_module(module: nn.Module, *, norms: bool, mlps: bool, activations: b
     recipe = recognise(module, kind)
     if recipe is None:
         return False
-    module.__class__ = _drop_in_class(type(module), recipe)
+    swap_class(module, _drop_in_class(type(module), recipe))
     return True
 
 
@@ -198,7 +199,7 @@ def _probe_again(module: nn.Module, created: type[nn.Module], name: str) -> None
     if type(module) is not created or name in MODULE_ATTRIBUTES:  # parametrized: a subclass
         return
     stock, kind = created._memsave_stock, created._memsave_recipe.kind
-    module.__class__ = stock
+    swap_class(module, stock)
     if candidate_kind(module) != kind:
         return
     key = _settings_key(module, kind)
@@ -208,7 +209,7 @@ def _probe_again(module: nn.Module, created: type[nn.Module], name: str) -> None
         _PROBED_AGAIN[module] = _PROBED_AGAIN.get(module, 0) + 1
     recipe = recognise(module, kind)
     if recipe is not None:
-        module.__class__ = _drop_in_class(stock, recipe)
+        swap_class(module, _drop_in_class(stock, recipe))
 
 
 def _reduce_ex(self: nn.Module, protocol: int) -> tuple:

@@ -6,6 +6,7 @@ probes, ``recipe_probes.py``)."""
 from __future__ import annotations
 
 import functools
+import sys
 import types
 import weakref
 
@@ -18,9 +19,21 @@ from torch import Tensor, nn
 MODULE_ATTRIBUTES = frozenset(vars(nn.Module()))
 
 
+#: What an accelerate hook adds to a module: how it is called (NOTE [forwards bound before a
+#: swap] in ``swap.py``), not what it computes.
+_HOOK_ATTRIBUTES = frozenset({"_hf_hook", "_old_forward", "forward"})
+
+
 def own_settings(module: nn.Module) -> dict[str, object]:
-    """The attributes ``module`` has beside those of every module, private ones included."""
-    return {k: v for k, v in vars(module).items() if k not in MODULE_ATTRIBUTES}
+    """The attributes ``module`` has beside those of every module, private ones included, and
+    beside an accelerate hook's."""
+    skipped = MODULE_ATTRIBUTES | (_HOOK_ATTRIBUTES if _accelerate_hooked(module) else set())
+    return {k: v for k, v in vars(module).items() if k not in skipped}
+
+
+def _accelerate_hooked(module: nn.Module) -> bool:
+    hooks = sys.modules.get("accelerate.hooks")
+    return hooks is not None and isinstance(vars(module).get("_hf_hook"), hooks.ModelHook)
 
 
 class HoldsState(Exception):
