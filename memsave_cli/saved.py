@@ -22,6 +22,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.weak import WeakIdKeyDictionary
 
+from memsave_cli.layers.recognise import uncalled_modules
 from memsave_cli.report import LayerSaved
 
 
@@ -84,7 +85,10 @@ class SavedTensorRecorder:
         if self.model is not None:
             for tensor in (*self.model.parameters(), *self.model.buffers()):
                 self._params[_storage_key(tensor)] = True
+            uncalled = {id(module) for module in uncalled_modules(self.model)}
             for name, module in self.model.named_modules():
+                if id(module) in uncalled:  # hooks on it would make its owner run stock's
+                    continue
                 entry = (name, type(module).__name__)
                 self._handles.append(module.register_forward_pre_hook(self._enter_module(entry)))
                 self._handles.append(

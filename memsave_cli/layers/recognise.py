@@ -32,11 +32,11 @@ an MLP's submodule other than its activation) or whose activation has hooks stay
 may differ from the probes' (a checkpoint loaded, an optimizer step, a dropout rate set) or go
 uncalled where the recipe would not follow. Setting or deleting an attribute of a converted module
 probes it again, at most :data:`MOST_PROBES_AGAIN` times (a changed epsilon is read at each call
-anyway); a change inside an object it holds or to its class is not seen, nor hooks added to a
-converted MLP's activation (revert, then convert again). Anything else stays stock, and
-:func:`unrecognised_counts` names the RMSNorm and MLP look-alikes among it (an activation left stock
-is one recomputing would not serve or gain from: NOTE [what a formula activation keeps] in
-``recomputed.py``).
+anyway); a change inside an object it holds or to its class is not seen (revert, then convert
+again). Hooks added to a converted MLP's activation make it run its own forward. Anything else stays
+stock, and :func:`unrecognised_counts` names the RMSNorm and MLP look-alikes among it (an activation
+left stock is one recomputing would not serve or gain from: NOTE [what a formula activation keeps]
+in ``recomputed.py``).
 
 A recognised class ``C`` is converted by assigning ``module.__class__`` to ``MemSaveC``, a subclass
 of ``C`` created once per (class, recipe) whose members are the recipe's ``forward`` and, for an
@@ -254,11 +254,25 @@ def _norm_forward(stock: type[nn.Module], recipe: Recipe) -> Callable:
 
 def _mlp_forward(stock: type[nn.Module], recipe: Recipe) -> Callable:
     def forward(self: nn.Module, hidden_states: Tensor) -> Tensor:
-        if not torch.is_grad_enabled():  # nothing records: stock's, as the probes never looked
+        # Stock's where nothing records (the probes never looked there), and where the
+        # activation has hooks (registered since converting), which the recipe would not call.
+        if not torch.is_grad_enabled() or _has_hooks(_act(self)):
             return stock.forward(self, hidden_states)
         return gated_mlp(self, hidden_states, recipe.variant, recipe.detail)
 
     return forward
+
+
+def uncalled_modules(model: nn.Module) -> list[nn.Module]:
+    """Submodules of ``model`` that a recognised module computes itself instead of calling:
+    each converted MLP's activation. Hooks registered on one make its MLP run stock's forward
+    (a tool watching every module leaves them alone)."""
+    return [
+        _act(module)
+        for module in model.modules()
+        if stock_class(type(module)) is not None
+        and type(module)._memsave_recipe.kind == "gated_mlp"
+    ]
 
 
 def _activation_forward(stock: type[nn.Module], recipe: Recipe) -> Callable:

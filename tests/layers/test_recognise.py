@@ -16,7 +16,12 @@ import torch
 from torch import Tensor, nn
 
 from memsave_cli.layers.convert import convert, converted_counts, revert
-from memsave_cli.layers.recognise import candidate_kind, recognise, unrecognised_counts
+from memsave_cli.layers.recognise import (
+    candidate_kind,
+    recognise,
+    uncalled_modules,
+    unrecognised_counts,
+)
 from memsave_cli.saved import SavedTensorRecorder
 
 transformers = pytest.importorskip("transformers")
@@ -638,6 +643,44 @@ def test_hooks_on_the_activation_keep_an_mlp_stock() -> None:
     stock, converted = _stock_and_converted(*mlps)
     assert [type(m).__name__ for m in converted] == ["MemSavePlainMLP", "PlainMLP"]
     _assert_same_outputs(stock, converted, torch.randn(3, 8))
+
+
+def test_hooks_on_the_activation_registered_after_converting_run() -> None:
+    """A hook registered on a converted MLP's activation (a steering, a statistic) runs: the
+    MLP runs its own forward while it is there, the recipe again once it is removed."""
+    torch.manual_seed(0)
+    stock, converted = _stock_and_converted(PlainMLP())
+    assert type(converted[0]).__name__ == "MemSavePlainMLP"
+    x = torch.randn(3, 8, requires_grad=True)
+    handles = [
+        model[0].act_fn.register_forward_hook(lambda module, args, out: out * 2)
+        for model in (stock, converted)
+    ]
+    _assert_same_outputs(stock, converted, x)
+    for handle in handles:
+        handle.remove()
+    _assert_same_outputs(stock, converted, x)
+
+
+def test_the_saved_tensor_recorder_leaves_converted_activations_alone() -> None:
+    """The per-layer recorder hooks every module but a converted MLP's activation, whose hooks
+    would make the MLP run stock's forward: it records what the recipe keeps."""
+    torch.manual_seed(0)
+    mlp = convert(nn.Sequential(PlainMLP()))
+    x = torch.randn(3, 8, requires_grad=True)
+    kept: dict[int, int] = {}
+
+    def pack(tensor: Tensor) -> Tensor:
+        kept[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        mlp(x)
+    with SavedTensorRecorder(mlp) as recorder:
+        assert not mlp[0].act_fn._forward_hooks and mlp[0]._forward_hooks
+        mlp(x)
+    assert uncalled_modules(mlp) == [mlp[0].act_fn]
+    assert recorder.total_bytes == sum(kept.values())
 
 
 class HalfWeightNorm(OffsetNorm):
