@@ -26,23 +26,31 @@ import contextlib
 import functools
 import warnings
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
 from memsave_cli.budget import read_size
 from memsave_cli.errors import MemsaveError
-from memsave_cli.pytest_plugin._measure import ModelLike, measure_model, name_of
-from memsave_cli.pytest_plugin._messages import (
-    MemsaveNote,
-    fits_message,
-    metric_of,
-    saves_message,
-)
-from memsave_cli.pytest_plugin._settings import Settings
-from memsave_cli.report import Run
+from memsave_cli.pytest_plugin._note import MemsaveNote
+
+if TYPE_CHECKING:
+    from memsave_cli.pytest_plugin._measure import ModelLike
+    from memsave_cli.pytest_plugin._settings import Settings
+    from memsave_cli.report import Run
 
 __all__ = ["MARKER", "MemsaveFixture", "MemsaveNote", "Settings", "memsave"]
+
+
+def __getattr__(name: str) -> Any:
+    """``Settings``, imported once asked for: pytest imports this module in every session of
+    the environment, which should not wait for torch until a test measures."""
+    if name == "Settings":
+        from memsave_cli.pytest_plugin._settings import Settings
+
+        return Settings
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 #: The marker form of ``assert_fits`` and ``assert_saves``.
 MARKER = "memsave_budget"
@@ -56,22 +64,31 @@ def _notes_once(method: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(method)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         __tracebackhide__ = True
-        caught: list[warnings.WarningMessage] = []
-        try:
-            with _collected() as caught:
-                return method(*args, **kwargs)
-        finally:
-            _reissue(caught, stacklevel=3)  # _reissue, wrapper, the caller
+        with _notes_after(stacklevel=5):  # _reissue, _notes_after, contextlib, wrapper, caller
+            return method(*args, **kwargs)
 
     return wrapper
 
 
 @contextlib.contextmanager
-def _collected() -> Iterator[list[warnings.WarningMessage]]:
-    """Every warning of the body, recorded instead of issued."""
+def _notes_after(**place: Any) -> Iterator[None]:
+    """Every warning of the body, recorded, then issued again once each (:func:`_reissue`,
+    where ``place`` says). Where the body failed, its failure stays the error, also when
+    warning filters turn a note into one."""
+    __tracebackhide__ = True
+    failure = None
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        yield caught
+        try:
+            yield
+        except BaseException as error:
+            failure = error
+    if failure is None:
+        _reissue(caught, **place)
+        return
+    with contextlib.suppress(Warning):
+        _reissue(caught, **place)
+    raise failure
 
 
 def _reissue(
@@ -113,6 +130,9 @@ class MemsaveFixture:
         test with one line, as the CLI reports them.
         """
         __tracebackhide__ = True
+        from memsave_cli.pytest_plugin._measure import measure_model, name_of
+        from memsave_cli.pytest_plugin._settings import Settings
+
         with _reported():
             run = measure_model(model, impl, Settings.of(settings))
         if not run.ok:
@@ -135,6 +155,10 @@ class MemsaveFixture:
         ``peak`` (through backward) or ``forward_peak`` (the paper's metric).
         """
         __tracebackhide__ = True
+        from memsave_cli.pytest_plugin._measure import name_of
+        from memsave_cli.pytest_plugin._messages import fits_message, metric_of
+        from memsave_cli.pytest_plugin._settings import Settings
+
         with _reported():
             limit = read_size(budget)
             attribute, _ = metric_of(metric)
@@ -162,6 +186,10 @@ class MemsaveFixture:
         if not (fraction and 0 <= at_least < 1):
             message = f"memsave: at_least is a fraction below 1, e.g. 0.2; got {at_least!r}"
             pytest.fail(message, False)
+        from memsave_cli.pytest_plugin._measure import name_of
+        from memsave_cli.pytest_plugin._messages import metric_of, saves_message
+        from memsave_cli.pytest_plugin._settings import Settings
+
         with _reported():
             attribute, _ = metric_of(metric)
             chosen = Settings.of(settings)
@@ -210,13 +238,13 @@ def pytest_configure(config: pytest.Config) -> None:
 def pytest_runtest_call(item: pytest.Item) -> None:
     """Check every ``memsave_budget`` marker of ``item`` before its body runs; each distinct
     note once, at the test's line."""
-    caught: list[warnings.WarningMessage] = []
-    try:
-        with _collected() as caught:
-            for mark in item.iter_markers(name=MARKER):
-                check_marker(mark.args, dict(mark.kwargs))
-    finally:
-        _reissue(caught, at=(str(item.path), item.location[1] + 1))
+    marks = list(item.iter_markers(name=MARKER))
+    if not marks:
+        return
+    line = item.location[1]  # None for an item that names no line (a custom item, a doctest)
+    with _notes_after(at=(str(item.path), 0 if line is None else line + 1)):
+        for mark in marks:
+            check_marker(mark.args, dict(mark.kwargs))
 
 
 def check_marker(args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:

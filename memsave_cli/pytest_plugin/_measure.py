@@ -15,7 +15,7 @@ from torch.nn.parameter import UninitializedBuffer, UninitializedParameter, is_l
 
 from memsave_cli.cases import Case
 from memsave_cli.errors import MemsaveError
-from memsave_cli.pytest_plugin._messages import MemsaveNote
+from memsave_cli.pytest_plugin._note import MemsaveNote
 from memsave_cli.pytest_plugin._settings import Settings
 from memsave_cli.report import Run
 from memsave_cli.specs import ModelSpec, parse_spec

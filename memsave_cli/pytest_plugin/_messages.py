@@ -19,16 +19,10 @@ METRICS = {
 TOP_LAYERS = 5
 
 
-class MemsaveNote(UserWarning):
-    """A note ``memsave profile`` prints under its numbers: on the meta device those of the plan
-    check (parts of the model that the inputs do not run, and so are not in the numbers: NOTE
-    [idle parts]); a spec measured in a worker (cpu, cuda) gives every note of its report."""
-
-
 def metric_of(metric: str) -> tuple[str, str]:
     """The Run attribute and label of ``metric``; MemsaveError naming the known ones otherwise."""
-    if metric not in METRICS:
-        raise MemsaveError(f"unknown metric '{metric}': expected one of {', '.join(METRICS)}")
+    if not isinstance(metric, str) or metric not in METRICS:
+        raise MemsaveError(f"unknown metric {metric!r}: expected one of {', '.join(METRICS)}")
     return METRICS[metric]
 
 

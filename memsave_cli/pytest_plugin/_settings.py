@@ -67,9 +67,7 @@ class Settings:
             if not isinstance(value, bool) and not (key == "input_grad" and value is None):
                 raise MemsaveError(f"{key} must be {allowed}, got {value!r}")
         trainable = values.get("trainable", ())
-        if not isinstance(trainable, str) and not (
-            isinstance(trainable, Sequence) and all(isinstance(t, str) for t in trainable)
-        ):
+        if not _names(trainable):
             raise MemsaveError(
                 f"trainable must be a glob or a list of globs such as 'fc.*', got {trainable!r}"
             )
@@ -80,6 +78,20 @@ class Settings:
             raise MemsaveError(
                 f"kwargs must be a mapping such as {{'num_classes': 10}}, got {kwargs!r}"
             )
+        for key, example in (("lora_alpha", "32"), ("lora_dropout", "0.05")):
+            value = values.get(key)
+            if value is not None and (
+                isinstance(value, bool) or not isinstance(value, int | float)
+            ):
+                raise MemsaveError(f"{key} must be a number such as {example}, got {value!r}")
+        targets = values.get("lora_targets")
+        if targets is not None and not _names(targets):
+            raise MemsaveError(
+                "lora_targets must be module names such as 'q_proj,v_proj' (or a list of them) "
+                f"or 'all-linear', got {targets!r}"
+            )
+        if isinstance(targets, Sequence) and not isinstance(targets, str):
+            values["lora_targets"] = ",".join(targets)
         if "device" in values and not isinstance(values["device"], str):
             values["device"] = str(values["device"])  # torch.device("cpu") -> "cpu"
         for key in ("batch_size", "fsdp", "lora_rank"):  # a count no run could use fails here
@@ -151,3 +163,10 @@ class Settings:
             parts.append(f"under {self.autocast} autocast")
         parts.append("estimated on meta" if self.device == "meta" else f"measured on {self.device}")
         return ", ".join(parts)
+
+
+def _names(value: object) -> bool:
+    """Whether ``value`` is a string or a sequence of strings."""
+    if isinstance(value, str):
+        return True
+    return isinstance(value, Sequence) and all(isinstance(item, str) for item in value)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import subprocess
 import sys
 from importlib import metadata
 from pathlib import Path
@@ -545,6 +546,9 @@ def test_a_training_step_is_measured_whatever_the_grad_mode() -> None:
         ({"kwargs": {"width": 2}}, "kwargs are the keyword arguments of a spec string or a "),
         ({"case": 3}, "case must be a name such as 'input', got 3"),
         ({"kwargs": ["width=2"]}, "kwargs must be a mapping such as {'num_classes': 10}, got"),
+        ({"lora_alpha": "16"}, "lora_alpha must be a number such as 32, got '16'"),
+        ({"lora_dropout": True}, "lora_dropout must be a number such as 0.05, got True"),
+        ({"lora_targets": 5}, "lora_targets must be module names such as 'q_proj,v_proj'"),
     ],
     ids=[
         "input_grad",
@@ -555,6 +559,9 @@ def test_a_training_step_is_measured_whatever_the_grad_mode() -> None:
         "kwargs",
         "case",
         "kwargs-list",
+        "lora_alpha",
+        "lora_dropout",
+        "lora_targets",
     ],
 )
 def test_settings_of_a_wrong_kind_are_one_line(settings: dict, line: str) -> None:
@@ -563,6 +570,75 @@ def test_settings_of_a_wrong_kind_are_one_line(settings: dict, line: str) -> Non
     with pytest.raises(pytest.fail.Exception) as failure:
         MemsaveFixture().measure(_small_net(), batch_size=2, input_shape=(3, 8, 8), **settings)
     assert str(failure.value).startswith(f"memsave: {line}")
+
+
+def test_a_metric_of_a_wrong_kind_is_one_line() -> None:
+    from memsave_cli.pytest_plugin import MemsaveFixture
+
+    with pytest.raises(pytest.fail.Exception) as failure:
+        MemsaveFixture().assert_fits(_small_net(), "1GiB", metric=["peak"], batch_size=2)
+    assert str(failure.value) == (
+        "memsave: unknown metric ['peak']: expected one of peak, forward_peak"
+    )
+
+
+def test_the_plugin_imports_no_torch() -> None:
+    """pytest imports the plugin in every session of the environment: torch waits for a test
+    that measures."""
+    code = "import sys, memsave_cli.pytest_plugin as p; print('torch' in sys.modules, p.Settings)"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.stdout.split()[0] == "False", result.stderr
+    assert "Settings" in result.stdout
+
+
+def test_items_naming_no_line_run_as_without_the_plugin(pytester: pytest.Pytester) -> None:
+    """A plugin's item without a line number (a spec file, a doctest in ``__test__``) runs."""
+    pytester.makeconftest(
+        """
+        import pytest
+
+        class SpecItem(pytest.Item):
+            def runtest(self):
+                pass
+
+        class SpecFile(pytest.File):
+            def collect(self):
+                yield SpecItem.from_parent(self, name="spec")
+
+        def pytest_collect_file(parent, file_path):
+            if file_path.suffix == ".spec":
+                return SpecFile.from_parent(parent, path=file_path)
+        """
+    )
+    pytester.makefile(".spec", check="x")
+    pytester.makepyfile(test_doc='__test__ = {"sum": ">>> 1 + 1\\n2\\n"}')
+    args = (*plugin_args(), "-p", "no:cacheprovider", "-n", "0", "--doctest-modules")
+    pytester.runpytest_inprocess(*args).assert_outcomes(passed=2)
+
+
+def test_a_failure_stays_the_error_where_notes_are_errors(pytester: pytest.Pytester) -> None:
+    """With warnings as errors, the budget's failure is reported, not the note beside it."""
+    pytester.makepyfile(
+        test_user="""
+        from torch import nn
+
+        class Idle(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.used, self.unused = nn.Linear(16, 16), nn.Linear(16, 16)
+
+            def forward(self, x):
+                return self.used(x)
+
+        def test_over(memsave):
+            memsave.assert_fits(Idle(), budget="1B", batch_size=2)
+        """
+    )
+    errors = f"error::{PLUGIN}.MemsaveNote"
+    args = (*plugin_args(), "-p", "no:cacheprovider", "-n", "0", "-W", errors)
+    result = pytester.runpytest_inprocess(*args)
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["FAILED test_user.py::test_over - AssertionError: Idle*"])
 
 
 def test_a_builder_that_raises_is_one_line() -> None:
