@@ -226,7 +226,7 @@ def _saved_tensors(module: nn.Module, x: Tensor) -> list[Tensor]:
 
     def pack(tensor: Tensor) -> Tensor:
         saved.setdefault(tensor.untyped_storage(), tensor)
-        return tensor
+        return tensor.detach()  # the tensor itself would close a cycle through its node
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         module(x)

@@ -194,7 +194,11 @@ def _measure_tracked_step(job: Job, prepared: Prepared) -> Run:
         tracker.reset_peak()
         with SavedTensorRecorder(prepared.model) as recorder:
             kernels.clear()
-            train_step(prepared, lambda: marks.setdefault("forward", tracker.peak_bytes))
+            train_step(
+                prepared,
+                after_forward=lambda: marks.setdefault("forward", tracker.peak_bytes),
+                before_backward=recorder.stop,
+            )
     tracker.detach()
     with attention_kernels(job.device, job.attention):
         time_s = None if job.device == "meta" else _median_time(job, prepared, _wall_time)
@@ -216,7 +220,11 @@ def _measure_cuda_steps(job: Job, prepared: Prepared) -> Run:
     torch.cuda.reset_peak_memory_stats()
     marks: dict[str, int] = {}
     with SavedTensorRecorder(prepared.model) as recorder:
-        train_step(prepared, lambda: marks.setdefault("forward", torch.cuda.max_memory_allocated()))
+        train_step(
+            prepared,
+            after_forward=lambda: marks.setdefault("forward", torch.cuda.max_memory_allocated()),
+            before_backward=recorder.stop,
+        )
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated()
     device_bytes = nvml_process_bytes()

@@ -168,7 +168,7 @@ def kept_after_forward(run: Callable[[Tensor], Tensor], model: nn.Module, x: Ten
 
     def pack(tensor: Tensor) -> Tensor:
         saved.append(tensor)
-        return tensor
+        return tensor.detach()  # the tensor itself would close a cycle through its node
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         output = run(x)

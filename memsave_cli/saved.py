@@ -5,12 +5,15 @@ NOTE [counting saved tensors]: autograd hands every tensor a node saves to the p
 in-place ReLU's output is also the next convolution's input), so bytes are counted once per
 distinct storage. Each record names the module that saved it first, and the one it is counted
 at in per-layer tables: the module that produced it, the innermost one whose forward returned
-it (an in-place layer after it takes it over, a parent returning it does not). Storages no
+it (an in-place layer after it takes it over; a parent returning it does not, nor a layer
+handing it on unchanged: Identity, Flatten, a dropout of rate 0). Storages no
 module returned (a model's input, a mask made inside a layer) go to the
 innermost module whose forward was running when the storage was first saved. Attributing to a
 saver instead would move a storage between layers when only *which* layers keep it changes: with
 stock ReLUs a block's output is kept by its ReLU, with memsave's by the next convolution, and that
-convolution would seem to keep more. A storage that two modules save is marked ``shared``.
+convolution would seem to keep more. A storage that two modules save is marked ``shared``. What
+is saved during backward (a reentrant checkpoint's recomputation) is not counted: it lives
+inside backward (``SavedTensorRecorder.stop``).
 """
 
 from __future__ import annotations
@@ -40,11 +43,26 @@ class SavedStorage:
 
 
 def storage_nbytes(tensor: Tensor) -> int:
-    """Bytes of the storage behind ``tensor`` (its own size when it has no storage)."""
+    """Bytes of the storage behind ``tensor``: a sparse tensor's are those of its indices and
+    values; a tensor without any counts its own size."""
+    parts = _sparse_parts(tensor)
+    if parts:
+        return sum(storage_nbytes(part) for part in parts)
     try:
         return tensor.untyped_storage().nbytes()
     except (RuntimeError, NotImplementedError):
         return tensor.numel() * tensor.element_size()
+
+
+def _sparse_parts(tensor: Tensor) -> tuple[Tensor, ...]:
+    """The strided tensors a sparse tensor keeps (its values last), none for any other."""
+    if tensor.layout == torch.sparse_coo:
+        return tensor._indices(), tensor._values()
+    if tensor.layout in (torch.sparse_csr, torch.sparse_bsr):
+        return tensor.crow_indices(), tensor.col_indices(), tensor.values()
+    if tensor.layout in (torch.sparse_csc, torch.sparse_bsc):
+        return tensor.ccol_indices(), tensor.row_indices(), tensor.values()
+    return ()
 
 
 class SavedTensorRecorder:
@@ -56,9 +74,12 @@ class SavedTensorRecorder:
 
     def __init__(self, model: nn.Module | None = None) -> None:
         self.model = model
+        self.recording = True  # False once the forward is done: see stop()
         self.records: list[SavedStorage] = []
+        self._keyless: set[int] = set()  # records of tensors without a storage
         self._index: WeakIdKeyDictionary = WeakIdKeyDictionary()
-        self._producer: WeakIdKeyDictionary = WeakIdKeyDictionary()  # storage -> (name, type)
+        # storage -> ((name, type), its version when that module returned it)
+        self._producer: WeakIdKeyDictionary = WeakIdKeyDictionary()
         self._stack: list[tuple[str, str]] = [("", "")]
         self._params: WeakIdKeyDictionary = WeakIdKeyDictionary()
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
@@ -84,7 +105,8 @@ class SavedTensorRecorder:
     def __enter__(self) -> SavedTensorRecorder:
         if self.model is not None:
             for tensor in (*self.model.parameters(), *self.model.buffers()):
-                self._params[_storage_key(tensor)] = True
+                if (key := _storage_key(tensor)) is not None:
+                    self._params[key] = True
             uncalled = {id(module) for module in uncalled_modules(self.model)}
             for name, module in self.model.named_modules():
                 if id(module) in uncalled:  # hooks on it would make its owner run stock's
@@ -108,6 +130,19 @@ class SavedTensorRecorder:
             handle.remove()
         self._handles.clear()
 
+    def stop(self) -> None:
+        """Before backward: forget storages freed since they were saved (a graph no backward
+        runs: a metric computed and detached), and record nothing more (what a backward saves,
+        a reentrant checkpoint's recomputation, lives inside it: a part of the step's peak, not
+        of what the forward keeps for backward)."""
+        self.recording = False
+        alive = {position: key for key, position in self._index.items()}
+        kept = [i for i in range(len(self.records)) if i in alive or i in self._keyless]
+        self.records = [self.records[i] for i in kept]
+        for position, i in enumerate(kept):
+            if i in alive:
+                self._index[alive[i]] = position
+
     def _enter_module(self, entry: tuple[str, str]):
         def hook(module: nn.Module, args: object) -> None:
             self._stack.append(entry)
@@ -117,7 +152,8 @@ class SavedTensorRecorder:
     def _leave_module(self, module: nn.Module, args: object, output: object) -> None:
         if len(self._stack) > 1:
             entry = self._stack.pop()
-            if not torch.compiler.is_compiling():  # traced hooks cannot look up weak tables
+            # traced hooks cannot look up weak tables
+            if self.recording and not torch.compiler.is_compiling():
                 self._claim(output, entry)
 
     def _claim(self, output: object, entry: tuple[str, str]) -> None:
@@ -128,20 +164,33 @@ class SavedTensorRecorder:
             if key is None:
                 continue
             current = self._producer.get(key)
-            if current is not None and _encloses(entry[0], current[0]):
-                continue
-            self._producer[key] = entry
+            version = _version(tensor)
+            if current is not None and (
+                _encloses(entry[0], current[0][0]) or version == current[1]
+            ):
+                continue  # an inner module's, or handed on unchanged (Identity, Flatten, Dropout(0))
+            self._producer[key] = (entry, version)
             position = self._index.get(key)
             if position is not None:
                 record = self.records[position]
                 record.producer, record.producer_type = entry
 
     def _pack(self, tensor: Tensor) -> Tensor:
+        """Record ``tensor``'s storage; hand autograd an alias of it. The tensor itself would
+        close a cycle where a node saves its own output (the output holds the node, the node
+        what the hook returned), which keeps a graph no backward runs (a metric computed and
+        detached) alive, and counted, for good."""
+        if self.recording:
+            self._record(tensor)
+        return tensor.detach()
+
+    def _record(self, tensor: Tensor) -> None:
         key = _storage_key(tensor)
         saver = self._stack[-1]
         position = self._index.get(key) if key is not None else None
         if position is None:
-            producer = self._producer.get(key, saver) if key is not None else saver
+            found = self._producer.get(key) if key is not None else None
+            producer = saver if found is None else found[0]
             record = SavedStorage(
                 nbytes=storage_nbytes(tensor),
                 module=saver[0],
@@ -150,12 +199,21 @@ class SavedTensorRecorder:
                 producer=producer[0],
                 producer_type=producer[1],
             )
-            if key is not None:
+            if key is None:
+                self._keyless.add(len(self.records))
+            else:
                 self._index[key] = len(self.records)
             self.records.append(record)
         elif self.records[position].module != saver[0]:
             self.records[position].shared = True
-        return tensor
+
+
+def _version(tensor: Tensor) -> int | None:
+    """``tensor``'s version counter (which in-place changes bump), None where it has none."""
+    try:
+        return tensor._version
+    except RuntimeError:  # an inference tensor
+        return None
 
 
 def _is_parameter(tensor: Tensor) -> bool:
@@ -181,9 +239,11 @@ def _tensors(value: object) -> list[Tensor]:
 
 
 def _storage_key(tensor: Tensor) -> object | None:
-    """The object identifying ``tensor``'s storage, or None for tensors without one."""
+    """The object identifying ``tensor``'s storage (a sparse tensor's values'), or None for
+    tensors without one."""
+    parts = _sparse_parts(tensor)
     try:
-        return tensor.untyped_storage()
+        return (parts[-1] if parts else tensor).untyped_storage()
     except (RuntimeError, NotImplementedError):
         return None
 

@@ -114,7 +114,11 @@ def make_optimizer(model: nn.Module, name: str | None) -> torch.optim.Optimizer 
     return factory(params, lr=1e-3, foreach=True)
 
 
-def train_step(prepared: Prepared, after_forward: Callable[[], None] = lambda: None) -> None:
+def train_step(
+    prepared: Prepared,
+    after_forward: Callable[[], None] = lambda: None,
+    before_backward: Callable[[], None] = lambda: None,
+) -> None:
     """Forward, loss, backward and optimizer step, as a training loop does them (forward and loss
     under autocast where the job asks for it, backward outside, as PyTorch recommends).
 
@@ -126,6 +130,7 @@ def train_step(prepared: Prepared, after_forward: Callable[[], None] = lambda: N
             after_forward()
             loss = loss_of(output)
             del output
+        before_backward()
         if loss.requires_grad:  # the "none" case has nothing to differentiate
             loss.backward()
         del loss

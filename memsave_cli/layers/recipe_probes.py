@@ -163,7 +163,7 @@ def _recomputation_serves(module: nn.Module, case: _Case) -> bool:
 
         def pack(tensor: Tensor) -> Tensor:
             kept[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
-            return tensor
+            return tensor.detach()  # the tensor itself would close a cycle through its node
 
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
             out = forward(leaf)

@@ -16,6 +16,7 @@ from collections import OrderedDict
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from memsave_cli.report import Run
 
@@ -211,6 +212,100 @@ def flat_mlp() -> nn.Module:
 
 def flat_mlp_inputs(batch_size: int) -> torch.Tensor:
     return torch.randn(batch_size, 16)
+
+
+class MetricNet(nn.Module):
+    """An MLP logging a metric computed under autograd and detached (not under ``no_grad``), as
+    training code often does: the softmax's saved output dies with its graph at once."""
+
+    def __init__(self, metric: bool = True) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(16, 16), nn.ReLU())
+        self.probe, self.softmax = nn.Linear(16, 64), nn.Softmax(-1)
+        self.tail = nn.Linear(16, 4)
+        self.metric, self.confidence = metric, None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = self.body(x)
+        if self.metric:
+            self.confidence = self.softmax(self.probe(hidden)).max(-1).values.mean().detach()
+        return self.tail(hidden)
+
+
+def metric_net() -> nn.Module:
+    return MetricNet()
+
+
+def quiet_net() -> nn.Module:
+    return MetricNet(metric=False)
+
+
+def metric_net_inputs(batch_size: int) -> torch.Tensor:
+    return torch.randn(batch_size, 16)
+
+
+quiet_net_inputs = metric_net_inputs
+
+
+class CheckpointedNet(nn.Module):
+    """Blocks the model checkpoints itself (``use_reentrant`` as given)."""
+
+    def __init__(self, reentrant: bool) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 16)) for _ in range(3)
+        )
+        self.reentrant = reentrant
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = x + checkpoint(block, x, use_reentrant=self.reentrant)
+        return x
+
+
+def reentrant_net() -> nn.Module:
+    return CheckpointedNet(reentrant=True)
+
+
+def nonreentrant_net() -> nn.Module:
+    return CheckpointedNet(reentrant=False)
+
+
+reentrant_net_inputs = nonreentrant_net_inputs = metric_net_inputs
+
+
+class GraphNet(nn.Module):
+    """A graph convolution over a sparse ring adjacency of 64 nodes (three entries a row), held
+    as a buffer or as a plain attribute; the batch is the node features."""
+
+    def __init__(self, as_buffer: bool) -> None:
+        super().__init__()
+        nodes = torch.arange(64)
+        rows, cols = nodes.repeat(3), torch.cat([nodes, (nodes + 1) % 64, (nodes - 1) % 64])
+        adjacency = torch.sparse_coo_tensor(torch.stack([rows, cols]), torch.ones(192), (64, 64))
+        if as_buffer:
+            self.register_buffer("adjacency", adjacency)
+        else:
+            self.adjacency = adjacency
+        self.linear = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.sparse.mm(self.adjacency, self.linear(x))
+
+
+def sparse_buffer_net() -> nn.Module:
+    return GraphNet(as_buffer=True)
+
+
+def sparse_attribute_net() -> nn.Module:
+    return GraphNet(as_buffer=False)
+
+
+def sparse_buffer_net_inputs(batch_size: int) -> torch.Tensor:
+    return torch.randn(64, 8)
+
+
+sparse_attribute_net_inputs = sparse_buffer_net_inputs
 
 
 # -- runner behaviours ----------------------------------------------------------------------------

@@ -95,6 +95,41 @@ def test_layer_rows_never_double_count() -> None:
 
 
 @pytest.mark.parametrize("device", ["meta", "cpu"])
+def test_a_graph_no_backward_runs_is_not_counted(device: str) -> None:
+    """A metric computed under autograd and detached: its graph dies at once, and with it the
+    softmax output it saved, which the measurement neither keeps alive nor counts."""
+    logged, quiet = (measure(job(model, device=device)) for model in ("metric_net", "quiet_net"))
+    assert logged.ok and quiet.ok
+    assert (logged.saved_bytes, logged.layers) == (quiet.saved_bytes, quiet.layers)
+    probs = round_bytes(4 * 4 * 64)  # the softmax output, freed before the tail runs
+    assert logged.peak_bytes <= quiet.peak_bytes + 2 * probs
+
+
+@pytest.mark.parametrize("device", ["meta", "cpu"])
+def test_a_reentrant_checkpoint_counts_what_the_forward_keeps(device: str) -> None:
+    """What a reentrant checkpoint saves while recomputing lives inside backward: saved bytes as
+    with the non-reentrant form, the blocks' inputs only."""
+    case = resolve_case("all", input_grad=True)  # a reentrant checkpoint needs an input's grad
+    runs = [
+        measure(Job(parse_spec(f"fixtures_tracker:{model}"), case, "stock", device, batch_size=4))
+        for model in ("reentrant_net", "nonreentrant_net")
+    ]
+    assert runs[0].saved_bytes == runs[1].saved_bytes == 4 * 4 * 16 * 3
+    assert runs[0].layers == runs[1].layers
+
+
+def test_sparse_tensors_count_their_indices_and_values_once() -> None:
+    """A sparse adjacency: as a buffer, state (no crash); as a plain attribute, saved once, at
+    the bytes of its indices and values, not of its dense size."""
+    held, attribute = (
+        measure(job(m, device="cpu")) for m in ("sparse_buffer_net", "sparse_attribute_net")
+    )
+    assert held.ok and attribute.ok, (held.error, attribute.error)
+    sparse_bytes = 2 * 192 * 8 + 192 * 4  # int64 indices, float32 values
+    assert attribute.saved_bytes - held.saved_bytes == sparse_bytes
+
+
+@pytest.mark.parametrize("device", ["meta", "cpu"])
 def test_a_measurement_does_not_depend_on_what_ran_before_it(device: str) -> None:
     """Max pooling's index tables are memoised per process; each measurement makes and counts
     them again, so that ``fit`` and the plugin (many jobs in one process) agree with a worker."""

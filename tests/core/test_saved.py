@@ -78,3 +78,17 @@ def test_shared_when_two_layers_keep_one_storage() -> None:
         model(x)
     shared = {row.name for row in layer_rows(recorder) if row.shared}
     assert "0.relu" in shared  # ReLU keeps its output, the next conv its input: one storage
+
+
+def test_layers_handing_a_tensor_on_do_not_take_it_over() -> None:
+    """Identity, Flatten and a dropout of rate 0 return what they were given: its bytes stay
+    with the layer that made it (an in-place layer, which writes it, takes it over)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(8, 16), nn.GELU(), nn.Dropout(0.0), nn.Identity(), nn.Flatten(), nn.Linear(16, 2)
+    )
+    x = torch.randn(3, 8, requires_grad=True)
+    with SavedTensorRecorder(model) as recorder:
+        model(x).sum().backward()
+    saved = {row.name: row.saved_bytes for row in layer_rows(recorder)}
+    assert saved == {"0": 3 * 8 * 4 + 3 * 16 * 4, "1": 3 * 16 * 4}
