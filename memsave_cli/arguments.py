@@ -30,8 +30,17 @@ def dtype_name(dtype: str | torch.dtype | None) -> str | None:
 
 
 def device_name(device: str | torch.device) -> str:
-    """``torch.device("cuda")`` -> ``"cuda"``; a string passes unchanged (checked later)."""
-    return str(device) if isinstance(device, torch.device) else device
+    """``torch.device("cuda")`` -> ``"cuda"``; ``cuda:0`` is the current CUDA device, which a
+    measurement runs on, and another index an error; any other string passes unchanged
+    (checked later)."""
+    text = str(device)  # torch.device("cuda", 0) -> "cuda:0"
+    kind, _, index = text.partition(":")
+    if kind not in ("cuda", "cpu") or index in ("", "0"):
+        return kind if index == "0" else text
+    raise MemsaveError(
+        f"device {text!r}: memsave measures on the current device (cuda, cuda:0); choose "
+        "another GPU with CUDA_VISIBLE_DEVICES"
+    )
 
 
 def count(

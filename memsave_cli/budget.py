@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 import re
 from decimal import Decimal
 
@@ -64,9 +65,12 @@ def parse_bytes(text: str) -> int:
 def read_size(given: object) -> int:
     """Bytes of a size given as text (``"1.5GiB"``, read by :func:`parse_bytes`) or as a number
     of bytes (``2**30``, ``1.5e9``), as the Python API and the pytest plugin take budgets."""
-    if isinstance(given, bool) or not isinstance(given, str | int | float):
+    if isinstance(given, bool) or not isinstance(given, str | numbers.Real):
         raise BudgetError(
             f"cannot read memory size {given!r}: expected text such as '1.5GiB' or a number "
             "of bytes"
         )
-    return parse_bytes(given if isinstance(given, str) else repr(given))
+    if isinstance(given, str):
+        return parse_bytes(given)
+    # a numpy number too, as Python's own
+    return parse_bytes(repr(int(given) if isinstance(given, numbers.Integral) else float(given)))

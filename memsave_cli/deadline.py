@@ -28,9 +28,14 @@ import contextlib
 import signal
 import sys
 import threading
-from collections.abc import Iterator
+import types
+from collections.abc import Callable, Iterator
+from typing import ParamSpec, TypeVar
 
 from memsave_cli.errors import MemsaveError
+
+P = ParamSpec("P")
+R = TypeVar("R")
 
 #: Seconds between the timer's signals once the deadline has passed.
 _AGAIN_S = 1.0
@@ -51,6 +56,29 @@ class _Expired(BaseException):
     """Raised by the timer's handler; BaseException so that ``except Exception`` lets it pass."""
 
 
+#: Code the timer's signal does not interrupt: a weakref callback, whose exception Python can
+#: only print and drop (half its bookkeeping done); the signal comes again a second later.
+_UNINTERRUPTED: set[types.CodeType] = set()
+#: How many frames up from the interrupted one the handler looks for such code.
+_FRAMES_SEEN = 8
+
+
+def uninterrupted(function: Callable[P, R]) -> Callable[P, R]:
+    """Mark ``function`` as one a deadline's signal waits for (see ``_UNINTERRUPTED``)."""
+    _UNINTERRUPTED.add(function.__code__)
+    return function
+
+
+def _inside_uninterrupted(frame: types.FrameType | None) -> bool:
+    for _ in range(_FRAMES_SEEN):
+        if frame is None:
+            return False
+        if frame.f_code in _UNINTERRUPTED:
+            return True
+        frame = frame.f_back
+    return False
+
+
 @contextlib.contextmanager
 def deadline(seconds: float, what: str, hint: str = "") -> Iterator[None]:
     """Raise TimeLimitError, saying ``what`` took longer (and ``hint`` after a colon), if the
@@ -62,8 +90,9 @@ def deadline(seconds: float, what: str, hint: str = "") -> Iterator[None]:
 
     armed = True
 
-    def expire(signum: int, frame: object) -> None:
-        if armed:  # not once the block has left: the signal must not break what follows it
+    def expire(signum: int, frame: types.FrameType | None) -> None:
+        # Not once the block has left: the signal must not break what follows it.
+        if armed and not _inside_uninterrupted(frame):
             raise _Expired
 
     previous = signal.signal(signal.SIGALRM, expire)

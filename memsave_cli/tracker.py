@@ -37,6 +37,8 @@ from torch import Tensor, nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from memsave_cli.deadline import uninterrupted
+
 #: The CUDA caching allocator hands out blocks in multiples of this many bytes.
 ALLOCATOR_ROUND = 512
 
@@ -215,6 +217,7 @@ class MemoryTracker(TorchDispatchMode):
         if self.current_bytes > self.peak_bytes:
             self.peak_bytes = self.current_bytes
 
+    @uninterrupted  # a weakref callback (its storage died): a deadline waits for it
     def _release(self, key: int, entry: _Entry, ref: object = None) -> None:
         if self._live.get(key) is entry:
             del self._live[key]

@@ -92,7 +92,7 @@ def check_writable(**outputs: str | Path | None) -> None:
         same = named.setdefault(resolved, flag)
         if same != flag:
             raise MemsaveError(f"{same} and {flag} both name {path}; give each its own file")
-        if target.is_dir():
+        if target.is_dir() or str(path).endswith(("/", os.sep, "/.", "/..")):
             raise MemsaveError(f"{flag} {path}: is a folder; give a file, e.g. {target / 'out'}")
         if target.exists() and not target.is_file():  # a device or a pipe: written through
             if not os.access(target, os.W_OK):

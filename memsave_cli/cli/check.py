@@ -44,8 +44,8 @@ def check(
     report: Annotated[
         Path, typer.Argument(metavar="REPORT", help="Report written by `memsave profile --json`.")
     ],
-    baseline: Annotated[
-        Path,
+    baseline_text: Annotated[
+        str,
         typer.Option(
             "--baseline", "-b", metavar="PATH", help="Baseline report to compare against."
         ),
@@ -71,6 +71,7 @@ def check(
     otherwise (a run or value the baseline has and the report lacks is one), 2 when the check
     cannot judge: a file missing or unusable, other settings, nothing to compare.
     """
+    baseline = Path(baseline_text)
     with reported_errors(ctx, debug):
         check_tolerance(tolerance)  # before any file is read, with --update too
         tolerance += 0.0  # -0 is 0, and shown so
@@ -80,7 +81,7 @@ def check(
                 "checks nothing: give one of them"
             )
         if update:
-            check_writable(baseline=baseline)
+            check_writable(baseline=baseline_text)  # as given: "out/" names a folder
         current = Report.load(report, role="report")
         console = stdout_console()
         if update:

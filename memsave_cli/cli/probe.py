@@ -74,7 +74,7 @@ def probe(
         ),
     ] = None,
     plot: Annotated[
-        Path | None, typer.Option(metavar="PATH", help="Write a PNG plot (needs matplotlib).")
+        str | None, typer.Option(metavar="PATH", help="Write a PNG plot (needs matplotlib).")
     ] = None,
     json_path: Annotated[
         str | None,
@@ -112,7 +112,7 @@ def probe(
             for scenario, error in result.errors.items():
                 console.print(f"{scenario} failed: {error}", style="red", markup=False)
             if plot is not None:
-                plot_probe(result, plot)
+                plot_probe(result, Path(plot))
                 console.print(f"plot written: {plot}")
 
         write_around(show, (json_path, result.to_json))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import inspect
+import sys
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import replace
@@ -168,12 +169,13 @@ def _copy_to(model: nn.Module, device: torch.device) -> nn.Module:
         if is_lazy(param):  # moved, it would become a plain empty parameter
             memo[id(param)] = UninitializedParameter(param.requires_grad, device, param.dtype)
         else:
-            memo[id(param)] = nn.Parameter(param.detach().to(device), param.requires_grad)
+            copied = param.detach().to(device, copy=True)  # a copy on its own device too
+            memo[id(param)] = nn.Parameter(copied, param.requires_grad)
     for buffer in model.buffers():
         if is_lazy(buffer):
             memo[id(buffer)] = UninitializedBuffer(False, device, buffer.dtype)
         else:
-            memo[id(buffer)] = buffer.detach().to(device)
+            memo[id(buffer)] = buffer.detach().to(device, copy=True)
     return copy.deepcopy(model, memo)
 
 
@@ -181,6 +183,11 @@ def _importable_name(factory: Callable[..., Any]) -> str | None:
     """``module:function`` when ``factory`` is a top-level function of an importable module."""
     module, qualname = getattr(factory, "__module__", None), getattr(factory, "__qualname__", "")
     if not module or module == "__main__" or "<" in qualname or not inspect.isfunction(factory):
+        return None
+    found: object = sys.modules.get(module)
+    for part in qualname.split("."):
+        found = getattr(found, part, None)
+    if found is not factory:  # the name is another's (one of several conftest modules)
         return None
     return f"{module}:{qualname}"
 

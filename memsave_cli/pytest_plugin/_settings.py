@@ -6,7 +6,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
-from memsave_cli.arguments import count, dtype_name, seconds
+from memsave_cli.arguments import count, device_name, dtype_name, seconds
 from memsave_cli.cases import Case, resolve_case
 from memsave_cli.checkpointing import read_patterns
 from memsave_cli.errors import MemsaveError
@@ -92,8 +92,8 @@ class Settings:
             )
         if isinstance(targets, Sequence) and not isinstance(targets, str):
             values["lora_targets"] = ",".join(targets)
-        if "device" in values and not isinstance(values["device"], str):
-            values["device"] = str(values["device"])  # torch.device("cpu") -> "cpu"
+        if "device" in values:
+            values["device"] = device_name(values["device"])
         for key in ("batch_size", "fsdp", "lora_rank"):  # a count no run could use fails here
             most = MAX_BATCH_SIZE if key == "batch_size" else None
             values[key] = count(values.get(key), key, optional=True, most=most)

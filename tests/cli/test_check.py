@@ -304,15 +304,17 @@ def test_update_warns_of_failed_runs(runner, paper_report, write_report, tmp_pat
     [
         ("", "is a folder; give a file"),
         ("afile/x.json", "afile is a file, not a folder"),
+        ("new/", "is a folder; give a file"),
+        ("new/x/../", "is a folder; give a file"),
     ],
-    ids=["folder", "below-a-file"],
+    ids=["folder", "below-a-file", "new-folder", "new-folder-dots"],
 )
 def test_update_checks_the_baseline_path_first(runner, tmp_path, target, message):
     """Before the report is even read: a missing report is not what the line is about."""
     (tmp_path / "afile").write_text("")
-    baseline = tmp_path / target if target else tmp_path
+    baseline = f"{tmp_path}/{target}" if target else str(tmp_path)  # "new/" as typed
     missing = tmp_path / "missing.json"
-    result = runner.invoke(app, ["check", str(missing), "-b", str(baseline), "--update"])
+    result = runner.invoke(app, ["check", str(missing), "-b", baseline, "--update"])
     assert result.exit_code == 2, result.output
     assert f"error: --baseline {baseline}: " in result.output and message in result.output
     assert len(result.output.strip().splitlines()) == 1, result.output

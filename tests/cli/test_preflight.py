@@ -219,9 +219,10 @@ def test_checks_never_import_dynamo():
         (["profile", "torchvision:resnet18", "--device", "meta", "--json", "{dir}"], "is a folder"),
         (["profile", "torchvision:resnet18", "--csv", "{file}/r.csv"], "is a file, not a folder"),
         (["fit", "torchvision:resnet18", "--budget", "1GiB", "--json", "{dir}"], "is a folder"),
+        (["profile", "torchvision:resnet18", "--json", "{dir}/new/"], "is a folder"),
         (["layers", "--json", "{file}/sub/layers.json"], "is a file, not a folder"),
     ],
-    ids=["profile-json", "profile-csv", "fit-json", "layers-json"],
+    ids=["profile-json", "profile-csv", "fit-json", "profile-new-folder", "layers-json"],
 )
 def test_unwritable_output_is_one_line_before_any_work(
     runner, no_workers, tmp_path, monkeypatch, command, expected

@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 
 from memsave_cli.api import profile
 from memsave_cli.cli import app
-from memsave_cli.deadline import TimeLimitError, deadline, paused
+from memsave_cli.deadline import TimeLimitError, deadline, paused, uninterrupted
 from memsave_cli.fit import fit
 
 SLOW = """
@@ -120,6 +120,25 @@ def test_a_block_within_its_time_is_left_alone():
     with deadline(5, "nothing"):
         value = sum(range(1000))
     assert value == 499500
+
+
+def test_code_marked_uninterrupted_runs_to_its_end():
+    """A weakref callback (the tracker's release of a dead storage) is not cut: the signal
+    comes again and ends the block after it."""
+    finished = []
+
+    @uninterrupted
+    def callback():
+        end = time.monotonic() + 0.3
+        while time.monotonic() < end:
+            pass
+        finished.append(True)
+
+    with pytest.raises(TimeLimitError), deadline(0.05, "waiting"):
+        callback()
+        while True:
+            time.sleep(0.01)
+    assert finished == [True]
 
 
 def test_another_alarm_is_not_displaced():

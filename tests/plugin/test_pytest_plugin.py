@@ -517,6 +517,75 @@ def _small_net() -> torch.nn.Module:
     return nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Flatten(), nn.Linear(144, 2))
 
 
+def test_measuring_a_model_object_on_its_own_device_changes_nothing_of_it() -> None:
+    """On cpu a cpu model is copied too: its BatchNorm statistics and, with an optimizer, its
+    weights stay the caller's."""
+    from torch import nn
+
+    from memsave_cli.pytest_plugin import MemsaveFixture
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten())
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    settings = {"batch_size": 2, "input_shape": (3, 8, 8), "device": "cpu", "optimizer": "sgd"}
+    assert MemsaveFixture().measure(model, **settings).ok
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, before[key]), key
+
+
+def test_a_builder_is_measured_itself_not_one_of_its_name(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two conftest modules share their module's name: the builder given is the one built."""
+    import types
+
+    from torch import nn
+
+    from memsave_cli.pytest_plugin import MemsaveFixture
+    from memsave_cli.tracker import round_bytes
+
+    source = "from torch import nn\ndef build():\n    return nn.Linear(3, {width})\n"
+    given, other = types.ModuleType("conftest"), types.ModuleType("conftest")
+    exec(source.format(width=7), given.__dict__)
+    exec(source.format(width=1024), other.__dict__)
+    monkeypatch.setitem(sys.modules, "conftest", other)
+    run = MemsaveFixture().measure(given.build, batch_size=2, input_shape=(3,))
+    assert run.param_bytes == sum(round_bytes(4 * p.numel()) for p in nn.Linear(3, 7).parameters())
+
+
+@pytest.mark.parametrize("device", ["cuda:0", torch.device("cuda", 0)], ids=["text", "device"])
+def test_the_first_cuda_device_by_index_is_cuda(device: object) -> None:
+    from memsave_cli.pytest_plugin import Settings
+
+    assert Settings.of({"device": device}).device == "cuda"
+
+
+def test_another_cuda_device_is_one_line() -> None:
+    from memsave_cli.pytest_plugin import MemsaveFixture
+
+    with pytest.raises(pytest.fail.Exception) as failure:
+        MemsaveFixture().measure(_small_net(), device=torch.device("cuda", 1))
+    assert str(failure.value).startswith("memsave: device 'cuda:1': memsave measures on the")
+
+
+def test_a_saving_exactly_at_least_passes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Compared exactly: 900 bytes against 1000 saves 10%, at_least=0.1 (a float below 0.1
+    had failed it); numpy numbers are taken as Python's."""
+    import numpy
+
+    from memsave_cli.pytest_plugin import MemsaveFixture
+    from memsave_cli.report import Run
+
+    peaks = {"stock": 1000, "memsave": 900}
+    monkeypatch.setattr(
+        MemsaveFixture,
+        "measure",
+        lambda self, model, impl, **_: Run("all", impl, peak_bytes=peaks[impl]),
+    )
+    MemsaveFixture().assert_saves(_small_net(), numpy.float64(0.1))
+    MemsaveFixture().assert_fits(_small_net(), numpy.int64(900))
+    with pytest.raises(AssertionError):
+        MemsaveFixture().assert_saves(_small_net(), 0.1001)
+
+
 def test_a_training_step_is_measured_whatever_the_grad_mode() -> None:
     """Under no_grad or inference_mode the step had no backward (saved bytes 0, a lower peak),
     and a budget passed on the forward alone."""
