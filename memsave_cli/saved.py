@@ -81,6 +81,8 @@ class SavedTensorRecorder:
         # storage -> ((name, type), its version when that module returned it)
         self._producer: WeakIdKeyDictionary = WeakIdKeyDictionary()
         self._stack: list[tuple[str, str]] = [("", "")]
+        # per running module: the versions of the storages it was given, by the storage's id
+        self._given: list[dict[int, int | None]] = []
         self._params: WeakIdKeyDictionary = WeakIdKeyDictionary()
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
@@ -146,29 +148,38 @@ class SavedTensorRecorder:
     def _enter_module(self, entry: tuple[str, str]):
         def hook(module: nn.Module, args: object) -> None:
             self._stack.append(entry)
+            given = {}
+            if self.recording and not torch.compiler.is_compiling():
+                for tensor in _tensors(args):
+                    if (key := _storage_key(tensor)) is not None:
+                        given[id(key)] = _version(tensor)
+            self._given.append(given)
 
         return hook
 
     def _leave_module(self, module: nn.Module, args: object, output: object) -> None:
         if len(self._stack) > 1:
-            entry = self._stack.pop()
+            entry, given = self._stack.pop(), self._given.pop()
             # traced hooks cannot look up weak tables
             if self.recording and not torch.compiler.is_compiling():
-                self._claim(output, entry)
+                self._claim(output, entry, given)
 
-    def _claim(self, output: object, entry: tuple[str, str]) -> None:
+    def _claim(self, output: object, entry: tuple[str, str], given: dict[int, int | None]) -> None:
         """Make the module ``entry`` the producer of each storage its forward returned, unless an
-        inner module produced it (see NOTE [counting saved tensors])."""
+        inner module produced it or it hands on what it was given unchanged (see NOTE
+        [counting saved tensors])."""
         for tensor in _tensors(output):
             key = _storage_key(tensor)
             if key is None:
                 continue
-            current = self._producer.get(key)
             version = _version(tensor)
+            if id(key) in given and given[id(key)] == version:
+                continue  # handed on as it came in (Identity, Flatten, Dropout(0))
+            current = self._producer.get(key)
             if current is not None and (
                 _encloses(entry[0], current[0][0]) or version == current[1]
             ):
-                continue  # an inner module's, or handed on unchanged (Identity, Flatten, Dropout(0))
+                continue  # an inner module's, or returned unchanged since
             self._producer[key] = (entry, version)
             position = self._index.get(key)
             if position is not None:

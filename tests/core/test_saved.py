@@ -92,3 +92,23 @@ def test_layers_handing_a_tensor_on_do_not_take_it_over() -> None:
         model(x).sum().backward()
     saved = {row.name: row.saved_bytes for row in layer_rows(recorder)}
     assert saved == {"0": 3 * 8 * 4 + 3 * 16 * 4, "1": 3 * 16 * 4}
+
+
+class Doubled(nn.Module):
+    """Doubles its input inline (no module returns the product), then hands it through an
+    Identity to a Linear."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.identity, self.linear = nn.Identity(), nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(self.identity(x * 2))
+
+
+def test_a_tensor_no_module_made_goes_to_its_saver_not_to_a_layer_handing_it_on() -> None:
+    model = Doubled()
+    x = torch.randn(3, 8)
+    with SavedTensorRecorder(model) as recorder:
+        model(x).sum().backward()
+    assert {row.name: row.saved_bytes for row in layer_rows(recorder)} == {"linear": 3 * 8 * 4}
