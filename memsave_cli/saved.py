@@ -114,7 +114,9 @@ class SavedTensorRecorder:
                 if id(module) in uncalled:  # hooks on it would make its owner run stock's
                     continue
                 entry = (name, type(module).__name__)
-                self._handles.append(module.register_forward_pre_hook(self._enter_module(entry)))
+                self._handles.append(
+                    module.register_forward_pre_hook(self._enter_module(entry), with_kwargs=True)
+                )
                 self._handles.append(
                     module.register_forward_hook(self._leave_module, always_call=True)
                 )
@@ -146,11 +148,11 @@ class SavedTensorRecorder:
                 self._index[alive[i]] = position
 
     def _enter_module(self, entry: tuple[str, str]):
-        def hook(module: nn.Module, args: object) -> None:
+        def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
             self._stack.append(entry)
             given = {}
             if self.recording and not torch.compiler.is_compiling():
-                for tensor in _tensors(args):
+                for tensor in _tensors([*args, *kwargs.values()]):
                     if (key := _storage_key(tensor)) is not None:
                         given[id(key)] = _version(tensor)
             self._given.append(given)

@@ -50,8 +50,11 @@ def format_share(fraction: float) -> str:
     """A limit given as a fraction, as a percentage with the digits it was given with (``0.0625``
     -> ``6.25%``, ``0.001`` -> ``0.1%``, ``0.1299999`` -> ``12.99999%``): rounded, a limit of
     6.25% read "6%" in a failure that saved 6.1%, and 12.99999% read "13%" beside a +13.0% that
-    failed it."""
-    return f"{(Decimal(str(float(fraction))) * 100).normalize():f}%"
+    failed it. Past a dozen digits either side of the point it is written with an exponent
+    (``1e-318%``)."""
+    percent = (Decimal(str(float(fraction))) * 100).normalize()
+    plain = f"{percent:f}"
+    return f"{percent:e}%" if len(plain.lstrip("-")) > 14 else f"{plain}%"
 
 
 def format_against(fraction: Fraction, limit: float, *, signed: bool = False) -> str:

@@ -595,6 +595,8 @@ def test_limits_are_said_as_given() -> None:
     from memsave_cli.render.units import format_share
 
     assert [format_share(f) for f in (0.0625, 0.001, 0.3, 0.5)] == ["6.25%", "0.1%", "30%", "50%"]
+    # a tolerance of 1e-320 printed 320 digits over four lines
+    assert [format_share(f) for f in (1e-320, 5e300, 1e-9)] == ["1e-318%", "5e+302%", "0.0000001%"]
 
 
 def test_counts_are_said_with_their_noun() -> None:

@@ -103,7 +103,7 @@ class Doubled(nn.Module):
         self.identity, self.linear = nn.Identity(), nn.Linear(8, 2)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.linear(self.identity(x * 2))
+        return self.linear(self.identity(input=x * 2))  # by keyword
 
 
 def test_a_tensor_no_module_made_goes_to_its_saver_not_to_a_layer_handing_it_on() -> None:
