@@ -27,6 +27,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from memsave_cli.layers.recognise import uncalled_modules
 from memsave_cli.report import LayerSaved
+from memsave_cli.tracker import sparse_parts
 
 
 @dataclass
@@ -45,24 +46,13 @@ class SavedStorage:
 def storage_nbytes(tensor: Tensor) -> int:
     """Bytes of the storage behind ``tensor``: a sparse tensor's are those of its indices and
     values; a tensor without any counts its own size."""
-    parts = _sparse_parts(tensor)
+    parts = sparse_parts(tensor)
     if parts:
         return sum(storage_nbytes(part) for part in parts)
     try:
         return tensor.untyped_storage().nbytes()
     except (RuntimeError, NotImplementedError):
         return tensor.numel() * tensor.element_size()
-
-
-def _sparse_parts(tensor: Tensor) -> tuple[Tensor, ...]:
-    """The strided tensors a sparse tensor keeps (its values last), none for any other."""
-    if tensor.layout == torch.sparse_coo:
-        return tensor._indices(), tensor._values()
-    if tensor.layout in (torch.sparse_csr, torch.sparse_bsr):
-        return tensor.crow_indices(), tensor.col_indices(), tensor.values()
-    if tensor.layout in (torch.sparse_csc, torch.sparse_bsc):
-        return tensor.ccol_indices(), tensor.row_indices(), tensor.values()
-    return ()
 
 
 class SavedTensorRecorder:
@@ -254,7 +244,7 @@ def _tensors(value: object) -> list[Tensor]:
 def _storage_key(tensor: Tensor) -> object | None:
     """The object identifying ``tensor``'s storage (a sparse tensor's values'), or None for
     tensors without one."""
-    parts = _sparse_parts(tensor)
+    parts = sparse_parts(tensor)
     try:
         return (parts[-1] if parts else tensor).untyped_storage()
     except (RuntimeError, NotImplementedError):

@@ -8,7 +8,8 @@ all counted, while views and in-place ops (which allocate nothing) are not. Tens
 before the mode is entered (parameters, buffers, inputs) are registered with ``track``. Each
 storage is rounded up to the CUDA caching allocator's 512-byte granularity, so the numbers are
 what ``torch.cuda.memory_allocated`` would count for the same tensors; they depend only on
-shapes and dtypes, so a meta run and a cpu run give identical counts.
+shapes and dtypes, so a meta run and a cpu run give identical counts. A sparse tensor has no
+storage of its own: its indices' and values' storages are counted.
 
 NOTE [sharded tensors]: a DTensor is a wrapper whose own storage stands for the whole tensor; the
 memory this process holds is its local shard, so the tracker counts ``_local_tensor``'s storage.
@@ -28,7 +29,7 @@ from __future__ import annotations
 import functools
 import itertools
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -162,9 +163,8 @@ class MemoryTracker(TorchDispatchMode):
     def _count_outputs(self, func, out: object, args: tuple, kwargs: dict) -> None:
         """Count each storage ``out`` holds that is new: not known, not a view of an input."""
         inputs: set[int] | None = None
-        for tensor in _outputs(out):
-            storage = _storage(tensor)
-            if storage is None or self._wrong_device(storage):
+        for storage in _storages(_outputs(out)):
+            if self._wrong_device(storage):
                 continue
             entry = self._live.get(id(storage))
             if entry is not None:
@@ -172,21 +172,15 @@ class MemoryTracker(TorchDispatchMode):
                 continue
             if _may_alias(func):
                 if inputs is None:
-                    inputs = {
-                        id(s) for s in map(_storage, _tensors((args, kwargs))) if s is not None
-                    }
+                    inputs = {id(s) for s in _storages(_tensors((args, kwargs)))}
                 if id(storage) in inputs:  # a view of an input nobody registered: not new memory
                     continue
             self._add(storage)
 
     def _count(self, tensor: Tensor) -> None:
-        storage = _storage(tensor)
-        if (
-            storage is not None
-            and not self._wrong_device(storage)
-            and id(storage) not in self._live
-        ):
-            self._add(storage)
+        for storage in _storages((tensor,)):
+            if not self._wrong_device(storage) and id(storage) not in self._live:
+                self._add(storage)
 
     def _wrong_device(self, storage: torch.UntypedStorage) -> bool:
         return self.device_type is not None and storage.device.type != self.device_type
@@ -288,12 +282,29 @@ def _tensors(tree: object) -> Iterator[Tensor]:
     return (leaf for leaf in tree_flatten(tree)[0] if isinstance(leaf, Tensor))
 
 
-def _storage(tensor: Tensor) -> torch.UntypedStorage | None:
-    """The storage behind ``tensor`` (a DTensor's local shard), or None for layouts without one."""
-    local = getattr(tensor, "_local_tensor", None)  # NOTE [sharded tensors]
-    if isinstance(local, Tensor):
-        tensor = local
-    try:
-        return tensor.untyped_storage()
-    except (RuntimeError, NotImplementedError):
-        return None
+def _storages(tensors: Iterable[Tensor]) -> Iterator[torch.UntypedStorage]:
+    """The storages behind ``tensors``: a DTensor's local shard's, a sparse tensor's indices' and
+    values'; none for layouts without any."""
+    for tensor in tensors:
+        local = getattr(tensor, "_local_tensor", None)  # NOTE [sharded tensors]
+        if isinstance(local, Tensor):
+            tensor = local
+        parts = sparse_parts(tensor)
+        if parts:
+            yield from _storages(parts)
+            continue
+        try:
+            yield tensor.untyped_storage()
+        except (RuntimeError, NotImplementedError):
+            continue
+
+
+def sparse_parts(tensor: Tensor) -> tuple[Tensor, ...]:
+    """The strided tensors a sparse tensor keeps (its values last), none for any other."""
+    if tensor.layout == torch.sparse_coo:
+        return tensor._indices(), tensor._values()
+    if tensor.layout in (torch.sparse_csr, torch.sparse_bsr):
+        return tensor.crow_indices(), tensor.col_indices(), tensor.values()
+    if tensor.layout in (torch.sparse_csc, torch.sparse_bsc):
+        return tensor.ccol_indices(), tensor.row_indices(), tensor.values()
+    return ()

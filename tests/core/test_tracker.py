@@ -89,6 +89,32 @@ def test_resize_in_place_is_counted() -> None:
     assert tracker.current_bytes == 0
 
 
+# What each sparse layout keeps, read with its own accessors.
+SPARSE_PARTS = {
+    torch.sparse_coo: lambda t: (t._indices(), t._values()),
+    torch.sparse_csr: lambda t: (t.crow_indices(), t.col_indices(), t.values()),
+    torch.sparse_csc: lambda t: (t.ccol_indices(), t.row_indices(), t.values()),
+}
+
+
+@pytest.mark.filterwarnings("ignore:Sparse")
+@pytest.mark.parametrize("layout", list(SPARSE_PARTS))
+def test_sparse_tensors_count_their_indices_and_values(layout: torch.layout) -> None:
+    dense = torch.zeros(300, 200)
+    dense[::3, ::7] = 1.5
+    sparse = dense.to_sparse(layout=layout)
+    storages = {id(p.untyped_storage()): p.untyped_storage() for p in SPARSE_PARTS[layout](sparse)}
+    held = sum(round_bytes(s.nbytes()) for s in storages.values())
+    assert 0 < held < rounded((300, 200))
+    assert MemoryTracker().track(sparse) == held  # a sparse buffer
+    tracker = MemoryTracker()
+    with tracker:
+        made = dense.to_sparse(layout=layout)
+        assert tracker.current_bytes == held
+    del made
+    assert tracker.current_bytes == 0 and tracker.peak_bytes >= held
+
+
 def test_tensor_literals_are_counted() -> None:
     tracker = MemoryTracker()
     with tracker:
