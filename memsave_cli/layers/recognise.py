@@ -139,7 +139,12 @@ def recognise(module: nn.Module, kind: str) -> Recipe | None:
     An activation's key is :func:`_activation_key`, complete for the plain values a candidate
     holds."""
     key = _activation_key(module) if kind == "activation" else _settings_key(module, kind)
-    if key is None:  # state no recipe follows
+    return _recipe(module, kind, key)
+
+
+def _recipe(module: nn.Module, kind: str, key: tuple | None) -> Recipe | None:
+    """The recipe of ``module``, whose settings key is ``key`` (None: state no recipe follows)."""
+    if key is None:
         return None
     if key not in _RECIPES:
         try:
@@ -207,7 +212,7 @@ def _probe_again(module: nn.Module, created: type[nn.Module], name: str) -> None
         if _PROBED_AGAIN.get(module, 0) >= MOST_PROBES_AGAIN:
             return
         _PROBED_AGAIN[module] = _PROBED_AGAIN.get(module, 0) + 1
-    recipe = recognise(module, kind)
+    recipe = _recipe(module, kind, key)
     if recipe is not None:
         swap_class(module, _drop_in_class(stock, recipe))
 
