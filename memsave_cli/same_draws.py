@@ -32,27 +32,31 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from memsave_cli.inputs import SEED  # the seed of the inputs, and of every step
+from memsave_cli.layers.uncalled import uncalled
 
 #: The layers whose draws are pinned: stock's dropouts and memsave's (its subclasses).
 RANDOM_LAYERS = (nn.modules.dropout._DropoutNd,)
 
 
 def pin_dropout_draws(model: nn.Module) -> list[RemovableHandle]:
-    """Hooks on every dropout layer of ``model`` restoring the generators after its forward."""
+    """Hooks on every dropout layer of ``model`` restoring the generators after its forward; on
+    a drop-in drawing a dropout's noise itself instead of calling it (a converted LoRA layer,
+    NOTE [uncalled submodules] in ``layers/uncalled.py``), around the whole drop-in."""
+    owners = {id(sub): owner for owner, sub in uncalled(model) if isinstance(sub, RANDOM_LAYERS)}
+    pinned = [m for m in model.modules() if isinstance(m, RANDOM_LAYERS) and id(m) not in owners]
     handles = []
-    for module in model.modules():
-        if isinstance(module, RANDOM_LAYERS):
-            found: list[tuple] = []  # the states at each forward's start, innermost last
+    for module in {id(m): m for m in (*pinned, *owners.values())}.values():
+        found: list[tuple] = []  # the states at each forward's start, innermost last
 
-            def save(module: nn.Module, args: tuple, found: list = found) -> None:
-                found.append(_states(_device_of(args)))
+        def save(module: nn.Module, args: tuple, found: list = found) -> None:
+            found.append(_states(_device_of(args)))
 
-            def restore(module: nn.Module, args: tuple, output: Any, found: list = found) -> None:
-                if found:
-                    _set_states(*found.pop())
+        def restore(module: nn.Module, args: tuple, output: Any, found: list = found) -> None:
+            if found:
+                _set_states(*found.pop())
 
-            handles.append(module.register_forward_pre_hook(save))
-            handles.append(module.register_forward_hook(restore, always_call=True))
+        handles.append(module.register_forward_pre_hook(save))
+        handles.append(module.register_forward_hook(restore, always_call=True))
     return handles
 
 

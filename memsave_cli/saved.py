@@ -25,7 +25,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.weak import WeakIdKeyDictionary
 
-from memsave_cli.layers.recognise import uncalled_modules
+from memsave_cli.layers.uncalled import uncalled_modules
 from memsave_cli.report import LayerSaved
 from memsave_cli.tracker import sparse_parts
 

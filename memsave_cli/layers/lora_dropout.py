@@ -17,7 +17,8 @@ replay costs, per adapter, the random state (5 KiB on CPU, 16 bytes on CUDA) and
 replay calls ``lora_A`` as a module, so hooks on it run again in backward, as they do under
 ``torch.utils.checkpoint``, and under the autocast settings forward ran with (backward itself
 runs without autocast: a replay in float32 of a forward autocast to bfloat16 would give other
-gradients).
+gradients), and with the weights forward was given (``torch.func.functional_call`` puts others
+in place for forward only).
 """
 
 from __future__ import annotations
@@ -94,22 +95,41 @@ class DroppedProjection(torch.autograd.Function):
         forbid_double_backward("DroppedProjection (LoRA dropout)")
         if ctx.p > 0:
             refuse_batched(grad_output, "DroppedProjection (LoRA dropout)")
-        params = list(ctx.project.parameters())
+        needs_params = ctx.needs_input_grad[5:]
         x, *saved = ctx.saved_tensors
-        state = saved[len(params) :]
+        given, state = saved[: len(needs_params)], saved[len(needs_params) :]
+        substituted = _substituted(ctx.project, given, needs_params)
+        params = ctx.project.parameters() if substituted is None else substituted.values()
         needs_x = ctx.needs_input_grad[0]
-        wanted = [p for p, need in zip(params, ctx.needs_input_grad[5:], strict=True) if need]
+        wanted = [p for p, need in zip(params, needs_params, strict=True) if need]
         # The replay's own saved tensors (noise, dropout(x)) live only until autograd.grad below:
         # identity hooks keep them out of any saved-tensor accounting of the outer step.
         hooks = torch.autograd.graph.saved_tensors_hooks(_unsaved, _unsaved)
         with hooks, replayed_rng(x.device, state[0] if state else None), torch.enable_grad():
             source = ctx.cast(x).detach().requires_grad_(needs_x)
             with replayed_autocast(ctx.autocast):  # forward's casts, e.g. lora_A in bfloat16
-                output = ctx.project(_dropout(source, ctx.p))
+                dropped = _dropout(source, ctx.p)
+                if substituted is None:
+                    output = ctx.project(dropped)
+                else:
+                    output = torch.func.functional_call(ctx.project, substituted, (dropped,))
         grads = iter(torch.autograd.grad(output, [source] * needs_x + wanted, grad_output))
         grad_x = next(grads) if needs_x else None
         grad_params = [next(grads) if need else None for need in ctx.needs_input_grad[5:]]
         return grad_x, None, None, None, None, *grad_params
+
+
+def _substituted(
+    project: nn.Module, given: list[Tensor], needs: tuple[bool, ...]
+) -> dict[str, Tensor] | None:
+    """The parameters forward gave ``project`` by name, where they are not its own now (those
+    ``torch.func.functional_call`` put in place for forward only); None where they are."""
+    own = list(project.parameters())
+    if len(own) == len(given) and all(a is b for a, b in zip(own, given, strict=True)):
+        return None
+    names = [name for name, _ in project.named_parameters()]
+    replay = [p.detach().requires_grad_(need) for p, need in zip(given, needs, strict=True)]
+    return dict(zip(names, replay, strict=True))
 
 
 def dropped_projection(

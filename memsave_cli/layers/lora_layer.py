@@ -25,7 +25,9 @@ from torch import Tensor, nn
 
 from memsave_cli.layers._backward import graph_capturing, records_backward
 from memsave_cli.layers.lora_dropout import dropped_projection
+from memsave_cli.layers.recipe_probes import probing
 from memsave_cli.layers.swap import swap_class
+from memsave_cli.layers.uncalled import has_hooks
 
 #: Arguments with which peft's forward leaves the vanilla path.
 _OFF_PATH_KWARGS = ("adapter_names", *getattr(peft_lora, "VARIANT_KWARG_KEYS", ()))
@@ -75,6 +77,8 @@ def _project(
 ) -> Tensor:
     """``lora_A(dropout(cast_x))``, ``cast_x = cast(x)``: replayed from ``x`` where stock would
     keep an input-sized noise and dropped copy, or (no dropout) ``cast_x``, a copy of ``x``."""
+    if has_hooks(dropout):  # NOTE [uncalled submodules]
+        return lora_A(dropout(cast_x))
     if type(dropout) is nn.Dropout and dropout.training and 0.0 < dropout.p < 1.0:
         p = dropout.p
     elif type(dropout) is nn.Identity and cast_x is not x:
@@ -88,32 +92,31 @@ def _project(
     return dropped_projection(x, cast_x, p, lora_A, cast)
 
 
-class MemSaveLoraLinear(peft_lora.Linear):
+class _Replaying:
+    """A peft LoRA layer's forward with its adapters' dropouts replayed (``lora_forward``)."""
+
+    def forward(self, x: Tensor, *args: Any, **kwargs: Any) -> Tensor:
+        return lora_forward(self, x, *args, **kwargs)
+
+    def _memsave_uncalled(self) -> list[nn.Module]:
+        """The dropouts ``_project`` may draw itself (NOTE [uncalled submodules])."""
+        return [d for d in self.lora_dropout.values() if type(d) in (nn.Dropout, nn.Identity)]
+
+
+class MemSaveLoraLinear(_Replaying, peft_lora.Linear):
     """peft ``lora.Linear`` whose adapters keep the layer's input instead of dropout copies."""
 
-    def forward(self, x: Tensor, *args: Any, **kwargs: Any) -> Tensor:
-        return lora_forward(self, x, *args, **kwargs)
 
-
-class MemSaveLoraConv1d(peft_lora.Conv1d):
+class MemSaveLoraConv1d(_Replaying, peft_lora.Conv1d):
     """peft ``lora.Conv1d`` whose adapters keep the layer's input instead of dropout copies."""
 
-    def forward(self, x: Tensor, *args: Any, **kwargs: Any) -> Tensor:
-        return lora_forward(self, x, *args, **kwargs)
 
-
-class MemSaveLoraConv2d(peft_lora.Conv2d):
+class MemSaveLoraConv2d(_Replaying, peft_lora.Conv2d):
     """peft ``lora.Conv2d`` whose adapters keep the layer's input instead of dropout copies."""
 
-    def forward(self, x: Tensor, *args: Any, **kwargs: Any) -> Tensor:
-        return lora_forward(self, x, *args, **kwargs)
 
-
-class MemSaveLoraConv3d(peft_lora.Conv3d):
+class MemSaveLoraConv3d(_Replaying, peft_lora.Conv3d):
     """peft ``lora.Conv3d`` whose adapters keep the layer's input instead of dropout copies."""
-
-    def forward(self, x: Tensor, *args: Any, **kwargs: Any) -> Tensor:
-        return lora_forward(self, x, *args, **kwargs)
 
 
 #: Exact peft class -> (its drop-in, a builder of a small stock base layer for the probe).
@@ -194,7 +197,7 @@ def _restore_dropouts(layer: nn.Module) -> None:
 def reproduces(kind: type[nn.Module]) -> bool:
     """Whether the drop-in of peft class ``kind`` is bitwise peft's on a probe (cached per class)."""
     drop_in, base = LORA_DROP_INS[kind]
-    with torch.random.fork_rng(devices=[]), torch.device("cpu"):  # the caller's RNG untouched
+    with probing():  # whatever grad mode, device and random state the caller set up
         torch.manual_seed(0)
         layer = _probe_layer(kind, base())
         x = torch.randn(2, *_probe_shape(layer.base_layer), requires_grad=True)
@@ -205,7 +208,7 @@ def reproduces(kind: type[nn.Module]) -> bool:
             output = forward(layer, x)
             params = [x, *(p for p in layer.parameters() if p.requires_grad)]
             results.append((output, *torch.autograd.grad(output, params, noise)))
-    return all(torch.equal(a, b) for a, b in zip(*results, strict=True))
+        return all(torch.equal(a, b) for a, b in zip(*results, strict=True))
 
 
 def _probe_layer(kind: type[nn.Module], base: nn.Module) -> nn.Module:

@@ -44,7 +44,7 @@ def probe_recipes(module: nn.Module, kind: str, eps_name: str | None) -> Recipe 
     (``eps_name``: the attribute holding an RMSNorm's epsilon). The probes run on a stand-in
     holding copies of what ``module`` holds, so that a forward changing an object it holds changes
     nothing of the module's; one that did so on the probes is reproduced by no recipe."""
-    with _probing():
+    with probing():
         stand_in = _detached(module)
         recipe = _first_recipe(stand_in, kind, eps_name)
         try:
@@ -379,7 +379,7 @@ def _shallow_copy(
     return probe
 
 
-class _probing:
+class probing:
     """Probes run eagerly on CPU with gradients on, whatever mode or device the caller set up
     (``inference_mode`` included, under which every probe would fail and the answer be cached),
     and leave the random states as they found them, torch's CPU generator, Python's and numpy's

@@ -69,6 +69,7 @@ from memsave_cli.layers.registry import DROP_INS, refuse_scripting
 from memsave_cli.layers.rmsnorm import may_record, rms_norm
 from memsave_cli.layers.settings import MODULE_ATTRIBUTES, described, own_settings
 from memsave_cli.layers.swap import swap_class
+from memsave_cli.layers.uncalled import LISTED_BY, has_hooks
 
 #: Attributes an RMSNorm keeps its epsilon in, in the order they are looked up.
 EPS_NAMES = ("variance_epsilon", "eps")
@@ -166,6 +167,8 @@ def _drop_in_class(stock: type[nn.Module], recipe: Recipe) -> type[nn.Module]:
         namespace["__doc__"] = f"{stock.__name__} recognised as memsave's {recipe}."
         namespace["__module__"] = __name__
         namespace["__prepare_scriptable__"] = refuse_scripting
+        if recipe.kind == "gated_mlp":  # NOTE [uncalled submodules]
+            namespace[LISTED_BY] = _activation_of
         if recipe.kind != "activation":  # an activation recomputes its own forward
             namespace["__setattr__"] = _setting_probes_again
             namespace["__delattr__"] = _deleting_probes_again
@@ -261,23 +264,11 @@ def _mlp_forward(stock: type[nn.Module], recipe: Recipe) -> Callable:
     def forward(self: nn.Module, hidden_states: Tensor) -> Tensor:
         # Stock's where nothing records (the probes never looked there), and where the
         # activation has hooks (registered since converting), which the recipe would not call.
-        if not torch.is_grad_enabled() or _has_hooks(_act(self)):
+        if not torch.is_grad_enabled() or has_hooks(_act(self)):
             return stock.forward(self, hidden_states)
         return gated_mlp(self, hidden_states, recipe.variant, recipe.detail)
 
     return forward
-
-
-def uncalled_modules(model: nn.Module) -> list[nn.Module]:
-    """Submodules of ``model`` that a recognised module computes itself instead of calling:
-    each converted MLP's activation. Hooks registered on one make its MLP run stock's forward
-    (a tool watching every module leaves them alone)."""
-    return [
-        _act(module)
-        for module in model.modules()
-        if stock_class(type(module)) is not None
-        and type(module)._memsave_recipe.kind == "gated_mlp"
-    ]
 
 
 def _activation_forward(stock: type[nn.Module], recipe: Recipe) -> Callable:
@@ -349,7 +340,7 @@ def _settings_key(module: nn.Module, kind: str) -> tuple | None:
     kept = _kept_modules(module)
     if kind == "gated_mlp":
         allowed = {id(module), *(id(sub) for sub in _act(module).modules())}
-        if any(id(sub) not in allowed or _has_hooks(sub) for _, sub in kept[1:]):
+        if any(id(sub) not in allowed or has_hooks(sub) for _, sub in kept[1:]):
             return None
     parts = []
     for name, sub in kept:
@@ -363,11 +354,6 @@ def _settings_key(module: nn.Module, kind: str) -> tuple | None:
         except Exception:  # state a recipe would not follow, or an object that cannot be read
             return None
     return tuple(parts)
-
-
-def _has_hooks(module: nn.Module) -> bool:
-    hooks = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
-    return any(getattr(module, name, None) for name in hooks)
 
 
 def _class_settings(cls: type) -> object:
@@ -414,6 +400,11 @@ def _is_norm_leaf(module: nn.Module) -> bool:
 def _is_stateless_leaf(module: nn.Module) -> bool:
     """No parameters, buffers or submodules (``None`` entries included: a slot for one)."""
     return not (module._parameters or module._buffers or module._modules)
+
+
+def _activation_of(mlp: nn.Module) -> list[nn.Module]:
+    act = _act(mlp)
+    return [] if act is None else [act]
 
 
 def _act(module: nn.Module) -> nn.Module | None:

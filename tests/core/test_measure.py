@@ -13,6 +13,7 @@ from memsave_cli import meta_dropout
 from memsave_cli.cases import resolve_case
 from memsave_cli.errors import NeedsRealDataError
 from memsave_cli.kernels import native
+from memsave_cli.lora import LoraSettings
 from memsave_cli.measure import NEEDS_REAL_DATA, Job, build_native, measure
 from memsave_cli.meta_attention import attention_kernels
 from memsave_cli.report import LayerSaved, Status
@@ -411,14 +412,21 @@ def test_nodes_and_functions_save_the_same(
     assert with_nodes.saved_bytes < measure(job("small_cnn", case, bn_eval=bn_eval)).saved_bytes
 
 
+@pytest.mark.parametrize("case", ["all", "lora"])
 @pytest.mark.parametrize("device", ["cpu", "meta"])
-def test_stock_and_memsave_run_the_same_random_branches(device: str) -> None:
+def test_stock_and_memsave_run_the_same_random_branches(device: str, case: str) -> None:
     """NOTE [the same network in both runs]: stock's dropout and memsave's draw differently, so
     a model that skips layers at random (LayerDrop) ran other layers in the two runs, and the
-    comparison was of two networks. The same layers run now, and in every step."""
+    comparison was of two networks. The same layers run now, and in every step; also where
+    LoRA adapters draw their dropout's noise inside the converted layer."""
+    if case == "lora":
+        pytest.importorskip("peft")
+    adapters = LoraSettings(rank=2, dropout=0.2, targets=tuple(f"layers.{i}" for i in range(8)))
+    adapted = resolve_case(case, lora=adapters if case == "lora" else None)
+    chosen = replace(job("layer_drop_net", "all", device), case=adapted)
     ran: dict[str, list[list[int]]] = {}
     for impl in ("stock", "memsave"):
-        prepared = prepare(replace(job("layer_drop_net", "all", device), impl=impl))
+        prepared = prepare(replace(chosen, impl=impl))
         steps: list[list[int]] = []
         for index, layer in enumerate(prepared.model.layers):
             layer.register_forward_hook(lambda *_, i=index, s=steps: s[-1].append(i))

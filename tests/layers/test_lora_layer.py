@@ -12,6 +12,7 @@ from torch import Tensor, nn
 peft = pytest.importorskip("peft")
 from peft import LoraConfig, get_peft_model  # noqa: E402
 from peft.tuners.lora import layer as peft_lora  # noqa: E402
+from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: E402
 
 from memsave_cli.layers import lora_layer  # noqa: E402
 from memsave_cli.layers.convert import convert, converted_counts, revert  # noqa: E402
@@ -225,6 +226,49 @@ def test_adapter_weights_changed_before_backward_are_refused_as_stock() -> None:
     assert len(errors) == 2
 
 
+def test_weights_functional_call_puts_in_place_are_the_ones_differentiated() -> None:
+    """``torch.func.functional_call`` hands forward other adapter weights and restores the
+    layer's own before backward: the replay differentiates the weights forward was given."""
+    torch.manual_seed(0)
+    stock = _adapted(Attention(), ["q", "v"], init_lora_weights=False)
+    memsave = convert(stock)
+    x = torch.randn(3, 32)
+    results = []
+    for model in (stock, memsave):
+        given = {
+            name: (2 * p.detach()).requires_grad_()
+            for name, p in model.named_parameters()
+            if "lora_" in name and not name.startswith("v.lora_B")  # some substituted, some own
+        }
+        model.zero_grad(set_to_none=True)
+        source = x.clone().requires_grad_()
+        torch.manual_seed(1)
+        torch.func.functional_call(model, given, (source,)).square().sum().backward()
+        own = [p.grad for p in model.parameters() if p.requires_grad]
+        results.append([source.grad, *(g.grad for g in given.values()), *own])
+    assert len(results[0]) == 1 + 3 + 4  # q's A and B and v's A given; own ones unused but v's B
+    for a, b in zip(*results, strict=True):
+        assert (a is None) == (b is None) and (a is None or torch.equal(a, b))
+
+
+def test_hooks_on_an_adapters_dropout_run() -> None:
+    """The drop-in draws the dropout's noise itself: while a hook is registered on the dropout
+    module, the layer calls it (peft's forward), so the hook runs (NOTE [uncalled
+    submodules])."""
+    torch.manual_seed(0)
+    stock = _adapted(Attention(), ["q", "v"])
+    memsave = convert(stock)
+    assert lora_layer.lora_counts(memsave) == {"lora.Linear": 2}
+    x = torch.randn(2, 3, 32)
+    calls = []
+    for model in (stock, memsave):
+        dropout = model.q.lora_dropout["default"]
+        handle = dropout.register_forward_hook(lambda *_, m=model: calls.append(m))
+        _assert_same_step(stock, memsave, lambda m: m(x).sum())
+        handle.remove()
+    assert calls == [stock, memsave]  # one call in each step of its model
+
+
 def test_shared_input_is_kept_once() -> None:
     """q, k and v keep one storage (their input) where stock keeps two copies per adapter."""
     torch.manual_seed(2)
@@ -325,6 +369,22 @@ def test_probe_leaves_the_global_random_state_alone() -> None:
     torch.manual_seed(12)
     assert lora_layer.reproduces(peft_lora.Conv2d)
     assert torch.equal(torch.rand(4), expected)
+
+
+@pytest.mark.parametrize(
+    "mode",
+    [torch.no_grad, torch.inference_mode, lambda: FakeTensorMode(allow_non_fake_inputs=True)],
+    ids=["no_grad", "inference_mode", "fake"],
+)
+def test_converting_under_a_mode_converts_as_outside_it(mode) -> None:
+    """Set-up code often runs under ``no_grad``: the probe runs with gradients on, and the
+    model is converted whole or not at all."""
+    lora_layer.reproduces.cache_clear()
+    model = _adapted(nn.Sequential(Attention(), nn.Dropout(0.2)), ["q", "v"])
+    with mode():
+        convert(model, inplace=True)
+    assert converted_counts(model) == {"Dropout": 1, "lora.Linear": 2}
+    assert lora_layer.reproduces.cache_info().currsize == 1
 
 
 def test_adapters_run_stock_while_a_cuda_graph_is_captured(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -19,9 +19,9 @@ from memsave_cli.layers.convert import convert, converted_counts, revert
 from memsave_cli.layers.recognise import (
     candidate_kind,
     recognise,
-    uncalled_modules,
     unrecognised_counts,
 )
+from memsave_cli.layers.uncalled import uncalled_modules
 from memsave_cli.saved import SavedTensorRecorder
 
 transformers = pytest.importorskip("transformers")
