@@ -122,10 +122,13 @@ class DroppedProjection(torch.autograd.Function):
 def _substituted(
     project: nn.Module, given: list[Tensor], needs: tuple[bool, ...]
 ) -> dict[str, Tensor] | None:
-    """The parameters forward gave ``project`` by name, where they are not its own now (those
-    ``torch.func.functional_call`` put in place for forward only); None where they are."""
+    """The parameters forward gave ``project`` by name, where they are not its own now as they
+    were then (those ``torch.func.functional_call`` put in place for forward only, or one frozen
+    since); None where they are."""
     own = list(project.parameters())
-    if len(own) == len(given) and all(a is b for a, b in zip(own, given, strict=True)):
+    if len(own) == len(given) and all(
+        a is b and a.requires_grad == need for a, b, need in zip(own, given, needs, strict=True)
+    ):
         return None
     names = [name for name, _ in project.named_parameters()]
     replay = [p.detach().requires_grad_(need) for p, need in zip(given, needs, strict=True)]

@@ -85,9 +85,11 @@ def _project(
         p = 0.0
     else:
         return lora_A(dropout(cast_x))
-    needs_grad = cast_x.requires_grad or any(w.requires_grad for w in lora_A.parameters())
+    # Stock keeps the input-sized copies only for lora_A's weight gradient; without one (LoRA-FA
+    # freezes lora_A) it keeps the mask at most, less than ``x`` on CUDA.
+    trained = any(w.requires_grad for w in lora_A.parameters())
     # NOTE [random layers under CUDA graph capture] in _backward.py
-    if not (needs_grad and records_backward(cast_x)) or (p > 0 and graph_capturing(x)):
+    if not (trained and records_backward(x, cast_x)) or (p > 0 and graph_capturing(x)):
         return lora_A(dropout(cast_x))
     return dropped_projection(x, cast_x, p, lora_A, cast)
 

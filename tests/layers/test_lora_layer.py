@@ -269,6 +269,46 @@ def test_hooks_on_an_adapters_dropout_run() -> None:
     assert calls == [stock, memsave]  # one call in each step of its model
 
 
+@pytest.mark.parametrize("dropout", [0.3, 0.0])
+def test_frozen_lora_A_keeps_no_more_than_stock(dropout: float) -> None:
+    """LoRA-FA trains lora_B alone: stock keeps no input-sized copy for lora_A then (at most
+    the mask), so the layer takes peft's forward rather than keep its input."""
+    torch.manual_seed(0)
+    stock = _adapted(nn.Sequential(nn.Linear(64, 64)), ["0"], dropout=dropout)
+    stock.to(torch.bfloat16)[0].lora_B.float()  # peft's float32 adapters: a cast copy per adapter
+    stock[0].lora_A.float().requires_grad_(False)
+    memsave = convert(stock)
+    x = torch.randn(16, 64, dtype=torch.bfloat16, requires_grad=True)
+    stock_bytes, memsave_bytes = _assert_same_step(stock, memsave, lambda m: m(x).float().sum())
+    assert memsave_bytes <= stock_bytes
+
+
+def test_an_adapter_frozen_between_forward_and_backward_gets_no_gradient_as_in_stock() -> None:
+    grads, features = [], torch.randn(2, 32)
+    for model in (stock := _adapted(Attention(), ["q"]), convert(stock)):
+        weight = model.q.lora_A["default"].weight
+        x = features.clone().requires_grad_()
+        torch.manual_seed(3)
+        loss = model(x).square().sum()
+        weight.requires_grad_(False)  # alternating training freezes one part after its loss
+        loss.backward()
+        assert weight.grad is None
+        grads.append(x.grad)
+    assert torch.equal(*grads)
+
+
+@pytest.mark.parametrize("dropout", [0.3, 0.0])
+def test_an_inference_tensor_fed_to_a_cast_adapter_trains_as_in_stock(dropout: float) -> None:
+    """Features made under ``inference_mode`` (a frozen encoder) feed a bfloat16 layer whose
+    float32 adapters read a cast copy: stock keeps the copy; the layer cannot keep the input."""
+    torch.manual_seed(0)
+    stock = _adapted(nn.Sequential(nn.Linear(8, 8)), ["0"], dropout=dropout)
+    stock.to(torch.bfloat16)[0].lora_A.float(), stock[0].lora_B.float()
+    with torch.inference_mode():
+        features = torch.randn(4, 8, dtype=torch.bfloat16)
+    _assert_same_step(stock, convert(stock), lambda m: m(features).float().square().sum())
+
+
 def test_shared_input_is_kept_once() -> None:
     """q, k and v keep one storage (their input) where stock keeps two copies per adapter."""
     torch.manual_seed(2)
