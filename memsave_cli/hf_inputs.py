@@ -104,10 +104,13 @@ def _towers(config: Any) -> tuple[Any, Any] | None:
 
 
 def _input_embeddings(model: nn.Module) -> nn.Module | None:
+    """The table of the model's token ids (the one a LoRA adapter wraps as its base layer)."""
     try:
-        return model.get_input_embeddings()
+        table = model.get_input_embeddings()
     except NotImplementedError:  # models of several towers (CLIP) have no one table
         return None
+    base = getattr(table, "base_layer", None)
+    return base if isinstance(base, nn.Embedding) else table
 
 
 def hf_kwargs(
@@ -128,7 +131,7 @@ def hf_kwargs(
         return _pairs(model, params, make, batch, shape)
     if kind == "audio":
         return _audio(model, params, make, batch, shape)
-    table = model.get_input_embeddings()
+    table = _input_embeddings(model)
     length = shape[0] if shape else min(SEQUENCE_LENGTH, _max_positions(model.config))
     _check_positions(model, length)
     kwargs: dict[str, Any] = {}
@@ -197,7 +200,7 @@ def _audio(
     audio = make.normal((batch, *(shape or _mel_frames(model.config) or (SAMPLE_RATE,))))
     kwargs: dict[str, Any] = {name: audio}
     if "decoder_input_ids" in params:
-        vocabulary = model.get_input_embeddings().num_embeddings
+        vocabulary = _input_embeddings(model).num_embeddings
         length = min(SEQUENCE_LENGTH, _max_positions(model.config))
         kwargs["decoder_input_ids"] = make.integers((batch, length), vocabulary)
         if "labels" in params and type(model).__name__.endswith(_LM_HEADS):
@@ -227,7 +230,7 @@ def _check_positions(model: nn.Module, length: int) -> None:
         name
         for name, module in model.named_modules()
         if isinstance(module, nn.Embedding) and module.num_embeddings == limit
-        and module is not model.get_input_embeddings()
+        and module is not _input_embeddings(model)
     ]  # fmt: skip
     if tables:
         raise SpecError(

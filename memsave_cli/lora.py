@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import importlib.util
 import math
+import re
 import warnings
 from dataclasses import dataclass
 
@@ -60,8 +61,14 @@ def lora_settings(
     Raises CaseError when peft is missing or a value cannot work.
     """
     require_peft()
+    given = targets
     if isinstance(targets, str):
         targets = tuple(t.strip() for t in targets.split(",") if t.strip())
+    if given and not targets:
+        raise CaseError(f"LoRA targets {given!r} name no module; give names such as q_proj,v_proj")
+    if ALL_LINEAR in targets and len(targets) > 1:
+        others = ",".join(t for t in targets if t != ALL_LINEAR)
+        raise CaseError(f"LoRA targets: {ALL_LINEAR} stands alone; give it or names ({others})")
     if rank <= 0:
         raise CaseError(f"LoRA rank must be a positive integer, got {rank}")
     if not 0.0 <= dropout < 1.0:
@@ -82,11 +89,13 @@ def apply_lora(model: nn.Module, settings: LoraSettings) -> nn.Module:
     require_peft()
     from peft import LoraConfig, get_peft_model
 
+    targets = resolve_targets(model, settings.targets)
+    resolved = settings.targets == (ALL_LINEAR,) and isinstance(targets, list)
     config = LoraConfig(
         r=settings.rank,
         lora_alpha=settings.alpha,
         lora_dropout=settings.dropout,
-        target_modules=resolve_targets(model, settings.targets),
+        target_modules=_exactly(targets) if resolved else targets,
     )
     try:
         with warnings.catch_warnings():
@@ -95,13 +104,16 @@ def apply_lora(model: nn.Module, settings: LoraSettings) -> nn.Module:
             warnings.filterwarnings("ignore", "`is_gradient_checkpointing`", FutureWarning)
             # peft's own patterns for mixture-of-experts parameters (memsave sets none).
             warnings.filterwarnings("ignore", "The following .*_pattern keys", RuntimeWarning)
+            # GPT-2's Conv1D stores its weight transposed: peft sets fan_in_fan_out itself.
+            warnings.filterwarnings("ignore", "fan_in_fan_out is set to False", UserWarning)
             return get_peft_model(model, config).get_base_model()
     except ValueError as error:
         raise CaseError(_no_target(model, settings.targets, error)) from error
 
 
 def resolve_targets(model: nn.Module, targets: tuple[str, ...]) -> str | list[str]:
-    """peft's ``target_modules`` for ``targets`` (``all-linear`` resolved as in the NOTE)."""
+    """peft's ``target_modules`` for ``targets``: ``all-linear`` resolved as in the NOTE (the
+    names of the layers), or the names given (peft matches them as endings of names)."""
     if targets != (ALL_LINEAR,):
         return list(targets)
     if _is_hugging_face(model):
@@ -117,6 +129,13 @@ def resolve_targets(model: nn.Module, targets: tuple[str, ...]) -> str | list[st
             "besides its output head; name the layers with --lora-targets"
         )
     return names[:-1]
+
+
+def _exactly(names: list[str]) -> str:
+    """A ``target_modules`` pattern selecting exactly the modules ``names``: peft matches the
+    entries of a list as endings of names (the head ``2.1`` ends in another layer's name ``1``),
+    and a string as a pattern of the whole name."""
+    return "|".join(re.escape(name) for name in names)
 
 
 def _is_hugging_face(model: nn.Module) -> bool:

@@ -70,6 +70,53 @@ def test_all_linear_on_torchvision_skips_the_head_and_grouped_convs() -> None:
     assert grouped and not grouped & set(resolve_targets(mobilenet, ("all-linear",)))
 
 
+def test_all_linear_adapts_exactly_the_layers_it_names() -> None:
+    """peft matches the names of a list as endings: "1" would select the nested head "2.1",
+    and "0" a nested BatchNorm "3.0", which peft refuses."""
+    head = nn.Sequential(
+        nn.Linear(8, 8), nn.Linear(8, 8), nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 3))
+    )
+    model = apply_lora(head, LoraSettings(rank=2))
+    adapted = [n for n, m in model.named_modules() if hasattr(m, "lora_A")]
+    assert adapted == ["0", "1", "2.0"]
+    convs = nn.Sequential(
+        nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Conv2d(4, 4, 3), nn.Sequential(nn.BatchNorm2d(4), nn.Conv2d(4, 4, 1)),
+        nn.Flatten(), nn.LazyLinear(2),
+    )  # fmt: skip
+    model = apply_lora(convs, LoraSettings(rank=2))
+    assert [n for n, m in model.named_modules() if hasattr(m, "lora_A")] == ["0", "2"]
+
+
+@pytest.mark.parametrize(
+    ("targets", "message"),
+    [(",", "name no module"), (" , ", "name no module"), ("all-linear,q_proj", "stands alone")],
+)
+def test_targets_that_select_nothing_clearly_are_one_line(targets: str, message: str) -> None:
+    with pytest.raises(CaseError, match=message):
+        lora_settings(targets=targets)
+
+
+def test_an_adapted_input_embedding_still_feeds_token_ids(tiny_llama_dir) -> None:
+    """peft's lora.Embedding wraps the table: the model still takes token ids and labels."""
+    from memsave_cli.hf_inputs import hf_inputs
+    from memsave_cli.specs import build_model
+
+    model = build_model(parse_spec(f"hf:{tiny_llama_dir}"))
+    apply_lora(model, lora_settings(targets="embed_tokens,q_proj"))
+    assert type(model.get_input_embeddings()).__name__ == "Embedding"  # peft's, not torch's
+    assert hf_inputs(model) == "tokens"
+    job = Job(
+        parse_spec(f"hf:{tiny_llama_dir}"),
+        resolve_case("lora", lora=lora_settings(targets="embed_tokens")),
+        "memsave",
+        "meta",
+        batch_size=2,
+        repeat=0,
+    )
+    run = measure(job)
+    assert run.ok, run.error
+
+
 def test_named_targets_pass_through() -> None:
     assert resolve_targets(nn.Linear(2, 2), ("q", "v")) == ["q", "v"]
 
@@ -134,3 +181,17 @@ def test_adapting_a_hugging_face_model_warns_nothing(tiny_llama_dir) -> None:
         warnings.simplefilter("always")
         apply_lora(model, lora_settings())
     assert not [w for w in caught if "gradient_checkpointing" in str(w.message)]
+
+
+def test_adapting_gpt2s_transposed_layers_warns_nothing() -> None:
+    """GPT-2's Conv1D keeps its weight transposed, which peft notices and handles itself."""
+    import warnings
+
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=50, n_positions=8)
+    model = transformers.GPT2LMHeadModel(config)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        apply_lora(model, lora_settings(targets="c_attn"))
+    assert not caught, [str(w.message) for w in caught]
+    assert model.transformer.h[0].attn.c_attn.fan_in_fan_out
