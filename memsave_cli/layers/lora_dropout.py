@@ -18,7 +18,9 @@ replay calls ``lora_A`` as a module, so hooks on it run again in backward, as th
 ``torch.utils.checkpoint``, and under the autocast settings forward ran with (backward itself
 runs without autocast: a replay in float32 of a forward autocast to bfloat16 would give other
 gradients), and with the weights forward was given (``torch.func.functional_call`` puts others
-in place for forward only).
+in place for forward only). Setting the generator's state for the replay and back is not atomic:
+another thread drawing from it meanwhile could shift the mask (as under ``torch.utils.checkpoint``
+with ``preserve_rng_state``); ``docs/lora.md`` says so.
 """
 
 from __future__ import annotations

@@ -15,14 +15,20 @@ keeping more than their input beside their output.
 NOTE [forward again in backward]: as under activation checkpointing, the module's forward runs
 twice per step, once in forward and again in backward, on a snapshot of the module taken at the
 first (its settings and mode then: NOTE [activations holding only values] in ``recognise.py``).
-Torch's random state (the CPU's and the input's CUDA device's) is recorded before the first run
-and restored for the second, so a forward drawing random numbers where the probes did not look
-(only on large inputs) draws the same ones again, and the generators end as stock leaves them.
-Python's and numpy's global generators are not: reading their state costs 10 and 50 us a call
-(a CPU's ``random.getstate()`` and ``numpy.random.get_state()``), as much as a small
-activation's kernels, for forwards the probes refuse when they draw there. Other side effects
-of a forward (a counter, a print, such draws) happen twice where they occur only on inputs the
-probes did not try; the probes refuse modules showing them on their own inputs.
+A forward drawing torch random numbers where the probes did not look (only on large inputs)
+could be replayed only by setting the process's generator back in backward, and another thread
+drawing meanwhile would get the same numbers again. So nothing is replayed: torch's random state
+(the CPU's and the input's CUDA device's) is read before the first run and compared after it,
+and where it moved on, the call is stock's: the forward runs once more with its own graph, from
+the state it started at, so it draws what stock draws and the generators end as stock leaves
+them. The generators are set back only while no other Python thread runs; otherwise such a
+forward draws twice (the price of a case no probe has shown), and a state moved by another
+thread costs only the saving of that call. Python's and numpy's global
+generators are not read: that costs 10 and 50 us a call (a CPU's ``random.getstate()`` and
+``numpy.random.get_state()``), as much as a small activation's kernels, for forwards the probes
+refuse when they draw there. Other side effects of a forward (a counter, a print, such draws)
+happen twice where they occur only on inputs the probes did not try; the probes refuse modules
+showing them on their own inputs.
 
 NOTE [one edge per use of the input]: the formula reads its input several times (``gelu_new``:
 three), and stock's engine adds each of those gradients into the input's buffer in turn. A
@@ -37,7 +43,8 @@ and returns them on those edges. Their sum is then formed exactly as stock forms
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+import threading
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -54,36 +61,40 @@ from memsave_cli.layers._backward import (
 
 
 class _Forward:
-    """The module's forward, the output the counting pass computed and the random state it
-    started from (not tensor arguments: the Function's inputs are the input's edges alone)."""
+    """The module's forward and the output the counting pass computed (not tensor arguments:
+    the Function's inputs are the input's edges alone)."""
 
-    def __init__(
-        self, forward: Callable[[Tensor], Tensor], output: Tensor, random_state: _RandomState
-    ) -> None:
-        self.forward, self.output, self.random_state = forward, output, random_state
+    def __init__(self, forward: Callable[[Tensor], Tensor], output: Tensor) -> None:
+        self.forward, self.output = forward, output
 
 
 class _RandomState:
-    """Torch's random state for the CPU and for ``x``'s CUDA device, to draw again in backward
-    what forward drew (NOTE [forward again in backward])."""
+    """Torch's random state for the CPU and for ``x``'s CUDA device, to tell whether the
+    counting pass drew (NOTE [forward again in backward])."""
 
     def __init__(self, x: Tensor) -> None:
         self.device = x.device if x.is_cuda else None
         self.cpu = torch.get_rng_state()
         self.cuda = None if self.device is None else torch.cuda.get_rng_state(self.device)
 
-    def rewind(self) -> None:
-        """Set the generators back to this state."""
-        torch.set_rng_state(self.cpu)
-        if self.device is not None:
-            torch.cuda.set_rng_state(self.cuda, self.device)
+    def undo_draws(self) -> bool:
+        """Whether a generator moved on since this state was read; if so and no other thread
+        runs (whose draws a rewind would repeat), set the generators back."""
+        if not self.advanced():
+            return False
+        if threading.active_count() == 1:
+            torch.set_rng_state(self.cpu)
+            if self.device is not None:
+                torch.cuda.set_rng_state(self.cuda, self.device)
+        return True
 
-    @contextlib.contextmanager
-    def restored(self) -> Iterator[None]:
-        """The body draws from this state; afterwards the generators are as they were."""
-        with torch.random.fork_rng(devices=[] if self.device is None else [self.device]):
-            self.rewind()
-            yield
+    def advanced(self) -> bool:
+        """Whether a generator moved on from this state since it was read."""
+        if not torch.equal(torch.get_rng_state(), self.cpu):
+            return True
+        return self.device is not None and not torch.equal(
+            torch.cuda.get_rng_state(self.device), self.cuda
+        )
 
 
 class RecomputedFunction(Function):
@@ -93,7 +104,6 @@ class RecomputedFunction(Function):
     @staticmethod
     def forward(ctx: Any, computed: _Forward, x: Tensor, *more_uses: Tensor) -> Tensor:
         ctx.forward, ctx.uses = computed.forward, 1 + len(more_uses)
-        ctx.random_state = computed.random_state
         ctx.autocast = autocast_state(x.device.type)
         ctx.save_for_backward(x)
         return computed.output
@@ -108,7 +118,6 @@ class RecomputedFunction(Function):
             torch.enable_grad(),
             replayed_autocast(ctx.autocast),
             _outer_hooks_hidden(),
-            ctx.random_state.restored(),
         ):
             leaf = x.detach().requires_grad_()
             # Deliberate transient: the formula's intermediates, as stock kept them.
@@ -140,15 +149,15 @@ def recomputed(forward: Callable[[Tensor], Tensor], x: Tensor) -> Tensor:
             output = forward(leaf)
     except RuntimeError:
         # Refused on the detached input (an in-place step the probes' sizes did not take): the
-        # refusal comes before the step runs, and stock's forward decides, drawing what the
-        # refused run drew.
-        random_state.rewind()
+        # refusal comes before the step runs, and stock's forward decides.
+        random_state.undo_draws()
         return forward(x)
     uses = len(_edges_into(output, leaf)) if isinstance(output, Tensor) else 0
-    if uses == 0:  # not a tensor depending on the input: stock's own graph, drawing as stock
-        random_state.rewind()
+    # Random numbers drawn (where the probes did not look, or by another thread meanwhile), or
+    # not a tensor depending on the input: stock's own graph.
+    if random_state.undo_draws() or uses == 0:
         return forward(x)
-    computed = _Forward(forward, output.detach(), random_state)
+    computed = _Forward(forward, output.detach())
     return RecomputedFunction.apply(computed, *[x] * uses)
 
 
