@@ -4,11 +4,13 @@
 adapters trainable and, on a float16/bfloat16 model, kept in float32) and returns the adapted
 model itself, so that inputs and losses stay those of the original model.
 
-NOTE [all-linear targets]: on a Hugging Face model, ``all-linear`` is peft's own choice (every
-linear layer but the output head). Elsewhere (torchvision, a user's module) peft has no such
-option, so we resolve it: every ``nn.Linear`` and every ungrouped ``nn.Conv1d/2d/3d``, except the
-last of them in registration order (the output head: ResNet's ``fc``). Grouped convolutions are
-left out because peft needs the rank to be divisible by the groups.
+NOTE [all-linear targets]: on a Hugging Face model with output embeddings (a language model's
+head), ``all-linear`` is peft's own choice (every linear layer but that head). peft leaves no
+other head out, so on a classifier (``classifier``, ``score``) we resolve it: every linear layer
+(``nn.Linear``, transformers' ``Conv1D``) of its base model, none of the head around it. Elsewhere
+(torchvision, a user's module) peft has no such option either: every ``nn.Linear`` and every
+ungrouped ``nn.Conv1d/2d/3d``, except the last of them (the output head: ResNet's ``fc``).
+Grouped convolutions are left out because peft needs the rank to be divisible by the groups.
 """
 
 from __future__ import annotations
@@ -117,7 +119,13 @@ def resolve_targets(model: nn.Module, targets: tuple[str, ...]) -> str | list[st
     if targets != (ALL_LINEAR,):
         return list(targets)
     if _is_hugging_face(model):
-        return ALL_LINEAR
+        base = model.base_model
+        if model.get_output_embeddings() is not None or base is model:
+            return ALL_LINEAR  # peft's choice: all but the output embeddings, if any
+        # A classifier's head (``classifier``, ``score``), which peft would adapt too.
+        inside = {id(module) for module in base.modules()}
+        names = [n for n, m in model.named_modules() if _is_linear(m) and id(m) in inside]
+        return names or ALL_LINEAR
     names = [
         name
         for name, module in model.named_modules()
@@ -129,6 +137,12 @@ def resolve_targets(model: nn.Module, targets: tuple[str, ...]) -> str | list[st
             "besides its output head; name the layers with --lora-targets"
         )
     return names[:-1]
+
+
+def _is_linear(module: nn.Module) -> bool:
+    """A linear layer as peft's ``all-linear`` takes it: ``nn.Linear`` or transformers' ``Conv1D``
+    (GPT-2's linear layers, their weight stored transposed)."""
+    return isinstance(module, nn.Linear) or type(module).__name__ == "Conv1D"
 
 
 def _exactly(names: list[str]) -> str:

@@ -91,6 +91,9 @@ def _project(
     # NOTE [random layers under CUDA graph capture] in _backward.py
     if not (trained and records_backward(x, cast_x)) or (p > 0 and graph_capturing(x)):
         return lora_A(dropout(cast_x))
+    # A slice of a larger tensor (BERT's pooler reads the first token) would keep all of it.
+    if x.untyped_storage().nbytes() > x.numel() * x.element_size():
+        return lora_A(dropout(cast_x))
     return dropped_projection(x, cast_x, p, lora_A, cast)
 
 

@@ -117,6 +117,34 @@ def test_an_adapted_input_embedding_still_feeds_token_ids(tiny_llama_dir) -> Non
     assert run.ok, run.error
 
 
+@pytest.mark.parametrize(
+    ("architecture", "head"),
+    [
+        ("BertForSequenceClassification", "classifier"),
+        ("LlamaForSequenceClassification", "score"),
+        ("ViTForImageClassification", "classifier"),
+    ],
+)
+def test_all_linear_leaves_a_hugging_face_classifiers_head_out(
+    architecture: str, head: str
+) -> None:
+    """peft's all-linear leaves out only output embeddings, which a classifier has none of."""
+    transformers = pytest.importorskip("transformers")
+    small = dict(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32)
+    config = {
+        "Bert": lambda: transformers.BertConfig(vocab_size=50, **small),
+        "Llama": lambda: transformers.LlamaConfig(
+            vocab_size=50, num_key_value_heads=1, pad_token_id=0, **small
+        ),
+        "ViT": lambda: transformers.ViTConfig(image_size=32, patch_size=8, **small),
+    }[architecture.split("For")[0]]()
+    model = getattr(transformers, architecture)(config)
+    linear = {n for n, m in model.named_modules() if isinstance(m, nn.Linear)}
+    apply_lora(model, lora_settings())
+    adapted = {n for n, m in model.named_modules() if hasattr(m, "lora_A")}
+    assert adapted == linear - {head} and len(adapted) >= 6
+
+
 def test_named_targets_pass_through() -> None:
     assert resolve_targets(nn.Linear(2, 2), ("q", "v")) == ["q", "v"]
 

@@ -309,6 +309,26 @@ def test_an_inference_tensor_fed_to_a_cast_adapter_trains_as_in_stock(dropout: f
     _assert_same_step(stock, convert(stock), lambda m: m(features).float().square().sum())
 
 
+class Pooler(nn.Module):
+    """BERT's pooler: a dense layer on the first token of every sequence."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.dense = nn.Linear(32, 32)
+
+    def forward(self, hidden: Tensor) -> Tensor:
+        return self.dense(hidden[:, 0])
+
+
+def test_an_adapter_fed_a_slice_keeps_no_more_than_stock() -> None:
+    """Keeping the slice would keep the whole tensor under it (all tokens, not the first)."""
+    torch.manual_seed(0)
+    stock = _adapted(Pooler(), ["dense"])
+    hidden = torch.randn(4, 64, 32, requires_grad=True)
+    stock_bytes, memsave_bytes = _assert_same_step(stock, convert(stock), lambda m: m(hidden).sum())
+    assert memsave_bytes <= stock_bytes < hidden.numel() * hidden.element_size()
+
+
 def test_shared_input_is_kept_once() -> None:
     """q, k and v keep one storage (their input) where stock keeps two copies per adapter."""
     torch.manual_seed(2)
