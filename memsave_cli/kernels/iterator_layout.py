@@ -20,7 +20,6 @@ from collections.abc import Sequence
 
 import torch
 from torch import Tensor
-from torch._prims_common import suggest_memory_format
 
 Strides = Sequence[int]
 
@@ -60,17 +59,39 @@ def iterator_empty(x: Tensor) -> Tensor:
 
 def like_strides(x: Tensor) -> tuple[int, ...]:
     """The strides of ``torch.empty_like(x)``: ``x``'s own where it is non-overlapping and
-    dense, else its suggested memory format's (channels-last or row-major)."""
+    dense, else dense ones in the order of ``x``'s (ATen's ``infer_dense_strides``)."""
     shape, strides = tuple(x.shape), tuple(x.stride())
     if x.is_contiguous() or _dense(shape, strides):  # the first, one C call: every layer's case
         return strides
-    if suggest_memory_format(x) == torch.contiguous_format:
-        return contiguous_strides(shape)
-    order = (1, *range(x.dim() - 1, 1, -1), 0)  # channels fastest, batch slowest
+    return _dense_in_order(shape, strides)
+
+
+def _dense_in_order(shape: tuple[int, ...], strides: Strides) -> tuple[int, ...]:
+    """ATen's ``infer_dense_strides``: dimensions sorted fastest first by stride (a stable
+    insertion sort from the last dimension; a zero stride compares with none, equal strides put
+    the smaller size first), then dense strides in that order."""
+    perm = list(range(len(shape) - 1, -1, -1))
+
+    def order(a: int, b: int) -> int:
+        if strides[a] == 0 or strides[b] == 0:
+            return 0
+        if strides[a] != strides[b]:
+            return 1 if strides[a] > strides[b] else -1
+        return 1 if shape[a] > shape[b] else 0
+
+    for i in range(1, len(perm)):
+        moving = i
+        for j in range(i - 1, -1, -1):
+            comparison = order(perm[j], perm[moving])
+            if comparison > 0:
+                perm[j], perm[moving] = perm[moving], perm[j]
+                moving = j
+            elif comparison < 0:
+                break
     result, step = [0] * len(shape), 1
-    for dim in order:
+    for dim in perm:
         result[dim] = step
-        step *= max(shape[dim], 1)
+        step *= shape[dim] if shape[dim] > 1 else 1
     return tuple(result)
 
 

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from memsave_cli.kernels.iterator_layout import iterator_empty, iterator_strides
+from memsave_cli.kernels.iterator_layout import iterator_empty, iterator_strides, like_strides
 
 aten = torch.ops.aten
 
@@ -71,3 +71,18 @@ def test_empty_like_one_operand() -> None:
     assert iterator_empty(y).stride() == torch.relu(y).stride()
     z = torch.empty(2, 3, 4).permute(2, 0, 1)
     assert iterator_empty(z).stride() == torch.relu(z).stride() == z.stride()
+
+
+def test_like_strides_are_empty_likes() -> None:
+    """``torch.empty_like`` of any strided geometry (overlapping, expanded, sliced, permuted):
+    a dense layout in the order of the input's strides."""
+    rng = random.Random(5)
+    checked = 0
+    for _ in range(3000):
+        shape = [rng.choice([0, 1, 2, 3, 4, 7]) for _ in range(rng.randint(1, 5))]
+        strides = [rng.choice([0, 1, 2, 3, 5, 8, 16, 24, 40]) for _ in shape]
+        span = 1 + sum((size - 1) * stride for size, stride in zip(shape, strides, strict=True))
+        x = torch.empty(max(span, 1)).as_strided(shape, strides)
+        assert like_strides(x) == torch.empty_like(x).stride(), (shape, strides)
+        checked += not x.is_contiguous()
+    assert checked > 1500  # not contiguous
