@@ -67,29 +67,10 @@ def like_strides(x: Tensor) -> tuple[int, ...]:
 
 
 def _dense_in_order(shape: tuple[int, ...], strides: Strides) -> tuple[int, ...]:
-    """ATen's ``infer_dense_strides``: dimensions sorted fastest first by stride (a stable
-    insertion sort from the last dimension; a zero stride compares with none, equal strides put
-    the smaller size first), then dense strides in that order."""
-    perm = list(range(len(shape) - 1, -1, -1))
-
-    def order(a: int, b: int) -> int:
-        if strides[a] == 0 or strides[b] == 0:
-            return 0
-        if strides[a] != strides[b]:
-            return 1 if strides[a] > strides[b] else -1
-        return 1 if shape[a] > shape[b] else 0
-
-    for i in range(1, len(perm)):
-        moving = i
-        for j in range(i - 1, -1, -1):
-            comparison = order(perm[j], perm[moving])
-            if comparison > 0:
-                perm[j], perm[moving] = perm[moving], perm[j]
-                moving = j
-            elif comparison < 0:
-                break
+    """ATen's ``infer_dense_strides``: the dimensions in TensorIterator's order for ``strides``
+    alone (its sort), then dense strides in that order, sizes 0 and 1 taken as 1."""
     result, step = [0] * len(shape), 1
-    for dim in perm:
+    for dim in _permutation(shape, [strides]):
         result[dim] = step
         step *= shape[dim] if shape[dim] > 1 else 1
     return tuple(result)
