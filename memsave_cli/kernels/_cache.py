@@ -27,8 +27,9 @@ def configured() -> Path | None:
     chosen = os.environ.get("MEMSAVE_CACHE_DIR", "").strip()
     if chosen:  # "~" as a shell would expand it; blank is unset (it made a folder named " ")
         return Path(os.path.expanduser(chosen))
-    if os.environ.get("XDG_CACHE_HOME"):
-        return Path(os.environ["XDG_CACHE_HOME"]) / "memsave"
+    xdg = os.environ.get("XDG_CACHE_HOME", "").strip()
+    if os.path.isabs(xdg):  # the XDG spec: a relative (or blank) one is ignored
+        return Path(xdg) / "memsave"
     home = os.path.expanduser("~")
     return None if home.startswith("~") else Path(home) / ".cache" / "memsave"
 

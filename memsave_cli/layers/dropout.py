@@ -127,6 +127,8 @@ def _needs_memsave(input: Tensor, p: float, training: bool, inplace: bool) -> bo
     """
     if inplace and input.is_leaf and input.requires_grad and torch.is_grad_enabled():
         return False  # stock raises its own error for an in-place op on such a leaf
+    if not isinstance(p, int | float):  # a rate held as a tensor: stock's own conversion
+        return False
     if not (training and 0.0 < p < 1.0 and input.numel() > 0 and ops_run(input)):
         return False
     if input.is_complex():

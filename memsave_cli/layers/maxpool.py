@@ -60,21 +60,30 @@ def max_pool_with_offsets(input: Tensor, kernel, stride, padding, dilation, ceil
     return MaxPoolWithOffsets.apply(input, kernel, stride, padding, dilation, ceil_mode)
 
 
-def _needs_memsave(module: nn.Module, input: Tensor, nd: int) -> bool:
-    """Whether the offsets path applies; otherwise stock runs (and raises stock's errors)."""
-    return (
+def _offsets_options(module: nn.Module, input: Tensor, nd: int, expand) -> tuple | None:
+    """The module's (kernel, stride, padding, dilation), each of ``nd`` values, where the
+    offsets path applies; otherwise None, and stock runs (and raises stock's errors)."""
+    if not (
         not module.return_indices
         and input.requires_grad
         and records_ops(input)
         and input.numel() > 0
         and input.dim() in (nd + 1, nd + 2)
-    )
-
-
-def _options(module: nn.Module, expand) -> tuple:
-    """The module's (kernel, stride, padding, dilation) as tuples of its dimensionality."""
-    stride = module.stride if module.stride is not None else module.kernel_size
-    return tuple([expand(v) for v in (module.kernel_size, stride, module.padding, module.dilation)])
+    ):
+        return None
+    # An empty stride is the kernel size, as in ATen.
+    empty = module.stride is None or (isinstance(module.stride, list | tuple) and not module.stride)
+    stride = module.kernel_size if empty else module.stride
+    given = (module.kernel_size, stride, module.padding, module.dilation)
+    options = tuple(tuple(expand(value)) for value in given)
+    if any(len(values) != nd for values in options):
+        return None
+    kernel, stride, padding, dilation = options
+    if min(kernel + stride + dilation) < 1 or min(padding) < 0:
+        return None
+    if any(2 * p > k for p, k in zip(padding, kernel, strict=True)):  # ATen: at most half
+        return None
+    return options
 
 
 @drop_in(nn.MaxPool1d)
@@ -82,9 +91,10 @@ class MemSaveMaxPool1d(nn.MaxPool1d):
     """``nn.MaxPool1d`` saving 1-byte window offsets (as 2d pooling over a height of 1)."""
 
     def forward(self, input: Tensor) -> Tensor:
-        if not _needs_memsave(self, input, 1):
+        options = _offsets_options(self, input, 1, _single)
+        if options is None:
             return super().forward(input)
-        kernel, stride, padding, dilation = [v[0] for v in _options(self, _single)]
+        kernel, stride, padding, dilation = [v[0] for v in options]
         output = max_pool_with_offsets(
             input.unsqueeze(-2),
             (1, kernel),
@@ -101,9 +111,10 @@ class MemSaveMaxPool2d(nn.MaxPool2d):
     """``nn.MaxPool2d`` saving 1-byte window offsets instead of its input and int64 indices."""
 
     def forward(self, input: Tensor) -> Tensor:
-        if not _needs_memsave(self, input, 2):
+        options = _offsets_options(self, input, 2, _pair)
+        if options is None:
             return super().forward(input)
-        return max_pool_with_offsets(input, *_options(self, _pair), self.ceil_mode)
+        return max_pool_with_offsets(input, *options, self.ceil_mode)
 
 
 @drop_in(nn.MaxPool3d)
@@ -111,6 +122,7 @@ class MemSaveMaxPool3d(nn.MaxPool3d):
     """``nn.MaxPool3d`` saving 1-byte window offsets instead of its input and int64 indices."""
 
     def forward(self, input: Tensor) -> Tensor:
-        if not _needs_memsave(self, input, 3):
+        options = _offsets_options(self, input, 3, _triple)
+        if options is None:
             return super().forward(input)
-        return max_pool_with_offsets(input, *_options(self, _triple), self.ceil_mode)
+        return max_pool_with_offsets(input, *options, self.ceil_mode)

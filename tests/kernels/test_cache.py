@@ -133,3 +133,17 @@ def test_the_cache_variable_is_read_as_a_shell_would(monkeypatch: pytest.MonkeyP
     assert _cache.configured() == Path("/home/someone/kernels")
     monkeypatch.setenv("MEMSAVE_CACHE_DIR", "  ")
     assert _cache.configured() == Path("/home/someone/.cache/memsave")
+
+
+@pytest.mark.parametrize(
+    ("xdg", "expected"), [(" ", None), ("rel", None), ("/xdg", "/xdg/memsave")]
+)
+def test_only_an_absolute_xdg_cache_home_counts(
+    monkeypatch, xdg: str, expected: str | None
+) -> None:
+    """A blank or relative ``XDG_CACHE_HOME`` (which the XDG spec says to ignore) made a cache
+    under the working directory."""
+    monkeypatch.setenv("HOME", "/home/someone")
+    monkeypatch.delenv("MEMSAVE_CACHE_DIR", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", xdg)
+    assert _cache.configured() == Path(expected or "/home/someone/.cache/memsave")

@@ -392,3 +392,13 @@ def test_complex_input_is_refused_as_stock_refuses(layer) -> None:
     with pytest.raises(NotImplementedError) as memsave:
         convert(layer(0.5))(x)
     assert str(memsave.value) == str(stock.value)
+
+
+def test_a_rate_held_as_a_tensor_runs_as_in_stock() -> None:
+    """``nn.Dropout(torch.tensor(0.3))`` runs in stock (the rate is converted by the op)."""
+    x = torch.randn(4, 8, requires_grad=True)
+    outputs = []
+    for layer in (nn.Dropout(torch.tensor(0.3)), MemSaveDropout(torch.tensor(0.3))):
+        torch.manual_seed(0)
+        outputs.append(layer(x))
+    assert torch.equal(*outputs)

@@ -236,16 +236,46 @@ def test_strided_input_matches_stock() -> None:
 
 
 @pytest.mark.parametrize(
-    "kwargs,shape",
-    [(dict(kernel_size=3, padding=2), (1, 2, 8, 8)), (dict(kernel_size=5), (1, 2, 3, 3))],
-    ids=["padding-too-large", "output-too-small"],
-)
-def test_invalid_options_raise_like_stock(kwargs: dict, shape: tuple[int, ...]) -> None:
+    "dims,kwargs,shape",
+    [
+        (2, dict(kernel_size=3, padding=2), (1, 2, 8, 8)),
+        (2, dict(kernel_size=5), (1, 2, 3, 3)),
+        (2, dict(kernel_size=2, stride=0), (1, 2, 6, 6)),
+        (3, dict(kernel_size=0), (1, 2, 4, 4, 4)),
+        (1, dict(kernel_size=2, stride=0), (1, 2, 6)),
+        (2, dict(kernel_size=2, dilation=0), (1, 2, 6, 6)),
+        (2, dict(kernel_size=2, padding=-1), (1, 2, 6, 6)),
+        (2, dict(kernel_size=(2, 2, 2)), (1, 2, 6, 6)),
+        (1, dict(kernel_size=(2, 2, 2)), (1, 2, 6)),
+    ],
+    ids=[
+        "padding-too-large", "output-too-small", "stride-0", "kernel-0", "1d-stride-0",
+        "dilation-0", "negative-padding", "kernel-of-three-in-2d", "kernel-of-three-in-1d",
+    ],
+)  # fmt: skip
+def test_invalid_options_raise_like_stock(dims: int, kwargs: dict, shape: tuple[int, ...]) -> None:
+    stock, memsave = {1: (nn.MaxPool1d, MemSaveMaxPool1d), 2: (nn.MaxPool2d, MemSaveMaxPool2d),
+                      3: (nn.MaxPool3d, MemSaveMaxPool3d)}[dims]  # fmt: skip
     x = torch.randn(shape, requires_grad=True)
     with pytest.raises(RuntimeError) as stock_error:
-        nn.MaxPool2d(**kwargs)(x)
+        stock(**kwargs)(x)
     with pytest.raises(RuntimeError, match=re.escape(str(stock_error.value)[:25])):
-        MemSaveMaxPool2d(**kwargs)(x)
+        memsave(**kwargs)(x)
+
+
+@pytest.mark.parametrize("dims", [1, 2, 3])
+def test_an_empty_stride_is_the_kernel_size_as_in_stock(dims: int) -> None:
+    stock = {1: nn.MaxPool1d, 2: nn.MaxPool2d, 3: nn.MaxPool3d}[dims](2, stride=[])
+    results = []
+    for layer in (stock, convert(stock)):
+        x = torch.arange(2.0 * 6**dims).reshape(1, 2, *(6,) * dims).requires_grad_()
+        with SavedTensorRecorder() as recorder:
+            out = layer(x)
+        out.backward(torch.ones_like(out))
+        results.append((out, x.grad, recorder.activation_bytes))
+    (out, grad, stock_bytes), (out_m, grad_m, memsave_bytes) = results
+    assert torch.equal(out, out_m) and torch.equal(grad, grad_m)
+    assert memsave_bytes < stock_bytes
 
 
 def test_nan_inputs_match_stock() -> None:
