@@ -17,6 +17,7 @@ then saves its result instead of its input; NOTE [in-place drop-ins]).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
@@ -174,6 +175,8 @@ class MemSaveLeakyReLU(nn.LeakyReLU):
 
     def forward(self, input: Tensor) -> Tensor:
         slope, inplace = self.negative_slope, self.inplace
+        if input.is_floating_point() and not _converts(slope, _math_type(input.dtype)):
+            return F.leaky_relu(input, slope, inplace)  # stock's overflow error
         if (
             input.requires_grad
             and not (inplace and input.is_leaf)
@@ -190,11 +193,35 @@ def _hardtanh(module: nn.Hardtanh, input: Tensor) -> Tensor:
     bounds, inplace = (module.min_val, module.max_val), module.inplace
     if bounds[0] > bounds[1]:
         raise ValueError("min_val cannot be greater than max_val")
+    if input.is_floating_point() and (
+        not all(_converts(bound, input.dtype) for bound in bounds)  # stock's overflow error
+        or bounds[0] == bounds[1] == 0  # -0.0 and 0.0: stock's clamps pick either zero
+        or bounds[0] != bounds[0]  # NaN
+        or bounds[1] != bounds[1]
+    ):
+        return F.hardtanh(input, *bounds, inplace)
     plain = input.requires_grad and not (inplace and input.is_leaf) and input.is_floating_point()
     if plain and (served := nodes.serving(input)):
         node = served.hardtanh_ if inplace else served.hardtanh
         return node(input, *bounds, *ops.kernel_bounds(input.dtype, *bounds))
     return _activate(_HardtanhFunction, F.hardtanh, input, *bounds, inplace=inplace)
+
+
+def _math_type(dtype: torch.dtype) -> torch.dtype:
+    """The type ATen's activation kernels compute in (float32 for half precisions)."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+#: The largest finite value of each floating type (read once: Dynamo traces no ``finfo`` call).
+_LARGEST = {
+    t: torch.finfo(t).max for t in (torch.float64, torch.float32, torch.float16, torch.bfloat16)
+}
+
+
+def _converts(value: float, dtype: torch.dtype) -> bool:
+    """Whether a scalar converts to ``dtype`` as stock's kernels convert it (a finite value
+    beyond the type's range raises there; NaN compares false)."""
+    return not (_LARGEST.get(dtype, math.inf) < abs(value) < math.inf)
 
 
 @drop_in(nn.Hardtanh)

@@ -613,3 +613,36 @@ def test_complex_inputs_raise_stocks_error(node_paths: str, make) -> None:
     with pytest.raises(type(stock.value)) as ours:
         convert(nn.Sequential(make()))(x * 1)
     assert str(ours.value) == str(stock.value)
+
+
+@pytest.mark.parametrize("bounds", [(-0.0, 0.0), (0.0, -0.0), (0.0, 0.0)], ids=str)
+def test_hardtanh_between_two_zeros_matches_stock(bounds: tuple[float, float]) -> None:
+    """Bounds set after construction (``__init__`` refuses equal ones): which zero stock's
+    clamps give is its own choice, so the layer runs stock's."""
+    x = torch.tensor([-5.0, -1.0, 0.0, -0.0, 2.0, 3.0, -2.0, 1.0] * 16, requires_grad=True)
+    results = []
+    for layer in (nn.Hardtanh(), MemSaveHardtanh()):
+        layer.min_val, layer.max_val = bounds
+        out = layer(x)
+        results.append((out, *torch.autograd.grad(out.sum(), x)))
+    for expected, actual in zip(*results, strict=True):
+        assert torch.equal(expected, actual) and torch.equal(expected.signbit(), actual.signbit())
+
+
+@pytest.mark.parametrize(
+    ("make", "dtype"),
+    [
+        (lambda cls: cls(-1.0, 1e39), torch.float32),
+        (lambda cls: cls(-7e4, 1.0), torch.float16),
+        (lambda cls: cls(1e39), torch.bfloat16),
+    ],
+    ids=["hardtanh-float32", "hardtanh-float16", "leaky-bfloat16"],
+)
+def test_a_setting_beyond_the_dtype_raises_as_in_stock(make, dtype: torch.dtype) -> None:
+    stock_cls = nn.LeakyReLU if dtype == torch.bfloat16 else nn.Hardtanh
+    memsave_cls = MemSaveLeakyReLU if dtype == torch.bfloat16 else MemSaveHardtanh
+    x = torch.randn(8, dtype=dtype, requires_grad=True)
+    with pytest.raises(RuntimeError, match="without overflow"):
+        make(stock_cls)(x)
+    with pytest.raises(RuntimeError, match="without overflow"):
+        make(memsave_cls)(x)
