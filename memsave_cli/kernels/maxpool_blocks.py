@@ -28,6 +28,7 @@ from torch import Tensor
 from memsave_cli.kernels import maxpool as offset_ops
 from memsave_cli.kernels._layout import is_eager, memory_format, no_out_form
 from memsave_cli.kernels._rerun import always_rerun
+from memsave_cli.kernels.iterator_layout import contiguous_strides
 from memsave_cli.kernels.maxpool_maps import index_maps, offset_dtype
 
 aten = torch.ops.aten
@@ -149,6 +150,12 @@ def pool_backward(
             grad_output, like, *args, maps.to_indices(offsets)
         )
     grad_output = grad_output.contiguous(memory_format=layout)
+    if layout == torch.contiguous_format and grad_output.stride() != contiguous_strides(
+        grad_output.shape
+    ):
+        # Contiguous but for the strides of its dimensions of size 1, where a 4-d gradient of
+        # unbatched 3-d pooling can read as channels-last, which the kernel refuses.
+        grad_output = grad_output.clone(memory_format=torch.contiguous_format)
     offsets = offsets.contiguous(memory_format=layout)
     # Deliberate: the gradient itself.
     grad_input = grad_output.new_empty(input_shape).contiguous(memory_format=layout)

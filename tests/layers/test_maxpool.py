@@ -477,3 +477,18 @@ def test_a_window_of_padding_alone_is_refused_on_the_cpu() -> None:
     with pytest.raises(RuntimeError, match="holds no element of an input of spatial size"):
         layer(x.requires_grad_())
     assert torch.equal(layer(x.detach()), nn.MaxPool2d(**kwargs, ceil_mode=True)(x.detach()))
+
+
+def test_unbatched_3d_pooling_takes_a_gradient_contiguous_but_for_its_ones() -> None:
+    """A 4-d gradient whose dimensions of size 1 have other strides reads as channels-last to
+    the 3-d kernel, which refuses that: it runs as in stock."""
+    options = dict(kernel_size=(4, 1, 4), stride=(1, 1, 4), padding=(0, 0, 1), dilation=(1, 1, 3))
+    x = torch.randn(1, 5, 1, 8)
+    grads = []
+    for layer in (nn.MaxPool3d(**options), MemSaveMaxPool3d(**options)):
+        source = x.clone().requires_grad_()
+        out = layer(source)
+        assert out.shape == (1, 2, 1, 1)
+        out.backward(torch.ones(1, 1, 2, 1).permute(3, 2, 1, 0))  # strides (1, 1, 2, 2)
+        grads.append(source.grad)
+    assert torch.equal(*grads)
