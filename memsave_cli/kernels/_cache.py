@@ -2,9 +2,11 @@
 
 NOTE [a safe library cache]: loading a shared library runs its code, so a cache directory anyone
 else can write to would let them run code in every process that uses memsave. The cache
-directory is created with mode 0700; an existing one (or a library in it) that belongs to another
-user or that group or others may write to is refused with one line saying why, and then no library
-is loaded at all: the layers take their reference path. A directory of this user's in the
+directory is created with mode 0700 (and so are the parents it needs); an existing one (or a
+library in it) that belongs to another user or that group or others may write to is refused with
+one line saying why, and so is one whose parent someone else could put another directory in
+(writable by group or others without the sticky bit ``/tmp`` has, or another user's): then no
+library is loaded at all, and the layers take their reference path. A directory of this user's in the
 system's temporary directory (``memsave-native-UID``, checked the same way) stands in only where
 the configured one cannot be created or written.
 """
@@ -39,13 +41,21 @@ def writable() -> Path:
     :class:`Unavailable` where it is unsafe, or where none can be."""
     for directory in directories():
         try:
-            directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+            _make_private(directory)
         except OSError:
             continue
         check(directory)
         if os.access(directory, os.W_OK | os.X_OK):
             return directory
     raise Unavailable("no cache directory can be written: set MEMSAVE_CACHE_DIR to one of yours")
+
+
+def _make_private(directory: Path) -> None:
+    """Create ``directory`` and its missing parents 0700 (``mkdir(parents=True)`` would make the
+    parents as the umask says: 0777 under ``umask 000``)."""
+    missing = [directory, *(p for p in directory.parents if not p.exists())]
+    for path in reversed(missing):
+        path.mkdir(mode=0o700, exist_ok=True)
 
 
 def existing(name: str) -> Path | None:
@@ -102,3 +112,24 @@ def check(path: Path) -> None:
             f"{kind} {path} is writable by group or others (mode {mode:o}): {tip} "
             f"(or chmod go-w {path})"
         )
+    if stat.S_ISDIR(info.st_mode):
+        _check_parents(path, tip)
+
+
+def _check_parents(directory: Path, tip: str) -> None:
+    """Raise :class:`Unavailable` where someone else could put another directory in place of
+    ``directory``: a parent writable by group or others without the sticky bit (``/tmp`` has
+    it), or one that belongs to another user than this one or root."""
+    for parent in directory.resolve().parents:
+        info = parent.stat()
+        if info.st_uid not in (0, os.getuid()):
+            raise Unavailable(
+                f"cache directory {directory} lies in {parent}, which belongs to uid "
+                f"{info.st_uid}: {tip}"
+            )
+        if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not info.st_mode & stat.S_ISVTX:
+            mode = stat.S_IMODE(info.st_mode)
+            raise Unavailable(
+                f"cache directory {directory} lies in {parent}, which group or others may "
+                f"write (mode {mode:o}): {tip}"
+            )

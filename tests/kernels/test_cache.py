@@ -147,3 +147,26 @@ def test_only_an_absolute_xdg_cache_home_counts(
     monkeypatch.delenv("MEMSAVE_CACHE_DIR", raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", xdg)
     assert _cache.configured() == Path(expected or "/home/someone/.cache/memsave")
+
+
+@posix_only
+@pytest.mark.parametrize("mode", [0o777, 0o775], ids=oct)
+def test_a_cache_in_a_directory_others_may_write_is_refused(cache_dir: Path, mode: int) -> None:
+    """Whoever may write its parent could put another directory in the cache's place between
+    the check and the load; a sticky parent (``/tmp``) lets nobody rename another's entries."""
+    cache_dir.mkdir(parents=True, mode=0o700)
+    cache_dir.parent.chmod(mode)
+    with pytest.raises(_cache.Unavailable, match=f"lies in {cache_dir.parent}, which group or"):
+        _cache.check(cache_dir)
+    cache_dir.parent.chmod(mode | stat.S_ISVTX)
+    _cache.check(cache_dir)
+
+
+@posix_only
+def test_parents_a_cache_needs_are_made_private(cache_dir: Path) -> None:
+    old = os.umask(0)
+    try:
+        assert _cache.writable() == cache_dir
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(cache_dir.parent.stat().st_mode) == 0o700
