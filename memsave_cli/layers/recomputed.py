@@ -23,12 +23,12 @@ and where it moved on, the call is stock's: the forward runs once more with its 
 the state it started at, so it draws what stock draws and the generators end as stock leaves
 them. The generators are set back only while no other Python thread runs; otherwise such a
 forward draws twice (the price of a case no probe has shown), and a state moved by another
-thread costs only the saving of that call. Python's and numpy's global
-generators are not read: that costs 10 and 50 us a call (a CPU's ``random.getstate()`` and
-``numpy.random.get_state()``), as much as a small activation's kernels, for forwards the probes
-refuse when they draw there. Other side effects of a forward (a counter, a print, such draws)
-happen twice where they occur only on inputs the probes did not try; the probes refuse modules
-showing them on their own inputs.
+thread costs only the saving of that call. Python's and numpy's global generators are not read:
+that costs 10 and 50 us a call (a CPU's ``random.getstate()`` and ``numpy.random.get_state()``),
+as much as a small activation's kernels, for forwards the probes refuse when they draw there.
+Other side effects of a forward (a counter, a print, such draws) happen twice where they occur
+only on inputs the probes did not try; the probes refuse modules showing them on their own
+inputs.
 
 NOTE [one edge per use of the input]: the formula reads its input several times (``gelu_new``:
 three), and stock's engine adds each of those gradients into the input's buffer in turn. A
