@@ -16,19 +16,18 @@ NOTE [forward again in backward]: as under activation checkpointing, the module'
 twice per step, once in forward and again in backward, on a snapshot of the module taken at the
 first (its settings and mode then: NOTE [activations holding only values] in ``recognise.py``).
 A forward drawing torch random numbers where the probes did not look (only on large inputs)
-could be replayed only by setting the process's generator back in backward, and another thread
-drawing meanwhile would get the same numbers again. So nothing is replayed: torch's random state
-(the CPU's and the input's CUDA device's) is read before the first run and compared after it,
-and where it moved on, the call is stock's: the forward runs once more with its own graph, from
-the state it started at, so it draws what stock draws and the generators end as stock leaves
-them. The generators are set back only while no other Python thread runs; otherwise such a
-forward draws twice (the price of a case no probe has shown), and a state moved by another
-thread costs only the saving of that call. Python's and numpy's global generators are not read:
-that costs 10 and 50 us a call (a CPU's ``random.getstate()`` and ``numpy.random.get_state()``),
-as much as a small activation's kernels, for forwards the probes refuse when they draw there.
-Other side effects of a forward (a counter, a print, such draws) happen twice where they occur
-only on inputs the probes did not try; the probes refuse modules showing them on their own
-inputs.
+could be replayed only by setting the process's generator back in backward, once per call, and
+another thread drawing meanwhile would get the same numbers again. So backward touches no
+generator: torch's random state (the CPU's and the input's CUDA device's) is read before the
+first run and compared after it, and where it moved on, the call is stock's: set back to the
+state it started at, the forward runs once more with its own graph, so it draws what stock draws
+and the generators end as stock leaves them. (A state moved by another thread during that first
+run takes the same way: that thread's numbers of that moment are drawn again.) Python's and
+numpy's global generators are not read: that costs 10 and 50 us a call (a CPU's
+``random.getstate()`` and ``numpy.random.get_state()``), as much as a small activation's kernels,
+for forwards the probes refuse when they draw there. Other side effects of a forward (a counter,
+a print, such draws) happen twice where they occur only on inputs the probes did not try; the
+probes refuse modules showing them on their own inputs.
 
 NOTE [one edge per use of the input]: the formula reads its input several times (``gelu_new``:
 three), and stock's engine adds each of those gradients into the input's buffer in turn. A
@@ -43,7 +42,6 @@ and returns them on those edges. Their sum is then formed exactly as stock forms
 from __future__ import annotations
 
 import contextlib
-import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -78,14 +76,12 @@ class _RandomState:
         self.cuda = None if self.device is None else torch.cuda.get_rng_state(self.device)
 
     def undo_draws(self) -> bool:
-        """Whether a generator moved on since this state was read; if so and no other thread
-        runs (whose draws a rewind would repeat), set the generators back."""
+        """Whether a generator moved on since this state was read; if so, set it back."""
         if not self.advanced():
             return False
-        if threading.active_count() == 1:
-            torch.set_rng_state(self.cpu)
-            if self.device is not None:
-                torch.cuda.set_rng_state(self.cuda, self.device)
+        torch.set_rng_state(self.cpu)
+        if self.device is not None:
+            torch.cuda.set_rng_state(self.cuda, self.device)
         return True
 
     def advanced(self) -> bool:
