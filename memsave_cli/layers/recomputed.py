@@ -18,15 +18,22 @@ first (its settings and mode then: NOTE [activations holding only values] in ``r
 A forward drawing torch random numbers where the probes did not look (only on large inputs)
 could be replayed only by setting the process's generator back in backward, once per call, and
 another thread drawing meanwhile would get the same numbers again. So backward touches no
-generator: torch's random state (the CPU's and the input's CUDA device's) is read before the
-first run and compared after it, and where it moved on, the call is stock's: set back to the
-state it started at, the forward runs once more with its own graph, so it draws what stock draws
-and the generators end as stock leaves them. (A state moved by another thread during that first
-run takes the same way: that thread's numbers of that moment are drawn again.) Python's and
-numpy's global generators are not read: that costs 10 and 50 us a call (a CPU's
+generator, and forward sets one back only where this thread's forward drew:
+- torch's random state (the CPU's and the input's CUDA device's) is read before the first run
+  and compared after it. Where it stayed, nothing drew.
+- Where it moved on, the forward runs once more on the input, in this thread only (a dispatch
+  mode, which is thread-local), stopped at the first operator drawing random numbers, before it
+  draws. torch tags every such operator ``nondeterministic_seeded`` (all of ATen's that take a
+  generator; ``torch.compile`` reads the same tag), and a custom operator drawing must carry it.
+- Stopped there, the forward drew: the call is stock's. Set back to the state it started at,
+  the forward runs once more with its own graph, so it draws what stock draws and the
+  generators end as stock leaves them.
+- Not stopped, another thread drew meanwhile (a data pipeline's augmentations, say): that
+  thread keeps its numbers, and the call is recomputed as any other.
+Python's and numpy's global generators are not read: that costs 10 and 50 us a call (a CPU's
 ``random.getstate()`` and ``numpy.random.get_state()``), as much as a small activation's kernels,
 for forwards the probes refuse when they draw there. Other side effects of a forward (a counter,
-a print, such draws) happen twice where they occur only on inputs the probes did not try; the
+a print, such draws) happen again where they occur only on inputs the probes did not try; the
 probes refuse modules showing them on their own inputs.
 
 NOTE [one edge per use of the input]: the formula reads its input several times (``gelu_new``:
@@ -49,6 +56,7 @@ import torch
 from torch import Tensor
 from torch.autograd import Function
 from torch.autograd.graph import Node
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from memsave_cli.layers._autocast import autocast_state, replayed_autocast
 from memsave_cli.layers._backward import (
@@ -75,9 +83,10 @@ class _RandomState:
         self.cpu = torch.get_rng_state()
         self.cuda = None if self.device is None else torch.cuda.get_rng_state(self.device)
 
-    def undo_draws(self) -> bool:
-        """Whether a generator moved on since this state was read; if so, set it back."""
-        if not self.advanced():
+    def undo_draws(self, forward: Callable[[Tensor], Tensor], x: Tensor) -> bool:
+        """Whether ``forward(x)`` drew in this thread since this state was read; if so, set the
+        generators back to it (a draw of another thread's is left alone)."""
+        if not self.advanced() or not _draws(forward, x):
             return False
         torch.set_rng_state(self.cpu)
         if self.device is not None:
@@ -91,6 +100,34 @@ class _RandomState:
         return self.device is not None and not torch.equal(
             torch.cuda.get_rng_state(self.device), self.cuda
         )
+
+
+class _Drawing(Exception):
+    """Raised at an operator drawing random numbers, before it draws."""
+
+
+class _StopAtDraws(TorchDispatchMode):
+    """Raises ``_Drawing`` at the first operator tagged ``nondeterministic_seeded`` (in the thread
+    it is entered in: dispatch modes are thread-local)."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if torch.Tag.nondeterministic_seeded in func.tags:
+            raise _Drawing
+        return func(*args, **(kwargs or {}))
+
+
+def _draws(forward: Callable[[Tensor], Tensor], x: Tensor) -> bool:
+    """Whether ``forward(x)`` reaches an operator drawing random numbers, run up to it in this
+    thread (NOTE [forward again in backward]); a refusal before any draw is no draw."""
+    leaf = x.detach().requires_grad_()
+    try:
+        with _StopAtDraws(), torch.autograd.graph.saved_tensors_hooks(_drop, _dropped):
+            forward(leaf)
+    except _Drawing:
+        return True
+    except RuntimeError:
+        return False
+    return False
 
 
 class RecomputedFunction(Function):
@@ -146,12 +183,12 @@ def recomputed(forward: Callable[[Tensor], Tensor], x: Tensor) -> Tensor:
     except RuntimeError:
         # Refused on the detached input (an in-place step the probes' sizes did not take): the
         # refusal comes before the step runs, and stock's forward decides.
-        random_state.undo_draws()
+        random_state.undo_draws(forward, x)
         return forward(x)
     uses = len(_edges_into(output, leaf)) if isinstance(output, Tensor) else 0
-    # Random numbers drawn (where the probes did not look, or by another thread meanwhile), or
-    # not a tensor depending on the input: stock's own graph.
-    if random_state.undo_draws() or uses == 0:
+    # Random numbers drawn by this forward (where the probes did not look), or not a tensor
+    # depending on the input: stock's own graph.
+    if random_state.undo_draws(forward, x) or uses == 0:
         return forward(x)
     computed = _Forward(forward, output.detach())
     return RecomputedFunction.apply(computed, *[x] * uses)

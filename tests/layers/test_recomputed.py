@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import random
+import threading
 
 import pytest
 import torch
@@ -585,3 +586,25 @@ def test_backward_sets_no_generator(make, monkeypatch: pytest.MonkeyPatch) -> No
     monkeypatch.setattr(torch.random, "fork_rng", lambda *a, **k: calls.append("fork_rng"))
     loss.backward()
     assert calls == []
+
+
+def test_another_threads_draws_are_its_own() -> None:
+    """Another thread drawing during the counting run moves the generator too: that draw is the
+    other thread's, so it is not set back (which gave that thread its numbers again) and the call
+    is recomputed all the same, with stock's gradient."""
+    drawn: list[float] = []
+
+    def forward(x: Tensor) -> Tensor:
+        other = threading.Thread(target=lambda: drawn.append(torch.rand(()).item()))
+        other.start()
+        other.join()
+        return x * torch.tanh(x) * x
+
+    x = torch.randn(7, 5, requires_grad=True)
+    grad = torch.randn(7, 5)
+    out = recomputed(forward, x)
+    assert type(out.grad_fn).__name__ == "RecomputedFunctionBackward"
+    (got,) = torch.autograd.grad(out, x, grad)
+    (expected,) = torch.autograd.grad(forward(x), x, grad)
+    assert torch.equal(got, expected)
+    assert len(drawn) == len(set(drawn)) == 4
