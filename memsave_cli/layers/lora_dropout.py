@@ -18,9 +18,12 @@ replay calls ``lora_A`` as a module, so hooks on it run again in backward, as th
 ``torch.utils.checkpoint``, and under the autocast settings forward ran with (backward itself
 runs without autocast: a replay in float32 of a forward autocast to bfloat16 would give other
 gradients), and with the weights forward was given (``torch.func.functional_call`` puts others
-in place for forward only). Setting the generator's state for the replay and back is not atomic:
-another thread drawing from it meanwhile could shift the mask (as under ``torch.utils.checkpoint``
-with ``preserve_rng_state``); ``docs/lora.md`` says so.
+in place for forward only). On the CPU the replay draws from a generator of its own, set to
+forward's state, and the process's generator is left alone: another thread drawing from it meanwhile
+neither shifts the mask nor gets numbers again. On other devices stock's fused dropout draws from
+the device's generator only, so the replay sets that generator's state and back, which is not
+atomic: another thread drawing from the same device's generator meanwhile could shift the mask
+(as under ``torch.utils.checkpoint`` with ``preserve_rng_state``); ``docs/lora.md`` says so.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from collections.abc import Callable, Iterator
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch._subclasses.fake_tensor import is_fake
 
 from memsave_cli.layers._autocast import autocast_state, replayed_autocast
 from memsave_cli.layers._backward import forbid_double_backward, refuse_batched
@@ -39,9 +43,11 @@ from memsave_cli.layers._backward import forbid_double_backward, refuse_batched
 Cast = Callable[[Tensor], Tensor]
 
 
-def rng_state(device: torch.device) -> Tensor | None:
-    """The state of the generator stock dropout draws from on ``device`` (None on meta)."""
-    if device.type == "meta":
+def rng_state(x: Tensor) -> Tensor | None:
+    """The state of the generator stock dropout draws from on ``x``'s device; None where ``x``
+    holds no values to replay (on meta, or a fake tensor: ``FakeTensorMode``)."""
+    device = x.device
+    if device.type == "meta" or is_fake(x):
         return None
     if device.type == "cpu":
         # A copy made by an aten op, which a memory tracker (a dispatch mode) sees allocated:
@@ -70,9 +76,26 @@ def _unsaved(tensor: Tensor) -> Tensor:
     return tensor
 
 
-def _dropout(x: Tensor, p: float) -> Tensor:
-    """Stock training-mode dropout; none at all for ``p = 0`` (peft's ``nn.Identity``)."""
-    return F.dropout(x, p, True) if p > 0 else x
+def _private_generator(device: torch.device, state: Tensor | None) -> torch.Generator | None:
+    """On the CPU, a generator of the replay's own at ``state``; None elsewhere (CUDA's fused
+    dropout draws from the device's generator only)."""
+    if state is None or device.type != "cpu":
+        return None
+    generator = torch.Generator()
+    generator.set_state(state)
+    return generator
+
+
+def _dropout(x: Tensor, p: float, generator: torch.Generator | None = None) -> Tensor:
+    """Stock training-mode dropout; none at all for ``p = 0`` (peft's ``nn.Identity``). Given a
+    CPU ``generator``, ATen's CPU dropout spelled out (``_dropout_impl``: noise drawn by
+    ``bernoulli_``, divided by the keep probability, times the input), drawing from it."""
+    if p == 0:
+        return x
+    if generator is None or x.numel() == 0:
+        return F.dropout(x, p, True)
+    noise = torch.empty_like(x).bernoulli_(1 - p, generator=generator)
+    return x * noise.div_(1 - p)
 
 
 class DroppedProjection(torch.autograd.Function):
@@ -86,7 +109,7 @@ class DroppedProjection(torch.autograd.Function):
         ctx.p, ctx.project, ctx.cast = p, project, cast
         ctx.autocast = autocast_state(x.device.type)
         if any(ctx.needs_input_grad):
-            state = rng_state(x.device) if p > 0 else None
+            state = rng_state(x) if p > 0 else None
             # x is the layer's own input: it is kept once, whoever else keeps it too. The
             # parameters cost nothing (they live on) and let autograd see them changed in place.
             ctx.save_for_backward(x, *params, *(() if state is None else (state,)))
@@ -107,10 +130,13 @@ class DroppedProjection(torch.autograd.Function):
         # The replay's own saved tensors (noise, dropout(x)) live only until autograd.grad below:
         # identity hooks keep them out of any saved-tensor accounting of the outer step.
         hooks = torch.autograd.graph.saved_tensors_hooks(_unsaved, _unsaved)
-        with hooks, replayed_rng(x.device, state[0] if state else None), torch.enable_grad():
+        state = state[0] if state else None
+        generator = _private_generator(x.device, state)
+        replayed = replayed_rng(x.device, None if generator else state)
+        with hooks, replayed, torch.enable_grad():
             source = ctx.cast(x).detach().requires_grad_(needs_x)
             with replayed_autocast(ctx.autocast):  # forward's casts, e.g. lora_A in bfloat16
-                dropped = _dropout(source, ctx.p)
+                dropped = _dropout(source, ctx.p, generator)
                 if substituted is None:
                     output = ctx.project(dropped)
                 else:

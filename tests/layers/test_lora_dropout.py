@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import threading
 
 import pytest
 import torch
@@ -133,6 +134,26 @@ def test_leaves_global_random_state_as_stock_does() -> None:
     assert torch.equal(*after)
 
 
+def test_cpu_replay_draws_from_its_own_generator() -> None:
+    """Another thread drawing from the process's generator while backward replays the noise
+    shifted the mask (wrong gradients, silently) and got its own numbers again: on the CPU the
+    replay now draws from a generator of its own. Here the cast, which backward runs inside the
+    replay before the noise, makes another thread draw."""
+    drawn: list[float] = []
+
+    def cast_while_another_thread_draws(x: Tensor) -> Tensor:
+        other = threading.Thread(target=lambda: drawn.append(torch.rand(()).item()))
+        other.start()
+        other.join()
+        return x
+
+    torch.manual_seed(7)
+    x = torch.randn(6, 11, requires_grad=True)
+    project = nn.Linear(11, 4, bias=False)
+    _compare(x, 0.5, project, cast_while_another_thread_draws)
+    assert len(drawn) == 3  # stock's forward, memsave's forward and its replay
+
+
 def test_gradcheck_float64_with_fixed_mask() -> None:
     torch.manual_seed(7)
     project = nn.Linear(5, 3, bias=True).double()
@@ -153,6 +174,26 @@ def test_meta_tensors() -> None:
     output.sum().backward()
     assert output.shape == (3, 2) and x.grad.shape == x.shape
     assert project.weight.grad.shape == project.weight.shape
+
+
+def test_fake_tensors_as_stock() -> None:
+    """Under ``FakeTensorMode`` the generator's state (a real tensor) was copied in forward,
+    which the mode refuses, and set in backward, which has no values to set: fake tensors now
+    keep no state and replay nothing, and forward and backward run as stock's do."""
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+    results = []
+    for fn in (_stock, _memsave):
+        with FakeTensorMode():
+            project = nn.Linear(6, 2, bias=False)
+            x = torch.randn(3, 6, requires_grad=True)
+            output = fn(x, 0.5, project, _identity)
+            output.sum().backward()
+        assert isinstance(x.grad, FakeTensor)
+        results.append(
+            [(t.shape, t.stride(), t.dtype) for t in (output, x.grad, project.weight.grad)]
+        )
+    assert results[0] == results[1]
 
 
 def test_rejects_p_outside_the_open_interval() -> None:
@@ -217,7 +258,7 @@ def test_cpu_random_state_is_made_where_a_memory_tracker_sees_it() -> None:
             return func(*args, **(kwargs or {}))
 
     with Ops():
-        state = rng_state(torch.device("cpu"))
+        state = rng_state(torch.empty(1))
     assert torch.equal(state, torch.get_rng_state())
     assert seen, "no aten op made the saved state"
 
