@@ -10,14 +10,14 @@ from benchmarks.reproduce.record import environment
 from memsave_cli.kernels import nodes
 
 
-def describe_device(device: str) -> dict[str, Any]:
+def describe_device(device: str, build: bool = True) -> dict[str, Any]:
     """Versions and commit (``record.environment``), plus the device's name, capability and
     memory, CUDA, cuDNN and driver versions on cuda. Never raises: a field it cannot read says
-    why."""
+    why. ``build`` false: the C++ nodes are not built for their status."""
     info: dict[str, Any] = {**environment(), "device": device, "cuda_version": torch.version.cuda}
     # Which path memsave's convolutions take (NOTE [why a drop-in is a C++ node]); building the
     # nodes here also spares every worker the compile.
-    info["nodes"] = nodes.status()
+    info["nodes"] = nodes.status() if build else "not built (the run was stopped first)"
     if device != "cuda":
         return info
     try:

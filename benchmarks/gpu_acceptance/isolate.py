@@ -28,9 +28,10 @@ MODULE = "benchmarks.gpu_acceptance"
 GRACE_S = 30.0
 
 
-def run_worker(part: str, plan: Plan, seconds: float) -> list[Cell]:
-    """Run ``part`` in a worker interpreter for at most ``seconds`` (plus ``GRACE_S``); its cells,
-    and an error cell if it did not end cleanly."""
+def run_worker(part: str, plan: Plan, seconds: float, cells: list[Cell]) -> None:
+    """Run ``part`` in a worker interpreter for at most ``seconds`` (plus ``GRACE_S``); its cells
+    join ``cells`` (also those it had finished when the run is stopped meanwhile), and an error
+    cell if it did not end cleanly."""
     with tempfile.TemporaryDirectory(prefix="memsave-acceptance-") as folder:
         plan_file, cells_file = Path(folder, "plan.json"), Path(folder, "cells.jsonl")
         plan_file.write_text(plan.to_json())
@@ -38,12 +39,14 @@ def run_worker(part: str, plan: Plan, seconds: float) -> list[Cell]:
             *(sys.executable, "-m", MODULE, "--worker", part),
             *("--plan", str(plan_file), "--cells", str(cells_file), "--seconds", f"{seconds:.1f}"),
         ]
-        reason = _run(command, seconds + GRACE_S)
-        cells = read_lines(cells_file.read_text()) if cells_file.is_file() else []
+        try:
+            reason = _run(command, seconds + GRACE_S)
+        finally:
+            found = read_lines(cells_file.read_text()) if cells_file.is_file() else []
+            cells += found
     if reason is not None:
-        after = f"after {cells[-1].name}" if cells else "before its first cell"
+        after = f"after {found[-1].name}" if found else "before its first cell"
         cells.append(Cell(part, "worker", Status.ERROR, f"{reason} {after}"))
-    return cells
 
 
 def _run(command: list[str], timeout: float) -> str | None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import shlex
+import signal
 import sys
 import tempfile
 import traceback
@@ -92,6 +93,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     docs = args.docs or (DOCS if plan.device == "cuda" else _scratch())
     out = args.out or docs / "results" / "gpu_acceptance.json"
+    _stop_on_sigterm()
     return run(plan, docs, out, command_of(argv if argv is not None else sys.argv[1:]))
 
 
@@ -118,34 +120,70 @@ def plan_of(args: argparse.Namespace) -> Plan:
     return replace(plan, **changes)
 
 
+class Stopped(BaseException):
+    """SIGTERM (``timeout``, a lease's end): no part runs on, and what ran is written."""
+
+
+def _stop_on_sigterm() -> None:
+    def stop(signum: int, frame: object) -> None:
+        signal.signal(signum, signal.SIG_DFL)  # a second one ends the process outright
+        raise Stopped(signal.Signals(signum).name)
+
+    signal.signal(signal.SIGTERM, stop)
+
+
 def run(plan: Plan, docs: Path, out: Path, command: str, isolate: bool = True) -> int:
     """Every part of ``plan`` in order, within its budget; outputs, summary, exit code. The
     C++ nodes are built and their launches checked first, outside the budget (about 40 s and
-    30 s on a GPU host), so that the parts keep their shares of it."""
+    30 s on a GPU host), so that the parts keep their shares of it. The JSON is written after
+    every cell and part, marked unfinished, so that a run cut off (``Stopped``, or killed
+    outright) leaves what it had done."""
     print(
         f"GPU acceptance on {plan.device}: budget {plan.budget_s:.0f} s, parts "
         f"{', '.join(plan.parts)}",
         flush=True,
     )
-    # Built once here, so that no worker compiles them inside its own budget.
-    print(nodes.status(), flush=True)
-    found: dict[str, Any] = {"node_launches": launch_check.check(plan.device)}
-    print(found["node_launches"], flush=True)
-    budget = Budget(plan.budget_s, plan.parts)
     cells: list[Cell] = []
+    found: dict[str, Any] = {}
+    budget = Budget(plan.budget_s, plan.parts)
+    environment: dict[str, Any] = {}
+
+    def save() -> None:
+        if environment:
+            write_json(out, _record(plan, cells, found, budget, command, environment), cells)
 
     def emit(cell: Cell) -> None:
         cells.append(cell)
         progress(cell)
+        save()
 
-    for part in plan.parts:
-        print(f"== {part}: {budget.left(part):.0f} s left to it", flush=True)
-        try:
-            found.update(_part(part, plan, budget, emit, cells, docs, command, isolate))
-        except Exception as error:
-            traceback.print_exc()
-            emit(Cell(part, "part", Status.ERROR, one_line(error)))
-    return finish(plan, cells, found, budget, docs, out, command)
+    doing, stopped = "building the C++ nodes", None
+    try:
+        # Built once here, so that no worker compiles them inside its own budget.
+        print(nodes.status(), flush=True)
+        doing = "checking the nodes' launches"
+        found["node_launches"] = launch_check.check(plan.device)
+        print(found["node_launches"], flush=True)
+        environment.update(describe_device(plan.device))
+        budget = Budget(plan.budget_s, plan.parts)
+        save()
+        for part in plan.parts:
+            doing = f"part {part}"
+            print(f"== {part}: {budget.left(part):.0f} s left to it", flush=True)
+            try:
+                found.update(_part(part, plan, budget, emit, cells, docs, command, isolate))
+            except Exception as error:
+                traceback.print_exc()
+                emit(Cell(part, "part", Status.ERROR, one_line(error)))
+            save()
+    except Stopped as stop:
+        if not environment:  # stopped before it was described: nothing more is built for it
+            environment.update(describe_device(plan.device, build=False))
+        stopped = environment
+        emit(
+            Cell("run", "stopped", Status.ERROR, f"{stop} while {doing}: what followed did not run")
+        )
+    return finish(plan, cells, found, budget, docs, out, command, stopped)
 
 
 def _part(
@@ -161,7 +199,7 @@ def _part(
     """Run one part; what it returns for the record. A worker's cells join ``cells`` directly
     (the worker printed them as it went)."""
     if part in WORKER_PARTS and isolate:
-        cells += run_worker(part, plan, budget.left(part))
+        run_worker(part, plan, budget.left(part), cells)
     elif part in WORKER_PARTS:
         WORKER_PARTS[part](plan, Deadline(budget.left(part)), emit)
     elif part == "memory":
@@ -181,20 +219,13 @@ def finish(
     docs: Path,
     out: Path,
     command: str,
+    stopped: dict[str, Any] | None = None,
 ) -> int:
-    """Write the JSON, print the summary, return the exit code."""
-    device = describe_device(plan.device)
-    passed = not failed(cells)
-    record = {
-        "kind": "gpu_acceptance",
-        "command": command,
-        "environment": device,
-        "plan": plan.__dict__
-        | {key: [e.key for e in getattr(plan, key)] for key in ("memory", "lora", "timed")},
-        "seconds": round(budget.elapsed(), 1),
-        "passed": passed,
-        **found,
-    }
+    """Write the JSON, print the summary, return the exit code. The device is described again
+    (its memory after the run), or as it was before a stop (``stopped``: the run did not
+    finish)."""
+    device = stopped or describe_device(plan.device)
+    record = _record(plan, cells, found, budget, command, device, finished=stopped is None)
     write_json(out, record, cells)
     name = device.get("name", plan.device)
     header = (
@@ -202,8 +233,34 @@ def finish(
         f"{budget.elapsed():.0f} s of {plan.budget_s:.0f} s"
     )
     print("\n" + summary(cells, plan.parts, header))
-    print(f"\n{'PASS' if passed else 'FAIL'}: JSON {relative(out)}; pages under {relative(docs)}")
+    passed = record["passed"]
+    verdict = "PASS" if passed else "FAIL" if stopped is None else "STOPPED"
+    print(f"\n{verdict}: JSON {relative(out)}; pages under {relative(docs)}")
     return 0 if passed else 1
+
+
+def _record(
+    plan: Plan,
+    cells: list[Cell],
+    found: dict[str, Any],
+    budget: Budget,
+    command: str,
+    environment: dict[str, Any],
+    finished: bool = False,
+) -> dict[str, Any]:
+    """The run's record without its cells; ``finished`` false while parts may still follow (or
+    after a stop), and then it has not ``passed``."""
+    return {
+        "kind": "gpu_acceptance",
+        "command": command,
+        "environment": environment,
+        "plan": plan.__dict__
+        | {key: [e.key for e in getattr(plan, key)] for key in ("memory", "lora", "timed")},
+        "seconds": round(budget.elapsed(), 1),
+        "finished": finished,
+        "passed": finished and not failed(cells),
+        **found,
+    }
 
 
 def unpack_command(path: Path, docs: Path) -> int:
@@ -215,7 +272,10 @@ def unpack_command(path: Path, docs: Path) -> int:
         return 2
     for written_path in written:
         print(f"wrote {relative(written_path)}")
-    print(provenance_line(json.loads(path.read_text()).get("environment", {})))
+    payload = json.loads(path.read_text())
+    print(provenance_line(payload.get("environment", {})))
+    if not payload.get("finished", True):
+        print("the run did not finish (stopped, or cut off): its cells end where it ended")
     return 0
 
 

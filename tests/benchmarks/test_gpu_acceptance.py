@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
+import signal
 import stat
 import subprocess
 import sys
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -314,6 +317,51 @@ def test_a_spent_budget_skips_with_a_note(tmp_path: Path) -> None:
     assert cells[-1].status is Status.SKIPPED and cells[-1].name == "tiny MLP input"
 
 
+def test_a_stopped_run_leaves_what_it_had_done(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The JSON was written once, at the end, so a run cut off by ``timeout`` (a lease's limit)
+    lost every cell. Now each cell is on disk as it ends, marked unfinished, and SIGTERM ends the
+    parts with a cell saying so."""
+    out = tmp_path / "acceptance.json"
+    on_disk: list[dict] = []
+
+    def part(name: str, plan: Plan, budget: Budget, emit, *rest) -> dict:
+        if name == "memory":
+            raise main.Stopped("SIGTERM")
+        emit(Cell(name, "ReLU float32", Status.PASS, "bit for bit"))
+        on_disk.append(json.loads(out.read_text()))
+        return {}
+
+    monkeypatch.setattr(main, "_part", part)
+    plan = replace(TINY_PLAN, parts=("exactness", "memory", "model-time"))
+    code = main.run(plan, tmp_path / "docs", out, "python -m benchmarks.gpu_acceptance", False)
+    (during,) = on_disk
+    assert during["finished"] is False and [c["name"] for c in during["cells"]] == ["ReLU float32"]
+    record = json.loads(out.read_text())
+    assert code == 1 and record["finished"] is False and not record["passed"]
+    assert [(c["part"], c["name"], c["status"]) for c in record["cells"]] == [
+        ("exactness", "ReLU float32", "pass"),
+        ("run", "stopped", "error"),
+    ]
+    assert record["cells"][1]["detail"] == "SIGTERM while part memory: what followed did not run"
+    capsys.readouterr()
+    assert main.unpack_command(out, tmp_path / "unpacked") == 0
+    assert "the run did not finish" in capsys.readouterr().out
+
+
+def test_sigterm_raises_stopped() -> None:
+    before = signal.getsignal(signal.SIGTERM)
+    try:
+        main._stop_on_sigterm()
+        with pytest.raises(main.Stopped, match="SIGTERM"):
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(5)
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    finally:
+        signal.signal(signal.SIGTERM, before)
+
+
 def test_budget_deadlines_accumulate() -> None:
     now = [0.0]
     budget = Budget(100.0, clock=lambda: now[0])
@@ -390,7 +438,8 @@ def test_a_crashed_worker_keeps_its_cells_and_says_how_it_ended(
     cell = json.dumps(Cell("exactness", "ReLU float32", Status.PASS, "ok").to_dict())
     body = f'echo \'{cell}\' >> "$CELLS"; echo \'{{"part": "torn\' >> "$CELLS"; exit 3'
     monkeypatch.setattr(sys, "executable", _fake_worker(tmp_path, body))
-    cells = isolate.run_worker("exactness", TINY_PLAN, 5.0)
+    cells: list[Cell] = []
+    isolate.run_worker("exactness", TINY_PLAN, 5.0, cells)
     assert [c.name for c in cells] == ["ReLU float32", "worker"]
     assert cells[1].status is Status.ERROR
     assert cells[1].detail == "worker exited with code 3 after ReLU float32"
@@ -401,7 +450,9 @@ def test_a_hung_worker_is_killed_at_its_limit(
 ) -> None:
     monkeypatch.setattr(sys, "executable", _fake_worker(tmp_path, "sleep 30"))
     monkeypatch.setattr(isolate, "GRACE_S", 0.5)
-    (cell,) = isolate.run_worker("layer-time", TINY_PLAN, 0.0)
+    cells: list[Cell] = []
+    isolate.run_worker("layer-time", TINY_PLAN, 0.0, cells)
+    (cell,) = cells
     assert cell.status is Status.ERROR and "killed at its time limit" in cell.detail
     assert "before its first cell" in cell.detail
 
