@@ -1,7 +1,8 @@
 """Every emulation by which a meta run keeps what a GPU's run keeps, as one context.
 
 Each emulation has its own module and NOTE: dropout as CUDA's fused kernel (``meta_dropout``),
-batch norm as cuDNN's where CUDA picks it (``meta_batch_norm``),
+batch norm as cuDNN's where CUDA picks it (``meta_batch_norm``), RMSNorm as CUDA's fused kernel
+where CUDA fuses it (``meta_rms_norm``),
 CUDA's autocast casts (``meta_autocast``), autocast regions opened for meta tensors
 (``meta_autocast_regions``), values model code made itself (``meta_values``) and grouped expert
 products in every dtype CUDA takes (``meta_grouped_mm``). Attention kernels are chosen apart
@@ -20,6 +21,7 @@ from memsave_cli.meta_autocast_regions import meta_regions_as_cuda
 from memsave_cli.meta_batch_norm import batch_norm_as_on_cuda
 from memsave_cli.meta_dropout import dropout_as_on_cuda
 from memsave_cli.meta_grouped_mm import grouped_mm_as_on_cuda
+from memsave_cli.meta_rms_norm import rms_norm_as_on_cuda
 from memsave_cli.meta_values import known_values
 
 
@@ -29,6 +31,7 @@ def counted_as_on_cuda(device: str, autocast: torch.dtype | None = None) -> Iter
     with (
         dropout_as_on_cuda(device),
         batch_norm_as_on_cuda(device),
+        rms_norm_as_on_cuda(device),
         autocast_as_on_cuda(device, autocast),
         meta_regions_as_cuda(device),
         known_values(device),

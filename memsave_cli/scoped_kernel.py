@@ -37,3 +37,8 @@ class ScopedKernel:
             if self._depth == 0 and self._library is not None:
                 self._library._destroy()
                 self._library = None
+
+    def on_meta(self, device: str) -> contextlib.AbstractContextManager:
+        """Active at the meta autograd key while ``device`` is meta; elsewhere nothing changes
+        (the cpu's numbers are measured with its own kernels)."""
+        return self.active(["AutogradMeta"]) if device == "meta" else contextlib.nullcontext()

@@ -124,6 +124,11 @@ def _opmath(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+def math_eps(dtype: torch.dtype) -> float:
+    """The eps ``torch.rms_norm`` takes when given none: its math type's machine epsilon."""
+    return torch.finfo(_opmath(dtype)).eps
+
+
 def _upcast(dtype: torch.dtype, style: str) -> torch.dtype:
     """``torch.rms_norm`` computes in the input's math type; the other styles in float32."""
     return _opmath(dtype) if style == "torch" else torch.float32
@@ -324,6 +329,6 @@ class MemSaveRMSNorm(nn.RMSNorm):
         own = fits and may_record(input, self.weight) and _composite_on(input, self.weight)
         if not own or autocast_on(input.device.type):  # NOTE [RMSNorm under autocast]
             return super().forward(input)
-        eps = self.eps if self.eps is not None else torch.finfo(_opmath(input.dtype)).eps
+        eps = self.eps if self.eps is not None else math_eps(input.dtype)
         dims = tuple(input.dim() - i - 1 for i in range(len(shape)))
         return rms_norm(input, self.weight, eps, "torch", dims)
