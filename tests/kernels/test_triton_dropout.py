@@ -5,6 +5,7 @@ any layout, p = 0 and p = 1; keep rates lie in a 6-sigma binomial band."""
 from __future__ import annotations
 
 import math
+import types
 
 import pytest
 
@@ -165,3 +166,42 @@ def test_scalars_are_made_on_the_cpu_under_another_default_device() -> None:
         unpacked = bitmask.unpack(bits, 9, torch.float32)
     assert torch.equal(noise, expected)
     assert unpacked.tolist() == [1, 0, 0, 0, 1, 1, 0, 1, 1]
+
+
+def test_sizes_multiplied_past_int32() -> None:
+    """The walk's merged sizes were multiplied in int32: with two inner sizes of 65536 and 65537
+    (2**32 + 65536 elements each outer index, as a strided tensor of 2**33 elements has), the
+    kernel read the wrong elements. Launched over the first 70,000 logical elements only, with
+    p = 0, so that each output must be its input; the outer strides stand in small."""
+    from memsave_cli.kernels.triton._launch import as_bits, block, grid
+
+    sizes, n = (2, 65537, 65536), 70_000
+    x = torch.arange(2**17 + 10**6, dtype=torch.float32)
+    out = torch.full((n,), -1.0)
+    x_strides, out_strides = (0, 10**6, 65536, 1), (0, 0, 65536, 1)
+    factor = dropout._factor_bits(torch.float32, 0.0, None)
+    dropout._dropout_kernel[grid(n)](
+        as_bits(x), as_bits(out), n, 1, 0, philox.keep_count(0.0), factor, *sizes,
+        *x_strides, *out_strides, RANK=3, HAS_X=True, BFLOAT=False, NAN=0x7FC0,
+        ELEMENT=tl.float32, FLOAT=tl.float32, SCALE_BITS=tl.int32,
+        ONE=0x3F800000, BLOCK=block(n),
+    )  # fmt: skip
+    assert torch.equal(out, torch.arange(n, dtype=torch.float32))
+
+
+def test_bfloat16_nan_as_the_device_writes_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A NaN product in bfloat16 is written as stock writes it where the kernel runs: c10's
+    0x7FC0 on the host (the interpreter's CPU tensors), CUDA's canonical 0x7FFF on devices of
+    capability 8.0 on (``__float2bfloat16``), c10's on older ones."""
+    x = torch.tensor([float("nan"), float("inf"), 1.0], dtype=torch.bfloat16)
+    out = torch.empty_like(x)
+    dropout.dropout_mul(x, SEED, 0.0, out, 0.0)  # NaN, inf times 0, 1 times 0
+    assert out.view(torch.int16).tolist() == [0x7FC0, 0x7FC0, 0]
+    cuda = types.SimpleNamespace(is_cuda=True, device=torch.device("cuda", 0))
+    for capability, bits in (((9, 0), 0x7FFF), ((8, 0), 0x7FFF), ((7, 5), 0x7FC0)):
+        dropout._converts_on_device.cache_clear()
+        monkeypatch.setattr(
+            torch.cuda, "get_device_capability", lambda index, capability=capability: capability
+        )
+        assert dropout._bfloat16_nan(cuda) == bits
+    dropout._converts_on_device.cache_clear()

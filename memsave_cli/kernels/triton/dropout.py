@@ -97,10 +97,22 @@ def _launch(x: Tensor | None, seed: int, p: float, out: Tensor, scale: float | N
     _dropout_kernel[grid(out.numel())](
         as_bits(out) if x is None else as_bits(x), as_bits(out), out.numel(),
         int(seed) & 0xFFFFFFFF, int(seed) >> 32, keep_count(p), _factor_bits(out.dtype, p, scale),
-        *walk, HAS_X=x is not None, BFLOAT=out.dtype == torch.bfloat16,
+        *walk, HAS_X=x is not None, BFLOAT=out.dtype == torch.bfloat16, NAN=_bfloat16_nan(out),
         ELEMENT=_FLOAT_BITS.get(out.dtype, tl.float32), FLOAT=_FLOAT_BITS[math],
         SCALE_BITS=_TL_INT[math.itemsize], ONE=one_bits(out.dtype), BLOCK=block(out.numel()),
     )  # fmt: skip
+
+
+def _bfloat16_nan(out: Tensor) -> int:
+    """The bits of the NaN stock writes for a bfloat16 product that is NaN: CUDA's conversion
+    on devices of capability 8.0 on (``__float2bfloat16``, PTX ``cvt.rn.bf16.f32``) writes the
+    canonical NaN 0x7FFF, c10's rounding elsewhere (the host's, older devices') 0x7FC0."""
+    return 0x7FFF if out.is_cuda and _converts_on_device(out.device.index) else 0x7FC0
+
+
+@functools.cache
+def _converts_on_device(index: int | None) -> bool:
+    return torch.cuda.get_device_capability(index) >= (8, 0)
 
 
 @functools.cache
@@ -159,7 +171,8 @@ def _collapse(shape: Sequence[int], *strides: Sequence[int]) -> tuple[list[int],
 def _dropout_kernel(
     x_ptr, out_ptr, n, seed_lo, seed_hi, keep, scale_bits,
     size1, size2, size3, xs0, xs1, xs2, xs3, os0, os1, os2, os3, RANK: tl.constexpr,
-    HAS_X: tl.constexpr, BFLOAT: tl.constexpr, ELEMENT: tl.constexpr, FLOAT: tl.constexpr,
+    HAS_X: tl.constexpr, BFLOAT: tl.constexpr, NAN: tl.constexpr, ELEMENT: tl.constexpr,
+    FLOAT: tl.constexpr,
     SCALE_BITS: tl.constexpr, ONE: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
     # Logical (row-major) indices, four per philox counter: a (BLOCK // 4, 4) tile.
@@ -196,12 +209,14 @@ def _dropout_kernel(
         out_offset = (index % size3) * os3
         x_offset += (index // size3 % size2) * xs2
         out_offset += (index // size3 % size2) * os2
+    # Products of sizes in 64 bits: two sizes below 2**31 each may multiply past it.
+    inner2 = tl.cast(size3, tl.int64) * size2
     if RANK >= 3:
-        x_offset += (index // (size3 * size2) % size1) * xs1
-        out_offset += (index // (size3 * size2) % size1) * os1
+        x_offset += (index // inner2 % size1) * xs1
+        out_offset += (index // inner2 % size1) * os1
     if RANK >= 4:
-        x_offset += (index // (size3 * size2 * size1)) * xs0
-        out_offset += (index // (size3 * size2 * size1)) * os0
+        x_offset += (index // (inner2 * size1)) * xs0
+        out_offset += (index // (inner2 * size1)) * os0
     if HAS_X:
         bits = tl.load(x_ptr + x_offset, mask=inside, other=0)
     else:
@@ -209,12 +224,13 @@ def _dropout_kernel(
     scale = scale_bits.to(tl.int64).to(SCALE_BITS).to(FLOAT, bitcast=True)
     noise = tl.where(kept, scale, 0.0).to(FLOAT)
     if BFLOAT:
-        # bfloat16 through float32 (exact), rounded back to nearest even, NaN as c10 writes it.
+        # bfloat16 through float32 (exact), rounded back to nearest even, NaN as stock writes
+        # it on this device (``_bfloat16_nan``).
         x = (bits.to(tl.int32) << 16).to(tl.float32, bitcast=True)
         y = (x * noise).to(tl.uint32, bitcast=True)
         rounded = (y + 0x7FFF + ((y >> 16) & 1)) >> 16
         nan = (y & 0x7FFFFFFF) > 0x7F800000
-        result = tl.where(nan, 0x7FC0, rounded).to(tl.uint16).to(tl.int16, bitcast=True)
+        result = tl.where(nan, NAN, rounded).to(tl.uint16).to(tl.int16, bitcast=True)
     else:
         # One multiply in the math type (exact for two half operands), rounded to the element
         # type to nearest even, as ATen converts.
