@@ -14,6 +14,12 @@ stock ReLUs a block's output is kept by its ReLU, with memsave's by the next con
 convolution would seem to keep more. A storage that two modules save is marked ``shared``. What
 is saved during backward (a reentrant checkpoint's recomputation) is not counted: it lives
 inside backward (``SavedTensorRecorder.stop``).
+
+NOTE [changed since saved]: autograd checks a saved tensor's version counter when backward
+unpacks it, and refuses one changed in place since it was saved ("modified by an inplace
+operation"), but only where no saved-tensor hooks are installed. Under the recorder's, a step
+stock PyTorch refuses ran to its end on changed values and was measured as ``ok``. So the pack
+hook keeps each tensor's version with it, and unpacking refuses a changed one as autograd does.
 """
 
 from __future__ import annotations
@@ -75,7 +81,7 @@ class SavedTensorRecorder:
         self._given: list[dict[int, int | None]] = []
         self._params: WeakIdKeyDictionary = WeakIdKeyDictionary()
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, _unchanged)
 
     @property
     def total_bytes(self) -> int:
@@ -178,14 +184,14 @@ class SavedTensorRecorder:
                 record = self.records[position]
                 record.producer, record.producer_type = entry
 
-    def _pack(self, tensor: Tensor) -> Tensor:
-        """Record ``tensor``'s storage; hand autograd an alias of it. The tensor itself would
-        close a cycle where a node saves its own output (the output holds the node, the node
-        what the hook returned), which keeps a graph no backward runs (a metric computed and
-        detached) alive, and counted, for good."""
+    def _pack(self, tensor: Tensor) -> tuple[Tensor, int | None]:
+        """Record ``tensor``'s storage; hand autograd an alias of it and its version (NOTE
+        [changed since saved]). The tensor itself would close a cycle where a node saves its own
+        output (the output holds the node, the node what the hook returned), which keeps a
+        graph no backward runs (a metric computed and detached) alive, and counted, for good."""
         if self.recording:
             self._record(tensor)
-        return tensor.detach()
+        return tensor.detach(), _version(tensor)
 
     def _record(self, tensor: Tensor) -> None:
         key = _storage_key(tensor)
@@ -209,6 +215,20 @@ class SavedTensorRecorder:
             self.records.append(record)
         elif self.records[position].module != saver[0]:
             self.records[position].shared = True
+
+
+def _unchanged(packed: tuple[Tensor, int | None]) -> Tensor:
+    """The saved alias, refused as autograd refuses it when changed in place since it was saved
+    (NOTE [changed since saved]); the alias shares the tensor's version counter."""
+    tensor, version = packed
+    if version is not None and tensor._version != version:
+        raise RuntimeError(
+            "one of the variables needed for gradient computation has been modified by an "
+            f"inplace operation: [{tensor.dtype} {list(tensor.shape)}] is at version "
+            f"{tensor._version}; expected version {version} instead (autograd's own check, "
+            "repeated under the measurement's hooks)"
+        )
+    return tensor
 
 
 def _version(tensor: Tensor) -> int | None:

@@ -3,6 +3,7 @@ compare like with like (NOTE [counting saved tensors] in memsave_cli/saved.py)."
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
@@ -112,3 +113,32 @@ def test_a_tensor_no_module_made_goes_to_its_saver_not_to_a_layer_handing_it_on(
     with SavedTensorRecorder(model) as recorder:
         model(x).sum().backward()
     assert {row.name: row.saved_bytes for row in layer_rows(recorder)} == {"linear": 3 * 8 * 4}
+
+
+class _ChangesWhatItKept(nn.Module):
+    """Sigmoid keeps its output, which the forward then doubles in place: stock's backward
+    refuses that."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.sigmoid(self.linear(x)).mul_(2)
+
+
+@pytest.mark.parametrize("device", ["cpu", "meta"])
+def test_a_tensor_changed_since_saved_is_refused_as_autograd_refuses_it(device: str) -> None:
+    """Saved-tensor hooks switch off autograd's version check: under the recorder a step PyTorch
+    refuses ran on changed values and was measured (NOTE [changed since saved])."""
+    model = _ChangesWhatItKept().to(device)
+    x = torch.ones(2, 8, device=device)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        model(x).sum().backward()
+    with SavedTensorRecorder(model) as recorder:
+        loss = model(x).sum()
+    with pytest.raises(RuntimeError, match=r"modified by an inplace operation: \[torch.float32"):
+        loss.backward()
+    assert recorder.activation_bytes > 0
+    with SavedTensorRecorder(model):  # unchanged tensors unpack as they were
+        torch.sigmoid(model.linear(x)).sum().backward()
