@@ -114,6 +114,7 @@ def profile(
             input_shape=shape,
             plan_model=plan_model,
             dtype=dtype,
+            bn_eval=bn_eval,
         )
         fed = fed_inputs(plan_model.model, inputs, spec.text)
         for case in selected:

@@ -27,7 +27,7 @@ from memsave_cli.loss import loss_of
 from memsave_cli.meta_as_cuda import counted_as_on_cuda
 from memsave_cli.plan_model import PlanModel
 from memsave_cli.specs import ModelSpec, companion_inputs
-from memsave_cli.step import DTYPES
+from memsave_cli.step import DTYPES, training_mode
 
 
 class ForwardError(SpecError):
@@ -47,10 +47,12 @@ def check_plan(
     input_shape: Sequence[int] | None = None,
     plan_model: PlanModel | None = None,
     dtype: str = "float32",
+    bn_eval: bool = False,
 ) -> list[str]:
     """Raise CaseError or SpecError for what would fail every run of ``spec`` alike; the model is
     ``plan_model``'s when the caller's other checks share it. The forward runs in ``dtype`` (the
-    runs' ``--dtype``): some kernels take half precision only (grouped experts' ``grouped_mm``).
+    runs' ``--dtype``): some kernels take half precision only (grouped experts' ``grouped_mm``),
+    and in the runs' mode (``bn_eval``: batch norm in eval mode, which takes one sample).
     Returns the report's notes on what the forward showed (NOTE [idle parts])."""
     plan_model = plan_model or PlanModel(spec)
     model = plan_model.model
@@ -75,6 +77,7 @@ def check_plan(
     check_inputs(model, spec, example)
     # A forward may change the model the other checks share.
     forward_copy = plan_model.copy().to(DTYPES[dtype])
+    training_mode(forward_copy, bn_eval)
     return check_forward(forward_copy, spec, example, input_shape is not None, dtype)
 
 

@@ -42,6 +42,15 @@ class Prepared:
     autocast: torch.dtype | None = None
 
 
+def training_mode(model: nn.Module, bn_eval: bool) -> None:
+    """The mode of a measured step: training, batch norm in eval mode with ``bn_eval``."""
+    model.train()
+    if bn_eval:
+        for module in model.modules():
+            if isinstance(module, nn.modules.batchnorm._BatchNorm):
+                module.eval()
+
+
 def prepare(job: Job, model: nn.Module | None = None, world: fsdp.World | None = None) -> Prepared:
     """Build the model on the job's device in its dtype (or take ``model``), convert it,
     checkpoint the modules the job names, set modes and case, shard it over ``world``'s ranks,
@@ -59,11 +68,7 @@ def prepare(job: Job, model: nn.Module | None = None, world: fsdp.World | None =
     model = convert_impl(model, job.impl)
     if job.checkpoint:  # after the swaps, which would drop a wrapped forward
         enable_checkpointing(model, job.checkpoint)
-    model.train()
-    if job.bn_eval:
-        for module in model.modules():
-            if isinstance(module, nn.modules.batchnorm._BatchNorm):
-                module.eval()
+    training_mode(model, job.bn_eval)
     apply_case(model, job.case)
     pin_dropout_draws(model)  # NOTE [the same network in both runs]
     if world is not None:

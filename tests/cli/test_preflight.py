@@ -393,3 +393,18 @@ def test_a_model_needing_images_besides_tokens_is_told_how_to_feed_them(
         "its forward also reads pixel_values, which memsave does not make for this model: build "
         "it in a callable spec whose <callable>_inputs(batch_size) companion gives them"
     )
+
+
+def test_the_forward_runs_in_the_runs_mode() -> None:
+    """With --bn-eval the runs put batch norm in eval mode, where one sample is enough; the
+    preflight's forward ran it in training mode and refused batch size 1 (and fit searched from
+    2) although every run works."""
+    from memsave_cli.cases import resolve_case
+    from memsave_cli.preflight import ForwardError, check_plan
+    from memsave_cli.specs import parse_spec
+
+    plan = {"batch_size": 1, "input_shape": (3, 32, 32)}
+    spec, cases = parse_spec("torchvision:resnet18"), [resolve_case("input")]
+    with pytest.raises(ForwardError, match="Expected more than 1 value per channel"):
+        check_plan(spec, cases, **plan)
+    assert check_plan(spec, cases, bn_eval=True, **plan) == []
