@@ -21,6 +21,8 @@ from collections.abc import Iterator
 import torch
 import torch.nn.functional as F
 
+from memsave_cli.layers._autocast import autocast_dtype, autocast_on, emulated_cast
+
 #: ``auto`` picks as CUDA does; the others force one kernel.
 ATTENTION_KERNELS = ("auto", "math", "flash", "efficient")
 FLASH_DTYPES = (torch.float16, torch.bfloat16)
@@ -49,7 +51,7 @@ def attention_kernels(device: str, kernel: str = "auto") -> Iterator[AttentionLo
     original = F.scaled_dot_product_attention
 
     def attention(*args, **kwargs):
-        call = _sdpa_call(*args, **kwargs)
+        call = _autocast(_sdpa_call(*args, **kwargs))
         chosen = kernel if kernel != "auto" else cuda_kernel(call)
         if chosen in _FITS and not (_dense_4d(call) and _FITS[chosen](call)):
             raise RuntimeError(
@@ -58,7 +60,7 @@ def attention_kernels(device: str, kernel: str = "auto") -> Iterator[AttentionLo
             )
         log[chosen] += 1
         if chosen == "math" or call["query"].device.type != "meta":
-            return original(*args, **kwargs)
+            return original(**call)
         return _FUSED[chosen](call)
 
     F.scaled_dot_product_attention = attention
@@ -96,6 +98,23 @@ def _sdpa_call(
 ) -> dict:
     """The arguments of one ``scaled_dot_product_attention`` call, by name."""
     return dict(locals())
+
+
+def _autocast(call: dict) -> dict:
+    """The call as CUDA's autocast hands it to the kernel choice: where meta stands for cuda
+    and autocast is on (NOTE [autocast on meta]), query, key, value and a floating mask in the
+    autocast dtype (attention is on its lower-precision list), as a GPU chooses among kernels
+    for the cast tensors. Chosen on float32 ones, a grouped-query LLaMA under bfloat16 autocast
+    was counted with math attention's (B, H, L, S) weights where a GPU runs flash."""
+    if call["query"].device.type != "meta" or not autocast_on("meta"):
+        return call
+    dtype, cache = autocast_dtype("meta"), torch.is_autocast_cache_enabled()
+    cast = {}
+    for name in ("query", "key", "value", "attn_mask"):
+        t = call[name]
+        if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != torch.float64:
+            cast[name] = t if t.dtype == dtype else emulated_cast(t, dtype, cache)
+    return call | cast
 
 
 def cuda_kernel(call: dict) -> str:

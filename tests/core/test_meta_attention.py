@@ -158,3 +158,30 @@ def test_unaligned_bias_is_padded_as_the_kernel_reads_it() -> None:
         F.scaled_dot_product_attention(q, k, v, attn_mask=bias).sum().backward()
     assert 2 * 4 * 10 * 16 * 4 in sizes  # rows of 10 stored in rows of 16
     assert bias.grad is not None and bias.grad.shape == bias.shape
+
+
+@pytest.mark.parametrize("kernel", ["auto", "flash"])
+def test_chosen_for_what_autocast_hands_the_kernel(kernel: str) -> None:
+    """Under CUDA's autocast, attention runs on query, key and value cast to the autocast dtype,
+    and a GPU chooses its kernel for those: grouped-query float32 tensors under bfloat16
+    autocast run flash, which was counted as math (and a forced flash refused)."""
+    from memsave_cli.meta_autocast import autocast_as_on_cuda, step_autocast
+
+    q, k, v = _qkv(F32, kv_heads=2)
+    saved: list[tuple] = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        saved.append((tuple(t.shape), t.dtype))
+        return t
+
+    with (
+        autocast_as_on_cuda("meta", BF16),
+        attention_kernels("meta", kernel) as log,
+        torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t),
+        step_autocast("meta", BF16),
+    ):
+        out = F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+    assert str(log) == "flash" and out.dtype == BF16
+    assert saved.count(((2, 4, 16, 64), BF16)) == 2  # query and output
+    assert saved.count(((2, 2, 16, 64), BF16)) == 2  # key and value, cast and not repeated
+    assert not any(shape[-2:] == (16, 16) for shape, _ in saved)  # no attention matrix
