@@ -131,6 +131,10 @@ def measure_stack(
     x = _input(shape, device)
     if compiled:
         backend = "aot_eager_decomp_partition" if device == "meta" else "inductor"
+        # Each cell is a recompilation of ``Sequential.forward`` (another depth, other
+        # parameters requiring gradients): past Dynamo's limit of 8 the rest ran uncompiled,
+        # under a table saying torch.compile. Each cell now compiles from a clean state.
+        torch._dynamo.reset()
         return kept_after_forward(torch.compile(model, backend=backend), model, x)
     return forward_peak(model, x)
 

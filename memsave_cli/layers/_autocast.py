@@ -37,8 +37,9 @@ def autocast_on(device_type: str) -> bool:
     """Whether autocast is enabled for tensors of ``device_type`` (False for types autocast
     does not know, such as ``meta``, unless a measurement lets meta stand for cuda)."""
     if torch.compiler.is_compiling():
-        # Traced code runs on devices autocast knows, and torch 2.11 cannot trace the query.
-        return torch.is_autocast_enabled(device_type)
+        # Traced code runs on devices autocast knows, and torch 2.11 cannot trace the query;
+        # but meta, which autocast does not know, may be traced (``memsave probe --compile``).
+        return device_type != "meta" and torch.is_autocast_enabled(device_type)
     kind = autocast_type(device_type)
     return _autocast_exists(kind) and torch.is_autocast_enabled(kind)
 

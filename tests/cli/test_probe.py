@@ -70,6 +70,7 @@ def test_memsave_keeps_only_layer_4_input(layer, mode):
 def test_compiled_conv2d_keeps_what_the_partitioner_saves():
     result = probe("conv2d", depths=(2, 5), compiled=True)
     assert result.metric == "kept_after_forward"
+    assert not result.errors  # memsave's convolution asked autocast about meta while traced
     assert result.curves["only4"] == result.curves["from4"]  # compiled stock: same finding
     params = 5 * CONV2D_WEIGHT
     # Kept after forward with nothing trainable: the input and the output.
@@ -163,3 +164,14 @@ def test_probe_where_every_cell_fails_exits_2(runner, monkeypatch):
     result = runner.invoke(app, ["probe", "conv1d", "--depth", "2"])
     assert result.exit_code == 2, result.output
     assert "all failed: RuntimeError: kernel exploded" in result.output
+
+
+def test_every_compiled_cell_is_compiled():
+    """Every cell recompiles ``Sequential.forward``; past Dynamo's recompile limit (8) the rest
+    ran uncompiled under a title saying torch.compile. Ten cells: ten graphs."""
+    from torch._dynamo.utils import counters
+
+    counters.clear()
+    result = probe("linear", depths=(1, 2), compiled=True, batch_size=2)
+    assert not result.errors
+    assert counters["stats"]["unique_graphs"] == 2 * len(result.curves)
