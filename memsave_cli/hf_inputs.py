@@ -132,6 +132,11 @@ def hf_kwargs(
     if kind == "audio":
         return _audio(model, params, make, batch, shape)
     table = _input_embeddings(model)
+    if shape is not None and len(shape) != 1:
+        raise SpecError(
+            f"a language model's --input-shape is one sequence length (128, say), got "
+            f"{','.join(map(str, shape))}"
+        )
     length = shape[0] if shape else min(SEQUENCE_LENGTH, _max_positions(model.config))
     _check_positions(model, length)
     kwargs: dict[str, Any] = {}

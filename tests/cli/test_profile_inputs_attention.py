@@ -132,3 +132,21 @@ def test_model_of_two_towers_is_fed_pairs(runner, tiny_clip_dir: Path):
     text = " ".join(result.output.split())
     assert "Inputs: token ids and pixel values for its two towers" in text
     assert "do not call" not in text  # both towers ran
+
+
+def test_a_language_models_shape_is_one_length(runner, no_workers, tiny_llama_dir: Path):
+    """An image shape given to a language model was read as 3 tokens, the rest dropped."""
+    args = [
+        "profile",
+        f"hf:{tiny_llama_dir}",
+        *SMALL,
+        "--case",
+        "all",
+        "--input-shape",
+        "3,224,224",
+    ]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 2, result.output
+    assert result.output.strip() == (
+        "error: a language model's --input-shape is one sequence length (128, say), got 3,224,224"
+    )
