@@ -14,12 +14,13 @@ _SETTING_HEADINGS = {"input": "input grad", "weights": "weight grad", "both": "b
 
 _FOOTNOTE = (
     "input grad: weights frozen, input differentiable (memsave's case); weight grad: input not "
-    "differentiable. * no drop-in: the stock layer is already optimal. Measured on meta, as on "
-    "cpu (cuda's stock dropout keeps a 1-byte mask instead)."
+    "differentiable; both: both differentiable (full fine-tuning). * no drop-in: the stock layer "
+    "is already optimal. Measured on meta, as on cpu: on cuda stock dropout keeps a 1-byte mask "
+    "instead, and stock RMSNorm (torch.rms_norm, fused) keeps what memsave's does."
 )
 
-#: Settings shown as columns; ``both`` is in the JSON (memsave saves as stock does there).
-_SHOWN = ("input", "weights")
+#: Settings shown as columns: all of them (norms and gated MLPs save with both differentiable).
+_SHOWN = tuple(name for name, _, _ in SETTINGS)
 
 
 def layers_table(rows: list[LayerRow], dtype: str) -> Group:
@@ -35,7 +36,7 @@ def layers_table(rows: list[LayerRow], dtype: str) -> Group:
         kept = row.memsave["input"].kept if row.memsave["input"] else "-"
         layer = row.layer if row.converted else f"{row.layer} *"
         table.add_row(layer, row.mode, *cells, kept)
-    title = Text(f"Saved for backward per input element, {dtype} bytes: PyTorch -> memsave")
+    title = Text(f"Bytes saved for backward per input element ({dtype} inputs): PyTorch -> memsave")
     return Group(title, table, Text(_FOOTNOTE, style="dim"))
 
 

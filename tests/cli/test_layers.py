@@ -91,6 +91,9 @@ def test_layers_command(runner, tmp_path):
     assert result.exit_code == 0, result.output
     assert "PyTorch -> memsave" in result.output
     assert "Linear *" in result.output and "already optimal" in result.output
+    # Norms save with input and weights both differentiable: that column is shown too.
+    rmsnorm = next(line for line in result.output.splitlines() if line.startswith("│ RMSNorm "))
+    assert "8.25 -> 4.25" in rmsnorm and "both" in result.output
     data = json.loads(path.read_text())
     linear = next(entry for entry in data if entry["layer"] == "Linear")
     assert linear["settings"]["input"]["stock"]["per_element"] == 0
