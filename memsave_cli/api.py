@@ -115,6 +115,8 @@ def profile(
             plan_model=plan_model,
             dtype=dtype,
             bn_eval=bn_eval,
+            attention=attention,
+            autocast=autocast,
         )
         fed = fed_inputs(plan_model.model, inputs, spec.text)
         for case in selected:

@@ -183,7 +183,14 @@ def fit(
         notes.extend(checkpoint_notes(plan_model.model, checkpoint))  # raises: selects nothing
         chosen = select_cases(plan_model, cases, notes, None)
         # before any run; notes on parts the inputs do not call (NOTE [idle parts])
-        plan = {"input_shape": shape, "plan_model": plan_model, "dtype": dtype, "bn_eval": bn_eval}
+        plan = {
+            "input_shape": shape,
+            "plan_model": plan_model,
+            "dtype": dtype,
+            "bn_eval": bn_eval,
+            "attention": attention,
+            "autocast": autocast,
+        }
         first = _first_batch(notes, spec, chosen, max_batch_size, **plan)
         fed = fed_inputs(plan_model.model, inputs, spec.text)
         jobs = {(c, i): Job(spec, c, i, device, **settings) for c in chosen for i in impls}

@@ -28,6 +28,8 @@ ATTENTION_KERNELS = ("auto", "math", "flash", "efficient")
 FLASH_DTYPES = (torch.float16, torch.bfloat16)
 EFFICIENT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 FLASH_MAX_HEAD_DIM = 256
+#: How the refusal of a forced kernel begins (the preflight makes it one line).
+KERNEL_REFUSED = "attention kernel"
 #: The efficient kernel reads its bias in rows of 16 elements, padding a mask that is not aligned.
 BIAS_ALIGNMENT = 16
 
@@ -55,7 +57,7 @@ def attention_kernels(device: str, kernel: str = "auto") -> Iterator[AttentionLo
         chosen = kernel if kernel != "auto" else cuda_kernel(call)
         if chosen in _FITS and not (_dense_4d(call) and _FITS[chosen](call)):
             raise RuntimeError(
-                f"attention kernel '{chosen}' cannot run this call (CUDA would refuse it: "
+                f"{KERNEL_REFUSED} '{chosen}' cannot run this call (CUDA would refuse it: "
                 f"{_describe(call)}); use --attention auto or math"
             )
         log[chosen] += 1

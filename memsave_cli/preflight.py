@@ -25,6 +25,9 @@ from memsave_cli.idle_parts import calls_recorded, idle_note, idle_parts
 from memsave_cli.inputs import CompanionRaised, Example, make_example
 from memsave_cli.loss import loss_of
 from memsave_cli.meta_as_cuda import counted_as_on_cuda
+from memsave_cli.meta_attention import KERNEL_REFUSED, attention_kernels
+from memsave_cli.meta_autocast import DTYPES as AUTOCAST_DTYPES
+from memsave_cli.meta_autocast import step_autocast
 from memsave_cli.plan_model import PlanModel
 from memsave_cli.specs import ModelSpec, companion_inputs
 from memsave_cli.step import DTYPES, training_mode
@@ -48,11 +51,14 @@ def check_plan(
     plan_model: PlanModel | None = None,
     dtype: str = "float32",
     bn_eval: bool = False,
+    attention: str = "auto",
+    autocast: str | None = None,
 ) -> list[str]:
     """Raise CaseError or SpecError for what would fail every run of ``spec`` alike; the model is
     ``plan_model``'s when the caller's other checks share it. The forward runs in ``dtype`` (the
     runs' ``--dtype``): some kernels take half precision only (grouped experts' ``grouped_mm``),
-    and in the runs' mode (``bn_eval``: batch norm in eval mode, which takes one sample).
+    and in the runs' mode (``bn_eval``: batch norm in eval mode, which takes one sample), with
+    the runs' attention kernel and autocast (a kernel CUDA refuses for the call is refused here).
     Returns the report's notes on what the forward showed (NOTE [idle parts])."""
     plan_model = plan_model or PlanModel(spec)
     model = plan_model.model
@@ -78,7 +84,8 @@ def check_plan(
     # A forward may change the model the other checks share.
     forward_copy = plan_model.copy().to(DTYPES[dtype])
     training_mode(forward_copy, bn_eval)
-    return check_forward(forward_copy, spec, example, input_shape is not None, dtype)
+    settings = (dtype, attention, AUTOCAST_DTYPES[autocast] if autocast else None)
+    return check_forward(forward_copy, spec, example, input_shape is not None, *settings)
 
 
 def check_inputs(model: nn.Module, spec: ModelSpec, example: Example) -> None:
@@ -115,7 +122,13 @@ _DTYPE_WORDS = re.compile(r"float|half|dtype", re.IGNORECASE)
 
 
 def check_forward(
-    model: nn.Module, spec: ModelSpec, example: Example, shape_given: bool, dtype_name: str
+    model: nn.Module,
+    spec: ModelSpec,
+    example: Example,
+    shape_given: bool,
+    dtype_name: str,
+    attention: str = "auto",
+    autocast: torch.dtype | None = None,
 ) -> list[str]:
     """Raise SpecError when the stock forward fails on meta with the inputs made for it, for a
     reason real data would not change (a shape or channel mismatch, say), or when its output
@@ -127,7 +140,9 @@ def check_forward(
         with (
             torch.no_grad(),
             torch.device("meta"),
-            counted_as_on_cuda("meta"),
+            counted_as_on_cuda("meta", autocast),
+            attention_kernels("meta", attention),
+            step_autocast("meta", autocast),
             calls_recorded(called),
         ):
             output = model(*example.args, **example.kwargs)
@@ -135,6 +150,8 @@ def check_forward(
         # AssertionError: model code checks input sizes with assert (timm's window sizes).
         if any(word in str(error).lower() for word in _META_ONLY):
             return []
+        if str(error).startswith(KERNEL_REFUSED):
+            raise SpecError(f"{spec.text}: {error}") from None
         given = ", ".join(_describe(t) for t in (*example.args, *example.kwargs.values()))
         if _DTYPE_WORDS.search(str(error)):
             hint = f"the model may need another --dtype than {dtype_name}"

@@ -150,3 +150,22 @@ def test_a_language_models_shape_is_one_length(runner, no_workers, tiny_llama_di
     assert result.output.strip() == (
         "error: a language model's --input-shape is one sequence length (128, say), got 3,224,224"
     )
+
+
+def test_a_kernel_cuda_refuses_is_one_line_before_any_worker(
+    runner, no_workers, tiny_llama_dir: Path
+):
+    """Flash attention takes half precision only: forced on a float32 model, every worker
+    failed alike; under bfloat16 autocast, which casts query, key and value, it runs."""
+    args = ["profile", f"hf:{tiny_llama_dir}", *SMALL, "--case", "all", "--attention", "flash"]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 2, result.output
+    (line,) = result.output.strip().splitlines()
+    assert "attention kernel 'flash' cannot run this call" in line
+    assert "torch.float32" in line and line.endswith("use --attention auto or math")
+    from memsave_cli.cases import resolve_case
+    from memsave_cli.preflight import check_plan
+    from memsave_cli.specs import parse_spec
+
+    spec, cases = parse_spec(f"hf:{tiny_llama_dir}"), [resolve_case("all")]
+    check_plan(spec, cases, batch_size=2, attention="flash", autocast="bfloat16")
