@@ -210,6 +210,10 @@ def select_cases(
     for case in cases:
         if not isinstance(case, str | Case):
             raise MemsaveError(f"a case is a name such as 'all' or a Case, got {case!r}")
+    if lora is not None and not isinstance(lora, LoraSettings):
+        raise MemsaveError(
+            f"lora is a LoraSettings (memsave_cli.lora.lora_settings(...)), got {lora!r}"
+        )
     resolved = [case if isinstance(case, Case) else _resolve(case, lora) for case in cases]
     if not resolved:
         raise MemsaveError("no case to measure: give at least one")

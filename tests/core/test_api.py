@@ -185,6 +185,8 @@ def test_explicit_meta_reports_why_it_cannot_run() -> None:
         ({"repeat": None}, MemsaveError, "repeat must be a whole number, .* got None"),
         ({"repeat": -1}, MemsaveError, "repeat must be a whole number, .* or more, got -1"),
         ({"cases": None}, MemsaveError, "a case is a name such as 'all' or a Case, got None"),
+        ({"cases": ("lora",), "lora": {"rank": 4}}, MemsaveError, "lora is a LoraSettings"),
+        ({"cases": ("input",), "lora": "x"}, MemsaveError, "lora is a LoraSettings .* got 'x'"),
         ({"model_kwargs": 5}, SpecError, "model kwargs are a mapping or 'key=value' strings"),
         ({"fsdp": 2**21}, MemsaveError, "--fsdp takes at most 1048576 ranks"),
         ({"impls": ()}, MemsaveError, "no implementation to measure: give stock, memsave"),
