@@ -53,6 +53,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import Tensor, nn
@@ -61,6 +62,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from memsave_cli.cases import apply_case, resolve_case
 from memsave_cli.layers import convert
+from memsave_cli.report import write_atomic
 from memsave_cli.timing import alternate as alternate_steps
 from memsave_cli.timing import median_iqr, round_ratios
 
@@ -251,9 +253,15 @@ def _row(event, self_us: float) -> tuple[str, int, float]:
 
 
 def profile_target(
-    make: Callable[[str], Step], impls: list[str], args: argparse.Namespace, label: str
+    make: Callable[[str], Step],
+    impls: list[str],
+    args: argparse.Namespace,
+    label: str,
+    keep: Callable[[dict[str, dict]], None] = lambda rows: None,
 ) -> dict[str, dict]:
-    """Every number of one model or layer, by implementation; a failure reported in its row."""
+    """Every number of one model or layer, by implementation; a failure reported in its row.
+    ``keep`` sees the rows after the timing and after each implementation's profile, so that a
+    run cut off by a lease's limit leaves what it had measured."""
     steps, rows = {}, {}
     for impl in impls:
         try:
@@ -264,6 +272,7 @@ def profile_target(
         rows.update(alternate(steps, args.rounds))
     except Exception as error:
         return {impl: {"error": f"{type(error).__name__}: {error}"} for impl in impls}
+    keep(rows)
     for impl, step in steps.items():
         trace = None
         if args.trace:
@@ -274,6 +283,7 @@ def profile_target(
                 rows[impl]["python_top"] = python_top(step, args.python_profile)
         except Exception as error:
             rows[impl]["error"] = f"{type(error).__name__}: {error}"
+        keep(rows)
     return {impl: rows[impl] for impl in impls}
 
 
@@ -315,15 +325,21 @@ def main() -> None:
         targets = {
             label: lambda impl: model_step(args.model, args.case, args.batch, impl, args.compile)
         }
-    results = {}
+    results: dict[str, dict] = {}
+
+    def keep(label: str, rows: dict[str, dict]) -> None:
+        results.update({f"{label} / {impl}": row for impl, row in rows.items()})
+        if args.out:
+            write_atomic(Path(args.out), json.dumps(results, indent=1))
+
     for label, make in targets.items():
-        for impl, row in profile_target(make, impls, args, label).items():
-            results[f"{label} / {impl}"] = row
+        found = profile_target(
+            make, impls, args, label, lambda rows, label=label: keep(label, rows)
+        )
+        keep(label, found)
+        for impl, row in found.items():
             _print(label, impl, row)
         torch.cuda.empty_cache()
-    if args.out:
-        with open(args.out, "w") as handle:
-            json.dump(results, handle, indent=1)
 
 
 if __name__ == "__main__":

@@ -114,3 +114,30 @@ def test_the_trace_is_written_gzipped(tmp_path) -> None:
     with gzip.open(path) as handle:
         events = json.load(handle)["traceEvents"]
     assert any(event.get("name") == "aten::add_" for event in events)
+
+
+def test_rows_are_kept_as_they_are_measured(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The lease gives the profile 100 s: rows are handed on after the timing and after each
+    implementation's profile, so that a run cut off there leaves what it measured."""
+    monkeypatch.setattr(
+        cuda_step_profile, "alternate", lambda steps, rounds: {i: {"ratio": 1.0} for i in steps}
+    )
+
+    def profiled(step, trace):
+        if step() == "memsave":
+            raise KeyboardInterrupt  # the lease's limit, in the middle of the second profile
+        return {"device_ms": 1.0}
+
+    monkeypatch.setattr(cuda_step_profile, "profiled", profiled)
+    kept: list[dict] = []
+    args = type("Args", (), {"rounds": 3, "trace": None, "python_profile": 0})()
+    with pytest.raises(KeyboardInterrupt):
+        cuda_step_profile.profile_target(
+            lambda impl: lambda: impl,
+            ["stock", "memsave"],
+            args,
+            "model",
+            lambda rows: kept.append(json.loads(json.dumps(rows))),
+        )
+    assert kept[0] == {"stock": {"ratio": 1.0}, "memsave": {"ratio": 1.0}}
+    assert kept[-1]["stock"] == {"ratio": 1.0, "device_ms": 1.0}
