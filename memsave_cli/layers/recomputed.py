@@ -102,8 +102,9 @@ class _RandomState:
         )
 
 
-class _Drawing(Exception):
-    """Raised at an operator drawing random numbers, before it draws."""
+class _Drawing(BaseException):
+    """Raised at an operator drawing random numbers, before it draws (not an ``Exception``: a
+    forward catching those must not swallow it and run on as if nothing drew)."""
 
 
 class _StopAtDraws(TorchDispatchMode):

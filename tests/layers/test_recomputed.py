@@ -385,6 +385,18 @@ class NoisyWhenLarge(nn.Module):
         return nn.functional.dropout(y, 0.1, self.training) if x.numel() > 1000 else y
 
 
+class CatchingNoisyWhenLarge(nn.Module):
+    """As ``NoisyWhenLarge``, inside a ``try`` that falls back on errors: the check that stops
+    at a draw must not look like one of them."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        y = x * torch.sigmoid(x)
+        try:
+            return nn.functional.dropout(y, 0.1, self.training) if x.numel() > 1000 else y
+        except Exception:
+            return y
+
+
 class InPlaceWhenLarge(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         if x.numel() > 1000:
@@ -400,8 +412,8 @@ class TupleWhenLarge(nn.Module):
 
 @pytest.mark.parametrize(
     "make",
-    [NoisyWhenLarge, InPlaceWhenLarge],
-    ids=["random", "in-place"],
+    [NoisyWhenLarge, CatchingNoisyWhenLarge, InPlaceWhenLarge],
+    ids=["random", "random-caught", "in-place"],
 )
 def test_behaviour_the_probes_did_not_see(make) -> None:
     """Converted on the probes, these act otherwise on large inputs: the random one draws in
