@@ -76,10 +76,11 @@ def _unsaved(tensor: Tensor) -> Tensor:
     return tensor
 
 
-def _private_generator(device: torch.device, state: Tensor | None) -> torch.Generator | None:
-    """On the CPU, a generator of the replay's own at ``state``; None elsewhere (CUDA's fused
-    dropout draws from the device's generator only)."""
-    if state is None or device.type != "cpu":
+def _private_generator(x: Tensor, state: Tensor | None) -> torch.Generator | None:
+    """For a plain CPU tensor, a generator of the replay's own at ``state``; None elsewhere
+    (CUDA's fused dropout draws from the device's generator only, and a tensor subclass's
+    dropout, such as DTensor's, from its own)."""
+    if state is None or x.device.type != "cpu" or type(x) is not Tensor:
         return None
     generator = torch.Generator()
     generator.set_state(state)
@@ -131,7 +132,7 @@ class DroppedProjection(torch.autograd.Function):
         # identity hooks keep them out of any saved-tensor accounting of the outer step.
         hooks = torch.autograd.graph.saved_tensors_hooks(_unsaved, _unsaved)
         state = state[0] if state else None
-        generator = _private_generator(x.device, state)
+        generator = _private_generator(x, state)
         replayed = replayed_rng(x.device, None if generator else state)
         with hooks, replayed, torch.enable_grad():
             source = ctx.cast(x).detach().requires_grad_(needs_x)
