@@ -37,9 +37,11 @@ def comparison_table(report: Report) -> RenderableType:
         box=box.SIMPLE_HEAD,
         pad_edge=False,
     )
-    table.add_column("Case", no_wrap=True)
+    # Cells wrap (at their spaces) rather than lose their ends on a narrow console: a pipe or a
+    # CI log is 80 columns, where four cases cut off the spreads, the ? flags and the units.
+    table.add_column("Case")
     for case in cases:
-        table.add_column(case, justify="right", no_wrap=True)
+        table.add_column(case, justify="right")
     paired = bool(summary.paired_rounds(report))
     for metric, heading in SECTIONS:
         if not summary.has_metric(report, metric):
@@ -64,7 +66,8 @@ def comparison_table(report: Report) -> RenderableType:
 _PAIRED_CAPTION = (
     " Time: median of rounds alternating the implementations; its ratio is the median of "
     "ratios to PyTorch in the same case over pairs of rounds (one in each order), ± half their "
-    "interquartile range; ? marks a ratio whose spread exceeds its difference from 1."
+    "interquartile range; ? marks a ratio whose interquartile range (twice the ± shown) "
+    "exceeds its difference from 1."
 )
 
 

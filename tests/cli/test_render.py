@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import io
+import re
 from dataclasses import replace
 from fractions import Fraction
 
@@ -181,3 +182,19 @@ def test_a_change_reads_on_its_side_of_the_limit(fraction, limit, text):
 def test_a_saving_short_of_the_one_asked_for_does_not_read_as_it():
     assert format_against(Fraction(139999, 10**7), 0.014) == "1.39999%"
     assert format_against(Fraction(14, 1000), 0.014) == "1.4%"
+
+
+def test_a_narrow_console_wraps_cells_rather_than_cutting_them(make_run, make_report):
+    """At 80 columns (a pipe, a CI log) four timed cases cut off every spread and ? flag, and
+    the section headings' units; cells now wrap and keep them."""
+    runs = []
+    for case in ("all", "input", "norm", "surgical"):
+        runs.append(make_run(case, "stock", 100 * MIB, time_s=0.1, times_s=(0.1, 0.1, 0.1, 0.1)))
+        memsave_times = (0.09, 0.11, 0.1, 0.12)
+        runs.append(make_run(case, "memsave", 60 * MIB, time_s=0.1, times_s=memsave_times))
+    console = Console(width=80, record=True, file=io.StringIO(), color_system=None)
+    print_profile(console, make_report(tuple(runs), device="cpu"), top=0)
+    text = console.export_text()
+    assert "…" not in text
+    assert text.count("?)") == 4 and len(re.findall(r"±\d", text)) == 4
+    assert "[MiB]" in text and "[s]" in text
