@@ -136,15 +136,8 @@ def test_model_of_two_towers_is_fed_pairs(runner, tiny_clip_dir: Path):
 
 def test_a_language_models_shape_is_one_length(runner, no_workers, tiny_llama_dir: Path):
     """An image shape given to a language model was read as 3 tokens, the rest dropped."""
-    args = [
-        "profile",
-        f"hf:{tiny_llama_dir}",
-        *SMALL,
-        "--case",
-        "all",
-        "--input-shape",
-        "3,224,224",
-    ]
+    shape = ["--input-shape", "3,224,224"]
+    args = ["profile", f"hf:{tiny_llama_dir}", *SMALL, "--case", "all", *shape]
     result = runner.invoke(app, args)
     assert result.exit_code == 2, result.output
     assert result.output.strip() == (
