@@ -21,7 +21,8 @@ from collections.abc import Iterator
 import torch
 import torch.nn.functional as F
 
-from memsave_cli.layers._autocast import autocast_dtype, autocast_on, emulated_cast
+from memsave_cli.layers._autocast import autocast_dtype, autocast_on
+from memsave_cli.meta_autocast import cast_eligible
 
 #: ``auto`` picks as CUDA does; the others force one kernel.
 ATTENTION_KERNELS = ("auto", "math", "flash", "efficient")
@@ -110,13 +111,7 @@ def _autocast(call: dict) -> dict:
     was counted with math attention's (B, H, L, S) weights where a GPU runs flash."""
     if call["query"].device.type != "meta" or not autocast_on("meta"):
         return call
-    dtype, cache = autocast_dtype("meta"), torch.is_autocast_cache_enabled()
-    cast = {}
-    for name in ("query", "key", "value", "attn_mask"):
-        t = call[name]
-        if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != torch.float64:
-            cast[name] = t if t.dtype == dtype else emulated_cast(t, dtype, cache)
-    return call | cast
+    return cast_eligible(call, autocast_dtype("meta"), torch.is_autocast_cache_enabled())
 
 
 def cuda_kernel(call: dict) -> str:

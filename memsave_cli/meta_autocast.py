@@ -176,13 +176,13 @@ class _CudaAutocast(TorchFunctionMode):
         name = getattr(func, "__name__", "")
         if name in self._lower:
             dtype, cache = torch.get_autocast_dtype("cuda"), torch.is_autocast_cache_enabled()
-            return func(*_cast(args, dtype, cache), **_cast(kwargs, dtype, cache))
+            return func(*cast_eligible(args, dtype, cache), **cast_eligible(kwargs, dtype, cache))
         if name in self._float32:
-            return func(*_cast(args, torch.float32), **_cast(kwargs, torch.float32))
+            return func(*cast_eligible(args, torch.float32), **cast_eligible(kwargs, torch.float32))
         if name in self._unless_dtype:
             return func(*args, **_float32_unless_dtype(args, kwargs))
         if name in self._promote and (widest := _widest(args, kwargs)) is not None:
-            return func(*_cast(args, widest), **_cast(kwargs, widest))
+            return func(*cast_eligible(args, widest), **cast_eligible(kwargs, widest))
         if name in BANNED:
             raise RuntimeError(BANNED[name])
         if name == "cross_entropy_loss":
@@ -223,15 +223,15 @@ def _eligible(t: object) -> bool:
     )
 
 
-def _cast(value: Any, dtype: torch.dtype, cache: bool = False) -> Any:
+def cast_eligible(value: Any, dtype: torch.dtype, cache: bool = False) -> Any:
     """``value`` with its eligible tensors (also inside lists, tuples and dicts) cast to
     ``dtype``; with ``cache``, casts of trainable float32 leaves are kept for the region."""
     if _eligible(value):
         return value if value.dtype == dtype else emulated_cast(value, dtype, cache)
     if type(value) in (list, tuple):
-        return type(value)(_cast(item, dtype, cache) for item in value)
+        return type(value)(cast_eligible(item, dtype, cache) for item in value)
     if type(value) is dict:
-        return {key: _cast(item, dtype, cache) for key, item in value.items()}
+        return {key: cast_eligible(item, dtype, cache) for key, item in value.items()}
     return value
 
 
