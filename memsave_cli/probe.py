@@ -11,13 +11,15 @@ for layer 4's weight. Linear layers are already optimal in PyTorch.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 
 import torch
 from torch import Tensor, nn
 
+from memsave_cli.arguments import count, device_name
 from memsave_cli.errors import MemsaveError
+from memsave_cli.limits import MAX_BATCH_SIZE, MAX_DEPTH
 from memsave_cli.tracker import MemoryTracker, round_bytes
 
 #: The layer whose weights the selective scenarios train (1-based, as in the paper).
@@ -85,10 +87,10 @@ class ProbeResult:
 def probe(
     layer: str,
     *,
-    depths: Sequence[int] = tuple(range(1, 11)),
+    depths: Iterable[int] = tuple(range(1, 11)),
     mode: str = "train",
     compiled: bool = False,
-    device: str = "meta",
+    device: str | torch.device = "meta",
     batch_size: int | None = None,
     on_step: Callable[[str, int], None] | None = None,
 ) -> ProbeResult:
@@ -98,7 +100,7 @@ def probe(
     Compiled runs hide their allocations from a dispatch mode, so they report what stays live
     after the forward pass instead: parameters, input, output and the tensors saved for backward.
     """
-    spec = _check(layer, depths, mode, batch_size, device)
+    spec, depths, batch_size, device = _check(layer, depths, mode, batch_size, device)
     shape = spec.input_shape if batch_size is None else (batch_size, *spec.input_shape[1:])
     curves: dict[str, list[int | None]] = {key: [] for key in SCENARIOS}
     errors: dict[str, str] = {}
@@ -199,19 +201,28 @@ def _input(shape: Sequence[int], device: str) -> Tensor:
 
 
 def _check(
-    layer: str, depths: Sequence[int], mode: str, batch_size: int | None, device: str
-) -> ProbeLayer:
-    """The probe layer named ``layer``, after checking the other settings."""
+    layer: str, depths: Iterable[int], mode: str, batch_size: int | None, device: str
+) -> tuple[ProbeLayer, tuple[int, ...], int | None, str]:
+    """The probe layer named ``layer`` and the settings as probed (depths as a tuple, a
+    ``torch.device`` as its name), or one ProbeError before any cell runs."""
     if layer not in LAYERS:
         raise ProbeError(f"unknown probe layer {layer!r}: expected one of {', '.join(LAYERS)}")
-    if not depths or min(depths) < 1:
-        raise ProbeError(f"depths must be positive layer counts, got {list(depths)}")
     if mode not in ("train", "eval"):
         raise ProbeError(f"mode must be 'train' or 'eval', got {mode!r}")
-    if batch_size is not None and batch_size < 1:
-        raise ProbeError(f"batch size must be a positive integer, got {batch_size}")
+    try:
+        if isinstance(depths, str | bytes) or not isinstance(depths, Iterable):
+            raise ProbeError(
+                f"depths must be positive layer counts, e.g. (1, 2, 3), got {depths!r}"
+            )
+        depths = tuple(count(d, "each depth", most=MAX_DEPTH) for d in depths)
+        if not depths:
+            raise ProbeError("depths must be positive layer counts, e.g. (1, 2, 3), got none")
+        batch_size = count(batch_size, "batch size", optional=True, most=MAX_BATCH_SIZE)
+        device = device_name(device)
+    except MemsaveError as exc:
+        raise ProbeError(str(exc)) from None
     if device not in ("meta", "cpu", "cuda"):
         raise ProbeError(f"unknown device {device!r}: expected meta, cpu or cuda")
     if device == "cuda" and not torch.cuda.is_available():
         raise ProbeError("device cuda: no CUDA device is available; use --device meta or cpu")
-    return LAYERS[layer]
+    return LAYERS[layer], depths, batch_size, device

@@ -8,14 +8,13 @@ from typing import Annotated
 
 import typer
 
-from memsave_cli.cli._console import check_writable, human_console, write_around
+from memsave_cli.cli._console import STDOUT, check_writable, human_console, write_around
 from memsave_cli.cli._errors import USAGE_EXIT, reported_errors
 from memsave_cli.cli._help import DEBUG_HELP, examples
 from memsave_cli.cli._progress import progress_bar
-from memsave_cli.limits import MAX_BATCH_SIZE
+from memsave_cli.errors import MemsaveError
+from memsave_cli.limits import MAX_BATCH_SIZE, MAX_DEPTH
 
-#: The largest --depth: a stack of every depth up to it is N(N + 1) / 2 layers (500: minutes).
-MAX_DEPTH = 500
 EPILOG = examples(
     "memsave probe conv2d --plot conv2d.png",
     "memsave probe bn2d --mode eval --depth 8",
@@ -90,9 +89,14 @@ def probe(
     weight needs one; memsave keeps just that one.
     """
     with reported_errors(ctx, debug):
+        if plot == STDOUT:
+            raise MemsaveError("--plot -: a PNG does not go to stdout; give a file, e.g. probe.png")
         check_writable(json=json_path, plot=plot)
         from memsave_cli import probe as core
-        from memsave_cli.render.probe import plot_probe, probe_table
+        from memsave_cli.render.probe import plot_probe, probe_table, pyplot
+
+        if plot is not None:
+            pyplot()  # matplotlib missing: said now, before any cell runs
 
         depths = tuple(range(1, depth + 1))
         with progress_bar(f"probing {layer.value}", depth * len(core.SCENARIOS)) as bar:

@@ -68,8 +68,9 @@ def probe_table(result: ProbeResult) -> Group:
     return Group(Text(title(result), style="italic"), table, Text(_CAPTION, style="dim"))
 
 
-def plot_probe(result: ProbeResult, path: Path) -> None:
-    """Draw memory against depth, one line per scenario, and write a PNG to ``path`` atomically."""
+def pyplot():
+    """matplotlib's pyplot, drawing off screen; PlotError where matplotlib is not installed.
+    The CLI calls it before probing, so a missing matplotlib costs no measurement."""
     try:
         import matplotlib
 
@@ -79,6 +80,12 @@ def plot_probe(result: ProbeResult, path: Path) -> None:
         raise PlotError(
             "plotting needs matplotlib: pip install 'memsave-cli[plot]' (or drop --plot)"
         ) from exc
+    return plt
+
+
+def plot_probe(result: ProbeResult, path: Path) -> None:
+    """Draw memory against depth, one line per scenario, and write a PNG to ``path`` atomically."""
+    plt = pyplot()
     figure, axes = plt.subplots(figsize=(6.4, 4.2), dpi=150)
     for key, values in result.curves.items():
         points = [

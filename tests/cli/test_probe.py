@@ -78,6 +78,12 @@ def test_compiled_conv2d_keeps_what_the_partitioner_saves():
     assert result.curves["all"][1] == (5 + 1) * T + params
 
 
+def test_probe_takes_a_torch_device_and_any_iterable_of_depths():
+    result = probe("linear", depths=iter([2, 1]), device=torch.device("meta"))
+    assert result.device == "meta" and result.depths == (2, 1)
+    assert result.curves["all"][1] < result.curves["all"][0]
+
+
 def test_batch_size_scales_the_input():
     result = probe("conv2d", depths=(1,), batch_size=2)
     assert result.input_shape == (2, 8, 256, 256)
@@ -88,9 +94,17 @@ def test_batch_size_scales_the_input():
     ("kwargs", "message"),
     [
         ({"layer": "conv4d"}, "unknown probe layer"),
-        ({"layer": "conv2d", "depths": (0, 1)}, "depths must be positive"),
+        ({"layer": "conv2d", "depths": (0, 1)}, "each depth must be a positive integer, got 0"),
+        ({"layer": "conv2d", "depths": (2.5,)}, "each depth must be a positive integer, got 2.5"),
+        ({"layer": "conv2d", "depths": (True,)}, "each depth must be a positive integer, got True"),
+        ({"layer": "conv2d", "depths": (501,)}, "each depth must be at most 500"),
+        ({"layer": "conv2d", "depths": "3"}, r"depths must be positive layer counts, e\.g\."),
+        ({"layer": "conv2d", "depths": ()}, "depths must be positive layer counts, e.g. .* none"),
         ({"layer": "conv2d", "mode": "test"}, "mode must be"),
         ({"layer": "conv2d", "batch_size": 0}, "batch size must be a positive integer"),
+        ({"layer": "conv2d", "batch_size": 2.0}, "batch size must be a positive integer, got 2.0"),
+        ({"layer": "conv2d", "batch_size": True}, "must be a positive integer, got True"),
+        ({"layer": "conv2d", "device": "cuda:1"}, "memsave measures on the current device"),
         ({"layer": "conv2d", "device": "tpu"}, "unknown device 'tpu'"),
     ],
 )
@@ -121,14 +135,24 @@ def test_probe_json_to_stdout_keeps_table_off_stdout(runner):
     assert json.loads(result.stdout)["layer"] == "linear"
 
 
-def test_probe_without_matplotlib(runner, tmp_path, monkeypatch):
+def test_probe_without_matplotlib_says_so_before_probing(runner, tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib", None)
+    probed = []
+    monkeypatch.setattr("memsave_cli.probe.probe", lambda *a, **k: probed.append(1))
     result = runner.invoke(
         app, ["probe", "linear", "--depth", "2", "--plot", str(tmp_path / "p.png")]
     )
     assert result.exit_code == 2, result.output
     assert "plotting needs matplotlib" in result.output
-    assert not (tmp_path / "p.png").exists()
+    assert not probed and not (tmp_path / "p.png").exists()
+
+
+def test_probe_refuses_a_plot_on_stdout(runner, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    result = runner.invoke(app, ["probe", "linear", "--depth", "2", "--plot", "-"])
+    assert result.exit_code == 2, result.output
+    assert "--plot -: a PNG does not go to stdout" in result.output
+    assert not (tmp_path / "-").exists()
 
 
 @pytest.mark.parametrize(
