@@ -118,7 +118,7 @@ def profile(
             attention=attention,
             autocast=autocast,
         )
-        fed = fed_inputs(plan_model.model, inputs, spec.text)
+        fed = fed_inputs(plan_model.model, inputs, spec.text, notes)
         for case in selected:
             check_job(Job(spec, case, impls[0], chosen, **settings))
         if "memsave" in impls:

@@ -192,7 +192,7 @@ def fit(
             "autocast": autocast,
         }
         first = _first_batch(notes, spec, chosen, max_batch_size, **plan)
-        fed = fed_inputs(plan_model.model, inputs, spec.text)
+        fed = fed_inputs(plan_model.model, inputs, spec.text, notes)
         jobs = {(c, i): Job(spec, c, i, device, **settings) for c in chosen for i in impls}
         for job in jobs.values():
             check_job(job)  # what depends on the case (tokens for a differentiated input)

@@ -46,19 +46,24 @@ def is_hf_model(model: nn.Module) -> bool:
     return transformers is not None and isinstance(model, transformers.PreTrainedModel)
 
 
-def fed_inputs(model: nn.Module, inputs: str, text: str) -> str:
+def fed_inputs(model: nn.Module, inputs: str, text: str, notes: list[str]) -> str:
     """What a report says ``model`` was fed: the ``inputs`` setting (``auto``, ``tokens``,
     ``embeds``) for a Hugging Face language model, what another Hugging Face model takes in every
-    case (``pixels``, ``audio``); SpecError where ``inputs`` asks for what the model is not fed:
-    tokens or embeddings there, tokens elsewhere (other models ignore ``embeds``, the paper's
-    setting for every model)."""
+    case (``pixels``, ``audio``), ``auto`` for any other model; SpecError where ``inputs`` asks
+    for what the model is not fed: tokens or embeddings there, tokens elsewhere. Other models
+    ignore ``embeds`` (the paper's setting for every model), which adds a line to ``notes``."""
     if not is_hf_model(model):
         if inputs == "tokens":
             raise SpecError(
                 f"--inputs tokens applies to Hugging Face language models; {text} takes the "
                 "inputs its family or companion gives: use --inputs auto"
             )
-        return inputs
+        if inputs == "embeds":
+            notes.append(
+                f"--inputs embeds had no effect: {text} is not a Hugging Face language model "
+                "and was fed the inputs its family or companion gives"
+            )
+        return "auto"
     kind = hf_inputs(model)
     if kind == "tokens":
         return inputs

@@ -75,7 +75,7 @@ def _in_this_process(model: ModelLike, case: Case, impl: str, chosen: Settings) 
         plan_model = PlanModel(spec, **shape, built=on_meta)
         checkpoint_targets(plan_model.model, chosen.checkpoint)  # raises: selects nothing
         notes = check_plan(spec, [case], **shape, plan_model=plan_model, dtype=job.dtype)
-        fed_inputs(plan_model.model, job.inputs, spec.text)  # raises: tokens for a vision model
+        fed_inputs(plan_model.model, job.inputs, spec.text, notes)  # raises: tokens for a CNN
         run = measure(job, built)
     warn_notes(spec.text, [*setting_notes, *notes])
     return run

@@ -117,6 +117,19 @@ def test_vision_model_refuses_language_inputs(runner, no_workers, tmp_path: Path
     assert len(result.output.strip().splitlines()) == 1
 
 
+def test_embeds_for_a_model_that_ignores_them_is_a_note_not_a_claim(runner, tmp_path: Path):
+    """A CNN takes images whatever --inputs says: the report records what it was fed."""
+    out = tmp_path / "report.json"
+    args = ["profile", "torchvision:resnet18", *SMALL, "--case", "input", "--impl", "stock"]
+    args += ["--input-shape", "3,32,32", "--inputs", "embeds", "--json", str(out)]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.output
+    shown = " ".join(result.output.split())
+    assert "Inputs:" not in shown and "embeddings" not in shown
+    assert "--inputs embeds had no effect: torchvision:resnet18 is not a Hugging Face" in shown
+    assert Report.load(out).inputs == "auto"
+
+
 def test_model_fed_neither_way_is_one_line_before_any_worker(
     runner, no_workers, tiny_time_series_dir: Path
 ):
