@@ -31,7 +31,7 @@ from memsave_cli.deadline import import_compiler
 from memsave_cli.errors import MemsaveError, NeedsRealDataError, one_line
 from memsave_cli.inputs import INPUTS
 from memsave_cli.meta_as_cuda import counted_as_on_cuda
-from memsave_cli.meta_attention import ATTENTION_KERNELS, attention_kernels
+from memsave_cli.meta_attention import ATTENTION_KERNELS, AttentionLog, attention_kernels
 from memsave_cli.meta_autocast import DTYPES as AUTOCAST_DTYPES
 from memsave_cli.report import Run, Status
 from memsave_cli.saved import SavedTensorRecorder, layer_rows
@@ -208,8 +208,9 @@ def _measure_tracked_step(job: Job, prepared: Prepared) -> Run:
 
 def _measure_cuda(job: Job, prepared: Prepared) -> Run:
     """cuda: the caching allocator's peak statistics, NVML's process memory, CUDA-event times."""
-    with attention_kernels(job.device, job.attention):
-        return _measure_cuda_steps(job, prepared)
+    with attention_kernels(job.device, job.attention) as kernels:
+        run = _measure_cuda_steps(job, prepared)
+    return replace(run, attention=_kernel_names(job, kernels))
 
 
 def _measure_cuda_steps(job: Job, prepared: Prepared) -> Run:
@@ -230,14 +231,15 @@ def _measure_cuda_steps(job: Job, prepared: Prepared) -> Run:
     device_bytes = nvml_process_bytes()
     time_s = _median_time(job, prepared, _cuda_time)
     run = _run(job, prepared, recorder, marks["forward"], peak, time_s)
-    return replace(run, device_bytes=device_bytes, attention=_kernel_names(job, None))
+    return replace(run, device_bytes=device_bytes)
 
 
-def _kernel_names(job: Job, kernels: object) -> str | None:
-    """The attention kernels a meta run counted; elsewhere the one forced, if any."""
+def _kernel_names(job: Job, kernels: AttentionLog) -> str | None:
+    """The attention kernels a meta run counted; elsewhere the one forced where any attention
+    ran (the device's own choice is not known: None)."""
     if job.device == "meta":
         return str(kernels) or None
-    return None if job.attention == "auto" else job.attention
+    return None if job.attention == "auto" or not kernels else job.attention
 
 
 def _median_time(

@@ -45,13 +45,23 @@ class AttentionLog(Counter):
 @contextlib.contextmanager
 def attention_kernels(device: str, kernel: str = "auto") -> Iterator[AttentionLog]:
     """Run every scaled dot-product attention as ``kernel`` would (``auto``: as CUDA picks on
-    meta, the device's own choice elsewhere); yield the log of kernels that ran."""
+    meta, the device's own choice elsewhere); yield the log of kernels that ran. Off meta a
+    forced kernel is logged under its name, the device's own choice under ``auto``."""
     log = AttentionLog()
-    if device != "meta":
-        with _forced_elsewhere(kernel):
-            yield log
-        return
     original = F.scaled_dot_product_attention
+    if device != "meta":
+
+        def counted(*args, **kwargs):
+            log[kernel] += 1
+            return original(*args, **kwargs)
+
+        F.scaled_dot_product_attention = counted
+        try:
+            with _forced_elsewhere(kernel):
+                yield log
+        finally:
+            F.scaled_dot_product_attention = original
+        return
 
     def attention(*args, **kwargs):
         call = _autocast(_sdpa_call(*args, **kwargs))

@@ -141,7 +141,7 @@ def check_forward(
             torch.no_grad(),
             torch.device("meta"),
             counted_as_on_cuda("meta", autocast),
-            attention_kernels("meta", attention),
+            attention_kernels("meta", attention) as kernels,
             step_autocast("meta", autocast),
             calls_recorded(called),
         ):
@@ -181,7 +181,13 @@ def check_forward(
             f"{spec.text}: {error}, so there is no loss to differentiate; return the logits or "
             "the loss (a floating tensor, or a tuple, list or dict holding them)"
         ) from None
-    return idle_note(spec.text, model, idle_parts(model, called))
+    notes = idle_note(spec.text, model, idle_parts(model, called))
+    if attention != "auto" and not kernels:
+        notes.append(
+            f"--attention {attention} had no effect: {spec.text} runs no scaled dot-product "
+            "attention (F.scaled_dot_product_attention)"
+        )
+    return notes
 
 
 def _inputs_message(model: nn.Module, spec: ModelSpec, example: Example, error: TypeError) -> str:

@@ -408,3 +408,18 @@ def test_the_forward_runs_in_the_runs_mode() -> None:
     with pytest.raises(ForwardError, match="Expected more than 1 value per channel"):
         check_plan(spec, cases, **plan)
     assert check_plan(spec, cases, bn_eval=True, **plan) == []
+
+
+@pytest.mark.parametrize("implementation", ["eager", "sdpa"])
+def test_a_forced_kernel_that_no_attention_takes_is_noted(tiny_llama_dir, implementation):
+    """Eager attention never calls F.scaled_dot_product_attention: --attention then has no
+    effect, which the report says; with SDPA there is nothing to say."""
+    from memsave_cli.cases import resolve_case
+    from memsave_cli.preflight import check_plan
+    from memsave_cli.specs import parse_spec
+
+    spec = parse_spec(f"hf:{tiny_llama_dir}", [f"attn_implementation={implementation}"])
+    notes = check_plan(spec, [resolve_case("all")], batch_size=2, attention="math")
+    noted = [note for note in notes if "--attention math had no effect" in note]
+    assert len(noted) == (implementation == "eager")
+    assert check_plan(spec, [resolve_case("all")], batch_size=2) == []

@@ -447,3 +447,16 @@ def test_a_step_leaves_the_callers_generator_alone() -> None:
     torch.manual_seed(1234)
     train_step(prepared)
     assert torch.equal(torch.rand(3), expected)
+
+
+@pytest.mark.parametrize("device", ["meta", "cpu"])
+@pytest.mark.parametrize("implementation", ["eager", "sdpa"])
+def test_a_forced_kernel_is_reported_only_where_attention_ran(
+    tiny_llama_dir, device: str, implementation: str
+) -> None:
+    """A run reports the kernel it forced only where a scaled dot-product attention ran."""
+    spec = parse_spec(f"hf:{tiny_llama_dir}", [f"attn_implementation={implementation}"])
+    forced = Job(spec, resolve_case("all"), "stock", device, batch_size=2, attention="math")
+    run = measure(replace(forced, input_shape=(8,), repeat=1))
+    assert run.ok, run.error
+    assert run.attention == (None if implementation == "eager" else "math")
