@@ -8,31 +8,22 @@ import io
 from memsave_cli.report import Report
 
 #: ``fsdp``: the ranks of a per-rank FSDP2 estimate (empty, with ``reshard``, for one process);
-#: ``checkpoint``: the patterns of the checkpointed modules, separated by spaces; ``autocast``:
-#: the dtype forward and loss autocast to (empty without autocast).
+#: ``checkpoint``, ``model_kwargs`` and ``trainable``: patterns or ``key=value`` pairs separated
+#: by spaces; ``autocast``: the dtype forward and loss autocast to; ``input_shape``: the
+#: per-sample shape asked for as ``3x64x64``; ``lora``: the adapters of the lora case; each
+#: empty where unset (or unknown, in a report of an older memsave).
 SETTING_COLUMNS = (
-    "model",
-    "device",
-    "dtype",
-    "batch_size",
-    "bn_eval",
-    "fsdp",
-    "reshard",
-    "checkpoint",
-    "autocast",
+    *("model", "device", "dtype", "batch_size", "input_shape", "bn_eval", "optimizer"),
+    *("inputs", "attention", "model_kwargs", "trainable", "lora"),
+    *("fsdp", "reshard", "checkpoint", "autocast"),
 )
+#: ``attention_kernel``: the kernels a run counted (meta) or forced, as the report shows them.
 RUN_COLUMNS = (
-    "case",
-    "impl",
-    "status",
-    "error",
-    "param_bytes",
-    "forward_peak_bytes",
-    "peak_bytes",
-    "saved_bytes",
-    "time_s",
-    "device_bytes",
+    *("case", "impl", "status", "error"),
+    *("param_bytes", "forward_peak_bytes", "peak_bytes", "saved_bytes", "time_s", "device_bytes"),
+    "attention_kernel",
 )
+_RUN_FIELDS = {"attention_kernel": "attention"}
 
 
 def report_csv(report: Report) -> str:
@@ -40,16 +31,23 @@ def report_csv(report: Report) -> str:
     buffer = io.StringIO()
     writer = csv.writer(buffer, lineterminator="\n")
     writer.writerow((*SETTING_COLUMNS, *RUN_COLUMNS))
-    values = {name: getattr(report, name) for name in SETTING_COLUMNS}
-    if report.fsdp is None:
-        values["reshard"] = None
-    values["checkpoint"] = " ".join(report.checkpoint)
-    settings = list(values.values())
+    settings = [_cell(_setting(report, name)) for name in SETTING_COLUMNS]
     for run in report.runs:
-        values = [getattr(run, name) for name in RUN_COLUMNS]
+        values = [getattr(run, _RUN_FIELDS.get(name, name)) for name in RUN_COLUMNS]
         values[2] = run.status.value
-        writer.writerow([_cell(v) for v in (*settings, *values)])
+        writer.writerow([*settings, *(_cell(v) for v in values)])
     return buffer.getvalue()
+
+
+def _setting(report: Report, name: str) -> object:
+    if not report.records(name) or (name == "reshard" and report.fsdp is None):
+        return None
+    value = getattr(report, name)
+    if name == "input_shape" and value is not None:
+        return "x".join(map(str, value))
+    if isinstance(value, tuple):
+        return " ".join(value)
+    return None if value is None else str(value) if name == "lora" else value
 
 
 def _cell(value: object) -> object:

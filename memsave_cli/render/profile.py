@@ -151,7 +151,7 @@ def profile_view(report: Report, *, top: int = 5) -> RenderableType:
     if top > 0:
         parts.extend(layer_tables(report, top))
     parts.append(verdicts(report))
-    parts.append(Text(summary.provenance(report), style="dim"))
+    parts.append(Text(f"{summary.provenance(report)}\n{summary.setup(report)}", style="dim"))
     setup = inputs_and_attention(report)
     if setup:
         parts.append(Text(setup, style="dim"))

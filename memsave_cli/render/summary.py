@@ -218,6 +218,28 @@ def provenance(report: Report) -> str:
     return f"Measured on {report.device}."
 
 
+def setup(report: Report) -> str:
+    """What every run shared that the title does not say: batch size, per-sample shape, dtype,
+    and the settings that change memory where they were set (unknown ones in an older report
+    are left out)."""
+    batch = "default batch size" if report.batch_size is None else f"batch {report.batch_size}"
+    parts = [batch]
+    if report.input_shape is not None:
+        parts.append(f"input {'x'.join(map(str, report.input_shape))} per sample")
+    parts.append(f"parameters in {report.dtype}")
+    if report.optimizer is not None:
+        parts.append(f"{report.optimizer} optimizer states")
+    if report.bn_eval:
+        parts.append("batch norm in eval mode")
+    if report.model_kwargs:
+        parts.append(f"model {' '.join(report.model_kwargs)}")
+    if report.trainable:
+        parts.append(f"custom case trains {', '.join(report.trainable)}")
+    if report.lora is not None:
+        parts.append(f"LoRA {report.lora}")
+    return f"Setup: {', '.join(parts)}."
+
+
 def _memsave_run(report: Report, case: str) -> Run | None:
     impl = memsave_impl(report)
     return None if impl is None else report.run(case, impl)

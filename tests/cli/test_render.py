@@ -149,6 +149,50 @@ def test_csv_has_one_row_per_run(paper_report):
     assert list(rows[0])[-len(RUN_COLUMNS) :] == list(RUN_COLUMNS)
 
 
+def _set_up(report):
+    from memsave_cli.report import LoraAdapters
+
+    runs = tuple(replace(run, attention="flash") for run in report.runs)
+    return replace(
+        report.with_runs(runs),
+        batch_size=2,
+        input_shape=(3, 64, 64),
+        dtype="bfloat16",
+        optimizer="adam",
+        bn_eval=True,
+        model_kwargs=("num_classes=10", "width=4"),
+        trainable=("fc.*", "layer4.*"),
+        lora=LoraAdapters(8, 16.0, 0.05, ("q_proj", "v_proj")),
+    )
+
+
+def test_csv_says_what_was_run(paper_report):
+    """Two reports of other settings differ in their setting columns, not only in numbers."""
+    (row, *_) = csv.DictReader(io.StringIO(report_csv(_set_up(paper_report))))
+    assert {key: row[key] for key in ("batch_size", "input_shape", "dtype", "optimizer")} == {
+        "batch_size": "2", "input_shape": "3x64x64", "dtype": "bfloat16", "optimizer": "adam",
+    }  # fmt: skip
+    assert row["model_kwargs"] == "num_classes=10 width=4" and row["trainable"] == "fc.* layer4.*"
+    assert row["lora"] == "rank 8, alpha 16.0, dropout 0.05, targets q_proj+v_proj"
+    assert (row["bn_eval"], row["attention"], row["attention_kernel"]) == ("True", "auto", "flash")
+    (plain, *_) = csv.DictReader(io.StringIO(report_csv(paper_report)))
+    assert plain["optimizer"] == plain["lora"] == plain["attention_kernel"] == ""
+    older = replace(_set_up(paper_report), unrecorded=("optimizer", "input_shape"))
+    (old, *_) = csv.DictReader(io.StringIO(report_csv(older)))
+    assert old["optimizer"] == old["input_shape"] == ""  # unknown, not claimed
+
+
+def test_profile_view_says_what_was_run(paper_report):
+    shown = " ".join(_render(_set_up(paper_report)).split())
+    assert (
+        "Setup: batch 2, input 3x64x64 per sample, parameters in bfloat16, adam optimizer "
+        "states, batch norm in eval mode, model num_classes=10 width=4, custom case trains "
+        "fc.*, layer4.*, LoRA rank 8, alpha 16.0, dropout 0.05, targets q_proj+v_proj."
+    ) in shown
+    plain = " ".join(_render(replace(paper_report, batch_size=None)).split())
+    assert "Setup: default batch size, parameters in float32." in plain
+
+
 def test_layer_rows_name_drop_ins_by_their_stock_type(paper_report, make_run):
     from memsave_cli.report import LayerSaved
 
