@@ -85,8 +85,8 @@ def layer_table(report: Report, cases: list[str], top: int) -> RenderableType | 
     else:
         title = f"Saved for backward, cases {', '.join(cases)}: top {len(rows)} layers"
     table = Table()
-    table.add_column("Layer")
-    table.add_column("Type")
+    table.add_column("Layer", overflow="fold")  # a dotted path ends in what tells rows apart
+    table.add_column("Type", overflow="fold")
     for column in ("PyTorch", "memsave", "Difference"):
         table.add_column(column, justify="right")
     for row in rows:

@@ -193,6 +193,25 @@ def test_profile_view_says_what_was_run(paper_report):
     assert "Setup: default batch size, parameters in float32." in plain
 
 
+def test_long_layer_names_are_shown_whole_at_80_columns(paper_report, make_run):
+    """Module paths differ at their end (``...h.0.mlp.act``, ``...h.1.mlp.act``): cut at 80
+    columns, the rows could not be told apart."""
+    from memsave_cli.report import LayerSaved
+
+    names = [f"model.transformer.h.{i}.mlp.act" for i in range(3)]
+
+    def run(impl, scale):
+        layers = tuple(LayerSaved(n, "NewGELUActivation", scale * (i + 1) * MIB) for i, n in
+                       enumerate(names))  # fmt: skip
+        return make_run("all", impl, 100 * MIB, layers=layers)
+
+    console = Console(width=80, record=True, file=io.StringIO(), color_system=None)
+    print_profile(console, paper_report.with_runs((run("stock", 4), run("memsave", 1))))
+    cells = [line.split("│")[1] for line in console.export_text().splitlines() if "│" in line]
+    joined = "".join(cell.strip() for cell in cells)
+    assert all(name in joined for name in names) and "…" not in joined
+
+
 def test_layer_rows_name_drop_ins_by_their_stock_type(paper_report, make_run):
     from memsave_cli.report import LayerSaved
 
