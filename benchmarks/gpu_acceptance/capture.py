@@ -60,12 +60,57 @@ MODELS: dict[str, Model] = {
 }
 
 
+#: A max-pooling geometry no other cell meets (dilated, padded, odd sizes), and its input.
+FIRST_IN_CAPTURE = "CUDA graph: MaxPool2d geometry met first inside a capture"
+POOLED = (4, 5, 13, 11)
+
+
+def pooling() -> nn.Module:
+    return nn.Sequential(nn.MaxPool2d(3, stride=2, padding=1, dilation=2))
+
+
 def run(device: torch.device, emit: Callable[[Cell], None]) -> None:
-    """One cell per model, on a CUDA device only."""
+    """One cell per model, then one for tables first built inside a capture; on CUDA only."""
     if device.type != "cuda":
         return
     for label, (build, shape) in MODELS.items():
         emit(guarded(PART, capture_cell, label, build, shape, device))
+    emit(guarded(PART, first_in_capture_cell, FIRST_IN_CAPTURE, device))
+
+
+def first_in_capture_cell(label: str, device: torch.device) -> Cell:
+    """NOTE [device tables and streams] (``memsave_cli/kernels/_layout.py``): a pooling whose
+    index tables are first needed inside a capture, which records the kernels filling them
+    without running them; the same pooling then runs eagerly before the first replay. The eager
+    step and the replayed one must be stock's bit for bit (kept tables would be unfilled)."""
+    torch.manual_seed(0)
+    stock = pooling().to(device)
+    memsave = convert(stock)
+    x = torch.randn(POOLED, device=device)
+    captured = x.clone().requires_grad_()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, capture_error_mode="relaxed"):  # Triton may load kernels
+        memsave(captured).square().sum().backward()
+    eager, theirs = step(memsave, x), step(stock, x)
+    graph.replay()
+    torch.cuda.synchronize()
+    compared = [
+        ("eager output", eager[0], theirs[0]),
+        ("eager input gradient", eager[1], theirs[1]),
+        ("replayed input gradient", captured.grad, theirs[1]),
+    ]
+    diffs = [diff for name, a, b in compared if (diff := bitwise_diff(name, a, b)) is not None]
+    if diffs:
+        return Cell(PART, label, Status.FAIL, f"{len(diffs)} differences; first: {diffs[0]}")
+    return Cell(PART, label, Status.PASS, "eager step and replay bit for bit")
+
+
+def step(model: nn.Module, input: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The output and the input's gradient of one step of ``model`` on a copy of ``input``."""
+    x = input.clone().requires_grad_()
+    output = model(x)
+    output.square().sum().backward()
+    return output.detach(), x.grad
 
 
 def capture_cell(

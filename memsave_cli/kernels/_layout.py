@@ -95,6 +95,29 @@ def is_eager(t: Tensor) -> bool:
     return type(t) in _EAGER_TYPES and not torch.compiler.is_compiling()
 
 
+def tables_memoisable(t: Tensor) -> bool:
+    """Whether small tensors built on ``t``'s device for ``t``'s geometry may be kept for later
+    calls: ``t`` is eager, and no CUDA graph is being captured, which records the kernels that
+    would fill them without running them (NOTE [device tables and streams])."""
+    return is_eager(t) and not (t.is_cuda and torch.cuda.is_current_stream_capturing())
+
+
+# NOTE [device tables and streams]: a table memoised on a CUDA device (max-pool index maps, the
+# bit shifts of the mask unpacking) is filled by kernels on the stream that first needed it and
+# read later from any stream, with no event between them. So a table is kept only when built
+# outside a graph capture (inside one, its kernels are recorded, not run, and an eager call
+# before the first replay would read unfilled memory), and ``settled`` waits once for the
+# kernels that filled it before it is kept: one synchronisation per geometry.
+
+
+def settled(table: object, device: torch.device) -> object:
+    """``table`` once the kernels filling it on ``device`` have finished (NOTE [device tables
+    and streams]); at once off CUDA."""
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()
+    return table
+
+
 @functools.lru_cache(maxsize=512)
 def _cached(shape: tuple[int, ...], stride: tuple[int, ...]) -> tuple[torch.memory_format, bool]:
     with _disable_current_modes():  # a memory tracker must not count the probe

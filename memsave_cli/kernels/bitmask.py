@@ -26,6 +26,8 @@ import torch
 from torch import Tensor
 from torch.utils._python_dispatch import _disable_current_modes
 
+from memsave_cli.kernels._layout import settled, tables_memoisable
+
 try:
     import numpy
 except ImportError:  # pragma: no cover - numpy ships with torchvision
@@ -165,12 +167,12 @@ def _unpack_by_shifts(bits: Tensor, dtype: torch.dtype, invert: bool) -> Tensor:
 
 def _shifts(bits: Tensor) -> Tensor:
     """``arange(8)`` as uint8 on ``bits``'s device, cached per device for real tensors."""
-    cacheable = type(bits) is Tensor and not torch.compiler.is_compiling()
+    cacheable = tables_memoisable(bits)
     shifts = _SHIFTS.get(bits.device) if cacheable else None
     if shifts is None:
         shifts = torch.arange(8, dtype=torch.uint8, device=bits.device)
         if cacheable:
-            _SHIFTS[bits.device] = shifts
+            _SHIFTS[bits.device] = settled(shifts, bits.device)
     return shifts
 
 

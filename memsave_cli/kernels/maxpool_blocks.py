@@ -26,7 +26,7 @@ import torch
 from torch import Tensor
 
 from memsave_cli.kernels import maxpool as offset_ops
-from memsave_cli.kernels._layout import is_eager, memory_format, no_out_form
+from memsave_cli.kernels._layout import is_eager, memory_format, no_out_form, tables_memoisable
 from memsave_cli.kernels._rerun import always_rerun
 from memsave_cli.kernels.iterator_layout import contiguous_strides
 from memsave_cli.kernels.maxpool_maps import index_maps, offset_dtype
@@ -87,7 +87,9 @@ def _pool_offsets(x: Tensor, args: tuple, layout: torch.memory_format) -> tuple[
     pool_kernel, _ = _KERNELS[nd]
     out_shape = _output_shape(x, nd, args)
     chunked = _is_chunked(x, math.prod(out_shape))
-    maps = index_maps(x.shape[-nd:], out_shape[-nd:], args[:4], x.device, cache=is_eager(x))
+    maps = index_maps(
+        x.shape[-nd:], out_shape[-nd:], args[:4], x.device, cache=tables_memoisable(x)
+    )
     if not chunked:
         # One block: stock's own kernel allocates the output and (a deliberate transient) the
         # int64 indices, no larger than one block's on CPU.
@@ -142,7 +144,7 @@ def pool_backward(
         # No out= form here (a batching wrapper, or a mode refusing it): one call of the
         # functional kernel, handed a never-written stand-in of the input's layout (deliberate
         # transient; NOTE in ``layers/avgpool.py``).
-        maps = index_maps(*spatial, offsets.device, cache=is_eager(offsets))
+        maps = index_maps(*spatial, offsets.device, cache=tables_memoisable(offsets))
         like = torch.empty(
             input_shape, dtype=grad_output.dtype, device=offsets.device, memory_format=layout
         )
@@ -160,7 +162,7 @@ def pool_backward(
     # Deliberate: the gradient itself.
     grad_input = grad_output.new_empty(input_shape).contiguous(memory_format=layout)
     chunked = _is_chunked(grad_output, grad_output.numel())
-    maps = index_maps(*spatial, offsets.device, cache=is_eager(offsets))
+    maps = index_maps(*spatial, offsets.device, cache=tables_memoisable(offsets))
     blocks = _blocks([grad_input, grad_output, offsets], nd, chunked)
     for gi_block, go_block, off_block in blocks:
         indices = maps.to_indices(off_block)

@@ -9,6 +9,7 @@ import torch
 from torch import Tensor
 
 from memsave_cli.kernels import maxpool as offset_ops
+from memsave_cli.kernels._layout import settled
 
 
 def offset_dtype(window_elements: int) -> torch.dtype:
@@ -119,11 +120,11 @@ class IndexMaps:
 
 @functools.lru_cache(maxsize=32)
 def _cached_maps(in_shape, out_shape, options, device: torch.device) -> IndexMaps:
-    return IndexMaps(in_shape, out_shape, options, device)
+    return settled(IndexMaps(in_shape, out_shape, options, device), device)
 
 
 def index_maps(in_shape, out_shape, options, device: torch.device, cache: bool) -> IndexMaps:
-    """:class:`IndexMaps` for one pooling, memoised where ``cache`` (real CPU tensors, eager)."""
+    """:class:`IndexMaps` for one pooling, memoised where ``cache`` (``tables_memoisable``)."""
     key = (tuple(in_shape), tuple(out_shape), tuple(options), device)
     return _cached_maps(*key) if cache else IndexMaps(*key)
 

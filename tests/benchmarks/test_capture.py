@@ -44,3 +44,15 @@ def test_no_cells_without_a_cuda_device() -> None:
     cells: list = []
     capture.run(torch.device("cpu"), cells.append)
     assert cells == []
+
+
+def test_first_in_capture_cell_pools_a_geometry_no_other_cell_meets() -> None:
+    """The cell needs index tables nothing built before it: its pooling is memsave's, and the
+    CNN cell's pooling has another geometry."""
+    model = convert(capture.pooling())
+    assert converted_counts(model) == {"MaxPool2d": 1}
+    (pool,) = model
+    cnn_pool = next(m for m in capture.cnn() if isinstance(m, torch.nn.MaxPool2d))
+    assert (pool.kernel_size, pool.dilation) != (cnn_pool.kernel_size, cnn_pool.dilation)
+    output, grad = capture.step(model, torch.randn(capture.POOLED))
+    assert output.shape == (4, 5, 6, 5) and grad.shape == capture.POOLED

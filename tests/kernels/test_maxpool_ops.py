@@ -162,3 +162,28 @@ def test_two_wide_pool_matches_reference(window: tuple[int, int]) -> None:
     assert torch.equal(grad_input, reference)
     meta = ops.max_pool2(x.to("meta"), kd, kh)
     assert [t.shape for t in meta] == [out.shape, offsets.shape]
+
+
+def test_device_tables_are_not_kept_from_a_graph_capture(monkeypatch):
+    """NOTE [device tables and streams]: inside a CUDA graph capture the kernels filling a
+    table are only recorded, so the table is built for that call and not kept; outside one, a
+    kept CUDA table is waited for once, since other streams read it without an event."""
+    from types import SimpleNamespace
+
+    from memsave_cli.kernels import _layout
+
+    cuda_tensor = SimpleNamespace(is_cuda=True)
+    monkeypatch.setattr(_layout, "is_eager", lambda t: True)
+    capturing = [True]
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
+    assert not _layout.tables_memoisable(cuda_tensor)
+    assert _layout.tables_memoisable(SimpleNamespace(is_cuda=False))  # no capture on the CPU
+    capturing[0] = False
+    assert _layout.tables_memoisable(cuda_tensor)
+
+    waited = []
+    stream = SimpleNamespace(synchronize=lambda: waited.append(1))
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device: stream)
+    table = object()
+    assert _layout.settled(table, torch.device("cpu")) is table and not waited
+    assert _layout.settled(table, torch.device("cuda", 0)) is table and waited == [1]
