@@ -9,7 +9,10 @@ bit for bit, in float32, float64, float16 and bfloat16 (those stock's ReLU lets 
 serve: NOTE [asking stock's ReLU]), contiguous and channels-last, in and out of place, three
 calls each (the first launches from Python and registers the kernel, the later ones launch from
 C++). Where the check fails, or its process dies, the run goes on with ``MEMSAVE_NODE_LAUNCH=0``
-(the node calls the Python op) and the record says why.
+(the node calls the Python op) and the record says why. Nodes that do not load at all (no
+compiler, a cache directory refused as unsafe) fail the check too: every layer would then run its
+Python Functions, and the run would time a path that users with the nodes never take. Either way
+the run's ``exactness`` part gets a failing cell (:func:`cell`), so the verdict cannot pass.
 """
 
 from __future__ import annotations
@@ -21,10 +24,22 @@ import sys
 import torch
 from torch import nn
 
+from benchmarks.gpu_acceptance.cells import Cell, Status
 from benchmarks.gpu_acceptance.isolate import ROOT
 
 #: Seconds the check may take (interpreter, CUDA context, compiling eight kernels).
 TIMEOUT_S = 180.0
+
+
+#: How the line of a failed check begins.
+FAILED = "node launches: FAILED"
+#: The name of the run's cell for the check.
+CELL = "C++ nodes: loaded, launching Triton's kernels"
+
+
+def cell(line: str) -> Cell:
+    """The ``exactness`` cell of a run on CUDA for the check's ``line``."""
+    return Cell("exactness", CELL, Status.FAIL if line.startswith(FAILED) else Status.PASS, line)
 
 
 def check(device: str) -> str:
@@ -46,7 +61,7 @@ def check(device: str) -> str:
     if passed:
         return f"node launches: {verdict}"
     os.environ["MEMSAVE_NODE_LAUNCH"] = "0"
-    return f"node launches: FAILED ({verdict}); the run goes on with MEMSAVE_NODE_LAUNCH=0"
+    return f"{FAILED} ({verdict}); the run goes on with MEMSAVE_NODE_LAUNCH=0"
 
 
 def compare(device: str = "cuda") -> tuple[int, list[str]]:
@@ -82,8 +97,8 @@ def main() -> int:
     from memsave_cli.kernels.triton import handover
 
     if not nodes.available():
-        print(f"not checked: {nodes.status()}")
-        return 0
+        print(f"not loaded, so every layer runs its Python Functions: {nodes.status()}")
+        return 1
     count, differ = compare()
     offered = handover.offered().items()
     registered = sorted({key[0] for key, how in offered if how == "registered"})

@@ -163,7 +163,10 @@ def run(plan: Plan, docs: Path, out: Path, command: str, isolate: bool = True) -
         print(nodes.status(), flush=True)
         doing = "checking the nodes' launches"
         found["node_launches"] = launch_check.check(plan.device)
-        print(found["node_launches"], flush=True)
+        if plan.device == "cuda":  # nodes not loaded, or launching wrongly, fail the run
+            emit(launch_check.cell(found["node_launches"]))
+        else:
+            print(found["node_launches"], flush=True)
         environment.update(describe_device(plan.device))
         budget = Budget(plan.budget_s, plan.parts)
         save()

@@ -25,6 +25,7 @@ from benchmarks.gpu_acceptance import (
     checkpointed,
     exactness,
     isolate,
+    launch_check,
     layer_time,
     main,
     mixed_precision,
@@ -348,6 +349,32 @@ def test_a_stopped_run_leaves_what_it_had_done(
     capsys.readouterr()
     assert main.unpack_command(out, tmp_path / "unpacked") == 0
     assert "the run did not finish" in capsys.readouterr().out
+
+
+def test_a_failed_node_check_fails_a_cuda_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """On CUDA the node check is a cell of the exactness part: nodes that did not load (or
+    launch wrongly) fail the run, whose other cells all passed."""
+    line = f"{launch_check.FAILED} (not loaded); the run goes on with MEMSAVE_NODE_LAUNCH=0"
+    monkeypatch.setattr(main.launch_check, "check", lambda device: line)
+    monkeypatch.setattr(main, "describe_device", lambda device, build=True: {"name": "GPU"})
+
+    def part(name: str, plan: Plan, budget: Budget, emit, *rest) -> dict:
+        emit(Cell(name, "ReLU float32", Status.PASS, "bit for bit"))
+        return {}
+
+    monkeypatch.setattr(main, "_part", part)
+    plan = replace(TINY_PLAN, device="cuda", parts=("exactness",))
+    out = tmp_path / "acceptance.json"
+    assert main.run(plan, tmp_path / "docs", out, "cmd", False) == 1
+    record = json.loads(out.read_text())
+    assert record["finished"] and not record["passed"]
+    assert [(c["name"], c["status"]) for c in record["cells"]] == [
+        (launch_check.CELL, "fail"),
+        ("ReLU float32", "pass"),
+    ]
+    assert "FAIL: JSON" in capsys.readouterr().out
 
 
 def test_sigterm_raises_stopped() -> None:

@@ -8,6 +8,7 @@ import subprocess
 import pytest
 
 from benchmarks.gpu_acceptance import launch_check
+from benchmarks.gpu_acceptance.cells import Status
 from memsave_cli.kernels import nodes
 
 
@@ -51,3 +52,19 @@ def test_a_passed_check_leaves_them_on(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("MEMSAVE_NODE_LAUNCH", raising=False)
     assert launch_check.check("cuda") == "node launches: 24 comparisons bit for bit"
     assert "MEMSAVE_NODE_LAUNCH" not in os.environ
+
+
+def test_nodes_that_do_not_load_fail_the_run(monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+    """Nodes refused (an unsafe cache directory, no compiler) left every layer on its Python
+    Functions while the check said "not checked" and the run passed, timing a path the shipped
+    package does not take. Now the check fails, and so does the run's exactness part."""
+    monkeypatch.setattr(nodes, "available", lambda: False)
+    monkeypatch.setattr(nodes, "status", lambda **kwargs: "C++ nodes: cache refused")
+    assert launch_check.main() == 1
+    assert (
+        "every layer runs its Python Functions: C++ nodes: cache refused" in capsys.readouterr().out
+    )
+    failing = launch_check.cell(f"{launch_check.FAILED} (not loaded); the run goes on")
+    assert failing.status is Status.FAIL and failing.fails_run
+    passing = launch_check.cell("node launches: 24 comparisons bit for bit")
+    assert passing.status is Status.PASS and not passing.fails_run
