@@ -30,7 +30,13 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
-from benchmarks.gpu_acceptance import capture, checkpointed, mixed_precision, relu_bits
+from benchmarks.gpu_acceptance import (
+    capture,
+    checkpointed,
+    mixed_precision,
+    pool_windows,
+    relu_bits,
+)
 from benchmarks.gpu_acceptance.budget import Deadline
 from benchmarks.gpu_acceptance.cells import Cell, Status, guarded
 from benchmarks.gpu_acceptance.plan import Plan, selected
@@ -117,6 +123,8 @@ def run(plan: Plan, deadline: Deadline, emit: Callable[[Cell], None]) -> None:
             emit(guarded(PART, dropout_cell, label, cls, dtype, plan, device))
     if not deadline.passed():
         relu_bits.run(device, emit)
+    if not deadline.passed():
+        pool_windows.run(device, emit)
     if not deadline.passed() and not plan.layers:
         checkpointed.run(device, emit)
     if not deadline.passed() and not plan.layers:

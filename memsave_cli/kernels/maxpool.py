@@ -18,8 +18,14 @@ element), and an offset outside the window gets index -1, which stock's backward
 On the CPU, where checking costs no synchronisation, ``to_offsets`` raises
 :class:`OutsideWindow` after converting, and the pooling keeps stock's own indices for that call
 (``kernels/maxpool_blocks.py``), so its gradient is stock's, misplaced as stock misplaces it.
-CUDA's kernels start the argmax at the window's first element (their sources), so on CUDA the
-offsets are written unchecked, without a synchronisation; -1 there reads no memory either.
+CUDA's kernels start the argmax at the window's first element (their sources), with one
+exception: the channels-last 2d kernel (``max_pool_forward_nhwc``) starts it at 0, the plane's
+first element, which a window of -inf only keeps. With dilation and padding that element can lie
+in the span of a window without being one of its elements, and CUDA's backward, a gather over
+the outputs whose span covers an element, then adds that output's gradient to it. So index 0
+outside its window gets offset -2, which converts back to index 0, as stock has it; every other
+index outside gets -1. On CUDA the offsets are written unchecked, without a synchronisation; -1
+and -2 there read no memory either.
 """
 
 from __future__ import annotations
@@ -34,6 +40,9 @@ from memsave_cli.kernels import triton as triton_kernels
 from memsave_cli.kernels._eager_op import EagerOp, register
 from memsave_cli.kernels._layout import is_dense, shape_only
 
+#: The offset of index 0 outside its window (NOTE [argmax outside its window]).
+PLANE_START = -2
+
 
 class OutsideWindow(ValueError):
     """Some argmax index lies outside its window (NOTE [argmax outside its window])."""
@@ -41,19 +50,22 @@ class OutsideWindow(ValueError):
 
 def reference_to_offsets(indices: Tensor, starts: Tensor, inverse: Tensor, out: Tensor) -> None:
     """``out = inverse[indices - starts]`` with plain torch (``starts`` broadcasts over the
-    leading dims), -1 where the distance is outside the table; ``indices`` is consumed (it
-    becomes the distances)."""
+    leading dims), -1 where the distance is outside the table or no window element, -2 there
+    for index 0 (NOTE [argmax outside its window]); ``indices`` is consumed (it becomes the
+    distances)."""
+    # Deliberate transients: two flags per index.
+    plane_start = indices == 0
     distances = indices.sub_(starts)
-    # Deliberate transient: one flag per index.
     outside = (distances < 0) | (distances >= inverse.numel())
     lookup = inverse.expand(*distances.shape[:-1], inverse.numel())
     torch.gather(lookup, -1, distances.masked_fill_(outside, 0), out=out)
-    out.masked_fill_(outside, -1)
+    out.masked_fill_(outside, -1).masked_fill_(plane_start & (out < 0), PLANE_START)
 
 
 def reference_to_indices(offsets: Tensor, table: Tensor, starts: Tensor) -> Tensor:
     """``table[offsets] + starts`` as int64, laid out as ``offsets`` (elementwise in memory
-    order), -1 where an offset is outside the table."""
+    order), -1 where an offset is outside the table, 0 for offset -2 (NOTE [argmax outside its
+    window])."""
     # Deliberate transients: offsets widened to int64 (the lookup's index type), then the int64
     # indices ATen's backward kernel reads.
     wide = offsets.to(torch.int64, copy=True)
@@ -63,7 +75,7 @@ def reference_to_indices(offsets: Tensor, table: Tensor, starts: Tensor) -> Tens
         wide = wide.contiguous()
     flat = wide.as_strided((wide.numel(),), (1,))
     indices = torch.index_select(table, 0, flat).as_strided(wide.shape, wide.stride())
-    return indices.add_(starts).masked_fill_(outside, -1)
+    return indices.add_(starts).masked_fill_(outside, -1).masked_fill_(offsets == PLANE_START, 0)
 
 
 def inner(*blocks: Tensor) -> int:

@@ -683,8 +683,9 @@ BIT_KERNELS_AVX2(uint64_t, 64)
  * to_offsets: out[i] = inverse[indices[i] - starts[p]]; to_indices: out[i] = table[offsets[i]] +
  * starts[p]. In to_offsets a lookup outside its table reads nothing: it gives -1 (an index
  * outside its window) and sets `missed` (NOTE [argmax outside its window] in kernels/maxpool.py);
- * the inverse table holds -1 where a distance is not a window element. to_indices reads only
- * offsets that to_offsets gave without a miss (precondition, unchecked). */
+ * the inverse table holds -1 where a distance is not a window element, and a miss of index 0
+ * gives -2. to_indices reads only offsets that to_offsets gave without a miss (precondition,
+ * unchecked). */
 
 struct offsets_args {
     const void *src;    /* int64 indices (to_offsets) or signed offsets (to_indices) */
@@ -729,9 +730,16 @@ static inline int64_t outside_mask(int64_t at, int64_t len) {
     return -(int64_t)((uint64_t)at >= (uint64_t)len);
 }
 
+/* `v`, less one where it is negative and `index` is 0: in to_offsets a miss of index 0 gives -2
+ * (NOTE [argmax outside its window]); no branches. */
+static inline int64_t plane_start(int64_t v, int64_t index) {
+    return v + (-(int64_t)(v < 0) & -(int64_t)(index == 0));
+}
+
 /* One conversion kernel: out[i] = VALUE(lookup, at, start of element i's window), at =
- * AT(src[i], start); CHECKED, masked as above and `missed` set where any result is negative
- * (outside the table, or the inverse table's -1 for a distance that is no window element). */
+ * AT(src[i], start); CHECKED, masked as above, -2 for a negative result of index 0, and `missed`
+ * set where any result is negative (outside the table, or the inverse table's -1 for a distance
+ * that is no window element). */
 #define OFFSET_KERNEL(NAME, SRC_T, LOOKUP_T, OUT_T, AT, VALUE, CHECKED)                           \
     static void NAME(const void *raw, int64_t begin, int64_t end) {                              \
         const struct offsets_args *a = (const struct offsets_args *)raw;                          \
@@ -745,14 +753,16 @@ static inline int64_t outside_mask(int64_t at, int64_t len) {
             for (int64_t j = 0; j < count; j++) {                                                 \
                 const int64_t at = AT(src[i + j], s);                                             \
                 const int64_t mask = CHECKED ? outside_mask(at, len) : 0;                         \
-                const int64_t v = VALUE(lookup, at & ~mask, s) | mask;                            \
+                const int64_t found = VALUE(lookup, at & ~mask, s) | mask;                        \
+                const int64_t v = CHECKED ? plane_start(found, src[i + j]) : found;               \
                 out[i + j] = (OUT_T)v;                                                            \
                 missed |= CHECKED ? v : 0;                                                        \
             },                                                                                    \
             for (int64_t j = 0; j < count; j++) {                                                 \
                 const int64_t at = AT(src[i + j], st[j]);                                         \
                 const int64_t mask = CHECKED ? outside_mask(at, len) : 0;                         \
-                const int64_t v = VALUE(lookup, at & ~mask, st[j]) | mask;                        \
+                const int64_t found = VALUE(lookup, at & ~mask, st[j]) | mask;                    \
+                const int64_t v = CHECKED ? plane_start(found, src[i + j]) : found;               \
                 out[i + j] = (OUT_T)v;                                                            \
                 missed |= CHECKED ? v : 0;                                                        \
             });                                                                                   \

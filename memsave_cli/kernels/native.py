@@ -237,8 +237,9 @@ def to_offsets(
 
     Max-pool argmax indices to window offsets (``IndexMaps.to_offsets`` in ``maxpool_maps.py``):
     ``inner`` is 1 for contiguous blocks and C for channels-last ones. A distance outside
-    ``[0, inverse.numel())`` reads nothing and gives -1; returns False where any result is
-    negative (NOTE [argmax outside its window] in ``kernels/maxpool.py``), else True.
+    ``[0, inverse.numel())`` reads nothing and gives -1, a miss of index 0 -2; returns False
+    where any result is negative (NOTE [argmax outside its window] in ``kernels/maxpool.py``),
+    else True.
     """
     checks.check_dtype(indices, "indices", (torch.int64,))
     checks.check_dense(indices, "indices")

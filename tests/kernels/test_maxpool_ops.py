@@ -116,6 +116,33 @@ def test_lookups_outside_their_tables_give_minus_one(kind: str) -> None:
     assert torch.equal(back.view(-1)[keep], indices.view(-1)[keep])
 
 
+@pytest.mark.parametrize("kind", ["native", "triton", "reference"])
+def test_index_zero_outside_its_window_comes_back_as_zero(kind: str) -> None:
+    """NOTE [argmax outside its window]: CUDA's channels-last kernel gives a window of -inf
+    index 0, which with dilation and padding may be no element of that window; stock's backward
+    then adds the output's gradient to element 0, so the conversion must give 0 back (offset
+    -2), not -1. Other misses still give -1 and -1."""
+    to_offsets, to_indices = _lookups(kind)
+    x = torch.randn(1, 1, 3, 3)
+    kernel, stride, padding, dilation = (2, 2), (1, 1), (1, 1), (2, 2)
+    _, indices = F.max_pool2d(x, kernel, stride, padding, dilation, return_indices=True)
+    maps = index_maps((3, 3), tuple(indices.shape[-2:]), (kernel, stride, padding, dilation),
+                      x.device, cache=False)  # fmt: skip
+    wrong = indices.clone()
+    # Output (0, 0)'s window holds elements (1, 1) only: 0 is in its span, not an element;
+    # output (0, 1)'s index is past its window.
+    wrong[0, 0, 0, 0], wrong[0, 0, 0, 1] = 0, 10**6
+    offsets = torch.empty_like(wrong, dtype=maps.inverse.dtype)
+    to_offsets(wrong.clone(), maps.starts.view(-1), 1, maps.inverse, offsets)
+    assert offsets[0, 0, 0, :2].tolist() == [ops.PLANE_START, -1]
+    if kind == "native":
+        return  # its to_indices reads only offsets its to_offsets passed (a precondition)
+    back = torch.empty_like(wrong)
+    to_indices(offsets, maps.table, maps.starts.view(-1), 1, back)
+    assert back[0, 0, 0, :2].tolist() == [0, -1]
+    assert torch.equal(back.view(-1)[2:], indices.view(-1)[2:])
+
+
 def test_op_raises_on_the_cpu_for_an_index_outside_its_window() -> None:
     indices, maps = _pooled("channels_last")
     indices[1, 2, 3, 4] = -(10**9)

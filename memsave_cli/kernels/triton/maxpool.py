@@ -31,8 +31,8 @@ def to_offsets(indices: Tensor, starts: Tensor, inner: int, inverse: Tensor, out
 
     ``indices`` dense int64, ``out`` dense like it in ``inverse``'s dtype, ``starts`` and
     ``inverse`` contiguous tables on the same device. A distance outside ``[0, inverse.numel())``
-    reads nothing and gives -1, unreported (no synchronisation: NOTE [argmax outside its window]
-    in ``kernels/maxpool.py``). ``native.to_offsets``.
+    reads nothing and gives -1, unreported, and a miss of index 0 gives -2 (no synchronisation:
+    NOTE [argmax outside its window] in ``kernels/maxpool.py``). ``native.to_offsets``.
     """
     check_dtype(indices, "indices", (torch.int64,))
     check_dense(indices, "indices")
@@ -47,7 +47,8 @@ def to_indices(offsets: Tensor, table: Tensor, starts: Tensor, inner: int, out: 
     """Write ``table[offsets[i]] + starts[(i // inner) % P]`` to the int64 ``out[i]``.
 
     ``offsets`` dense of an integer dtype, ``out`` dense like it, ``table`` an int64 table. An
-    offset outside ``[0, table.numel())`` reads nothing and gives -1. ``native.to_indices``.
+    offset outside ``[0, table.numel())`` reads nothing and gives -1, but -2 gives index 0.
+    ``native.to_indices``.
     """
     check_dtype(offsets, "offsets", _OFFSET_DTYPES)
     check_dense(offsets, "offsets")
@@ -89,6 +90,8 @@ def _lookup_kernel(
         at = src - start
     found = inside & (at >= 0) & (at < lookup_len)
     value = tl.load(lookup_ptr + at, mask=found, other=-1)
-    if not TO_OFFSETS:
-        value = tl.where(found, value + start, -1)
+    if TO_OFFSETS:  # a miss of index 0: -2 (NOTE [argmax outside its window])
+        value = tl.where((value < 0) & (src == 0), -2, value)
+    else:
+        value = tl.where(found, value + start, tl.where(src == -2, 0, -1))
     tl.store(out_ptr + index, value.to(out_ptr.dtype.element_ty), mask=inside)
