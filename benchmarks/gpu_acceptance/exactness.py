@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from benchmarks.gpu_acceptance import (
+    activation_grads,
     capture,
     checkpointed,
     mixed_precision,
@@ -123,6 +124,8 @@ def run(plan: Plan, deadline: Deadline, emit: Callable[[Cell], None]) -> None:
             emit(guarded(PART, dropout_cell, label, cls, dtype, plan, device))
     if not deadline.passed():
         relu_bits.run(device, emit)
+    if not deadline.passed():
+        activation_grads.run(device, emit)
     if not deadline.passed():
         pool_windows.run(device, emit)
     if not deadline.passed() and not plan.layers:

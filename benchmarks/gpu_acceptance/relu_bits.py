@@ -13,7 +13,7 @@ stock's ReLU] in ``kernels/stock_relu.py``): whether the Triton kernels serve th
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
@@ -43,6 +43,24 @@ def run(device: torch.device, emit: Callable[[Cell], None]) -> None:
         emit(guarded(PART, relu_cell, f"ReLU ops {name}, every bit pattern", dtype, device))
 
 
+def pattern_pairs(
+    shapes: Sequence[list[int]], dtype: torch.dtype, device: torch.device
+) -> Iterator[tuple[str, torch.Tensor, torch.Tensor]]:
+    """Per shape and layout (channels-last too for 4-d shapes): where it is (``size [..],
+    layout``), an input and a gradient holding special values and every ``special_bits``
+    pattern, drawn from a generator seeded with the pair's number."""
+    count = 0
+    for shape in shapes:
+        for layout in ("contiguous", "channels_last") if len(shape) == 4 else ("contiguous",):
+            generator = torch.Generator().manual_seed(count)
+            x, grad = (
+                laid_out(shape, dtype, layout, generator, SPECIAL, device, bit_patterns=True)
+                for _ in ("x", "grad")
+            )
+            yield f"size {shape}, {layout}", x, grad
+            count += 1
+
+
 def relu_cell(
     label: str,
     dtype: torch.dtype,
@@ -53,25 +71,19 @@ def relu_cell(
     with stock's answer on ``device`` and ``dtype`` in the values."""
     answer = stock_relu.answer(torch.empty(0, dtype=dtype, device=device))
     diffs, count = [], 0
-    for shape in shapes:
-        for layout in ("contiguous", "channels_last") if len(shape) == 4 else ("contiguous",):
-            generator = torch.Generator().manual_seed(count)
-            x, grad = (
-                laid_out(shape, dtype, layout, generator, SPECIAL, device, bit_patterns=True)
-                for _ in ("x", "grad")
-            )
-            order = list(layout_of(x).order)
-            stock = torch.relu(x)
-            stock_grad = torch.ops.aten.threshold_backward(grad, stock, 0)
-            ours, bits = ops._cuda_pack("relu", x, False, order, ())
-            ours_grad = ops._cuda_select(grad, bits, order, list(stock_grad.stride()), None)
-            found = [
-                bitwise_diff("result", stock, ours),
-                bitwise_diff("bits", pack_bits(stock.bool(), layout_of(x)), bits),
-                bitwise_diff("gradient", stock_grad, ours_grad),
-            ]
-            diffs += [f"size {shape}, {layout}: {d}" for d in found if d is not None]
-            count += 1
+    for where, x, grad in pattern_pairs(shapes, dtype, device):
+        order = list(layout_of(x).order)
+        stock = torch.relu(x)
+        stock_grad = torch.ops.aten.threshold_backward(grad, stock, 0)
+        ours, bits = ops._cuda_pack("relu", x, False, order, ())
+        ours_grad = ops._cuda_select(grad, bits, order, list(stock_grad.stride()), None)
+        found = [
+            bitwise_diff("result", stock, ours),
+            bitwise_diff("bits", pack_bits(stock.bool(), layout_of(x)), bits),
+            bitwise_diff("gradient", stock_grad, ours_grad),
+        ]
+        diffs += [f"{where}: {d}" for d in found if d is not None]
+        count += 1
     values = {
         "dtype": str(dtype).removeprefix("torch."),
         "comparisons": count,
