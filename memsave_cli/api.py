@@ -157,11 +157,11 @@ def profile(
         autocast=autocast,
         input_shape=shape,
         optimizer=optimizer,
-        **_case_settings(spec, selected),
+        **case_settings(spec, selected),
     )
 
 
-def _case_settings(spec: ModelSpec, cases: Sequence[Case]) -> dict[str, object]:
+def case_settings(spec: ModelSpec, cases: Sequence[Case]) -> dict[str, object]:
     """What a report records of the model's keyword arguments and of the cases' settings that
     change memory (custom patterns, LoRA adapters), so that ``check`` can refuse other ones."""
     lora = next((case.lora for case in cases if case.lora is not None), None)

@@ -15,7 +15,13 @@ from dataclasses import asdict, dataclass, replace
 from typing import TYPE_CHECKING
 
 from memsave_cli import limits
-from memsave_cli.api import check_settings, implementations, resolve_device, select_cases
+from memsave_cli.api import (
+    case_settings,
+    check_settings,
+    implementations,
+    resolve_device,
+    select_cases,
+)
 from memsave_cli.arguments import count, device_name, dtype_name, seconds, several
 from memsave_cli.budget import read_size
 from memsave_cli.cases import PAPER_CASES, Case
@@ -28,7 +34,7 @@ from memsave_cli.input_shape import read_shape
 from memsave_cli.measure import Job, build_for, check_job, measure
 from memsave_cli.plan_model import PlanModel
 from memsave_cli.preflight import ForwardError, check_plan
-from memsave_cli.report import Run, Status
+from memsave_cli.report import LoraAdapters, Run, Status
 from memsave_cli.specs import ModelSpec, parse_spec
 
 if TYPE_CHECKING:
@@ -82,18 +88,42 @@ class FitResult:
     min_batch_size: int = 1  # where the searches started (2: the forward fails on one sample)
     inputs: str = "auto"  # what the model was fed, as a profile report says (hf_inputs.py)
     attention: str = "auto"  # the attention kernel forced, or auto (as a CUDA device picks)
+    dtype: str = "float32"
+    input_shape: tuple[int, ...] | None = None  # per-sample shape asked for; None: the model's
+    optimizer: str | None = None  # the optimizer whose states the step allocated, if any
+    bn_eval: bool = False
+    model_kwargs: tuple[str, ...] = ()  # the model's keyword arguments, sorted ``key=value``
+    trainable: tuple[str, ...] = ()  # patterns of the parameters the custom case trains
+    lora: LoraAdapters | None = None  # the adapters of the lora case, if it was searched
 
     def to_json(self) -> str:
-        """The rows as a JSON list of ``{case, impl, batch_size, peak_bytes}``; an FSDP2
-        estimate adds ``per_rank_of`` and ``reshard_after_forward`` to each, a checkpointed
+        """The rows as a JSON list of ``{case, impl, batch_size, peak_bytes}`` with what every
+        row shares: ``model``, ``device``, ``budget_bytes`` and ``dtype``; ``input_shape``,
+        ``optimizer``, ``bn_eval``, ``model_kwargs``, ``trainable`` and ``lora`` where set. An
+        FSDP2 estimate adds ``per_rank_of`` and ``reshard_after_forward`` to each, a checkpointed
         step ``checkpoint`` (its patterns), an autocast one ``autocast`` (its dtype), a forced
         attention kernel ``attention``, language models' inputs other than auto ``inputs``, and a
         search that a failure stopped ``failure`` (``{batch_size, status, reason}``), a row where
         none fits ``peak_batch_size`` (the batch size of its ``peak_bytes``, where the search
         started) and one that reached the largest batch size tried ``capped: true`` (at least
         that many fit)."""
-        shared: dict[str, object] = {} if self.fsdp is None else {"per_rank_of": self.fsdp}
-        if shared:
+        shared: dict[str, object] = {
+            "model": self.model,
+            "device": self.device,
+            "budget_bytes": self.budget_bytes,
+            "dtype": self.dtype,
+        }
+        optional = {
+            "input_shape": None if self.input_shape is None else list(self.input_shape),
+            "optimizer": self.optimizer,
+            "bn_eval": self.bn_eval or None,
+            "model_kwargs": list(self.model_kwargs) or None,
+            "trainable": list(self.trainable) or None,
+            "lora": None if self.lora is None else asdict(self.lora),
+        }
+        shared |= {key: value for key, value in optional.items() if value is not None}
+        if self.fsdp is not None:
+            shared["per_rank_of"] = self.fsdp
             shared["reshard_after_forward"] = self.reshard
         if self.checkpoint:
             shared["checkpoint"] = list(self.checkpoint)
@@ -212,6 +242,11 @@ def fit(
         first,
         fed,
         attention,
+        dtype,
+        settings["input_shape"],
+        optimizer,
+        bn_eval,
+        **case_settings(spec, chosen),
     )
 
 

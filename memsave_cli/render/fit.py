@@ -7,7 +7,7 @@ from rich.table import Table
 from rich.text import Text
 
 from memsave_cli.fit import FitResult, FitRow
-from memsave_cli.render.summary import IMPL_LABELS, autocast, checkpointed
+from memsave_cli.render.summary import IMPL_LABELS, autocast, checkpointed, shared_settings
 from memsave_cli.render.units import format_bytes
 
 
@@ -21,7 +21,8 @@ def fit_view(result: FitResult) -> Group:
         f"(peak of {step}{_forced(result)}, on {result.device})",
         style="italic",
     )
-    parts = [heading, fit_table(result)]
+    setup = Text(f"Setup: {', '.join(shared_settings(result))}.", style="dim")
+    parts = [heading, fit_table(result), setup]
     if any(row.batch_size >= result.max_batch_size for row in result.rows):
         parts.append(
             Text(

@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from memsave_cli.render.units import format_bytes, format_change, ratio
 from memsave_cli.report import Report, Run
+
+if TYPE_CHECKING:
+    from memsave_cli.fit import FitResult
 from memsave_cli.timing import median_iqr, pair_ratios, resolved
 
 #: Row labels as the paper prints them; unknown impls show under their own name.
@@ -223,21 +227,27 @@ def setup(report: Report) -> str:
     and the settings that change memory where they were set (unknown ones in an older report
     are left out)."""
     batch = "default batch size" if report.batch_size is None else f"batch {report.batch_size}"
-    parts = [batch]
-    if report.input_shape is not None:
-        parts.append(f"input {'x'.join(map(str, report.input_shape))} per sample")
-    parts.append(f"parameters in {report.dtype}")
-    if report.optimizer is not None:
-        parts.append(f"{report.optimizer} optimizer states")
-    if report.bn_eval:
+    return f"Setup: {', '.join([batch, *shared_settings(report)])}."
+
+
+def shared_settings(result: Report | FitResult) -> list[str]:
+    """The per-sample shape, dtype and the settings that change memory where set, in words, of
+    a report or a fit result (which name them alike)."""
+    parts = []
+    if result.input_shape is not None:
+        parts.append(f"input {'x'.join(map(str, result.input_shape))} per sample")
+    parts.append(f"parameters in {result.dtype}")
+    if result.optimizer is not None:
+        parts.append(f"{result.optimizer} optimizer states")
+    if result.bn_eval:
         parts.append("batch norm in eval mode")
-    if report.model_kwargs:
-        parts.append(f"model {' '.join(report.model_kwargs)}")
-    if report.trainable:
-        parts.append(f"custom case trains {', '.join(report.trainable)}")
-    if report.lora is not None:
-        parts.append(f"LoRA {report.lora}")
-    return f"Setup: {', '.join(parts)}."
+    if result.model_kwargs:
+        parts.append(f"model {' '.join(result.model_kwargs)}")
+    if result.trainable:
+        parts.append(f"custom case trains {', '.join(result.trainable)}")
+    if result.lora is not None:
+        parts.append(f"LoRA {result.lora}")
+    return parts
 
 
 def _memsave_run(report: Report, case: str) -> Run | None:

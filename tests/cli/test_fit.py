@@ -127,8 +127,11 @@ def test_fit_command_json_rows(runner, tiny_models, tmp_path):
     result = runner.invoke(app, [*args, "--impl", "stock", "--case", "input", "--json", str(path)])
     assert result.exit_code == 0, result.output
     rows = json.loads(path.read_text())
-    assert [set(row) for row in rows] == [{"case", "impl", "batch_size", "peak_bytes"}]
-    row = rows[0]
+    (row,) = rows
+    shared = {"model": f"{tiny_models}:cnn", "device": "meta", "budget_bytes": 4 * 2**20}
+    shared |= {"dtype": "float32", "input_shape": [3, 16, 16]}  # what was asked, in every row
+    assert set(row) == {"case", "impl", "batch_size", "peak_bytes", *shared}
+    assert {key: row[key] for key in shared} == shared
     assert (row["case"], row["impl"]) == ("input", "stock")
     assert (
         row["peak_bytes"]
@@ -136,6 +139,19 @@ def test_fit_command_json_rows(runner, tiny_models, tmp_path):
         < _peak(parse_spec(f"{tiny_models}:cnn"), "input", row["batch_size"] + 1)
     )
     assert f"{row['batch_size']} (" in result.output and "4.00 MiB" in result.output
+    assert "Setup: input 3x16x16 per sample, parameters in float32." in result.output
+
+
+def test_fit_json_and_view_name_the_settings_that_change_memory(runner, tiny_models):
+    args = ["fit", f"{tiny_models}:cnn", "--budget", "4MiB", "--input-shape", "3,16,16"]
+    args += ["--impl", "stock", "--case", "all", "--optimizer", "adam", "--bn-eval"]
+    args += ["--kwarg", "width=4"]
+    result = runner.invoke(app, [*args, "--json", "-"])
+    assert result.exit_code == 0, result.output
+    (row,) = json.loads(result.stdout)
+    assert (row["optimizer"], row["bn_eval"], row["model_kwargs"]) == ("adam", True, ["width=4"])
+    shown = " ".join(runner.invoke(app, args).output.split())
+    assert "adam optimizer states, batch norm in eval mode, model width=4." in shown
 
 
 def test_fit_json_to_stdout(runner, tiny_models):
