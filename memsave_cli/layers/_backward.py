@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import sys
 
 import torch
@@ -107,3 +108,17 @@ def graph_capturing(tensor: torch.Tensor) -> bool:
     """
     compiling = torch.compiler.is_compiling()
     return tensor.is_cuda and not compiling and torch.cuda.is_current_stream_capturing()
+
+
+def outer_hooks_hidden() -> contextlib.AbstractContextManager:
+    """Identity saved-tensor hooks for a body whose own saved tensors (a replay's, a counting
+    pass's) must not reach the hooks of the code around it (a memory recorder, ``save_on_cpu``);
+    none where hooks are switched off (``disable_saved_tensors_hooks``, which refuses new ones:
+    then no outer hooks run either)."""
+    if not torch._C._autograd._saved_tensors_hooks_is_enabled():
+        return contextlib.nullcontext()
+    return torch.autograd.graph.saved_tensors_hooks(_same_tensor, _same_tensor)
+
+
+def _same_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor

@@ -37,7 +37,11 @@ from torch import Tensor, nn
 from torch._subclasses.fake_tensor import is_fake
 
 from memsave_cli.layers._autocast import autocast_state, replayed_autocast
-from memsave_cli.layers._backward import forbid_double_backward, refuse_batched
+from memsave_cli.layers._backward import (
+    forbid_double_backward,
+    outer_hooks_hidden,
+    refuse_batched,
+)
 
 #: Casts the input as peft's ``_cast_input_dtype`` does before the adapter (identity if none).
 Cast = Callable[[Tensor], Tensor]
@@ -70,10 +74,6 @@ def replayed_rng(device: torch.device, state: Tensor | None) -> Iterator[None]:
         yield
     finally:
         module.set_rng_state(current, *args)
-
-
-def _unsaved(tensor: Tensor) -> Tensor:
-    return tensor
 
 
 def _private_generator(x: Tensor, state: Tensor | None) -> torch.Generator | None:
@@ -130,7 +130,7 @@ class DroppedProjection(torch.autograd.Function):
         wanted = [p for p, need in zip(params, needs_params, strict=True) if need]
         # The replay's own saved tensors (noise, dropout(x)) live only until autograd.grad below:
         # identity hooks keep them out of any saved-tensor accounting of the outer step.
-        hooks = torch.autograd.graph.saved_tensors_hooks(_unsaved, _unsaved)
+        hooks = outer_hooks_hidden()
         state = state[0] if state else None
         generator = _private_generator(x, state)
         replayed = replayed_rng(x.device, None if generator else state)

@@ -27,7 +27,7 @@ from memsave_cli.layers._backward import graph_capturing, records_backward
 from memsave_cli.layers.lora_dropout import dropped_projection
 from memsave_cli.layers.recipe_probes import probing
 from memsave_cli.layers.swap import swap_class
-from memsave_cli.layers.uncalled import has_hooks
+from memsave_cli.layers.uncalled import runs_hooks
 
 #: Arguments with which peft's forward leaves the vanilla path.
 _OFF_PATH_KWARGS = ("adapter_names", *getattr(peft_lora, "VARIANT_KWARG_KEYS", ()))
@@ -77,7 +77,7 @@ def _project(
 ) -> Tensor:
     """``lora_A(dropout(cast_x))``, ``cast_x = cast(x)``: replayed from ``x`` where stock would
     keep an input-sized noise and dropped copy, or (no dropout) ``cast_x``, a copy of ``x``."""
-    if has_hooks(dropout):  # NOTE [uncalled submodules]
+    if runs_hooks(dropout) or runs_hooks(lora_A):  # NOTE [uncalled submodules]
         return lora_A(dropout(cast_x))
     if type(dropout) is nn.Dropout and dropout.training and 0.0 < dropout.p < 1.0:
         p = dropout.p
@@ -104,8 +104,10 @@ class _Replaying:
         return lora_forward(self, x, *args, **kwargs)
 
     def _memsave_uncalled(self) -> list[nn.Module]:
-        """The dropouts ``_project`` may draw itself (NOTE [uncalled submodules])."""
-        return [d for d in self.lora_dropout.values() if type(d) in (nn.Dropout, nn.Identity)]
+        """The dropouts ``_project`` may draw itself, and the ``lora_A`` projections its
+        replay calls again in backward (NOTE [uncalled submodules])."""
+        dropouts = [d for d in self.lora_dropout.values() if type(d) in (nn.Dropout, nn.Identity)]
+        return [*dropouts, *self.lora_A.values()]
 
 
 class MemSaveLoraLinear(_Replaying, peft_lora.Linear):

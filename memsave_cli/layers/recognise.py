@@ -69,7 +69,7 @@ from memsave_cli.layers.registry import DROP_INS, refuse_scripting
 from memsave_cli.layers.rmsnorm import may_record, rms_norm
 from memsave_cli.layers.settings import MODULE_ATTRIBUTES, described, own_settings
 from memsave_cli.layers.swap import swap_class
-from memsave_cli.layers.uncalled import LISTED_BY, has_hooks
+from memsave_cli.layers.uncalled import LISTED_BY, has_hooks, runs_hooks
 
 #: Attributes an RMSNorm keeps its epsilon in, in the order they are looked up.
 EPS_NAMES = ("variance_epsilon", "eps")
@@ -262,9 +262,10 @@ def _norm_forward(stock: type[nn.Module], recipe: Recipe) -> Callable:
 
 def _mlp_forward(stock: type[nn.Module], recipe: Recipe) -> Callable:
     def forward(self: nn.Module, hidden_states: Tensor) -> Tensor:
-        # Stock's where nothing records (the probes never looked there), and where the
-        # activation has hooks (registered since converting), which the recipe would not call.
-        if not torch.is_grad_enabled() or has_hooks(_act(self)):
+        # Stock's where nothing records (the probes never looked there), and where hooks
+        # would run around the activation (registered since converting, or global ones), which
+        # the recipe would not call (NOTE [uncalled submodules]).
+        if not torch.is_grad_enabled() or runs_hooks(_act(self)):
             return stock.forward(self, hidden_states)
         return gated_mlp(self, hidden_states, recipe.variant, recipe.detail)
 

@@ -48,7 +48,6 @@ and returns them on those edges. Their sum is then formed exactly as stock forms
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable
 from typing import Any
 
@@ -62,6 +61,7 @@ from memsave_cli.layers._autocast import autocast_state, replayed_autocast
 from memsave_cli.layers._backward import (
     forbid_double_backward,
     graph_capturing,
+    outer_hooks_hidden,
     records_backward,
 )
 
@@ -151,7 +151,7 @@ class RecomputedFunction(Function):
         with (
             torch.enable_grad(),
             replayed_autocast(ctx.autocast),
-            _outer_hooks_hidden(),
+            outer_hooks_hidden(),
         ):
             leaf = x.detach().requires_grad_()
             # Deliberate transient: the formula's intermediates, as stock kept them.
@@ -193,17 +193,6 @@ def recomputed(forward: Callable[[Tensor], Tensor], x: Tensor) -> Tensor:
         return forward(x)
     computed = _Forward(forward, output.detach())
     return RecomputedFunction.apply(computed, *[x] * uses)
-
-
-def _outer_hooks_hidden() -> contextlib.AbstractContextManager:
-    """Identity saved-tensor hooks in the body, where hooks may be installed at all."""
-    if not torch._C._autograd._saved_tensors_hooks_is_enabled():
-        return contextlib.nullcontext()
-    return torch.autograd.graph.saved_tensors_hooks(_same_tensor, _same_tensor)
-
-
-def _same_tensor(tensor: Tensor) -> Tensor:
-    return tensor
 
 
 def _drop(tensor: Tensor) -> None:

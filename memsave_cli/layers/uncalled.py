@@ -2,10 +2,14 @@
 
 NOTE [uncalled submodules]: a recognised gated MLP computes its activation inside its own op, and
 a converted peft LoRA layer draws its adapters' dropout inside the Function that replays it in
-backward; neither calls those submodules. Hooks registered on one (a user's, a tool's) would
-never run, so while it has any the drop-in takes its stock forward, which calls it. A tool that
-hooks every module leaves these alone (the per-layer recorder), or hooks their owner instead
-(``pin_dropout_draws``). A drop-in class names them with a method :data:`LISTED_BY`.
+backward, where it calls ``lora_A`` a second time; the first two are never called, the third is
+called twice. Anything that runs around a call of one would then run too rarely or too often:
+hooks registered on it (a user's, a tool's), an accelerate hook, a ``forward`` set on the
+instance, or module hooks registered for every module (``register_module_forward_hook`` and its
+kin: activation steering, statistics collectors). While any is there the drop-in takes its stock
+forward, which calls each once. A memsave tool that hooks every module leaves these alone (the
+per-layer recorder), or hooks their owner instead (``pin_dropout_draws``). A drop-in class names
+them with a method :data:`LISTED_BY`.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from torch import nn
+from torch.nn.modules import module as global_hooks
 
 #: The method of a drop-in class returning the submodules it does not call.
 LISTED_BY = "_memsave_uncalled"
@@ -21,8 +26,28 @@ _HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_
 
 
 def has_hooks(module: nn.Module | None) -> bool:
-    """Whether hooks are registered on ``module`` itself."""
-    return any(getattr(module, name, None) for name in _HOOKS)
+    """Whether a call of ``module`` runs more than its class's forward: hooks registered on it,
+    an accelerate hook, or a ``forward`` set on the instance (NOTE [uncalled submodules])."""
+    if module is None:
+        return False
+    own = vars(module)
+    return any(getattr(module, name, None) for name in _HOOKS) or bool(
+        own.keys() & {"forward", "_hf_hook"}
+    )
+
+
+def runs_hooks(module: nn.Module | None) -> bool:
+    """Whether a call of ``module`` now runs more than its class's forward: :func:`has_hooks`,
+    or module hooks registered for every module."""
+    return has_hooks(module) or any(getattr(global_hooks, name) for name in _GLOBAL_HOOKS)
+
+
+_GLOBAL_HOOKS = (
+    "_global_forward_hooks",
+    "_global_forward_pre_hooks",
+    "_global_backward_hooks",
+    "_global_backward_pre_hooks",
+)
 
 
 def uncalled(model: nn.Module) -> Iterator[tuple[nn.Module, nn.Module]]:

@@ -459,3 +459,66 @@ def test_adapters_run_stock_while_a_cuda_graph_is_captured(monkeypatch: pytest.M
     x = torch.randn(3, 5, 32, requires_grad=True)
     stock_bytes, memsave_bytes = _assert_same_step(stock, memsave, lambda m: m(x).square().sum())
     assert memsave_bytes == stock_bytes
+
+
+def test_hooks_on_lora_A_run_once_per_step_as_in_peft() -> None:
+    """The replay calls lora_A again in backward: while a hook is registered on it, the layer
+    takes peft's forward, so the hook runs once per forward and a hook drawing random numbers
+    leaves the generator where peft's step leaves it (NOTE [uncalled submodules])."""
+    torch.manual_seed(0)
+    stock = _adapted(Attention(), ["q"])
+    memsave = convert(stock)
+    x = torch.randn(2, 3, 32)
+    calls, after = {}, {}
+    for model in (stock, memsave):
+        lora_A = model.q.lora_A["default"]
+        lora_A.register_forward_hook(lambda *_, m=model: calls.setdefault(id(m), []).append(1))
+        lora_A.register_forward_pre_hook(lambda mod, a: (a[0] + 0.01 * torch.randn_like(a[0]),))
+    _assert_same_step(stock, memsave, lambda m: m(x).sum())
+    for model in (stock, memsave):
+        torch.manual_seed(5)
+        model(x).sum().backward()
+        after[id(model)] = torch.rand(1)
+    assert len(calls[id(stock)]) == len(calls[id(memsave)]) == 2
+    assert torch.equal(after[id(stock)], after[id(memsave)])
+
+
+def test_global_module_hooks_reach_the_adapters_dropout() -> None:
+    torch.manual_seed(0)
+    stock = _adapted(Attention(), ["q", "v"])
+    memsave = convert(stock)
+    x = torch.randn(2, 3, 32)
+
+    def scaled(module, args, output):
+        return output * 2.0 if isinstance(module, nn.Dropout) else None
+
+    handle = nn.modules.module.register_module_forward_hook(scaled)
+    try:
+        _assert_same_step(stock, memsave, lambda m: m(x).sum())
+    finally:
+        handle.remove()
+
+
+def test_a_forward_set_on_the_dropout_instance_runs() -> None:
+    torch.manual_seed(0)
+    stock = _adapted(Attention(), ["q"])
+    memsave = convert(stock)
+    for model in (stock, memsave):
+        model.q.lora_dropout["default"].forward = lambda t: t * 0.0  # an ablation patch
+    _assert_same_step(stock, memsave, lambda m: m(torch.randn(2, 3, 32)).sum())
+
+
+def test_trains_with_saved_tensor_hooks_disabled_as_peft_does() -> None:
+    """``disable_saved_tensors_hooks`` refuses new hooks: the replay in backward installed its
+    own and raised the user's message, where peft trains."""
+    torch.manual_seed(0)
+    stock = _adapted(Attention(), ["q"])
+    memsave = convert(stock)
+    x = torch.randn(2, 3, 32)
+    grads = []
+    for model in (stock, memsave):
+        torch.manual_seed(5)
+        with torch.autograd.graph.disable_saved_tensors_hooks("hooks disabled by user"):
+            model(x).sum().backward()
+        grads.append(model.q.lora_A["default"].weight.grad)
+    assert torch.equal(*grads)

@@ -1099,3 +1099,52 @@ def test_an_mlp_switching_autocast_off_stays_stock() -> None:
     recipe would compute in bfloat16 where stock does not."""
     assert recognise(FullPrecisionMLP(), "gated_mlp") is None
     assert recognise(PlainMLP(), "gated_mlp") is not None
+
+
+def _mlp_step(mlp: nn.Module, x: Tensor) -> tuple[Tensor, list[Tensor]]:
+    mlp.zero_grad(set_to_none=True)
+    out = mlp(x)
+    out.square().sum().backward()
+    return out.detach(), [p.grad for p in mlp.parameters()]
+
+
+def _halved(module: nn.Module, args: tuple, output: Tensor) -> Tensor | None:
+    """Activation steering: halve every SiLU's output."""
+    return output * 0.5 if isinstance(module, nn.SiLU) else None
+
+
+def test_global_module_hooks_make_a_converted_mlp_call_its_activation() -> None:
+    """NOTE [uncalled submodules]: hooks registered for every module
+    (``register_module_forward_hook``) run around the activation in stock's forward; the
+    converted MLP computes it in its own op, so while any is registered it takes stock's."""
+    torch.manual_seed(0)
+    stock = nn.Sequential(PlainMLP())
+    converted = convert(stock)
+    assert type(converted[0]).__name__ == "MemSavePlainMLP"
+    x = torch.randn(3, 8)
+    handle = nn.modules.module.register_module_forward_hook(_halved)
+    try:
+        (out, grads), (out_c, grads_c) = _mlp_step(stock, x), _mlp_step(converted, x)
+    finally:
+        handle.remove()
+    assert not torch.equal(out, _mlp_step(stock, x)[0])  # the hook changed stock's output
+    assert torch.equal(out, out_c) and all(map(torch.equal, grads, grads_c))
+
+
+def test_an_accelerate_hook_on_one_activation_keeps_only_its_mlp_stock() -> None:
+    """An accelerate hook (``_hf_hook``) on one MLP's activation: that MLP stays stock, also when
+    another of its class and settings was recognised first, and the clean ones convert."""
+    hooks = pytest.importorskip("accelerate.hooks")
+
+    class Halve(hooks.ModelHook):
+        def post_forward(self, module, output):
+            return output * 0.5
+
+    torch.manual_seed(0)
+    stock = nn.Sequential(PlainMLP(), PlainMLP())
+    hooks.add_hook_to_module(stock[1].act_fn, Halve())
+    converted = convert(stock)
+    assert [type(m).__name__ for m in converted] == ["MemSavePlainMLP", "PlainMLP"]
+    x = torch.randn(3, 8)
+    (out, grads), (out_c, grads_c) = _mlp_step(stock, x), _mlp_step(converted, x)
+    assert torch.equal(out, out_c) and all(map(torch.equal, grads, grads_c))
