@@ -26,8 +26,14 @@ _HOOK_ATTRIBUTES = frozenset({"_hf_hook", "_old_forward", "forward"})
 
 def own_settings(module: nn.Module) -> dict[str, object]:
     """The attributes ``module`` has beside those of every module, private ones included, and
-    beside an accelerate hook's."""
-    skipped = MODULE_ATTRIBUTES | (_HOOK_ATTRIBUTES if _accelerate_hooked(module) else set())
+    beside an accelerate hook's: also while one is being added, whose first step keeps the
+    module's own bound ``forward`` as ``_old_forward`` before ``_hf_hook`` is set."""
+    if _accelerate_hooked(module):
+        skipped = MODULE_ATTRIBUTES | _HOOK_ATTRIBUTES
+    elif getattr(vars(module).get("_old_forward"), "__self__", None) is module:
+        skipped = MODULE_ATTRIBUTES | {"_old_forward"}
+    else:
+        skipped = MODULE_ATTRIBUTES
     return {k: v for k, v in vars(module).items() if k not in skipped}
 
 

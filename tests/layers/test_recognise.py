@@ -1148,3 +1148,16 @@ def test_an_accelerate_hook_on_one_activation_keeps_only_its_mlp_stock() -> None
     x = torch.randn(3, 8)
     (out, grads), (out_c, grads_c) = _mlp_step(stock, x), _mlp_step(converted, x)
     assert torch.equal(out, out_c) and all(map(torch.equal, grads, grads_c))
+
+
+def test_an_accelerate_hook_added_after_converting_keeps_the_recipe() -> None:
+    """``add_hook_to_module`` (``cpu_offload``, ``dispatch_model``) first keeps the module's
+    bound forward as ``_old_forward``, before ``_hf_hook`` says it is hooked: that first step
+    made the converted norm stock again, and its saving was gone without a word."""
+    hooks = pytest.importorskip("accelerate.hooks")
+    torch.manual_seed(0)
+    stock, converted = _stock_and_converted(OffsetNorm(8, -0.0))
+    assert type(converted[0]).__name__ == "MemSaveOffsetNorm"
+    hooks.add_hook_to_module(converted[0], hooks.ModelHook())
+    assert type(converted[0]).__name__ == "MemSaveOffsetNorm"
+    _assert_same_outputs(stock, converted, torch.randn(3, 8))
