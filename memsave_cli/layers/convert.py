@@ -27,6 +27,7 @@ import warnings
 from collections.abc import Iterable
 from types import ModuleType
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
@@ -55,8 +56,10 @@ _RELU = MemSaveReLU()
 
 
 def memsave_relu(input: Tensor) -> Tensor:
-    """``F.relu`` keeping a 1-bit mask for backward: the converted Transformer activation."""
-    return _RELU(input)
+    """``F.relu`` keeping a 1-bit mask for backward: the converted Transformer activation. A
+    function, as stock's: its forward, not a module call, which module hooks registered for
+    every module would see."""
+    return _RELU.forward(input)
 
 
 def convert(
@@ -117,9 +120,11 @@ class UncopyableModelError(MemsaveError, RuntimeError):
 
 
 def _copy(model: nn.Module, action: str) -> nn.Module:
-    """A deep copy of ``model``, or one clear error naming what works instead."""
+    """A deep copy of ``model``, or one clear error naming what works instead. Made outside
+    inference mode: a copy made inside it holds inference tensors, which can never train."""
     try:
-        return copy.deepcopy(model)
+        with torch.inference_mode(False):
+            return copy.deepcopy(model)
     except Exception as error:
         sentence = str(error).strip().split(". ")[0].splitlines()[0] if str(error).strip() else ""
         raise UncopyableModelError(

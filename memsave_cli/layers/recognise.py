@@ -88,8 +88,29 @@ def convert_module(module: nn.Module, *, norms: bool, mlps: bool, activations: b
     recipe = recognise(module, kind)
     if recipe is None:
         return False
-    swap_class(module, _drop_in_class(type(module), recipe))
+    _become(module, type(module), recipe)
     return True
+
+
+def _become(module: nn.Module, stock: type[nn.Module], recipe: Recipe) -> None:
+    """Swap ``module`` (of class ``stock``) for ``recipe``'s drop-in; an MLP's submodules are
+    noted (NOTE [submodules replaced without setattr])."""
+    swap_class(module, _drop_in_class(stock, recipe))
+    if recipe.kind == "gated_mlp":
+        _CHILDREN[module] = _children(module)
+
+
+# NOTE [submodules replaced without setattr]: setting or deleting an attribute of a recognised
+# module probes it again (``__setattr__`` below), but ``add_module``, ``register_module`` and
+# ``_modules[name] = ...`` write the submodule table directly. A recognised MLP whose activation
+# was replaced so would go on computing the one it was probed with. So each notes its submodules
+# when it becomes a drop-in, and a call that finds other ones turns it stock (``convert`` probes
+# it again); a copy or an unpickled module notes them at its first call.
+_CHILDREN: weakref.WeakKeyDictionary[nn.Module, tuple] = weakref.WeakKeyDictionary()
+
+
+def _children(module: nn.Module) -> tuple:
+    return tuple(module._modules.items())
 
 
 def stock_class(cls: type) -> type[nn.Module] | None:
@@ -217,7 +238,7 @@ def _probe_again(module: nn.Module, created: type[nn.Module], name: str) -> None
         _PROBED_AGAIN[module] = _PROBED_AGAIN.get(module, 0) + 1
     recipe = _recipe(module, kind, key)
     if recipe is not None:
-        swap_class(module, _drop_in_class(stock, recipe))
+        _become(module, stock, recipe)
 
 
 def _reduce_ex(self: nn.Module, protocol: int) -> tuple:
@@ -267,6 +288,11 @@ def _mlp_forward(stock: type[nn.Module], recipe: Recipe) -> Callable:
         # the recipe would not call (NOTE [uncalled submodules]).
         if not torch.is_grad_enabled() or runs_hooks(_act(self)):
             return stock.forward(self, hidden_states)
+        if not is_compiling():
+            children = _children(self)
+            if _CHILDREN.setdefault(self, children) != children:
+                swap_class(self, stock)  # NOTE [submodules replaced without setattr]
+                return stock.forward(self, hidden_states)
         return gated_mlp(self, hidden_states, recipe.variant, recipe.detail)
 
     return forward

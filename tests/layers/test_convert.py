@@ -261,6 +261,39 @@ def test_transformer_functional_relu_converted() -> None:
     assert "F.relu" not in converted_counts(reverted)
 
 
+def test_transformer_relu_is_a_function_call_as_stock_s() -> None:
+    """Module hooks for every module see no module call where stock calls ``F.relu``: one
+    scaling ReLU modules' outputs changes neither model."""
+    stock = transformer()
+    converted = convert(stock)
+    seen = []
+
+    def scaled(module, args, output):
+        seen.append(type(module).__name__)
+        return output * 2.0 if isinstance(module, nn.ReLU) else None
+
+    src, tgt = torch.randn(5, 2, 16), torch.randn(4, 2, 16)
+    handle = nn.modules.module.register_module_forward_hook(scaled)
+    try:
+        mine, ref = run_transformer(converted, src, tgt), run_transformer(stock, src, tgt)
+        assert len(seen) % 2 == 0 and "MemSaveReLU" not in seen  # the same module calls
+    finally:
+        handle.remove()
+    for a, b in zip(mine, ref, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_a_copy_made_in_inference_mode_trains() -> None:
+    """``convert`` copies the model: inside ``inference_mode`` a copy holds inference tensors,
+    which no training step can use; the copy is made outside it."""
+    model = nn.Sequential(nn.Linear(3, 3), nn.ReLU())
+    with torch.inference_mode():
+        converted = convert(model)
+    assert not any(p.is_inference() for p in converted.parameters())
+    converted(torch.randn(2, 3)).sum().backward()
+    assert converted[0].weight.grad is not None
+
+
 def test_transformer_other_activation_untouched() -> None:
     """A GELU Transformer layer, or a ReLU not included, keeps its activation."""
     assert convert(transformer("gelu"))["decoder"].activation is F.gelu

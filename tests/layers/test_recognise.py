@@ -1161,3 +1161,23 @@ def test_an_accelerate_hook_added_after_converting_keeps_the_recipe() -> None:
     hooks.add_hook_to_module(converted[0], hooks.ModelHook())
     assert type(converted[0]).__name__ == "MemSaveOffsetNorm"
     _assert_same_outputs(stock, converted, torch.randn(3, 8))
+
+
+@pytest.mark.parametrize("how", ["add_module", "register_module", "_modules"])
+def test_an_activation_replaced_without_setattr_is_followed(how: str) -> None:
+    """NOTE [submodules replaced without setattr]: ``add_module`` and its kin write the
+    submodule table directly; the converted MLP finds the new activation at its next call and
+    turns stock, where it computed the one it was probed with."""
+    torch.manual_seed(0)
+    stock = nn.Sequential(PlainMLP())
+    converted = convert(stock)
+    for model in (stock, converted):
+        gelu = nn.GELU()
+        if how == "_modules":
+            model[0]._modules["act_fn"] = gelu
+        else:
+            getattr(model[0], how)("act_fn", gelu)
+    x = torch.randn(3, 8)
+    (out, grads), (out_c, grads_c) = _mlp_step(stock, x), _mlp_step(converted, x)
+    assert torch.equal(out, out_c) and all(map(torch.equal, grads, grads_c))
+    assert type(converted[0]) is PlainMLP
