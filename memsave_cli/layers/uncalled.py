@@ -1,19 +1,20 @@
 """Submodules a drop-in computes itself instead of calling, and the hooks that ask for the call.
 
-NOTE [uncalled submodules]: a recognised gated MLP computes its activation inside its own op, and
-a converted peft LoRA layer draws its adapters' dropout inside the Function that replays it in
-backward, where it calls ``lora_A`` a second time; the first two are never called, the third is
-called twice. Anything that runs around a call of one would then run too rarely or too often:
-hooks registered on it (a user's, a tool's), an accelerate hook, a ``forward`` set on the
-instance, or module hooks registered for every module (``register_module_forward_hook`` and its
-kin: activation steering, statistics collectors). While any is there the drop-in takes its stock
-forward, which calls each once. A memsave tool that hooks every module leaves these alone (the
-per-layer recorder), or hooks their owner instead (``pin_dropout_draws``). A drop-in class names
-them with a method :data:`LISTED_BY`.
+NOTE [uncalled submodules]: a recognised gated MLP computes its activation inside its own op,
+and a converted peft LoRA layer draws its adapters' dropout inside the Function that replays it
+in backward; neither calls those submodules. The replay calls the adapter's ``lora_A`` a second
+time. Anything that runs around a call of such a submodule would then run too rarely or too
+often: hooks registered on it (a user's, a tool's), an accelerate hook other than device
+placement, a ``forward`` set on the instance, or module hooks registered for every module
+(``register_module_forward_hook`` and its kin: activation steering, statistics collectors).
+While any is there the drop-in takes its stock forward, which calls each once. A memsave tool
+that hooks every module leaves these alone (the per-layer recorder), or hooks their owner
+instead (``pin_dropout_draws``). A drop-in class names them with a method :data:`LISTED_BY`.
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator
 
 from torch import nn
@@ -27,13 +28,27 @@ _HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_
 
 def has_hooks(module: nn.Module | None) -> bool:
     """Whether a call of ``module`` runs more than its class's forward: hooks registered on it,
-    an accelerate hook, or a ``forward`` set on the instance (NOTE [uncalled submodules])."""
+    an accelerate hook other than device placement, or a ``forward`` set on the instance (NOTE
+    [uncalled submodules])."""
     if module is None:
         return False
+    if any(getattr(module, name, None) for name in _HOOKS):
+        return True
     own = vars(module)
-    return any(getattr(module, name, None) for name in _HOOKS) or bool(
-        own.keys() & {"forward", "_hf_hook"}
-    )
+    if "_hf_hook" in own:  # its forward is the hook's wrapper
+        return not _places_only(own["_hf_hook"])
+    return "forward" in own
+
+
+def _places_only(hook: object) -> bool:
+    """Whether an accelerate hook only moves weights and inputs between devices (what
+    ``dispatch_model``, ``cpu_offload`` and a ``device_map`` attach to every module holding
+    weights): skipped or run twice, it computes nothing else."""
+    accelerate = sys.modules.get("accelerate.hooks")
+    if accelerate is None:
+        return False
+    parts = hook.hooks if isinstance(hook, accelerate.SequentialHook) else (hook,)
+    return all(type(part) in (accelerate.AlignDevicesHook, accelerate.CpuOffload) for part in parts)
 
 
 def runs_hooks(module: nn.Module | None) -> bool:

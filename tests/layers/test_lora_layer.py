@@ -522,3 +522,20 @@ def test_trains_with_saved_tensor_hooks_disabled_as_peft_does() -> None:
             model(x).sum().backward()
         grads.append(model.q.lora_A["default"].weight.grad)
     assert torch.equal(*grads)
+
+
+def test_device_placement_hooks_on_lora_A_keep_the_saving() -> None:
+    """``dispatch_model``, ``cpu_offload`` and a ``device_map`` put accelerate's
+    ``AlignDevicesHook`` on every module holding weights, lora_A included: it only moves
+    tensors, so the layer still replays its adapters (and the hook runs again there)."""
+    hooks = pytest.importorskip("accelerate.hooks")
+    torch.manual_seed(0)
+    stock = _adapted(Attention(), ["q", "v"])
+    memsave = convert(stock)
+    for model in (stock, memsave):
+        for name in ("q", "v"):
+            lora_A = getattr(model, name).lora_A["default"]
+            hooks.add_hook_to_module(lora_A, hooks.AlignDevicesHook(execution_device="cpu"))
+    x = torch.randn(8, 64, 32)  # inputs larger than the CPU generator's state each keeps
+    stock_bytes, memsave_bytes = _assert_same_step(stock, memsave, lambda m: m(x).sum())
+    assert memsave_bytes < stock_bytes

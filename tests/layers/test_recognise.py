@@ -1181,3 +1181,15 @@ def test_an_activation_replaced_without_setattr_is_followed(how: str) -> None:
     (out, grads), (out_c, grads_c) = _mlp_step(stock, x), _mlp_step(converted, x)
     assert torch.equal(out, out_c) and all(map(torch.equal, grads, grads_c))
     assert type(converted[0]) is PlainMLP
+
+
+def test_a_device_placement_hook_on_the_activation_keeps_the_mlp_converted() -> None:
+    hooks = pytest.importorskip("accelerate.hooks")
+    torch.manual_seed(0)
+    stock = nn.Sequential(PlainMLP())
+    hooks.add_hook_to_module(stock[0].act_fn, hooks.AlignDevicesHook(execution_device="cpu"))
+    converted = convert(stock)
+    assert type(converted[0]).__name__ == "MemSavePlainMLP"
+    x = torch.randn(3, 8)
+    (out, grads), (out_c, grads_c) = _mlp_step(stock, x), _mlp_step(converted, x)
+    assert torch.equal(out, out_c) and all(map(torch.equal, grads, grads_c))
