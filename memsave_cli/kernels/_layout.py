@@ -95,11 +95,18 @@ def is_eager(t: Tensor) -> bool:
     return type(t) in _EAGER_TYPES and not torch.compiler.is_compiling()
 
 
+def graph_capturing(t: Tensor) -> bool:
+    """Whether a CUDA graph is being captured on the current stream, for a CUDA ``t`` (outside
+    ``torch.compile``)."""
+    compiling = torch.compiler.is_compiling()
+    return t.is_cuda and not compiling and torch.cuda.is_current_stream_capturing()
+
+
 def tables_memoisable(t: Tensor) -> bool:
     """Whether small tensors built on ``t``'s device for ``t``'s geometry may be kept for later
     calls: ``t`` is eager, and no CUDA graph is being captured, which records the kernels that
     would fill them without running them (NOTE [device tables and streams])."""
-    return is_eager(t) and not (t.is_cuda and torch.cuda.is_current_stream_capturing())
+    return is_eager(t) and not graph_capturing(t)
 
 
 # NOTE [device tables and streams]: a table memoised on a CUDA device (max-pool index maps, the

@@ -97,17 +97,12 @@ def ops_run(*inputs: torch.Tensor) -> bool:
     return not dtensor and functions_run(*inputs)
 
 
-def graph_capturing(tensor: torch.Tensor) -> bool:
-    """Whether a CUDA graph is being captured on the current stream, for a CUDA ``tensor``.
-
-    NOTE [random layers under CUDA graph capture]: a captured launch replays the arguments it was
-    captured with, so noise drawn from a seed the host chose (memsave's dropout) would repeat at
-    every replay, and a generator's state cannot be read there (peft LoRA dropout's replay raised).
-    The random layers run stock while capturing: stock dropout draws from the CUDA generator,
-    which advances at every replay. What stock dropout saves is then saved.
-    """
-    compiling = torch.compiler.is_compiling()
-    return tensor.is_cuda and not compiling and torch.cuda.is_current_stream_capturing()
+# NOTE [random layers under CUDA graph capture]: a captured launch replays the arguments it was
+# captured with, so noise drawn from a seed the host chose (memsave's dropout) would repeat at
+# every replay, and a generator's state cannot be read there (peft LoRA dropout's replay raised).
+# The random layers run stock while capturing (``kernels._layout.graph_capturing``): stock
+# dropout draws from the CUDA generator, which advances at every replay. What stock dropout
+# saves is then saved.
 
 
 def outer_hooks_hidden() -> contextlib.AbstractContextManager:

@@ -14,12 +14,12 @@ import warnings
 import torch
 from torch import Tensor, nn
 
+from memsave_cli.kernels._layout import graph_capturing
 from memsave_cli.kernels.dropout import dropout_mul, dropout_mul_
 from memsave_cli.kernels.dropout import dropout_noise as dropout_noise  # re-exported for tests
 from memsave_cli.kernels.iterator_layout import contiguous_strides, like_strides
 from memsave_cli.layers._backward import (
     forbid_double_backward,
-    graph_capturing,
     ops_run,
     refuse_batched,
 )

@@ -23,7 +23,8 @@ from peft.tuners.lora import layer as peft_lora
 from peft.tuners.tuners_utils import BaseTunerLayer
 from torch import Tensor, nn
 
-from memsave_cli.layers._backward import graph_capturing, records_backward
+from memsave_cli.kernels._layout import graph_capturing
+from memsave_cli.layers._backward import records_backward
 from memsave_cli.layers.lora_dropout import dropped_projection
 from memsave_cli.layers.recipe_probes import probing
 from memsave_cli.layers.swap import swap_class

@@ -57,10 +57,10 @@ from torch.autograd import Function
 from torch.autograd.graph import Node
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from memsave_cli.kernels._layout import graph_capturing
 from memsave_cli.layers._autocast import autocast_state, replayed_autocast
 from memsave_cli.layers._backward import (
     forbid_double_backward,
-    graph_capturing,
     outer_hooks_hidden,
     records_backward,
 )
