@@ -49,21 +49,12 @@ def attention_kernels(device: str, kernel: str = "auto") -> Iterator[AttentionLo
     forced kernel is logged under its name, the device's own choice under ``auto``."""
     log = AttentionLog()
     original = F.scaled_dot_product_attention
-    if device != "meta":
 
-        def counted(*args, **kwargs):
-            log[kernel] += 1
-            return original(*args, **kwargs)
+    def counted(*args, **kwargs):
+        log[kernel] += 1
+        return original(*args, **kwargs)
 
-        F.scaled_dot_product_attention = counted
-        try:
-            with _forced_elsewhere(kernel):
-                yield log
-        finally:
-            F.scaled_dot_product_attention = original
-        return
-
-    def attention(*args, **kwargs):
+    def on_meta(*args, **kwargs):
         call = _autocast(_sdpa_call(*args, **kwargs))
         chosen = kernel if kernel != "auto" else cuda_kernel(call)
         if chosen in _FITS and not (_dense_4d(call) and _FITS[chosen](call)):
@@ -76,9 +67,11 @@ def attention_kernels(device: str, kernel: str = "auto") -> Iterator[AttentionLo
             return original(**call)
         return _FUSED[chosen](call)
 
-    F.scaled_dot_product_attention = attention
+    meta = device == "meta"
+    F.scaled_dot_product_attention = on_meta if meta else counted
     try:
-        yield log
+        with contextlib.nullcontext() if meta else _forced_elsewhere(kernel):
+            yield log
     finally:
         F.scaled_dot_product_attention = original
 

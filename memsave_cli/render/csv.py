@@ -43,11 +43,13 @@ def _setting(report: Report, name: str) -> object:
     if not report.records(name) or (name == "reshard" and report.fsdp is None):
         return None
     value = getattr(report, name)
-    if name == "input_shape" and value is not None:
+    if value is None:
+        return None
+    if name == "input_shape":
         return "x".join(map(str, value))
-    if isinstance(value, tuple):
-        return " ".join(value)
-    return None if value is None else str(value) if name == "lora" else value
+    if name == "lora":
+        return str(value)
+    return " ".join(value) if isinstance(value, tuple) else value
 
 
 def _cell(value: object) -> object:
