@@ -9,11 +9,24 @@ CUDA selection (``sdp_utils.cpp``, sm80 and later) would pick for those shapes a
 autograd saves exactly what that kernel's backward needs. The function is replaced on
 ``torch.nn.functional``, which is where ``nn.MultiheadAttention`` and Hugging Face models look it
 up. On cpu and cuda a forced kernel goes through ``torch.nn.attention.sdpa_kernel``.
+
+NOTE [grouped heads]: grouped-query attention (fewer key/value heads than query heads,
+``enable_gqa=True``) ran fused only in flash attention until PyTorch gave the memory-efficient
+kernel its own grouped heads (pytorch/pytorch#191085: in 2.14.1, not in 2.11.0). Before, a
+float32 or masked grouped-query call ran math attention, keeping the (B, H, L, S) weights; since,
+it runs efficient attention, which keeps the key and value at their own head count. The same
+change lets both fused kernels take a single key/value head without ``enable_gqa`` (implicit
+multi-query attention). The installed torch decides it, so ``grouped_heads_native`` asks it:
+since that change its efficient backward's meta kernel gives the key gradient the key's head
+count. Hugging Face passes ``enable_gqa`` for unmasked calls, so a float32 grouped-query LLaMA
+counted math attention on 2.14 where a GPU runs efficient. The GPU acceptance compares each
+fused kernel's fit with the device's own (``benchmarks/gpu_acceptance/attention_choice.py``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from collections import Counter
 from collections.abc import Iterator
@@ -149,7 +162,8 @@ def _flash_fits(call: dict) -> bool:
 
 def _efficient_fits(call: dict) -> bool:
     """Masks (additive or boolean, with or without grad) and float32; the head dim a multiple of
-    the GEMM alignment (8 in half precision, 4 in float32); no grouped-query attention."""
+    the GEMM alignment (8 in half precision, 4 in float32); grouped-query attention where this
+    torch's kernel takes it (``grouped_heads_native``)."""
     q, k, v = call["query"], call["key"], call["value"]
     alignment = 8 if q.dtype in FLASH_DTYPES else 4
     return (
@@ -157,17 +171,39 @@ def _efficient_fits(call: dict) -> bool:
         and q.size(-1) == k.size(-1)
         and q.size(-1) % alignment == 0
         and v.size(-1) % alignment == 0
-        and _heads_fit(call, grouped=False)
+        and _heads_fit(call, grouped=grouped_heads_native())
     )
 
 
 def _heads_fit(call: dict, grouped: bool) -> bool:
+    """Equal batch sizes, key and value of one head count, and that the query's; or, where the
+    kernel groups heads, ``enable_gqa`` and a divisor of it, or (NOTE [grouped heads]) one
+    key/value head without ``enable_gqa``."""
     q, k, v = call["query"], call["key"], call["value"]
     if q.size(0) != k.size(0) or k.shape[:2] != v.shape[:2]:
         return False
-    if q.size(1) == k.size(1):
+    if q.size(1) == k.size(1) or (k.size(1) == 1 and grouped_heads_native()):
         return True
     return grouped and call["enable_gqa"] and q.size(1) % k.size(1) == 0
+
+
+@functools.cache
+def grouped_heads_native() -> bool:
+    """Whether this torch's memory-efficient attention takes fewer key/value heads than query
+    heads (NOTE [grouped heads]): its backward then gives the key gradient the key's own head
+    count, where older releases gave it the query's."""
+    q = torch.empty(1, 2, 8, 8, device="meta")
+    kv = torch.empty(1, 1, 8, 8, device="meta")
+    try:
+        out, lse, seed, offset = torch.ops.aten._scaled_dot_product_efficient_attention(
+            q, kv, kv, None, True
+        )
+        grads = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
+            out, q, kv, kv, None, out, lse, seed, offset, 0.0, [True, True, True, False]
+        )
+    except (RuntimeError, TypeError, NotImplementedError):
+        return False
+    return grads[1].size(1) == kv.size(1)
 
 
 def _flash(call: dict) -> torch.Tensor:

@@ -9,10 +9,12 @@ import torch
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from memsave_cli.meta_attention import attention_kernels, cuda_kernel
+from memsave_cli.meta_attention import attention_kernels, cuda_kernel, grouped_heads_native
 from memsave_cli.meta_dropout import dropout_as_on_cuda
 
 BF16, F32 = torch.bfloat16, torch.float32
+#: "efficient" where the installed torch's efficient attention groups heads, else "".
+GROUPED = "efficient" if grouped_heads_native() else ""
 
 
 def _qkv(dtype, heads=4, kv_heads=None, length=16, kv_length=None, dim=64):
@@ -41,7 +43,13 @@ def _call(q, k, v, mask=None, dropout_p=0.0, is_causal=False, enable_gqa=False) 
         ({"dtype": F32, "dim": 6}, {}, "math"),  # not a multiple of 4
         ({"dtype": BF16, "dim": 12}, {"mask": "float"}, "math"),  # half: multiple of 8
         ({"dtype": BF16, "kv_heads": 2}, {"enable_gqa": True}, "flash"),
-        ({"dtype": F32, "kv_heads": 2}, {"enable_gqa": True}, "math"),  # efficient: no GQA
+        # efficient groups heads where the installed torch's does (NOTE [grouped heads])
+        ({"dtype": F32, "kv_heads": 2}, {"enable_gqa": True}, GROUPED or "math"),
+        ({"dtype": BF16, "kv_heads": 2}, {"mask": "float", "enable_gqa": True}, GROUPED or "math"),
+        ({"dtype": F32, "kv_heads": 2}, {}, "math"),  # grouped heads need enable_gqa
+        ({"dtype": BF16, "kv_heads": 1}, {}, "flash" if GROUPED else "math"),  # one k/v head
+        ({"dtype": F32, "kv_heads": 1}, {}, GROUPED or "math"),
+        ({"dtype": BF16, "heads": 6, "kv_heads": 4}, {"enable_gqa": True}, "math"),  # no divisor
         ({"dtype": BF16, "kv_length": 24}, {"is_causal": True}, "efficient"),
         ({"dtype": torch.float64}, {}, "math"),
     ],
@@ -89,6 +97,44 @@ def test_efficient_with_dropout_saves_a_padded_logsumexp() -> None:
     assert ((2, 4, math.ceil(16 / 32) * 32), F32) in saved
     assert saved.count(((), torch.int64)) == 2
     assert not any(shape[-2:] == (16, 16) for shape, _ in saved)  # no attention matrix
+
+
+@pytest.mark.skipif(not GROUPED, reason="this torch's efficient attention has no grouped heads")
+def test_grouped_float32_keeps_key_and_value_at_their_head_count() -> None:
+    """NOTE [grouped heads]: 4 query heads over 2 key/value heads in float32 run efficient
+    attention, which keeps k and v as they are (not repeated) and no attention matrix; the
+    gradients come back in their inputs' shapes."""
+    q, k, v = _qkv(F32, kv_heads=2)
+    saved: list[tuple] = []
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        saved.append((tuple(tensor.shape), tensor.dtype))
+        return tensor
+
+    with attention_kernels("meta") as log:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        out.sum().backward()
+    assert str(log) == "efficient"
+    assert saved.count(((2, 2, 16, 64), F32)) == 2 and saved.count(((2, 4, 16, 64), F32)) == 2
+    assert not any(shape[-2:] == (16, 16) for shape, _ in saved)
+    assert (q.grad.shape, k.grad.shape, v.grad.shape) == (q.shape, k.shape, v.shape)
+
+
+def test_a_float32_grouped_query_llama_counts_the_kernel_its_torch_runs() -> None:
+    """Hugging Face passes ``enable_gqa`` for an unmasked call: with grouped heads in the
+    installed torch's efficient kernel a GPU runs it, else math."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=2, attn_implementation="sdpa",
+    )  # fmt: skip
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(config)
+    ids = torch.zeros(2, 16, dtype=torch.long, device="meta")
+    with attention_kernels("meta") as log:
+        model(input_ids=ids).logits.sum().backward()
+    assert str(log) == (GROUPED or "math")
 
 
 def test_math_keeps_the_attention_matrix() -> None:
