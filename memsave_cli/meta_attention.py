@@ -70,7 +70,7 @@ def attention_kernels(device: str, kernel: str = "auto") -> Iterator[AttentionLo
     def on_meta(*args, **kwargs):
         call = _autocast(_sdpa_call(*args, **kwargs))
         chosen = kernel if kernel != "auto" else cuda_kernel(call)
-        if chosen in _FITS and not (_dense_4d(call) and _FITS[chosen](call)):
+        if chosen in _FITS and not kernel_fits(chosen, call):
             raise RuntimeError(
                 f"{KERNEL_REFUSED} '{chosen}' cannot run this call (CUDA would refuse it: "
                 f"{_describe(call)}); use --attention auto or math"
@@ -133,11 +133,13 @@ def _autocast(call: dict) -> dict:
 def cuda_kernel(call: dict) -> str:
     """flash, efficient or math: the first kernel whose CUDA constraints the call meets, in
     PyTorch's priority order (flash before efficient before math)."""
-    if _dense_4d(call) and _flash_fits(call):
-        return "flash"
-    if _dense_4d(call) and _efficient_fits(call):
-        return "efficient"
-    return "math"
+    return next((kernel for kernel in _FITS if kernel_fits(kernel, call)), "math")
+
+
+def kernel_fits(kernel: str, call: dict) -> bool:
+    """Whether a CUDA device (sm80 or later) can run ``call`` with fused ``kernel`` (flash or
+    efficient), as ``torch.backends.cuda.can_use_flash_attention`` and its kin answer there."""
+    return _dense_4d(call) and _FITS[kernel](call)
 
 
 def _dense_4d(call: dict) -> bool:
@@ -253,5 +255,6 @@ def _describe(call: dict) -> str:
     return f"query {tuple(q.shape)} {q.dtype}, key {tuple(k.shape)}, {masked}"
 
 
+#: The fused kernels in PyTorch's priority order, each with its constraints.
 _FITS = {"flash": _flash_fits, "efficient": _efficient_fits}
 _FUSED = {"flash": _flash, "efficient": _efficient}

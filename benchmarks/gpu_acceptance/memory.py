@@ -16,6 +16,9 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
+import torch
+
+from benchmarks.gpu_acceptance import attention_choice
 from benchmarks.gpu_acceptance.budget import Budget
 from benchmarks.gpu_acceptance.cells import Cell, Status
 from benchmarks.gpu_acceptance.plan import Plan
@@ -32,8 +35,10 @@ MIN_PROFILE_S, MAX_RUN_S = 20.0, 240.0
 
 
 def run(plan: Plan, budget: Budget, emit: Callable[[Cell], None]) -> dict[str, Any]:
-    """Emit a saved-bytes cell and a device-view cell per model, case and implementation;
-    return the reports of both sides by model and case, for the record."""
+    """Emit the attention-choice cells (``attention_choice.py``), then a saved-bytes cell and a
+    device-view cell per model, case and implementation; return the reports of both sides by
+    model and case, for the record."""
+    attention_choice.run(torch.device(plan.device), emit)
     reports: dict[str, Any] = {}
     for experiment in plan.memory:
         for case in plan.memory_cases:
