@@ -62,7 +62,7 @@ class Job:
     repeat: int = 3
     per_layer: bool = True
     inputs: str = "auto"  # language models: "auto" | "tokens" | "embeds" (memsave_cli.inputs)
-    attention: str = "auto"  # "auto" (as CUDA picks) | "math" | "flash" | "efficient"
+    attention: str = "auto"  # "auto" (as CUDA picks) | "math" | "flash" | "efficient" | "cudnn"
     fsdp: int | None = None  # ranks FSDP2 shards the model over; None: one unsharded process
     reshard: bool = True  # FSDP2 default reshard_after_forward (False: --no-reshard)
     checkpoint: tuple[str, ...] = ()  # modules recomputed in backward (memsave_cli.checkpointing)
@@ -141,10 +141,10 @@ def check_job(job: Job) -> None:
     ):
         if value not in known:
             raise MemsaveError(f"unknown {what} '{value}': expected one of {', '.join(known)}")
-    if job.device == "cpu" and job.attention == "efficient":
+    if job.device == "cpu" and job.attention in ("efficient", "cudnn"):
         raise MemsaveError(
-            "attention kernel 'efficient' does not run on cpu: use auto, math or flash there, "
-            "or estimate on meta"
+            f"attention kernel '{job.attention}' does not run on cpu: use auto, math or flash "
+            "there, or estimate on meta"
         )
     if job.inputs == "tokens" and job.case.input_grad:
         raise MemsaveError(

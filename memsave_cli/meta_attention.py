@@ -21,6 +21,16 @@ since that change its efficient backward's meta kernel gives the key gradient th
 count. Hugging Face passes ``enable_gqa`` for unmasked calls, so a float32 grouped-query LLaMA
 counted math attention on 2.14 where a GPU runs efficient. The GPU acceptance compares each
 fused kernel's fit with the device's own (``benchmarks/gpu_acceptance/attention_choice.py``).
+
+NOTE [cuDNN attention]: PyTorch 2.11 and later, with a cuDNN newer than 9.15 (their CUDA 13
+wheels ship 9.19 and 9.24), try cuDNN attention before flash on sm90 and sm100 GPUs (H100, H200,
+B200); elsewhere cuDNN comes last. Meta's ``auto`` follows the sm80 order (``SM80_ORDER``). The
+``cudnn`` kernel counts cuDNN's operator where it can run a call, by the constraints PyTorch 2.14
+checks on sm90 with a cuDNN newer than 9.22, and refuses the call where not, as forcing it on such
+a GPU would. cuDNN keeps q, k, v, the output, a (B, H, L, 1) float32 log-sum-exp, the generator's
+seed and offset, and the mask, which a boolean one reaches as an additive copy in the query's
+dtype: for an unmasked call, the bytes flash keeps. The GPU acceptance compares these constraints
+with the device's.
 """
 
 from __future__ import annotations
@@ -38,10 +48,14 @@ from memsave_cli.layers._autocast import autocast_dtype, autocast_on
 from memsave_cli.meta_autocast import cast_eligible
 
 #: ``auto`` picks as CUDA does; the others force one kernel.
-ATTENTION_KERNELS = ("auto", "math", "flash", "efficient")
+ATTENTION_KERNELS = ("auto", "math", "flash", "efficient", "cudnn")
 FLASH_DTYPES = (torch.float16, torch.bfloat16)
 EFFICIENT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 FLASH_MAX_HEAD_DIM = 256
+#: cuDNN's limits on sm90 and sm100 with a cuDNN newer than 9.22 (NOTE [cuDNN attention]).
+CUDNN_MAX_HEAD_DIM, CUDNN_MAX_BATCH_OR_HEADS = 256, 65535
+#: Head dims (query/key, value) cuDNN's backward takes beyond both at most 128.
+CUDNN_BACKWARD_WIDE = ((192, 128), (256, 256))
 #: How the refusal of a forced kernel begins (the preflight makes it one line).
 KERNEL_REFUSED = "attention kernel"
 #: The efficient kernel reads its bias in rows of 16 elements, padding a mask that is not aligned.
@@ -100,6 +114,7 @@ def _forced_elsewhere(kernel: str) -> Iterator[None]:
         "math": SDPBackend.MATH,
         "flash": SDPBackend.FLASH_ATTENTION,
         "efficient": SDPBackend.EFFICIENT_ATTENTION,
+        "cudnn": SDPBackend.CUDNN_ATTENTION,
     }[kernel]
     with sdpa_kernel(backend):
         yield
@@ -132,13 +147,14 @@ def _autocast(call: dict) -> dict:
 
 def cuda_kernel(call: dict) -> str:
     """flash, efficient or math: the first kernel whose CUDA constraints the call meets, in
-    PyTorch's priority order (flash before efficient before math)."""
-    return next((kernel for kernel in _FITS if kernel_fits(kernel, call)), "math")
+    PyTorch's priority order on sm80 (flash before efficient before math; cuDNN last)."""
+    return next((kernel for kernel in SM80_ORDER if kernel_fits(kernel, call)), "math")
 
 
 def kernel_fits(kernel: str, call: dict) -> bool:
-    """Whether a CUDA device (sm80 or later) can run ``call`` with fused ``kernel`` (flash or
-    efficient), as ``torch.backends.cuda.can_use_flash_attention`` and its kin answer there."""
+    """Whether a CUDA device can run ``call`` with fused ``kernel`` (flash, efficient or cudnn),
+    as ``torch.backends.cuda.can_use_flash_attention`` and its kin answer there (cudnn: on
+    sm90 or sm100 with a recent cuDNN, NOTE [cuDNN attention])."""
     return _dense_4d(call) and _FITS[kernel](call)
 
 
@@ -175,6 +191,44 @@ def _efficient_fits(call: dict) -> bool:
         and v.size(-1) % alignment == 0
         and _heads_fit(call, grouped=grouped_heads_native())
     )
+
+
+def _cudnn_fits(call: dict) -> bool:
+    """NOTE [cuDNN attention]: half precision; a mask without grad, 2-d or 4-d, broadcastable to
+    (B, H, L, S); dropout a multiple of 1/16; batch and heads at most 65535; head dims multiples
+    of 8, at most 256, and with a backward at most 128 or (192, 128) or (256, 256); more than
+    one key, and more than one query with dropout; grouped heads native."""
+    q, k, v = call["query"], call["key"], call["value"]
+    d_qk, d_v, dropout = q.size(-1), v.size(-1), call["dropout_p"]
+    backward = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    return (
+        q.dtype in FLASH_DTYPES
+        and _cudnn_mask_fits(call)
+        and dropout * 16 == math.floor(dropout * 16)
+        and max(q.size(0), q.size(1)) <= CUDNN_MAX_BATCH_OR_HEADS
+        and d_qk % 8 == 0
+        and d_v % 8 == 0
+        and max(d_qk, d_v) <= CUDNN_MAX_HEAD_DIM
+        and (not backward or max(d_qk, d_v) <= 128 or (d_qk, d_v) in CUDNN_BACKWARD_WIDE)
+        and k.size(-2) != 1
+        and (dropout == 0 or q.size(-2) != 1)
+        and q.size(0) == k.size(0)
+        and k.shape[:2] == v.shape[:2]
+        and q.size(1) % k.size(1) == 0
+    )
+
+
+def _cudnn_mask_fits(call: dict) -> bool:
+    mask, q, k = call["attn_mask"], call["query"], call["key"]
+    if mask is None:
+        return True
+    if mask.requires_grad or mask.dim() not in (2, 4):
+        return False
+    rows, columns = mask.shape[-2:]
+    leading_fit = mask.dim() == 2 or (
+        mask.size(0) in (1, q.size(0)) and mask.size(1) in (1, q.size(1))
+    )
+    return rows in (1, q.size(-2)) and columns in (1, k.size(-2)) and leading_fit
 
 
 def _heads_fit(call: dict, grouped: bool) -> bool:
@@ -223,10 +277,8 @@ def _flash(call: dict) -> torch.Tensor:
 def _efficient(call: dict) -> torch.Tensor:
     """``aten._scaled_dot_product_efficient_attention`` with the mask as CUDA prepares it: a
     boolean mask becomes an additive one, and a bias whose rows are not 16-aligned is padded."""
-    q, k, v, mask = call["query"], call["key"], call["value"], call["attn_mask"]
+    q, k, v, mask = call["query"], call["key"], call["value"], _additive(call)
     if mask is not None:
-        if mask.dtype == torch.bool:
-            mask = torch.zeros_like(mask, dtype=q.dtype).masked_fill_(mask.logical_not(), -math.inf)
         mask = _aligned_bias(mask).expand(q.size(0), q.size(1), q.size(-2), k.size(-2))
     grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (q, k, v, mask)
@@ -234,6 +286,26 @@ def _efficient(call: dict) -> torch.Tensor:
     return torch.ops.aten._scaled_dot_product_efficient_attention(
         q, k, v, mask, grad, call["dropout_p"], call["is_causal"], scale=call["scale"]
     )[0]
+
+
+def _cudnn(call: dict) -> torch.Tensor:
+    """``aten._scaled_dot_product_cudnn_attention`` with the mask as CUDA hands it over: a
+    boolean mask becomes an additive one (a tensor the backward keeps), a float one as it is."""
+    q, k, v = call["query"], call["key"], call["value"]
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    return torch.ops.aten._scaled_dot_product_cudnn_attention(
+        q, k, v, _additive(call), grad, call["dropout_p"], call["is_causal"], False,
+        scale=call["scale"],
+    )[0]  # fmt: skip
+
+
+def _additive(call: dict) -> torch.Tensor | None:
+    """The call's mask as an additive one in the query's dtype (-inf where a boolean mask is
+    False), as CUDA converts it for the fused kernels."""
+    mask, dtype = call["attn_mask"], call["query"].dtype
+    if mask is None or mask.dtype != torch.bool:
+        return mask
+    return torch.zeros_like(mask, dtype=dtype).masked_fill_(mask.logical_not(), -math.inf)
 
 
 def _pad_last(tensor: torch.Tensor, multiple: int) -> torch.Tensor:
@@ -255,6 +327,8 @@ def _describe(call: dict) -> str:
     return f"query {tuple(q.shape)} {q.dtype}, key {tuple(k.shape)}, {masked}"
 
 
-#: The fused kernels in PyTorch's priority order, each with its constraints.
-_FITS = {"flash": _flash_fits, "efficient": _efficient_fits}
-_FUSED = {"flash": _flash, "efficient": _efficient}
+#: The fused kernels, each with its constraints and the aten operator it runs on meta.
+_FITS = {"flash": _flash_fits, "efficient": _efficient_fits, "cudnn": _cudnn_fits}
+_FUSED = {"flash": _flash, "efficient": _efficient, "cudnn": _cudnn}
+#: PyTorch's priority order of the fused kernels on sm80 (NOTE [cuDNN attention]).
+SM80_ORDER = ("flash", "efficient")

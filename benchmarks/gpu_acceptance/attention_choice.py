@@ -2,12 +2,12 @@
 
 Meta counts the kernel PyTorch's CUDA selection would pick from constraints written down in
 ``memsave_cli/meta_attention.py`` (NOTE [attention on meta], NOTE [grouped heads]); the device
-answers the same questions itself: ``torch.backends.cuda.can_use_flash_attention`` and
-``can_use_efficient_attention`` per kernel, ``torch._fused_sdp_choice`` for the one it takes. One
-checked cell per fused kernel fails where meta's rule and the device's disagree on any call of
-:data:`CALLS`. A measured cell records the device's picks where they differ from meta's: sm90 and
-sm100 GPUs try cuDNN attention first, which meta does not model (docs/measurement.md), so this
-is where a lease shows which calls that moves.
+answers the same questions itself: ``torch.backends.cuda.can_use_flash_attention`` and its kin
+per kernel, ``torch._fused_sdp_choice`` for the one it takes. One checked cell per fused kernel
+(flash, efficient, cuDNN) fails where meta's rule and the device's disagree on any call of
+:data:`CALLS`. A measured cell records the device's picks where they differ from meta's ``auto``:
+sm90 and sm100 GPUs try cuDNN attention first, where ``auto`` follows sm80's order
+(NOTE [cuDNN attention]), so this is where a lease shows which calls that moves.
 """
 
 from __future__ import annotations
@@ -28,14 +28,17 @@ BF16, F32 = torch.bfloat16, torch.float32
 CALLS: dict[str, tuple] = {
     "bf16 causal": (BF16, (4, 4), (16, 16), 64, {"is_causal": True}),
     "bf16 dropout": (BF16, (4, 4), (16, 16), 64, {"dropout_p": 0.1}),
+    "bf16 dropout 1/8": (BF16, (4, 4), (16, 16), 64, {"dropout_p": 0.125}),
     "f32": (F32, (4, 4), (16, 16), 64, {}),
     "f16 float mask": (torch.float16, (4, 4), (16, 16), 64, {"attn_mask": "float"}),
     "bf16 bool mask": (BF16, (4, 4), (16, 16), 64, {"attn_mask": "bool"}),
+    "bf16 head dim 160": (BF16, (4, 4), (16, 16), 160, {}),
     "bf16 head dim 256": (BF16, (4, 4), (16, 16), 256, {}),
     "bf16 head dim 512": (BF16, (4, 4), (16, 16), 512, {}),
     "f32 head dim 6": (F32, (4, 4), (16, 16), 6, {}),
     "bf16 head dim 12 masked": (BF16, (4, 4), (16, 16), 12, {"attn_mask": "float"}),
     "bf16 causal 16 over 24 keys": (BF16, (4, 4), (16, 24), 64, {"is_causal": True}),
+    "bf16 one key": (BF16, (4, 4), (16, 1), 64, {}),
     "bf16 grouped": (BF16, (4, 2), (16, 16), 64, {"enable_gqa": True}),
     "f32 grouped": (F32, (4, 2), (16, 16), 64, {"enable_gqa": True, "is_causal": True}),
     "bf16 grouped masked": (BF16, (4, 2), (16, 16), 64, {"enable_gqa": True, "attn_mask": "bool"}),
@@ -73,7 +76,11 @@ def device_fits(kernel: str, arguments: dict) -> bool:
     from torch.backends import cuda
 
     params = cuda.SDPAParams(*_positional(arguments), arguments["enable_gqa"])
-    can_use = {"flash": cuda.can_use_flash_attention, "efficient": cuda.can_use_efficient_attention}
+    can_use = {
+        "flash": cuda.can_use_flash_attention,
+        "efficient": cuda.can_use_efficient_attention,
+        "cudnn": cuda.can_use_cudnn_attention,
+    }
     return bool(can_use[kernel](params, False))
 
 
@@ -91,11 +98,16 @@ def _positional(arguments: dict) -> tuple:
 
 
 def run(device: torch.device, emit: Callable[[Cell], None]) -> None:
-    """A checked cell per fused kernel and the measured picks, on a CUDA device only."""
+    """A checked cell per fused kernel and the measured picks, on a CUDA device only. Meta's
+    cuDNN rule is sm90's and sm100's (NOTE [cuDNN attention]): elsewhere its cell is skipped."""
     if device.type != "cuda":
         return
-    for kernel in ("flash", "efficient"):
-        emit(guarded(PART, rule_cell, f"attention: {kernel} rule", kernel, device, device_fits))
+    for kernel in ("flash", "efficient", "cudnn"):
+        label = f"attention: {kernel} rule"
+        if kernel == "cudnn" and torch.cuda.get_device_capability(device)[0] not in (9, 10):
+            emit(Cell(PART, label, Status.SKIPPED, "meta's cuDNN rule is sm90's and sm100's"))
+            continue
+        emit(guarded(PART, rule_cell, label, kernel, device, device_fits))
     emit(guarded(PART, choice_cell, "attention: kernels taken", device, device_choice))
 
 

@@ -54,6 +54,7 @@ class Attention(str, Enum):
     math = "math"
     flash = "flash"
     efficient = "efficient"
+    cudnn = "cudnn"
 
 
 def torch_dtype(dtype: Dtype) -> torch.dtype:
@@ -143,8 +144,8 @@ InputsOpt = Annotated[
 AttentionOpt = Annotated[
     Attention,
     typer.Option(
-        help="Attention kernel: auto (the one a CUDA device picks, also on meta), math, flash "
-        "or efficient."
+        help="Attention kernel: auto (the one a CUDA device picks, also on meta; sm80's "
+        "order), math, flash, efficient or cudnn (tried first on sm90 and sm100)."
     ),
 ]
 FsdpOpt = Annotated[

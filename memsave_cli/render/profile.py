@@ -188,9 +188,23 @@ def inputs_and_attention(report: Report) -> str:
         per_run = (
             names[0] if len(names) == 1 else ", ".join(f"{k}: {v}" for k, v in kernels.items())
         )
-        assumed = " (as a CUDA device picks)" if report.attention == "auto" else " (forced)"
-        lines.append(f"Attention kernel: {per_run}{assumed}.")
+        lines.append(f"Attention kernel: {per_run} ({_chosen_by(report)}).")
     return "\n".join(lines)
+
+
+def _chosen_by(report: Report) -> str:
+    """Who chose the attention kernels counted. On meta in half precision, where sm90 and sm100
+    GPUs would take cuDNN's kernel first, the words say how to count that (NOTE [cuDNN
+    attention])."""
+    if report.attention != "auto":
+        return "forced"
+    if report.device != "meta":
+        return "the device's choice"
+    if not {report.dtype, report.autocast} & {"float16", "bfloat16"}:
+        return "as a CUDA device picks"
+    return (
+        "as a CUDA device picks in sm80's order; sm90 and sm100 try cudnn first: --attention cudnn"
+    )
 
 
 def print_profile(console: Console, report: Report, *, top: int = 5) -> None:

@@ -22,7 +22,7 @@ def test_the_calls_reach_every_kernel_and_each_rules_both_answers() -> None:
         "efficient",
         "math",
     }
-    for kernel in ("flash", "efficient"):
+    for kernel in ("flash", "efficient", "cudnn"):
         answers = {kernel_fits(kernel, arguments) for arguments in calls.values()}
         assert answers == {True, False}, kernel
 
@@ -32,7 +32,7 @@ def test_the_grouped_calls_follow_the_installed_torch() -> None:
     assert kernel_fits("efficient", arguments) is grouped_heads_native()
 
 
-@pytest.mark.parametrize("kernel", ["flash", "efficient"])
+@pytest.mark.parametrize("kernel", ["flash", "efficient", "cudnn"])
 def test_a_rule_cell_passes_where_the_device_agrees_and_names_the_call_where_not(
     kernel: str,
 ) -> None:
@@ -43,7 +43,7 @@ def test_a_rule_cell_passes_where_the_device_agrees_and_names_the_call_where_not
         return kernel_fits(name, arguments) and arguments["query"].dtype != torch.float32
 
     cell = attention_choice.rule_cell("rule", kernel, META, off_on_f32)
-    if kernel == "flash":  # flash never fits float32: nothing differs
+    if kernel in ("flash", "cudnn"):  # neither fits float32: nothing differs
         assert cell.status is Status.PASS
     else:
         assert cell.status is Status.FAIL and "f32: meta fits, device refuses" in cell.detail
@@ -66,7 +66,7 @@ def test_the_device_answers_are_asked_as_torch_takes_them() -> None:
     """On the CPU torch answers too: no fused CUDA kernel fits a CPU tensor, and its own choice
     for a call is one of the backends named."""
     arguments = attention_choice.call("bf16 causal", torch.device("cpu"))
-    assert attention_choice.device_fits("flash", arguments) is False
+    assert attention_choice.device_fits("flash", arguments) is False  # cuDNN's asks CUDA
     assert attention_choice.device_choice(arguments) in attention_choice.BACKENDS.values()
 
 

@@ -292,6 +292,7 @@ def test_tokens_for_a_differentiated_input_exit_2(runner, tiny_llama_dir):
     ("settings", "message"),
     [
         ({"attention": "efficient", "device": "cpu"}, "'efficient' does not run on cpu"),
+        ({"attention": "cudnn", "device": "cpu"}, "'cudnn' does not run on cpu"),
         ({"optimizer": "lion"}, "unknown optimizer 'lion'"),
         ({"dtype": "int8"}, "unknown dtype 'int8'"),
     ],

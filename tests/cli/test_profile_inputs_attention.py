@@ -44,10 +44,14 @@ def test_choices_reach_the_core(runner, recorded, inputs: str, attention: str):
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["--attention", "foo"], "'foo' is not one of 'auto', 'math', 'flash', 'efficient'"),
+        (
+            ["--attention", "foo"],
+            "'foo' is not one of 'auto', 'math', 'flash', 'efficient', 'cudnn'",
+        ),
         (["--inputs", "foo"], "'foo' is not one of 'auto', 'tokens', 'embeds'"),
         (["--inputs", "tokens"], "--inputs tokens applies to Hugging Face language models;"),
         (["--attention", "efficient", "--device", "cpu"], "'efficient' does not run on cpu"),
+        (["--attention", "cudnn", "--device", "cpu"], "'cudnn' does not run on cpu"),
     ],
 )
 def test_bad_choice_exits_2_before_any_worker(runner, no_workers, args, message):
@@ -82,8 +86,13 @@ def test_report_names_inputs_and_kernel(runner, tmp_path: Path):
     assert result.exit_code == 0, result.output
     text = " ".join(result.output.split())
     assert "Inputs: token ids and labels" in text and "Attention kernel: flash" in text
+    assert "(as a CUDA device picks in sm80's order; sm90 and sm100 try cudnn first" in text
     report = Report.load(out)
     assert report.inputs == "auto" and report.runs[0].attention == "flash"
+    result = runner.invoke(app, [*args, "--attention", "cudnn"])  # as an H100 runs it
+    assert result.exit_code == 0, result.output
+    assert "Attention kernel: cudnn (forced)" in " ".join(result.output.split())
+    assert Report.load(out).runs[0].attention == "cudnn"
 
 
 def _vision(tmp_path: Path, head: str = "ResNetForImageClassification") -> str:

@@ -18,6 +18,9 @@ from memsave_cli.render.units import format_against
 from memsave_cli.report import Status
 
 MIB = 2**20
+CUDNN_HINT = (
+    "as a CUDA device picks in sm80's order; sm90 and sm100 try cudnn first: --attention cudnn"
+)
 
 
 def _render(report, top=10) -> str:
@@ -261,3 +264,20 @@ def test_a_narrow_console_wraps_cells_rather_than_cutting_them(make_run, make_re
     assert "…" not in text
     assert text.count("?)") == 4 and len(re.findall(r"±\d", text)) == 4
     assert "[MiB]" in text and "[s]" in text
+
+
+@pytest.mark.parametrize(
+    ("device", "dtype", "attention", "chosen"),
+    [
+        ("meta", "bfloat16", "auto", CUDNN_HINT),
+        ("meta", "float32", "auto", "as a CUDA device picks"),  # cuDNN takes no float32
+        ("cuda", "bfloat16", "auto", "the device's choice"),
+        ("meta", "bfloat16", "flash", "forced"),
+    ],
+)
+def test_the_attention_line_says_who_chose_the_kernel(
+    paper_report, device, dtype, attention, chosen
+):
+    runs = [replace(run, attention="flash") for run in paper_report.runs]
+    report = replace(paper_report, device=device, dtype=dtype, attention=attention, runs=runs)
+    assert f"Attention kernel: flash ({chosen})." in " ".join(_render(report).split())

@@ -9,7 +9,12 @@ import torch
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from memsave_cli.meta_attention import attention_kernels, cuda_kernel, grouped_heads_native
+from memsave_cli.meta_attention import (
+    attention_kernels,
+    cuda_kernel,
+    grouped_heads_native,
+    kernel_fits,
+)
 from memsave_cli.meta_dropout import dropout_as_on_cuda
 
 BF16, F32 = torch.bfloat16, torch.float32
@@ -185,10 +190,51 @@ def test_math_with_dropout_saves_what_cudas_math_kernel_saves(dtype, mask) -> No
     assert meta == cuda
 
 
-def test_forced_kernel_refuses_what_cuda_refuses() -> None:
+@pytest.mark.parametrize("kernel", ["flash", "cudnn"])
+def test_forced_kernel_refuses_what_cuda_refuses(kernel: str) -> None:
     q, k, v = _qkv(F32)
-    with attention_kernels("meta", "flash"), pytest.raises(RuntimeError, match="'flash' cannot"):
+    with attention_kernels("meta", kernel), pytest.raises(RuntimeError, match=f"'{kernel}' cannot"):
         F.scaled_dot_product_attention(q, k, v)
+
+
+@pytest.mark.parametrize(
+    ("qkv", "extra", "fits"),
+    [
+        ({"dtype": BF16}, {"is_causal": True}, True),
+        ({"dtype": F32}, {}, False),  # half precision only
+        ({"dtype": BF16}, {"mask": (16, 16)}, True),
+        ({"dtype": BF16}, {"mask": (2, 1, 16, 16)}, True),
+        ({"dtype": BF16}, {"mask": (1, 16, 16)}, False),  # a 3-d mask
+        ({"dtype": BF16}, {"mask": (3, 1, 16, 16)}, False),  # not the batch
+        ({"dtype": BF16}, {"dropout_p": 0.125}, True),  # 2/16
+        ({"dtype": BF16}, {"dropout_p": 0.1}, False),  # not a multiple of 1/16
+        ({"dtype": BF16, "dim": 12}, {}, False),  # not a multiple of 8
+        ({"dtype": BF16, "dim": 160}, {}, False),  # a backward beyond 128 takes 192/128, 256/256
+        ({"dtype": BF16, "dim": 256}, {}, True),
+        ({"dtype": BF16, "kv_heads": 2}, {}, True),  # grouped heads, enable_gqa or not
+        ({"dtype": BF16, "heads": 6, "kv_heads": 4}, {}, False),
+        ({"dtype": BF16, "kv_length": 1}, {}, False),  # one key
+        ({"dtype": BF16, "length": 1}, {"dropout_p": 0.25}, False),  # one query with dropout
+    ],
+    ids=str,
+)
+def test_cudnn_constraints(qkv: dict, extra: dict, fits: bool) -> None:
+    """NOTE [cuDNN attention]: PyTorch 2.14's checks on sm90 with a recent cuDNN."""
+    q, k, v = _qkv(**qkv)
+    if shape := extra.pop("mask", None):
+        extra["mask"] = torch.empty(shape, device="meta", dtype=q.dtype)
+    assert kernel_fits("cudnn", _call(q, k, v, **extra)) is fits
+
+
+def test_cudnn_keeps_what_flash_keeps_and_a_boolean_mask_made_additive() -> None:
+    saved, kernel = _saved(BF16, "cudnn", is_causal=True)
+    assert kernel == "cudnn"
+    assert saved.count(((2, 4, 16, 64), BF16)) == 4  # q, k, v and the output
+    assert ((2, 4, 16, 1), F32) in saved  # log-sum-exp
+    assert not any(shape[-2:] == (16, 16) for shape, _ in saved)
+    mask = torch.ones(16, 16, device="meta", dtype=torch.bool)
+    masked, _ = _saved(BF16, "cudnn", attn_mask=mask)
+    assert ((16, 16), BF16) in masked and ((16, 16), torch.bool) not in masked
 
 
 def test_unaligned_bias_is_padded_as_the_kernel_reads_it() -> None:
