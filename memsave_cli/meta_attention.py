@@ -43,6 +43,7 @@ from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import _disable_current_modes
 
 from memsave_cli.layers._autocast import autocast_dtype, autocast_on
 from memsave_cli.meta_autocast import cast_eligible
@@ -247,18 +248,20 @@ def _heads_fit(call: dict, grouped: bool) -> bool:
 def grouped_heads_native() -> bool:
     """Whether this torch's memory-efficient attention takes fewer key/value heads than query
     heads (NOTE [grouped heads]): its backward then gives the key gradient the key's own head
-    count, where older releases gave it the query's."""
-    q = torch.empty(1, 2, 8, 8, device="meta")
-    kv = torch.empty(1, 1, 8, 8, device="meta")
-    try:
-        out, lse, seed, offset = torch.ops.aten._scaled_dot_product_efficient_attention(
-            q, kv, kv, None, True
-        )
-        grads = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
-            out, q, kv, kv, None, out, lse, seed, offset, 0.0, [True, True, True, False]
-        )
-    except (RuntimeError, TypeError, NotImplementedError):
-        return False
+    count, where older releases gave it the query's. Asked outside any dispatch mode: a memory
+    tracker active at the first attention call must not count the question's tensors."""
+    with _disable_current_modes():
+        q = torch.empty(1, 2, 8, 8, device="meta")
+        kv = torch.empty(1, 1, 8, 8, device="meta")
+        try:
+            out, lse, seed, offset = torch.ops.aten._scaled_dot_product_efficient_attention(
+                q, kv, kv, None, True
+            )
+            grads = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
+                out, q, kv, kv, None, out, lse, seed, offset, 0.0, [True, True, True, False]
+            )
+        except (RuntimeError, TypeError, NotImplementedError):
+            return False
     return grads[1].size(1) == kv.size(1)
 
 
