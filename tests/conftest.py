@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 
 @pytest.fixture(autouse=True)
@@ -19,6 +20,24 @@ def fresh_dynamo_cache(request: pytest.FixtureRequest) -> Iterator[None]:
     if "compile" in request.node.name:
         torch._dynamo.reset()
     yield
+
+
+class DispatchedOps(TorchDispatchMode):
+    """A dispatch mode that records the name of every aten operator it sees."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.fixture
+def dispatched_ops() -> type[DispatchedOps]:
+    """The mode recording operator names (a fixture: test modules do not import conftest)."""
+    return DispatchedOps
 
 
 @pytest.fixture(scope="module")

@@ -126,22 +126,11 @@ def test_grouped_float32_keeps_key_and_value_at_their_head_count() -> None:
     assert (q.grad.shape, k.grad.shape, v.grad.shape) == (q.shape, k.shape, v.shape)
 
 
-def test_the_grouped_heads_question_is_asked_outside_dispatch_modes() -> None:
+def test_the_grouped_heads_question_is_asked_outside_dispatch_modes(dispatched_ops) -> None:
     """A memory tracker active at the first attention call must not see the question's ops."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Calls(TorchDispatchMode):
-        def __init__(self) -> None:
-            super().__init__()
-            self.names: list[str] = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.names.append(func.overloadpacket.__name__)
-            return func(*args, **(kwargs or {}))
-
     answer = grouped_heads_native()
     grouped_heads_native.cache_clear()
-    with Calls() as calls:
+    with dispatched_ops() as calls:
         assert grouped_heads_native() is answer
     assert calls.names == []
 

@@ -213,24 +213,13 @@ def test_compiled_fullgraph_matches_eager() -> None:
     torch.testing.assert_close(unpacked, (x <= 0).to(x.dtype), atol=0, rtol=0)
 
 
-def test_the_cached_table_is_built_outside_dispatch_modes() -> None:
+def test_the_cached_table_is_built_outside_dispatch_modes(dispatched_ops) -> None:
     """The numpy path's table is cached for the process: built under a mode (a memory tracker,
     say), it would be that mode's tensor and counted there."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Calls(TorchDispatchMode):
-        def __init__(self) -> None:
-            super().__init__()
-            self.names: list[str] = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.names.append(func.overloadpacket.__name__)
-            return func(*args, **(kwargs or {}))
-
     mask = torch.rand(19) > 0.5
     bits = pack_bits(mask)
     bitmask._byte_table.cache_clear()
-    with Calls() as calls:
+    with dispatched_ops() as calls:
         unpacked = unpack_as(bits, layout_of(mask), torch.float32)
     assert "arange" not in calls.names, calls.names
     torch.testing.assert_close(unpacked, mask.float(), atol=0, rtol=0)
