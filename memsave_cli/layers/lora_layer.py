@@ -206,13 +206,13 @@ def reproduces(kind: type[nn.Module]) -> bool:
     """Whether the drop-in of peft class ``kind`` is bitwise peft's on a probe (cached per class)."""
     drop_in, base = LORA_DROP_INS[kind]
     with probing():  # whatever grad mode, device and random state the caller set up
-        torch.manual_seed(0)
+        torch.default_generator.manual_seed(0)  # the CPU generator alone, which probing restores
         layer = _probe_layer(kind, base())
         x = torch.randn(2, *_probe_shape(layer.base_layer), requires_grad=True)
         noise = torch.randn_like(layer.base_layer(x))
         results = []
         for forward in (kind.forward, drop_in.forward):
-            torch.manual_seed(1)
+            torch.default_generator.manual_seed(1)
             output = forward(layer, x)
             params = [x, *(p for p in layer.parameters() if p.requires_grad)]
             results.append((output, *torch.autograd.grad(output, params, noise)))

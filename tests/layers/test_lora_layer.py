@@ -431,6 +431,17 @@ def test_probe_leaves_the_global_random_state_alone() -> None:
     assert torch.equal(torch.rand(4), expected)
 
 
+def test_probe_seeds_no_accelerator_generator(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``torch.manual_seed`` seeds every device's generator, CUDA's too (queued until CUDA
+    starts), and the probe restores the CPU's only: a converted peft model then drew every
+    CUDA number from the probe's seed, whatever the user had seeded."""
+    seeded: list[int] = []
+    monkeypatch.setattr(torch.cuda, "manual_seed_all", seeded.append)
+    lora_layer.reproduces.cache_clear()
+    assert lora_layer.reproduces(peft_lora.Linear)
+    assert seeded == []
+
+
 @pytest.mark.parametrize(
     "mode",
     [torch.no_grad, torch.inference_mode, lambda: FakeTensorMode(allow_non_fake_inputs=True)],
