@@ -17,6 +17,13 @@ their ``_like``/``new_`` forms) and carries it through ops whose result is that 
 - ``all``, ``any`` and ``sum``, where the reduced count makes the result exact (a float sum only
   of integers below the dtype's exact range, where no order of additions rounds).
 
+Integer and boolean tensors of at most ``SHADOW_LIMIT`` elements also carry their values when
+they are not constant: ``arange`` makes one, and any op whose tensor arguments are all integer or
+boolean and known makes another, computed by the op itself on CPU copies (integer arithmetic is
+exact on every device). Hugging Face's decoders read such values in training without a key/value
+cache (``use_cache=False``, gradient checkpointing): ``find_packed_sequence_indices`` asks whether
+the ``arange`` position ids restart anywhere (packed sequences), which decides the mask.
+
 ``.item()`` of a known tensor answers its value; of any other it raises as before (the run needs
 real data). A value is remembered with the tensor's version counter, which views share and every
 in-place op bumps: a tensor written after it was known is unknown again. Only plain meta tensors
@@ -31,7 +38,7 @@ from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.weak import WeakTensorKeyDictionary
 
 #: The device whose tensors have no values.
@@ -92,6 +99,9 @@ _EXACT = {
 }  # fmt: skip
 #: Scalar reads answered from a known value.
 _READS = {aten._local_scalar_dense.default, aten.is_nonzero.default}
+#: Most elements of an integer or boolean tensor whose values are carried (a CPU copy each).
+SHADOW_LIMIT = 1 << 20
+_INTEGRAL = (torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
 
 
 class _KnownValues(TorchDispatchMode):
@@ -103,7 +113,20 @@ class _KnownValues(TorchDispatchMode):
         self._values = WeakTensorKeyDictionary()
 
     def value(self, tensor: Any) -> Any:
-        """The one value ``tensor`` holds, or None where it is not known."""
+        """The one value ``tensor`` holds, or None where it is not known (or not one value)."""
+        known = self._known(tensor)
+        return None if isinstance(known, torch.Tensor) else known
+
+    def values(self, tensor: Any) -> torch.Tensor | None:
+        """A CPU tensor of ``tensor``'s values, where known and at most ``SHADOW_LIMIT`` long."""
+        known = self._known(tensor)
+        if isinstance(known, torch.Tensor) or known is None:
+            return known
+        if tensor.numel() > SHADOW_LIMIT:
+            return None
+        return torch.full(tensor.shape, known, dtype=tensor.dtype)
+
+    def _known(self, tensor: Any) -> Any:
         if type(tensor) is not torch.Tensor or tensor.device.type != DEVICE:
             return None
         known = self._values.get(tensor)
@@ -114,12 +137,14 @@ class _KnownValues(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func in _READS:
-            known = self.value(args[0])
+            known = self._known(args[0])
+            if isinstance(known, torch.Tensor):
+                known = known.item()
             if known is not None:
                 return bool(known) if func is aten.is_nonzero.default else known
         out = func(*args, **kwargs)
-        # Nothing known (most of a run): only a filling op can make something known.
-        known = func in _FILLED or len(self._values) > 0
+        # Nothing known (most of a run): only a filling op or arange can make something known.
+        known = func in _FILLED or func.overloadpacket is aten.arange or len(self._values) > 0
         if known and type(out) is torch.Tensor and out.device.type == DEVICE:
             value = self._result(func, args, kwargs, out)
             if value is not None:
@@ -127,7 +152,11 @@ class _KnownValues(TorchDispatchMode):
         return out
 
     def _result(self, func, args: tuple, kwargs: dict, out: torch.Tensor) -> Any:
-        """The one value ``out`` holds, or None where the op does not tell it."""
+        """The one value ``out`` holds, a CPU copy of its values (small integer tensors), or None
+        where the op does not tell them."""
+        shadow = self._shadowed(func, args, kwargs, out)
+        if shadow is not None:
+            return shadow
         if func in _FILLED:
             return _filled(_FILLED[func](args), out.dtype)
         if func in _SAME_VALUES or func is aten._to_copy.default:
@@ -138,6 +167,36 @@ class _KnownValues(TorchDispatchMode):
         if func.overloadpacket.__name__ in _EXACT:
             return self._pointwise(func, args, kwargs, out)
         return None
+
+    def _shadowed(self, func, args: tuple, kwargs: dict, out: torch.Tensor) -> Any:
+        """``out``'s values computed by ``func`` on CPU copies of its arguments, where ``out`` is
+        a small integer or boolean tensor, made by ``arange`` or from known integer or boolean
+        tensors alone (an in-place op is left to the version counter)."""
+        if out.dtype not in _INTEGRAL or out.numel() > SHADOW_LIMIT or func._schema.is_mutable:
+            return None
+        flat, spec = tree_flatten((args, kwargs))
+        tensors = [a for a in flat if isinstance(a, torch.Tensor)]
+        if not tensors and func.overloadpacket is not aten.arange:
+            return None
+        if any(t.dtype not in _INTEGRAL for t in tensors):
+            return None
+        real = []
+        for a in flat:
+            if isinstance(a, torch.Tensor):
+                a = self.values(a)
+                if a is None:
+                    return None
+            elif isinstance(a, torch.device) or a == DEVICE:
+                a = torch.device("cpu")
+            real.append(a)
+        call_args, call_kwargs = tree_unflatten(real, spec)
+        try:
+            result = func(*call_args, **call_kwargs)
+        except (RuntimeError, TypeError, ValueError, IndexError):
+            return None
+        if not isinstance(result, torch.Tensor) or result.shape != out.shape:
+            return None
+        return result if result.dtype == out.dtype else None
 
     def _pointwise(self, func, args: tuple, kwargs: dict, out: torch.Tensor) -> Any:
         """Run ``func`` on one-element CPU tensors standing for known arguments."""

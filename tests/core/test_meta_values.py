@@ -8,7 +8,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from memsave_cli.meta_values import known_values
+from memsave_cli.meta_values import SHADOW_LIMIT, known_values
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.bool]
 
@@ -107,15 +107,52 @@ def test_float_sums_only_where_no_rounding_can_happen() -> None:
     [
         lambda d: torch.empty(3, device=d).sum().item(),
         lambda d: torch.randn(3, device=d).all().item(),
-        lambda d: (torch.arange(4, device=d) > 1).any().item(),
+        lambda d: (torch.arange(SHADOW_LIMIT + 1, device=d) > 1).any().item(),
+        lambda d: (torch.arange(4, device=d) * 0.5).sum().item(),
         lambda d: (torch.ones(3, device=d) + torch.empty(3, device=d)).sum().item(),
         lambda d: torch.ones(3, device=d).cumsum(0)[2].item(),
         lambda d: torch.ones(3, device=d).exp()[0].item(),
     ],
-    ids=["empty", "random", "arange", "one-operand-unknown", "not-carried", "transcendental"],
+    ids=[
+        "empty",
+        "random",
+        "arange-beyond-the-limit",
+        "arange-made-float",
+        "one-operand-unknown",
+        "not-carried",
+        "transcendental",
+    ],
 )
 def test_data_stays_unknown(code: Callable[[str], object]) -> None:
     unknown_on_meta(code)
+
+
+def packed_sequences(device: str) -> object:
+    """What Hugging Face's mask code asks of position ids made with ``arange`` when there is no
+    key/value cache (``find_packed_sequence_indices``): do they restart anywhere?"""
+    positions = torch.arange(0, 12, device=device).unsqueeze(0).expand(2, -1)
+    shifted = torch.diff(positions, prepend=positions[:, :1] - 1, dim=-1)
+    restarts = (shifted != 1).cumsum(-1)
+    return bool((restarts[:, -1] == 0).all()), restarts[1, 5].item()
+
+
+@pytest.mark.parametrize(
+    "code",
+    [
+        packed_sequences,
+        lambda d: (torch.arange(3, 40, 7, device=d) % 4)[-1].item(),
+        lambda d: torch.arange(10, device=d, dtype=torch.int32).flip(0)[2:5].sum().item(),
+        lambda d: (
+            torch.cat([torch.zeros(2, dtype=torch.long, device=d), torch.arange(3, device=d)])
+            .max()
+            .item()
+        ),
+    ],
+    ids=["packed-sequences", "remainders", "flipped-slice-sum", "cat-with-a-constant"],
+)
+def test_small_integer_tensors_carry_their_values(code: Callable[[str], object]) -> None:
+    cpu, meta = on_both(code)
+    assert meta == cpu
 
 
 def test_a_tensor_written_since_is_unknown() -> None:

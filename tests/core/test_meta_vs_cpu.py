@@ -121,6 +121,21 @@ def test_llama_style_model(tiny_llama_dir: Path, case: str, inputs: str) -> None
         assert logits and all(dtype == torch.float32 for _, _, dtype, _ in logits)
 
 
+def test_a_decoder_without_a_key_value_cache(tmp_path: Path) -> None:
+    """``use_cache: false`` (common in fine-tuning configs, and what gradient checkpointing sets):
+    transformers then asks whether the ``arange`` position ids restart anywhere, which meta
+    answered only with "needs real data" (NOTE [known values on meta])."""
+    transformers = pytest.importorskip("transformers")
+    transformers.LlamaConfig(
+        vocab_size=300, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, use_cache=False,
+        architectures=["LlamaForCausalLM"],
+    ).save_pretrained(tmp_path)  # fmt: skip
+    settings = {"batch_size": 2, "input_shape": (20,), "attention": "math"}
+    assert_same_saved(f"hf:{tmp_path}", "all", **settings)
+    assert_same_peaks(f"hf:{tmp_path}", "all", **settings)
+
+
 @pytest.fixture(scope="module")
 def made_mask_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """Two-layer BART (encoder-decoder) and BioGPT configs: both fill an attention mask with
