@@ -11,9 +11,10 @@ what the modules outside the checkpoints keep (both peaks).
 - Only the outermost match is checkpointed: a module inside a checkpointed one is recomputed with
   it, as a pattern such as ``layer1*`` would otherwise select both.
 - Hugging Face decoder layers (transformers' ``GradientCheckpointingLayer``) are switched on by
-  their own flag, as ``gradient_checkpointing_enable`` switches them: they then also stop writing
-  the key/value cache, which the recomputation would write a second time. ``auto`` selects
-  exactly those layers.
+  their own flag, as ``gradient_checkpointing_enable`` switches them, and so are the modules above
+  them that carry the flag: they then also stop writing the key/value cache, which the
+  recomputation would write a second time (GPT-2's model passes its layers the cache
+  positionally and drops it by its own flag). ``auto`` selects exactly those layers.
 - Every other module gets its ``forward`` wrapped on the instance, so its hooks (FSDP2's
   included) run once, outside the recomputation.
 
@@ -88,14 +89,29 @@ def checkpoint_notes(model: nn.Module, patterns: Sequence[str]) -> list[str]:
 def enable_checkpointing(model: nn.Module, patterns: Sequence[str]) -> int:
     """Checkpoint the modules ``patterns`` select (NOTE [checkpointed modules]); return how many."""
     targets = checkpoint_targets(model, patterns)
+    layers = [module for _, module in targets if _is_hf_layer(module)]
+    for module in [*layers, *_flagged_owners(model, layers)]:
+        _CacheNotice.install()
+        module.gradient_checkpointing = True
+        module._gradient_checkpointing_func = recompute_in_backward
     for _, module in targets:
-        if _is_hf_layer(module):
-            _CacheNotice.install()
-            module.gradient_checkpointing = True
-            module._gradient_checkpointing_func = recompute_in_backward
-        else:
+        if not _is_hf_layer(module):
             module.forward = functools.partial(_checkpointed, module.forward)
     return len(targets)
+
+
+def _flagged_owners(model: nn.Module, layers: list[nn.Module]) -> list[nn.Module]:
+    """The modules above ``layers`` with a ``gradient_checkpointing`` flag of their own, which
+    ``gradient_checkpointing_enable`` sets too: some decide by it whether to build a key/value
+    cache (GPT-2's model hands its layers the cache positionally, past their own flag)."""
+    inside = {id(layer) for layer in layers}
+    return [
+        module
+        for module in model.modules()
+        if hasattr(module, "gradient_checkpointing")
+        and not _is_hf_layer(module)
+        and any(id(below) in inside for below in module.modules())
+    ]
 
 
 def recompute_in_backward(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:

@@ -155,6 +155,31 @@ def test_auto_selects_the_decoder_layers(tiny_llama_dir: Path) -> None:
     assert _names(model, "auto") == ["model.layers.0", "model.layers.1"]
 
 
+@pytest.mark.parametrize("attention", ["eager", "sdpa"])
+def test_auto_flags_the_modules_gradient_checkpointing_enable_flags(attention: str) -> None:
+    """GPT-2's model hands its layers the key/value cache positionally and drops it by its own
+    flag: with only the layers flagged, eager attention recomputed over twice the keys and
+    failed, and sdpa counted the cache."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(
+        vocab_size=50, n_embd=16, n_layer=2, n_head=2, n_positions=32, use_cache=True,
+        attn_implementation=attention,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(config).train()
+    theirs = copy.deepcopy(model)
+    theirs.gradient_checkpointing_enable()
+    assert enable_checkpointing(model, ("auto",)) == 2
+    flagged = [n for n, m in model.named_modules() if getattr(m, "gradient_checkpointing", 0)]
+    assert flagged == [
+        n for n, m in theirs.named_modules() if getattr(m, "gradient_checkpointing", 0)
+    ]
+    ids = torch.randint(0, 50, (2, 12), generator=torch.Generator().manual_seed(1))
+    output = model(input_ids=ids, labels=ids)
+    output.loss.backward()
+    assert output.past_key_values is None
+
+
 @pytest.mark.slow
 def test_auto_trains_a_lora_llama_as_without_checkpointing(tiny_llama_dir: Path) -> None:
     """transformers' own switch: bit for bit the plain step's loss and adapter gradients, stock
@@ -176,7 +201,8 @@ def test_auto_trains_a_lora_llama_as_without_checkpointing(tiny_llama_dir: Path)
         output = model(input_ids=ids, labels=ids)
         output.loss.backward()
         grads = [p.grad for p in model.parameters() if p.requires_grad]
-        return output.loss.detach(), grads, output.past_key_values.get_seq_length()
+        cache = output.past_key_values  # none at all where every owner of the flag has it
+        return output.loss.detach(), grads, 0 if cache is None else cache.get_seq_length()
 
     loss, grads, cached = step(copy.deepcopy(stock))
     assert cached == 9
