@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch._subclasses.fake_tensor import is_fake
+from torch.nn.utils.stateless import _reparametrize_module
 
 from memsave_cli.layers._autocast import autocast_state, replayed_autocast
 from memsave_cli.layers._backward import (
@@ -138,10 +139,10 @@ class DroppedProjection(torch.autograd.Function):
             source = ctx.cast(x).detach().requires_grad_(needs_x)
             with replayed_autocast(ctx.autocast):  # forward's casts, e.g. lora_A in bfloat16
                 dropped = _dropout(source, ctx.p, generator)
-                if substituted is None:
-                    output = ctx.project(dropped)
-                else:
-                    output = torch.func.functional_call(ctx.project, substituted, (dropped,))
+                # The forward alone, as forward ran it: a module hook registered since must not
+                # run inside the replay (forward took peft's path where one was registered).
+                with _reparametrize_module(ctx.project, substituted or {}):
+                    output = ctx.project.forward(dropped)
         grads = iter(torch.autograd.grad(output, [source] * needs_x + wanted, grad_output))
         grad_x = next(grads) if needs_x else None
         grad_params = [next(grads) if need else None for need in ctx.needs_input_grad[5:]]

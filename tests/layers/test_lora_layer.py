@@ -494,6 +494,33 @@ def test_hooks_on_lora_A_run_once_per_step_as_in_peft() -> None:
     assert torch.equal(after[id(stock)], after[id(memsave)])
 
 
+@pytest.mark.parametrize("where", ["lora_A", "global"])
+def test_a_hook_registered_between_forward_and_backward_stays_out_of_the_replay(where) -> None:
+    """Stock's gradients are those of the graph forward built: a hook registered after it (a
+    monitoring tool, another thread) changes nothing in backward, also where the replay calls
+    lora_A again."""
+    torch.manual_seed(0)
+    stock = _adapted(Attention(), ["q"], init_lora_weights=False)  # lora_B nonzero
+    memsave = convert(stock)
+    x = torch.randn(2, 3, 32)
+    grads = []
+    for model in (stock, memsave):
+        model.zero_grad(set_to_none=True)
+        torch.manual_seed(5)
+        output = model(x)
+        doubled = lambda module, args, out: out * 2  # noqa: E731
+        if where == "lora_A":
+            handle = model.q.lora_A["default"].register_forward_hook(doubled)
+        else:
+            handle = nn.modules.module.register_module_forward_hook(doubled)
+        try:
+            output.sum().backward()
+        finally:
+            handle.remove()
+        grads.append([p.grad for p in model.parameters() if p.requires_grad])
+    assert all(map(torch.equal, *grads))
+
+
 def test_global_module_hooks_reach_the_adapters_dropout() -> None:
     torch.manual_seed(0)
     stock = _adapted(Attention(), ["q", "v"])
