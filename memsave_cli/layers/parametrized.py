@@ -7,7 +7,11 @@ subclass, ``Parametrized<Class>``, whose parametrized tensors are properties tha
 drop-in reads its weight in its checks and again in its op, which would evaluate the
 parametrization two or three times, and a parametrization that draws random numbers or iterates
 (``spectral_norm`` in training) would then change the result. So the generated subclass of a
-drop-in runs its forward under ``parametrize.cached()``: one evaluation per forward, as stock's.
+drop-in evaluates each parametrized tensor once at the start of its forward and answers every
+read of it in that forward from that value: one evaluation per forward, as stock's. The values
+are the calling thread's own: ``parametrize.cached()`` would do the same through a cache of the
+whole process, which another thread's forward (of this module, or of any parametrized one) would
+read too, taking this thread's tensors into its graph.
 ``convert`` and ``revert`` swap the class under the generated one (``swap.py``: a parametrized
 stock layer becomes a parametrized drop-in and back) and keep its properties, so that
 ``remove_parametrizations`` leaves the plain layer of the other kind.
@@ -16,9 +20,10 @@ stock layer becomes a parametrized drop-in and back) and keep its properties, so
 from __future__ import annotations
 
 import functools
+import threading
 from collections.abc import Callable
 
-from torch import nn
+from torch import Tensor, nn
 from torch.nn.utils import parametrize
 
 
@@ -47,10 +52,51 @@ def _generated(cls: type) -> bool:
     return len(cls.__bases__) == 1 and cls.__name__ == f"Parametrized{cls.__bases__[0].__name__}"
 
 
+#: Per thread, the parametrized tensors evaluated for the forwards running now, by
+#: ``(id(module), name)``.
+_EVALUATED = threading.local()
+
+
 def _cached(forward: Callable) -> Callable:
     @functools.wraps(forward)
     def once(self: nn.Module, *args: object, **kwargs: object) -> object:
-        with parametrize.cached():
+        values = _evaluated()
+        keys = [(id(self), name) for name in self.parametrizations if _read_once(self, name)]
+        earlier = {key: values.get(key) for key in keys}  # a forward calling itself keeps its own
+        for key in keys:
+            values[key] = self.parametrizations[key[1]]()
+        try:
             return forward(self, *args, **kwargs)
+        finally:
+            for key, value in earlier.items():
+                if value is None:
+                    del values[key]
+                else:
+                    values[key] = value
 
     return once
+
+
+def _evaluated() -> dict[tuple[int, str], Tensor]:
+    if not hasattr(_EVALUATED, "values"):
+        _EVALUATED.values = {}
+    return _EVALUATED.values
+
+
+def _read_once(module: nn.Module, name: str) -> bool:
+    """Make the property of ``module``'s generated class that computes ``name`` answer from the
+    thread's evaluated value while one is there (installed once per class); whether it did."""
+    cls = type(module)
+    stock = cls.__dict__.get(name)
+    if not isinstance(stock, property):
+        return False
+    if getattr(stock.fget, "reads_evaluated", False):
+        return True
+
+    def read(self: nn.Module) -> Tensor:
+        value = _evaluated().get((id(self), name))
+        return stock.fget(self) if value is None else value
+
+    read.reads_evaluated = True  # type: ignore[attr-defined]
+    setattr(cls, name, property(read, stock.fset))
+    return True

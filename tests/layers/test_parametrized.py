@@ -5,6 +5,8 @@ came before or after ``convert``, and ``convert``/``revert`` keep the parametriz
 from __future__ import annotations
 
 import copy
+import threading
+from typing import ClassVar
 
 import pytest
 import torch
@@ -127,3 +129,57 @@ def test_convert_and_revert_keep_parametrizations() -> None:
     assert type(back) is nn.Conv1d
     parametrize.remove_parametrizations(ours, "weight")
     assert type(ours) is DROP_INS[nn.Conv1d]
+
+
+class Watching(nn.Module):
+    """An identity parametrization noting whether torch's process-wide cache is on."""
+
+    seen: ClassVar[list[bool]] = []
+
+    def forward(self, weight: Tensor) -> Tensor:
+        Watching.seen.append(parametrize._cache_enabled)
+        return weight * 1.0
+
+
+@pytest.mark.parametrize("name", list(LAYERS))
+def test_no_process_wide_cache_is_switched_on(name: str) -> None:
+    """torch's ``parametrize.cached()`` caches for every thread: while one thread's forward ran
+    under it, another thread reading any parametrized tensor got this thread's value, part of its
+    graph (a shared model's backward failed; a stock spectral norm elsewhere stopped iterating)."""
+    layer = _layer(name, "train", Watching(), before=True)
+    Watching.seen.clear()
+    _step(layer, torch.randn(LAYERS[name][1]), weight_grad=True)
+    assert Watching.seen == [False]
+
+
+def test_a_shared_model_in_two_threads_gives_each_its_own_gradients() -> None:
+    torch.manual_seed(0)
+    stock = nn.Sequential(
+        parametrizations.weight_norm(nn.Conv2d(3, 8, 3)),
+        nn.ReLU(),
+        parametrizations.weight_norm(nn.Conv2d(8, 8, 3)),
+    )
+    model = convert(stock)
+
+    def grads(seed: int) -> list[list[Tensor]]:
+        results = []
+        for step in range(20):
+            x = torch.randn(2, 3, 16, 16, generator=torch.Generator().manual_seed(seed + step))
+            x.requires_grad_()
+            results.append(torch.autograd.grad(model(x).square().sum(), [x, *model.parameters()]))
+        return results
+
+    alone = [grads(seed) for seed in (100, 200)]
+    together: dict[int, list] = {}
+    threads = [
+        threading.Thread(target=lambda s=seed: together.__setitem__(s, grads(s)))
+        for seed in (100, 200)
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    for seed, expected in zip((100, 200), alone, strict=True):
+        assert seed in together, "the thread failed"
+        for got, want in zip(together[seed], expected, strict=True):
+            assert all(map(torch.equal, got, want))
