@@ -105,8 +105,11 @@ def _become(module: nn.Module, stock: type[nn.Module], recipe: Recipe) -> None:
 # ``_modules[name] = ...`` write the submodule table directly. A recognised MLP whose activation
 # was replaced so would go on computing the one it was probed with. So each notes its submodules
 # when it becomes a drop-in, and a call that finds other ones turns it stock (``convert`` probes
-# it again); a copy or an unpickled module notes them at its first call.
+# it again) and forgets the note. A copy or an unpickled module carries the note with its state
+# (``_reduce_ex``); one made otherwise notes its submodules at its first call.
 _CHILDREN: weakref.WeakKeyDictionary[nn.Module, tuple] = weakref.WeakKeyDictionary()
+#: The key of the note in a pickled or copied recognised module's state.
+_NOTE = "_memsave_children"
 
 
 def _children(module: nn.Module) -> tuple:
@@ -185,6 +188,7 @@ def _drop_in_class(stock: type[nn.Module], recipe: Recipe) -> type[nn.Module]:
         forward = _taking_one_argument(stock, body)
         namespace = {"forward": forward, "_memsave_stock": stock, "_memsave_recipe": recipe}
         namespace["__reduce_ex__"] = _reduce_ex
+        namespace["__setstate__"] = _setstate
         namespace["__doc__"] = f"{stock.__name__} recognised as memsave's {recipe}."
         namespace["__module__"] = __name__
         namespace["__prepare_scriptable__"] = refuse_scripting
@@ -242,9 +246,20 @@ def _probe_again(module: nn.Module, created: type[nn.Module], name: str) -> None
 
 
 def _reduce_ex(self: nn.Module, protocol: int) -> tuple:
-    """Pickle a recognised module as its stock class and recipe, which rebuild its class."""
+    """Pickle (or deep-copy) a recognised module as its stock class and recipe, which rebuild its
+    class, and its state with the note of its submodules (NOTE [submodules replaced without
+    setattr]), which the copy's own submodules then match."""
     cls = type(self)
-    return _restore, (cls._memsave_stock, cls._memsave_recipe), self.__getstate__()
+    state = {**self.__getstate__(), _NOTE: _CHILDREN.get(self)}
+    return _restore, (cls._memsave_stock, cls._memsave_recipe), state
+
+
+def _setstate(self: nn.Module, state: dict) -> None:
+    state = dict(state)
+    note = state.pop(_NOTE, None)
+    nn.Module.__setstate__(self, state)
+    if note is not None:
+        _CHILDREN[self] = note
 
 
 def _restore(stock: type[nn.Module], recipe: Recipe) -> nn.Module:
@@ -292,6 +307,7 @@ def _mlp_forward(stock: type[nn.Module], recipe: Recipe) -> Callable:
             children = _children(self)
             if _CHILDREN.setdefault(self, children) != children:
                 swap_class(self, stock)  # NOTE [submodules replaced without setattr]
+                del _CHILDREN[self]  # the replaced submodules may go
                 return stock.forward(self, hidden_states)
         return gated_mlp(self, hidden_states, recipe.variant, recipe.detail)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import copy
 import gc
+import io
 import math
 import threading
 import weakref
@@ -1181,6 +1182,43 @@ def test_an_activation_replaced_without_setattr_is_followed(how: str) -> None:
     (out, grads), (out_c, grads_c) = _mlp_step(stock, x), _mlp_step(converted, x)
     assert torch.equal(out, out_c) and all(map(torch.equal, grads, grads_c))
     assert type(converted[0]) is PlainMLP
+
+
+def _pickled(model: nn.Module) -> nn.Module:
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=False)
+
+
+@pytest.mark.parametrize("copy_of", [copy.deepcopy, _pickled], ids=["deepcopy", "pickle"])
+def test_a_copy_carries_the_note_of_its_submodules(copy_of) -> None:
+    """A copy of a converted MLP notes its own submodules (the copies of the original's): it stays
+    converted where they are unchanged, and follows an activation replaced with ``add_module``
+    before its first call, which it accepted before."""
+    torch.manual_seed(0)
+    stock = nn.Sequential(PlainMLP())
+    converted = convert(stock)
+    x = torch.randn(3, 8)
+    kept = copy_of(converted)
+    _mlp_step(kept, x)
+    assert type(kept[0]).__name__ == "MemSavePlainMLP"
+    replaced, stock_replaced = copy_of(converted), copy.deepcopy(stock)
+    for model in (replaced, stock_replaced):
+        model[0].add_module("act_fn", nn.GELU())
+    (out, grads), (out_c, grads_c) = _mlp_step(stock_replaced, x), _mlp_step(replaced, x)
+    assert torch.equal(out, out_c) and all(map(torch.equal, grads, grads_c))
+    assert type(replaced[0]) is PlainMLP
+
+
+def test_a_replaced_submodule_is_not_kept_alive() -> None:
+    torch.manual_seed(0)
+    converted = convert(nn.Sequential(PlainMLP()))
+    old = weakref.ref(converted[0].act_fn)
+    converted[0].add_module("act_fn", nn.GELU())
+    _mlp_step(converted, torch.randn(3, 8))
+    gc.collect()
+    assert old() is None
 
 
 def test_a_device_placement_hook_on_the_activation_keeps_the_mlp_converted() -> None:
