@@ -43,12 +43,16 @@ _MAX_STAND_INS = 256
 
 
 def _untouched_bytes(nbytes: int) -> Tensor:
-    """A uint8 CPU tensor of at least ``nbytes`` over anonymous memory nobody writes."""
-    if not _UNTOUCHED or _UNTOUCHED[0].numel() < nbytes:
-        grown = max(nbytes, 2 * _UNTOUCHED[0].numel() if _UNTOUCHED else 0, mmap.PAGESIZE)
+    """A uint8 CPU tensor of at least ``nbytes`` over anonymous memory nobody writes. The mapping
+    read is the one checked or made here: another thread may replace ``_UNTOUCHED[0]`` with a
+    smaller one meanwhile, which stays its own."""
+    mapping = _UNTOUCHED[0] if _UNTOUCHED else None
+    if mapping is None or mapping.numel() < nbytes:
+        grown = max(nbytes, 2 * mapping.numel() if mapping is not None else 0, mmap.PAGESIZE)
+        mapping = torch.frombuffer(mmap.mmap(-1, grown), dtype=torch.uint8)
         _STAND_INS.clear()
-        _UNTOUCHED[:] = [torch.frombuffer(mmap.mmap(-1, grown), dtype=torch.uint8)]
-    return _UNTOUCHED[0][:nbytes]
+        _UNTOUCHED[:] = [mapping]
+    return mapping[:nbytes]
 
 
 class Geometry(NamedTuple):

@@ -782,3 +782,22 @@ def test_weights_made_by_hooks_and_parametrizations(node_paths: str, parametrize
             results.append([out, leaf.grad, *(p.grad for p in module.parameters())])
         for got, expected in zip(results[1], results[0], strict=True):
             assert (got is None and expected is None) or torch.equal(got, expected)
+
+
+def test_a_mapping_grown_while_another_thread_grows_it_is_read_whole(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Two first convolutions in two threads: one grows the stand-ins' mapping, and the other
+    replaces it with a smaller one before the first reads it. The first must read its own (it
+    sliced the smaller one, too short for its stand-in, and as_strided failed)."""
+
+    class Replaced(list):  # once written, reads find the other thread's smaller mapping
+        def __setitem__(self, index, value) -> None:
+            super().__setitem__(index, value)
+            self.other = torch.zeros(16, dtype=torch.uint8)
+
+        def __getitem__(self, index):
+            return getattr(self, "other", None) if index == 0 else super().__getitem__(index)
+
+    monkeypatch.setattr(stand_ins, "_UNTOUCHED", Replaced())
+    assert stand_ins._untouched_bytes(1 << 20).numel() == 1 << 20
