@@ -16,7 +16,7 @@ from typing import NamedTuple
 import numpy
 import torch
 from torch import Tensor, nn
-from torch.utils._python_dispatch import _disable_current_modes
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 from memsave_cli.layers.gated_mlp import ACTIVATIONS, LAYOUTS, gated_mlp
 from memsave_cli.layers.recomputed import recomputed
@@ -157,7 +157,8 @@ def _recomputation_serves(module: nn.Module, case: _Case) -> bool:
     probe = copy.deepcopy(_shallow_copy(module))  # a probe sets its mode
     forward = functools.partial(type(module).forward, probe)
     try:
-        settings, random_state = _settings_of(probe), _random_states()
+        settings, random_state = _settings_of(probe), _python_random_states()
+        draws = _TorchDraws()
         leaf = x.clone().requires_grad_()
         kept: dict[int, int] = {}
 
@@ -165,7 +166,7 @@ def _recomputation_serves(module: nn.Module, case: _Case) -> bool:
             kept[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
             return tensor.detach()  # the tensor itself would close a cycle through its node
 
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        with draws, torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
             out = forward(leaf)
         if not (isinstance(out, Tensor) and out.shape == x.shape and out.dtype == x.dtype):
             return False
@@ -178,7 +179,7 @@ def _recomputation_serves(module: nn.Module, case: _Case) -> bool:
         keeps_input = leaf.untyped_storage().data_ptr() in kept
         if not (unchanged and keeps_input) or sum(kept.values()) <= x.untyped_storage().nbytes():
             return False
-        with torch.no_grad():
+        with torch.no_grad(), draws:
             again = forward(x.clone())
             order = torch.randperm(x.numel(), generator=generator)
             permuted = forward(x.flatten()[order].view(x.shape)).flatten()
@@ -192,17 +193,40 @@ def _recomputation_serves(module: nn.Module, case: _Case) -> bool:
         )
         if not (elementwise and _same(((again, out), (in_eval, out)))):
             return False
-        if _random_states() != random_state or _settings_of(probe) != settings:
+        if draws.seen or _python_random_states() != random_state:
+            return False
+        if _settings_of(probe) != settings:
             return False
         return _same(_recomputed_pairs(forward, x, grad))
     except Exception:  # a forward we cannot run on the probes is one we leave stock
         return False
 
 
-def _random_states() -> tuple[bytes, object, bytes]:
-    """Torch's CPU generator, Python's ``random`` and numpy's global generator, comparable."""
-    numpy_state = pickle.dumps(numpy.random.get_state())
-    return bytes(torch.get_rng_state().numpy()), random.getstate(), numpy_state
+class _TorchDraws(TorchDispatchMode):
+    """Notes whether an operator drew from torch's default generator in the thread it is entered
+    in (dispatch modes are thread-local): another thread's draws move that generator too, and
+    compared before and after a probe they read as the probe's, which then left the module stock
+    (and cached that answer for every module of its settings). Draws from a generator of the
+    probe's own do not count. Re-entered for each forward a probe runs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen = False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if torch.Tag.nondeterministic_seeded in func.tags and kwargs.get("generator") in (
+            None,
+            torch.default_generator,
+        ):
+            self.seen = True
+        return func(*args, **kwargs)
+
+
+def _python_random_states() -> tuple[object, bytes]:
+    """Python's ``random`` and numpy's global generator, comparable (torch's draws are seen by
+    :class:`_TorchDraws`)."""
+    return random.getstate(), pickle.dumps(numpy.random.get_state())
 
 
 def _settings_of(module: nn.Module) -> tuple[object, ...]:
@@ -295,13 +319,13 @@ def _compare(
 
     def outcome(run: Callable[[Tensor], Tensor], beside: bool) -> list | None:
         leaves = [x.clone().requires_grad_(), *probe.parameters()]
-        random_state = _random_states()
+        random_state, draws = _python_random_states(), _TorchDraws()
         try:
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=case.autocast):
+            with draws, torch.autocast("cpu", dtype=torch.bfloat16, enabled=case.autocast):
                 out = run(leaves[0])
             if [_settings_of(module) for module in probe.modules()] != settings:
                 return None
-            if _random_states() != random_state:  # a draw the recipe would not make
+            if draws.seen or _python_random_states() != random_state:  # a draw a recipe lacks
                 return None
             total = out + leaves[0] if beside else out
             return [out, *torch.autograd.grad(total, leaves, grad, allow_unused=True)]

@@ -1231,3 +1231,27 @@ def test_a_device_placement_hook_on_the_activation_keeps_the_mlp_converted() -> 
     x = torch.randn(3, 8)
     (out, grads), (out_c, grads_c) = _mlp_step(stock, x), _mlp_step(converted, x)
     assert torch.equal(out, out_c) and all(map(torch.equal, grads, grads_c))
+
+
+def test_another_thread_drawing_torch_numbers_changes_no_probe() -> None:
+    """The probes ask whether a forward draws random numbers; another thread's draws move the
+    same generator and read as the probe's: the MLP stayed stock, and so did every later one
+    of its class in the process (the answer is cached)."""
+
+    class DrawnBesideMLP(PlainMLP):  # a class of its own: no answer cached yet
+        pass
+
+    stop = threading.Event()
+
+    def draw() -> None:
+        while not stop.is_set():
+            torch.rand(64)
+
+    drawing = threading.Thread(target=draw)
+    drawing.start()
+    try:
+        converted = convert(nn.Sequential(DrawnBesideMLP()))
+    finally:
+        stop.set()
+        drawing.join()
+    assert converted_counts(converted) == {"DrawnBesideMLP": 1}
