@@ -31,7 +31,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.weak import WeakIdKeyDictionary
 
-from memsave_cli.layers.uncalled import uncalled_modules
+from memsave_cli.layers.uncalled import OBSERVERS, uncalled_modules
 from memsave_cli.report import LayerSaved
 from memsave_cli.tracker import sparse_parts
 
@@ -81,6 +81,8 @@ class SavedTensorRecorder:
         self._given: list[dict[int, int | None]] = []
         self._params: WeakIdKeyDictionary = WeakIdKeyDictionary()
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
+        # the submodules drop-ins do not call, by id: name and type (told by ``done_for``)
+        self._uncalled: dict[int, tuple[str, str]] = {}
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, _unchanged)
 
     @property
@@ -108,6 +110,7 @@ class SavedTensorRecorder:
             uncalled = {id(module) for module in uncalled_modules(self.model)}
             for name, module in self.model.named_modules():
                 if id(module) in uncalled:  # hooks on it would make its owner run stock's
+                    self._uncalled[id(module)] = (name, type(module).__name__)
                     continue
                 entry = (name, type(module).__name__)
                 self._handles.append(
@@ -116,6 +119,7 @@ class SavedTensorRecorder:
                 self._handles.append(
                     module.register_forward_hook(self._leave_module, always_call=True)
                 )
+            OBSERVERS.append(self)  # told of their work instead (``done_for``)
         self._hooks.__enter__()
         return self
 
@@ -129,6 +133,19 @@ class SavedTensorRecorder:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        if self in OBSERVERS:
+            OBSERVERS.remove(self)
+
+    def entering(self, module: nn.Module, inputs: tuple) -> None:
+        """An uncalled submodule's work begins (``done_for``): as its forward pre-hook would."""
+        entry = self._uncalled.get(id(module))
+        if entry is not None:
+            self._enter_module(entry)(module, inputs, {})
+
+    def leaving(self, module: nn.Module, inputs: tuple, output: object) -> None:
+        """Its work ends: as its forward hook would."""
+        if id(module) in self._uncalled:
+            self._leave_module(module, inputs, output)
 
     def stop(self) -> None:
         """Before backward: forget storages freed since they were saved (a graph no backward

@@ -28,7 +28,7 @@ from memsave_cli.layers._backward import records_backward
 from memsave_cli.layers.lora_dropout import dropped_projection
 from memsave_cli.layers.recipe_probes import probing
 from memsave_cli.layers.swap import swap_class
-from memsave_cli.layers.uncalled import runs_hooks
+from memsave_cli.layers.uncalled import done_for, runs_hooks
 
 #: Arguments with which peft's forward leaves the vanilla path.
 _OFF_PATH_KWARGS = ("adapter_names", *getattr(peft_lora, "VARIANT_KWARG_KEYS", ()))
@@ -79,23 +79,31 @@ def _project(
     """``lora_A(dropout(cast_x))``, ``cast_x = cast(x)``: replayed from ``x`` where stock would
     keep an input-sized noise and dropped copy, or (no dropout) ``cast_x``, a copy of ``x``."""
     if runs_hooks(dropout) or runs_hooks(lora_A):  # NOTE [uncalled submodules]
-        return lora_A(dropout(cast_x))
+        return _called(cast_x, dropout, lora_A)
     if type(dropout) is nn.Dropout and dropout.training and 0.0 < dropout.p < 1.0:
         p = dropout.p
     elif type(dropout) is nn.Identity and cast_x is not x:
         p = 0.0
     else:
-        return lora_A(dropout(cast_x))
+        return _called(cast_x, dropout, lora_A)
     # Stock keeps the input-sized copies only for lora_A's weight gradient; without one (LoRA-FA
     # freezes lora_A) it keeps the mask at most, less than ``x`` on CUDA.
     trained = any(w.requires_grad for w in lora_A.parameters())
     # NOTE [random layers under CUDA graph capture] in _backward.py
     if not (trained and records_backward(x, cast_x)) or (p > 0 and graph_capturing(x)):
-        return lora_A(dropout(cast_x))
+        return _called(cast_x, dropout, lora_A)
     # A slice of a larger tensor (BERT's pooler reads the first token) would keep all of it.
     if x.untyped_storage().nbytes() > x.numel() * x.element_size():
-        return lora_A(dropout(cast_x))
-    return dropped_projection(x, cast_x, p, lora_A, cast)
+        return _called(cast_x, dropout, lora_A)
+    return done_for(lora_A, (cast_x,), lambda: dropped_projection(x, cast_x, p, lora_A, cast))
+
+
+def _called(cast_x: Tensor, dropout: nn.Module, lora_A: nn.Module) -> Tensor:
+    """``lora_A(dropout(cast_x))`` as peft calls them, each call told as its submodule's work
+    (``done_for``: the per-layer recorder hooks neither, which would make the layer take this
+    path)."""
+    dropped = done_for(dropout, (cast_x,), lambda: dropout(cast_x))
+    return done_for(lora_A, (dropped,), lambda: lora_A(dropped))
 
 
 class _Replaying:

@@ -10,15 +10,21 @@ placement, a ``forward`` set on the instance, or module hooks registered for eve
 While any is there the drop-in takes its stock forward, which calls each once. A memsave tool
 that hooks every module leaves these alone (the per-layer recorder), or hooks their owner
 instead (``pin_dropout_draws``). A drop-in class names them with a method :data:`LISTED_BY`.
+The per-layer recorder still wants to know what each keeps and returns, as it does of every
+module: a drop-in runs a submodule's work, called or replayed, through :func:`done_for`, which
+tells the :data:`OBSERVERS` as a hook around a call would.
 """
 
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Protocol, TypeVar
 
 from torch import nn
 from torch.nn.modules import module as global_hooks
+
+T = TypeVar("T")
 
 #: The method of a drop-in class returning the submodules it does not call.
 LISTED_BY = "_memsave_uncalled"
@@ -77,3 +83,33 @@ def uncalled(model: nn.Module) -> Iterator[tuple[nn.Module, nn.Module]]:
 def uncalled_modules(model: nn.Module) -> list[nn.Module]:
     """The submodules of ``model`` that their drop-ins do not call."""
     return [submodule for _, submodule in uncalled(model)]
+
+
+class WorkObserver(Protocol):
+    """What :func:`done_for` tells: the start and the end of an uncalled submodule's work."""
+
+    def entering(self, module: nn.Module, inputs: tuple) -> None: ...
+
+    def leaving(self, module: nn.Module, inputs: tuple, output: object) -> None: ...
+
+
+#: Observers of the work drop-ins do for their uncalled submodules (the per-layer recorder).
+OBSERVERS: list[WorkObserver] = []
+
+
+def done_for(module: nn.Module, inputs: tuple, work: Callable[[], T]) -> T:
+    """``work()``, which computes what uncalled ``module`` would on ``inputs`` (calling it or
+    not), told to the :data:`OBSERVERS` as a call of ``module`` would be: what it saves is
+    ``module``'s to keep, what it returns ``module``'s output."""
+    if not OBSERVERS:
+        return work()
+    observers = list(OBSERVERS)
+    for observer in observers:
+        observer.entering(module, inputs)
+    output = None
+    try:
+        output = work()
+        return output
+    finally:
+        for observer in reversed(observers):
+            observer.leaving(module, inputs, output)

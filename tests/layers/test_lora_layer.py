@@ -16,7 +16,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: E402
 
 from memsave_cli.layers import lora_layer  # noqa: E402
 from memsave_cli.layers.convert import convert, converted_counts, revert  # noqa: E402
-from memsave_cli.saved import SavedTensorRecorder  # noqa: E402
+from memsave_cli.saved import SavedTensorRecorder, layer_rows  # noqa: E402
 
 
 class Attention(nn.Module):
@@ -577,3 +577,29 @@ def test_device_placement_hooks_on_lora_A_keep_the_saving() -> None:
     x = torch.randn(8, 64, 32)  # inputs larger than the CPU generator's state each keeps
     stock_bytes, memsave_bytes = _assert_same_step(stock, memsave, lambda m: m(x).sum())
     assert memsave_bytes < stock_bytes
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.3])
+def test_per_layer_rows_name_the_adapter_that_produced_each_tensor(dropout: float) -> None:
+    """NOTE [uncalled submodules]: the recorder does not hook a converted layer's dropout and
+    lora_A, which are told as done (``done_for``): lora_A's output is lora_A's in both (it
+    went to lora_B, its saver, in memsave's), and without dropout, where both keep the same
+    tensors, every row reads the same."""
+    torch.manual_seed(0)
+    stock = _adapted(Attention(), ["q", "v"], dropout=dropout, init_lora_weights=False)
+    memsave = convert(stock)
+    x = torch.randn(2, 3, 32).to(torch.bfloat16).float()  # no cast: dropout 0 runs peft's path
+    rows = []
+    for model in (stock, memsave):
+        with SavedTensorRecorder(model) as recorder:
+            loss = model(x).sum()
+        recorder.stop()
+        loss.backward()
+        rows.append({row.name: row.saved_bytes for row in layer_rows(recorder)})
+    stock_rows, memsave_rows = rows
+    for name in ("q.lora_B.default", "v.lora_B.default"):
+        assert stock_rows.get(name, 0) == memsave_rows.get(name, 0) == 0, name
+    for name in ("q.lora_A.default", "v.lora_A.default"):
+        assert memsave_rows[name] > 0, name
+    if dropout == 0.0:  # memsave keeps what peft keeps: the same rows
+        assert memsave_rows == stock_rows
