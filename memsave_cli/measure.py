@@ -323,6 +323,8 @@ def nvml_process_bytes() -> int | None:
 #: data!"); ``data-independent``: meta's ``nonzero`` (a boolean mask as an index) says none
 #: exists. Not "no data" alone: a model's own error may say it.
 _META_HINTS = ("meta tensor", "data-dependent", "data dependent", "data-independent")
+#: How PyTorch's error for an operator without a meta kernel reads (lower case).
+_NO_META_KERNEL = "no fake impl or meta kernel"
 
 
 @contextlib.contextmanager
@@ -340,6 +342,11 @@ def _meta_errors(job: Job) -> Iterator[None]:
     except (RuntimeError, NotImplementedError) as error:
         if job.device != "meta" or not any(h in str(error).lower() for h in _META_HINTS):
             raise
+        if _NO_META_KERNEL in str(error).lower():  # not values: an operator meta cannot run
+            raise NeedsRealDataError(
+                f"{NEEDS_REAL_DATA}: {job.spec.text} runs an operator that has no meta kernel "
+                f"in this PyTorch ({one_line(error)}); use --device cpu"
+            ) from error
         raise NeedsRealDataError(
             f"{NEEDS_REAL_DATA}: {job.spec.text} computes with tensor values "
             f"({one_line(error)}), which the meta device does not have; use --device cpu"

@@ -15,6 +15,7 @@ import time
 from collections import OrderedDict
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -136,6 +137,28 @@ def item_net() -> nn.Module:
 
 
 def item_net_inputs(batch_size: int) -> torch.Tensor:
+    return torch.randn(batch_size, 8)
+
+
+class CtcNet(nn.Module):
+    """Speech recognition's CTC loss inside the model: an operator without a meta kernel."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(8, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        frames = self.linear(x).log_softmax(-1).unsqueeze(1)  # (time, batch 1, classes)
+        targets = torch.ones(1, 2, dtype=torch.long, device=x.device)
+        lengths = torch.full((1,), x.size(0), dtype=torch.long, device=x.device)
+        return F.ctc_loss(frames, targets, lengths, torch.full_like(lengths, 2))
+
+
+def ctc_net() -> nn.Module:
+    return CtcNet()
+
+
+def ctc_net_inputs(batch_size: int) -> torch.Tensor:
     return torch.randn(batch_size, 8)
 
 

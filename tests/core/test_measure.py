@@ -218,6 +218,14 @@ def test_data_dependent_model_on_meta_says_so() -> None:
     assert measure(job("item_net", device="cpu", repeat=1)).ok
 
 
+def test_an_operator_without_a_meta_kernel_is_named_as_such() -> None:
+    """Not "computes with tensor values": the operator has no meta kernel (CTC loss)."""
+    with pytest.raises(NeedsRealDataError, match="no meta kernel in this PyTorch") as raised:
+        measure(job("ctc_net"))
+    assert "tensor values" not in str(raised.value)
+    assert measure(job("ctc_net", device="cpu", repeat=1)).ok
+
+
 def test_a_models_own_error_saying_no_data_is_reported_as_it_is() -> None:
     with pytest.raises(RuntimeError, match=r"^no data loaded for this layer$"):
         measure(job("no_data_net"))
