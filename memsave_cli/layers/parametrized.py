@@ -11,7 +11,9 @@ drop-in evaluates each parametrized tensor once at the start of its forward and 
 read of it in that forward from that value: one evaluation per forward, as stock's. The values
 are the calling thread's own: ``parametrize.cached()`` would do the same through a cache of the
 whole process, which another thread's forward (of this module, or of any parametrized one) would
-read too, taking this thread's tensors into its graph.
+read too, taking this thread's tensors into its graph. Traced by ``torch.compile`` (which cannot
+trace thread-local state), the forward runs under ``parametrize.cached()``: its reads become one
+evaluation in the graph.
 ``convert`` and ``revert`` swap the class under the generated one (``swap.py``: a parametrized
 stock layer becomes a parametrized drop-in and back) and keep its properties, so that
 ``remove_parametrizations`` leaves the plain layer of the other kind.
@@ -23,6 +25,7 @@ import functools
 import threading
 from collections.abc import Callable
 
+import torch
 from torch import Tensor, nn
 from torch.nn.utils import parametrize
 
@@ -60,6 +63,9 @@ _EVALUATED = threading.local()
 def _cached(forward: Callable) -> Callable:
     @functools.wraps(forward)
     def once(self: nn.Module, *args: object, **kwargs: object) -> object:
+        if torch.compiler.is_compiling():  # traced: one graph, whose reads the cache joins
+            with parametrize.cached():
+                return forward(self, *args, **kwargs)
         values = _evaluated()
         keys = [(id(self), name) for name in self.parametrizations if _read_once(self, name)]
         earlier = {key: values.get(key) for key in keys}  # a forward calling itself keeps its own

@@ -183,3 +183,19 @@ def test_a_shared_model_in_two_threads_gives_each_its_own_gradients() -> None:
         assert seed in together, "the thread failed"
         for got, want in zip(together[seed], expected, strict=True):
             assert all(map(torch.equal, got, want))
+
+
+def test_compiled_to_one_graph_with_stock_gradients() -> None:
+    torch.manual_seed(0)
+    stock = nn.Sequential(parametrizations.weight_norm(nn.Conv2d(3, 8, 3)), nn.ReLU())
+    memsave = convert(stock)
+    x = torch.randn(2, 3, 8, 8)
+    torch._dynamo.reset()
+    results = []
+    for model in (stock, memsave):
+        compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+        model.zero_grad(set_to_none=True)
+        out = compiled(x)
+        out.square().sum().backward()
+        results.append([out, *(p.grad for p in model.parameters())])
+    assert all(map(torch.equal, *results))
