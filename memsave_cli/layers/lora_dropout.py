@@ -14,13 +14,15 @@ The seeded noise of ``dropout.py`` is not used here: it draws different random n
 stock's ``bernoulli_``, so a converted peft model could not match the stock one bitwise. The
 replay costs, per adapter, the random state (5 KiB on CPU, 16 bytes on CUDA) and, in backward,
 ``lora_A``'s forward once more (a rank-``r`` projection, small beside the base layer). That
-replay calls ``lora_A`` as a module, so hooks on it run again in backward, as they do under
-``torch.utils.checkpoint``, and under the autocast settings forward ran with (backward itself
-runs without autocast: a replay in float32 of a forward autocast to bfloat16 would give other
-gradients), and with the weights forward was given (``torch.func.functional_call`` puts others
-in place for forward only). On the CPU the replay draws from a generator of its own, set to
-forward's state, and the process's generator is left alone: another thread drawing from it meanwhile
-neither shifts the mask nor gets numbers again. On other devices stock's fused dropout draws from
+replay runs ``lora_A``'s forward alone, without module hooks (a layer where hooks would run takes
+peft's path, NOTE [uncalled submodules]; one registered after forward stays out of it), under
+the autocast settings forward ran with (backward itself runs without autocast: a replay in
+float32 of a forward autocast to bfloat16 would give other gradients), and with the weights
+forward was given (``torch.func.functional_call`` puts others in place for forward only). On the
+CPU forward and replay draw from generators of their own, both set to the state forward read,
+and forward then sets the process's generator where stock's draw leaves it: another thread
+drawing from it meanwhile neither shifts the mask (it did between forward's read and its draw)
+nor, in backward, gets numbers again. On other devices stock's fused dropout draws from
 the device's generator only, so the replay sets that generator's state and back, which is not
 atomic: another thread drawing from the same device's generator meanwhile could shift the mask
 (as under ``torch.utils.checkpoint`` with ``preserve_rng_state``); ``docs/lora.md`` says so.
@@ -110,12 +112,16 @@ class DroppedProjection(torch.autograd.Function):
     ) -> Tensor:
         ctx.p, ctx.project, ctx.cast = p, project, cast
         ctx.autocast = autocast_state(x.device.type)
+        state = rng_state(x) if p > 0 and any(ctx.needs_input_grad) else None
         if any(ctx.needs_input_grad):
-            state = rng_state(x) if p > 0 else None
             # x is the layer's own input: it is kept once, whoever else keeps it too. The
             # parameters cost nothing (they live on) and let autograd see them changed in place.
             ctx.save_for_backward(x, *params, *(() if state is None else (state,)))
-        return project(_dropout(cast_x, p))
+        generator = _private_generator(x, state)
+        dropped = _dropout(cast_x, p, generator)
+        if generator is not None:  # where stock's draw leaves the process's generator
+            torch.set_rng_state(generator.get_state())
+        return project(dropped)
 
     @staticmethod
     def backward(ctx, grad_output: Tensor) -> tuple[Tensor | None, ...]:

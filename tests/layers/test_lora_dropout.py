@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from memsave_cli.layers import lora_dropout
 from memsave_cli.layers.lora_dropout import dropped_projection
 from memsave_cli.saved import SavedTensorRecorder
 
@@ -152,6 +153,30 @@ def test_cpu_replay_draws_from_its_own_generator() -> None:
     project = nn.Linear(11, 4, bias=False)
     _compare(x, 0.5, project, cast_while_another_thread_draws)
     assert len(drawn) == 3  # stock's forward, memsave's forward and its replay
+
+
+def test_cpu_forward_draws_at_the_state_it_keeps(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Forward reads the generator's state, then draws the mask: another thread drawing between
+    the two moved the mask away from the state kept, and backward regenerated another one (26
+    of 600 steps beside a thread drawing in a loop). Forward now draws from a generator of its
+    own at the state it keeps. Here the read itself lets another thread draw."""
+    read = lora_dropout.rng_state
+
+    def read_then_another_thread_draws(x: Tensor) -> Tensor | None:
+        state = read(x)
+        other = threading.Thread(target=lambda: torch.rand(()))
+        other.start()
+        other.join()
+        return state
+
+    monkeypatch.setattr(lora_dropout, "rng_state", read_then_another_thread_draws)
+    project = nn.Linear(11, 11, bias=False)
+    with torch.no_grad():
+        project.weight.copy_(torch.eye(11))
+    x = (torch.rand(64, 11) + 0.5).requires_grad_()
+    out = _memsave(x, 0.5, project, _identity)
+    out.sum().backward()
+    assert torch.equal(out.detach() != 0, x.grad != 0)  # the mask forward used, in backward
 
 
 def test_gradcheck_float64_with_fixed_mask() -> None:
