@@ -2,9 +2,9 @@
 
 NOTE [Mish on meta]: cpu and cuda compute ``aten::mish_backward`` in one elementwise kernel,
 which allocates the gradient alone. Meta has no kernel of its own for it: PyTorch's meta
-registration runs its decomposition (softplus, tanh, sigmoid and seven more elementwise ops), whose
-nine new tensors the tracker counts, so a meta estimate of a Mish network's step peak was about twice
-what cpu measures (a conv-BN-Mish network at batch 8: 29.8 MB against 15.1 MB), and ``fit``
+registration runs its decomposition (softplus, tanh, sigmoid and seven more elementwise ops),
+whose nine new tensors the tracker counts, so a meta estimate of a Mish network's step peak was
+about twice what cpu measures (a conv-BN-Mish network at batch 8: 29.8 MB against 15.1 MB), and ``fit``
 answered about half the batch that fits. While ``mish_as_on_cuda`` is active, the operator has a
 kernel of its own at the meta autograd key that allocates the gradient as the elementwise kernel
 does: in the layout TensorIterator gives a binary op of the gradient and the input.
