@@ -6,18 +6,22 @@ activation keeps] in ``recomputed.py``)."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import pickle
 import random
+import threading
 from collections.abc import Callable, Iterator
 from typing import NamedTuple
 
 import numpy
 import torch
 from torch import Tensor, nn
+from torch.nn.modules import module as global_hooks
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
+from memsave_cli.layers._backward import outer_hooks_hidden
 from memsave_cli.layers.gated_mlp import ACTIVATIONS, LAYOUTS, gated_mlp
 from memsave_cli.layers.recomputed import recomputed
 from memsave_cli.layers.rmsnorm import rms_norm
@@ -407,7 +411,9 @@ class probing:
     """Probes run eagerly on CPU with gradients on, whatever mode or device the caller set up
     (``inference_mode`` included, under which every probe would fail and the answer be cached),
     and leave the random states as they found them, torch's CPU generator, Python's and numpy's
-    (a forward may draw: dropout)."""
+    (a forward may draw: dropout). The caller's saved-tensor hooks (a recorder, ``save_on_cpu``,
+    a checkpoint around the call) and, where no other thread runs, hooks for every module (an
+    activation collector) do not see the probes' stand-ins."""
 
     def __enter__(self) -> None:
         self._contexts = [
@@ -417,6 +423,8 @@ class probing:
             torch.enable_grad(),
             torch.autocast("cpu", enabled=False),
             torch.random.fork_rng(devices=[]),
+            outer_hooks_hidden(),
+            _global_hooks_hidden(),
         ]
         for context in self._contexts:
             context.__enter__()
@@ -427,3 +435,34 @@ class probing:
         numpy.random.set_state(self._states[1])
         for context in reversed(self._contexts):
             context.__exit__(*exc)
+
+
+#: torch's hooks for every module (``torch.nn.modules.module``) that the probes' stand-ins would
+#: run: around forward and backward, and on registering a module, parameter or buffer.
+_GLOBAL_HOOK_TABLES = (
+    "_global_forward_pre_hooks",
+    "_global_forward_hooks",
+    "_global_backward_pre_hooks",
+    "_global_backward_hooks",
+    "_global_module_registration_hooks",
+    "_global_parameter_registration_hooks",
+    "_global_buffer_registration_hooks",
+)
+
+
+@contextlib.contextmanager
+def _global_hooks_hidden() -> Iterator[None]:
+    """The caller's hooks for every module set aside for the body, where no other thread runs:
+    the tables are the process's, and another thread's modules would miss them meanwhile."""
+    if threading.active_count() > 1:
+        yield
+        return
+    tables = [getattr(global_hooks, name) for name in _GLOBAL_HOOK_TABLES]
+    kept = [dict(table) for table in tables]
+    for table in tables:
+        table.clear()
+    try:
+        yield
+    finally:
+        for table, entries in zip(tables, kept, strict=True):
+            table.update(entries)

@@ -1255,3 +1255,30 @@ def test_another_thread_drawing_torch_numbers_changes_no_probe() -> None:
         stop.set()
         drawing.join()
     assert converted_counts(converted) == {"DrawnBesideMLP": 1}
+
+
+def test_the_callers_hooks_do_not_see_the_probes() -> None:
+    """A hook for every module (an activation collector) and saved-tensor hooks around
+    ``convert`` saw the probes' stand-ins: modules and tensors of shapes and dtypes the model
+    never makes (84 calls converting a tiny LLaMA)."""
+
+    class ProbedQuietlyMLP(PlainMLP):  # a class of its own: no answer cached yet
+        pass
+
+    model = nn.Sequential(ProbedQuietlyMLP())
+    seen: list[str] = []
+    handles = [
+        nn.modules.module.register_module_forward_hook(lambda m, a, o: seen.append("forward")),
+        nn.modules.module.register_module_parameter_registration_hook(
+            lambda m, n, p: seen.append("parameter")
+        ),
+    ]
+    packed: list[int] = []
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: packed.append(1) or t, lambda t: t):
+            converted = convert(model, inplace=True)
+    finally:
+        for handle in handles:
+            handle.remove()
+    assert converted_counts(converted) == {"ProbedQuietlyMLP": 1}
+    assert seen == [] and packed == []
