@@ -7,9 +7,12 @@ import copy
 import gc
 import io
 import math
+import subprocess
+import sys
 import threading
 import weakref
 from collections.abc import Callable
+from pathlib import Path
 
 import numpy
 import pytest
@@ -1257,28 +1260,43 @@ def test_another_thread_drawing_torch_numbers_changes_no_probe() -> None:
     assert converted_counts(converted) == {"DrawnBesideMLP": 1}
 
 
-def test_the_callers_hooks_do_not_see_the_probes() -> None:
-    """A hook for every module (an activation collector) and saved-tensor hooks around
-    ``convert`` saw the probes' stand-ins: modules and tensors of shapes and dtypes the model
-    never makes (84 calls converting a tiny LLaMA)."""
+def test_the_callers_saved_tensor_hooks_do_not_see_the_probes() -> None:
+    """A recorder, ``save_on_cpu`` or a checkpoint around ``convert`` packed the probes'
+    tensors."""
 
     class ProbedQuietlyMLP(PlainMLP):  # a class of its own: no answer cached yet
         pass
 
     model = nn.Sequential(ProbedQuietlyMLP())
-    seen: list[str] = []
-    handles = [
-        nn.modules.module.register_module_forward_hook(lambda m, a, o: seen.append("forward")),
-        nn.modules.module.register_module_parameter_registration_hook(
-            lambda m, n, p: seen.append("parameter")
-        ),
-    ]
     packed: list[int] = []
-    try:
-        with torch.autograd.graph.saved_tensors_hooks(lambda t: packed.append(1) or t, lambda t: t):
-            converted = convert(model, inplace=True)
-    finally:
-        for handle in handles:
-            handle.remove()
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: packed.append(1) or t, lambda t: t):
+        converted = convert(model, inplace=True)
     assert converted_counts(converted) == {"ProbedQuietlyMLP": 1}
-    assert seen == [] and packed == []
+    assert packed == []
+
+
+HOOKS_AROUND_CONVERT = """
+import sys
+import torch
+from torch import nn
+sys.path.insert(0, {tests!r})
+from test_recognise import PlainMLP
+from memsave_cli.layers.convert import convert, converted_counts
+
+model = nn.Sequential(PlainMLP())
+seen = []
+nn.modules.module.register_module_forward_hook(lambda m, a, o: seen.append("forward"))
+nn.modules.module.register_module_parameter_registration_hook(lambda m, n, p: seen.append("p"))
+converted = convert(model, inplace=True)
+print(converted_counts(converted), len(seen))
+"""
+
+
+def test_hooks_for_every_module_do_not_see_the_probes() -> None:
+    """An activation collector registered for every module saw the probes' stand-ins: modules
+    of shapes and dtypes the model never makes (84 calls converting a tiny LLaMA). Set aside
+    where no other thread runs, as in a fresh process (this suite's workers may hold threads)."""
+    code = HOOKS_AROUND_CONVERT.format(tests=str(Path(__file__).parent))
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split("\n")[-2] == "{'PlainMLP': 1} 0"
