@@ -201,7 +201,7 @@ def _cudnn_fits(call: dict) -> bool:
     one key, and more than one query with dropout; grouped heads native."""
     q, k, v = call["query"], call["key"], call["value"]
     d_qk, d_v, dropout = q.size(-1), v.size(-1), call["dropout_p"]
-    backward = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    wide_ok = max(d_qk, d_v) <= 128 or (d_qk, d_v) in CUDNN_BACKWARD_WIDE
     return (
         q.dtype in FLASH_DTYPES
         and _cudnn_mask_fits(call)
@@ -210,12 +210,10 @@ def _cudnn_fits(call: dict) -> bool:
         and d_qk % 8 == 0
         and d_v % 8 == 0
         and max(d_qk, d_v) <= CUDNN_MAX_HEAD_DIM
-        and (not backward or max(d_qk, d_v) <= 128 or (d_qk, d_v) in CUDNN_BACKWARD_WIDE)
+        and (wide_ok or not _records_backward(q, k, v))
         and k.size(-2) != 1
         and (dropout == 0 or q.size(-2) != 1)
-        and q.size(0) == k.size(0)
-        and k.shape[:2] == v.shape[:2]
-        and q.size(1) % k.size(1) == 0
+        and _heads_fit(call, grouped=True, unasked=True)
     )
 
 
@@ -232,16 +230,22 @@ def _cudnn_mask_fits(call: dict) -> bool:
     return rows in (1, q.size(-2)) and columns in (1, k.size(-2)) and leading_fit
 
 
-def _heads_fit(call: dict, grouped: bool) -> bool:
+def _heads_fit(call: dict, grouped: bool, unasked: bool = False) -> bool:
     """Equal batch sizes, key and value of one head count, and that the query's; or, where the
-    kernel groups heads, ``enable_gqa`` and a divisor of it, or (NOTE [grouped heads]) one
-    key/value head without ``enable_gqa``."""
+    kernel groups heads, a divisor of it with ``enable_gqa`` (without it too where ``unasked``:
+    cuDNN), or (NOTE [grouped heads]) one key/value head without ``enable_gqa``."""
     q, k, v = call["query"], call["key"], call["value"]
     if q.size(0) != k.size(0) or k.shape[:2] != v.shape[:2]:
         return False
     if q.size(1) == k.size(1) or (k.size(1) == 1 and grouped_heads_native()):
         return True
-    return grouped and call["enable_gqa"] and q.size(1) % k.size(1) == 0
+    return grouped and (unasked or call["enable_gqa"]) and q.size(1) % k.size(1) == 0
+
+
+def _records_backward(*tensors: torch.Tensor | None) -> bool:
+    """Whether autograd records a backward of a call of these tensors (a kernel then computes
+    the log-sum-exp, and cuDNN checks its backward's head dims)."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
 @functools.cache
@@ -283,9 +287,7 @@ def _efficient(call: dict) -> torch.Tensor:
     q, k, v, mask = call["query"], call["key"], call["value"], _additive(call)
     if mask is not None:
         mask = _aligned_bias(mask).expand(q.size(0), q.size(1), q.size(-2), k.size(-2))
-    grad = torch.is_grad_enabled() and any(
-        t is not None and t.requires_grad for t in (q, k, v, mask)
-    )
+    grad = _records_backward(q, k, v, mask)
     return torch.ops.aten._scaled_dot_product_efficient_attention(
         q, k, v, mask, grad, call["dropout_p"], call["is_causal"], scale=call["scale"]
     )[0]
@@ -295,9 +297,8 @@ def _cudnn(call: dict) -> torch.Tensor:
     """``aten._scaled_dot_product_cudnn_attention`` with the mask as CUDA hands it over: a
     boolean mask becomes an additive one (a tensor the backward keeps), a float one as it is."""
     q, k, v = call["query"], call["key"], call["value"]
-    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     return torch.ops.aten._scaled_dot_product_cudnn_attention(
-        q, k, v, _additive(call), grad, call["dropout_p"], call["is_causal"], False,
+        q, k, v, _additive(call), _records_backward(q, k, v), call["dropout_p"], call["is_causal"], False,
         scale=call["scale"],
     )[0]  # fmt: skip
 

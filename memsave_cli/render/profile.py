@@ -11,7 +11,7 @@ from rich.text import Text
 
 from memsave_cli.render import summary
 from memsave_cli.render.units import binary_unit, format_bytes, format_in, format_ratio
-from memsave_cli.report import Report
+from memsave_cli.report import AUTOCAST_DTYPES, Report
 
 #: Sections of the comparison table: (Run attribute, heading); a section shows when measured.
 SECTIONS = (
@@ -200,7 +200,7 @@ def _chosen_by(report: Report) -> str:
         return "forced"
     if report.device != "meta":
         return "the device's choice"
-    if not {report.dtype, report.autocast} & {"float16", "bfloat16"}:
+    if not {report.dtype, report.autocast} & set(AUTOCAST_DTYPES):  # half precision
         return "as a CUDA device picks"
     return (
         "as a CUDA device picks in sm80's order; sm90 and sm100 try cudnn first: --attention cudnn"
