@@ -112,8 +112,9 @@ class DroppedProjection(torch.autograd.Function):
     ) -> Tensor:
         ctx.p, ctx.project, ctx.cast = p, project, cast
         ctx.autocast = autocast_state(x.device.type)
-        state = rng_state(x) if p > 0 and any(ctx.needs_input_grad) else None
-        if any(ctx.needs_input_grad):
+        records = any(ctx.needs_input_grad)
+        state = rng_state(x) if p > 0 and records else None
+        if records:
             # x is the layer's own input: it is kept once, whoever else keeps it too. The
             # parameters cost nothing (they live on) and let autograd see them changed in place.
             ctx.save_for_backward(x, *params, *(() if state is None else (state,)))

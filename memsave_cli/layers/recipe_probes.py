@@ -26,6 +26,7 @@ from memsave_cli.layers.gated_mlp import ACTIVATIONS, LAYOUTS, gated_mlp
 from memsave_cli.layers.recomputed import recomputed
 from memsave_cli.layers.rmsnorm import rms_norm
 from memsave_cli.layers.settings import HoldsState, described, own_settings
+from memsave_cli.layers.uncalled import GLOBAL_HOOKS
 
 #: Attributes an MLP keeps its activation module in.
 ACT_NAMES = ("act_fn", "activation_fn", "act")
@@ -440,10 +441,7 @@ class probing:
 #: torch's hooks for every module (``torch.nn.modules.module``) that the probes' stand-ins would
 #: run: around forward and backward, and on registering a module, parameter or buffer.
 _GLOBAL_HOOK_TABLES = (
-    "_global_forward_pre_hooks",
-    "_global_forward_hooks",
-    "_global_backward_pre_hooks",
-    "_global_backward_hooks",
+    *GLOBAL_HOOKS,
     "_global_module_registration_hooks",
     "_global_parameter_registration_hooks",
     "_global_buffer_registration_hooks",

@@ -60,10 +60,11 @@ def _places_only(hook: object) -> bool:
 def runs_hooks(module: nn.Module | None) -> bool:
     """Whether a call of ``module`` now runs more than its class's forward: :func:`has_hooks`,
     or module hooks registered for every module."""
-    return has_hooks(module) or any(getattr(global_hooks, name) for name in _GLOBAL_HOOKS)
+    return has_hooks(module) or any(getattr(global_hooks, name) for name in GLOBAL_HOOKS)
 
 
-_GLOBAL_HOOKS = (
+#: torch's tables of hooks around every module's forward and backward.
+GLOBAL_HOOKS = (
     "_global_forward_hooks",
     "_global_forward_pre_hooks",
     "_global_backward_hooks",
