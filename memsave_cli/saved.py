@@ -31,6 +31,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.weak import WeakIdKeyDictionary
 
+from memsave_cli.compiling import compiling
 from memsave_cli.layers.uncalled import OBSERVERS, uncalled_modules
 from memsave_cli.report import LayerSaved
 from memsave_cli.tracker import sparse_parts
@@ -164,7 +165,7 @@ class SavedTensorRecorder:
         def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
             self._stack.append(entry)
             given = {}
-            if self.recording and not torch.compiler.is_compiling():
+            if self.recording and not compiling():
                 for tensor in _tensors([*args, *kwargs.values()]):
                     if (key := _storage_key(tensor)) is not None:
                         given[id(key)] = _version(tensor)
@@ -176,7 +177,7 @@ class SavedTensorRecorder:
         if len(self._stack) > 1:
             entry, given = self._stack.pop(), self._given.pop()
             # traced hooks cannot look up weak tables
-            if self.recording and not torch.compiler.is_compiling():
+            if self.recording and not compiling():
                 self._claim(output, entry, given)
 
     def _claim(self, output: object, entry: tuple[str, str], given: dict[int, int | None]) -> None:

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from memsave_cli.compiling import compiling
 from memsave_cli.kernels._rerun import always_rerun
 
 #: Tensor types the implementations may be handed directly (concrete sizes, no dispatch logic).
@@ -46,7 +47,7 @@ class EagerOp:
         self.implementations = dict(implementations)
 
     def __call__(self, *args: Any) -> Any:
-        implementation = None if torch.compiler.is_compiling() else self._direct(args)
+        implementation = None if compiling() else self._direct(args)
         if implementation is None:
             return self.op(*args)
         return implementation(*args)

@@ -16,6 +16,8 @@ from torch import Tensor, nn
 from torch._prims_common import is_non_overlapping_and_dense_or_false, suggest_memory_format
 from torch.utils._python_dispatch import _disable_current_modes
 
+from memsave_cli.compiling import compiling
+
 #: Tensor types whose sizes and strides are concrete integers outside ``torch.compile``.
 _EAGER_TYPES = (Tensor, nn.Parameter)
 
@@ -31,7 +33,7 @@ def is_dense(t: Tensor) -> bool:
     """``is_non_overlapping_and_dense_or_false(t)``: whether ``t`` is a permuted contiguous block."""
     if is_eager(t):
         return _cached(tuple(t.shape), t.stride())[1]
-    if torch.compiler.is_compiling():
+    if compiling():
         # Strides may be symbolic, and torch 2.11's predicate defines a class, which Dynamo
         # cannot trace.
         return _plainly_dense(t)
@@ -75,7 +77,7 @@ def batched(t: Tensor) -> bool:
     under ``vmap`` by ``autograd.grad(..., is_grads_batched=True)`` or a vectorized
     ``autograd.functional.jacobian``. ATen's out= forms and random ops do not batch there.
     Traced code (``torch.compile``) never is: the compiler batches what it traces itself."""
-    return not torch.compiler.is_compiling() and not torch._C._has_storage(t)
+    return not compiling() and not torch._C._has_storage(t)
 
 
 def no_out_form(t: Tensor) -> bool:
@@ -92,14 +94,14 @@ def no_out_form(t: Tensor) -> bool:
 def is_eager(t: Tensor) -> bool:
     """Whether ``t`` is a plain tensor (or parameter) outside tracing: its sizes and strides are
     concrete, and what is computed from it may be memoised."""
-    return type(t) in _EAGER_TYPES and not torch.compiler.is_compiling()
+    return type(t) in _EAGER_TYPES and not compiling()
 
 
 def graph_capturing(t: Tensor) -> bool:
     """Whether a CUDA graph is being captured on the current stream, for a CUDA ``t`` (outside
     ``torch.compile``)."""
-    compiling = torch.compiler.is_compiling()
-    return t.is_cuda and not compiling and torch.cuda.is_current_stream_capturing()
+
+    return t.is_cuda and not compiling() and torch.cuda.is_current_stream_capturing()
 
 
 def tables_memoisable(t: Tensor) -> bool:

@@ -26,6 +26,7 @@ import torch
 from torch import Tensor
 from torch.utils._python_dispatch import _disable_current_modes
 
+from memsave_cli.compiling import compiling
 from memsave_cli.kernels._layout import settled, tables_memoisable
 
 try:
@@ -70,11 +71,11 @@ def layout_of(tensor: Tensor) -> BitLayout:
     strides may be symbolic and cannot be sorted, the order is the logical one unless the tensor
     is plainly channels-last.
     """
-    if type(tensor) is Tensor and not torch.compiler.is_compiling():
+    if type(tensor) is Tensor and not compiling():
         return _eager_layout(tuple(tensor.shape), tensor.stride())
     dims = tuple(range(tensor.dim()))
     strides = tensor.stride()
-    if not torch.compiler.is_compiling() and all(isinstance(s, int) for s in strides):
+    if not compiling() and all(isinstance(s, int) for s in strides):
         order = sorted(dims, key=lambda dim: strides[dim], reverse=True)
         return BitLayout(tuple(tensor.shape), tuple(order))
     channels_last = {4: torch.channels_last, 5: torch.channels_last_3d}.get(tensor.dim())
@@ -189,7 +190,7 @@ def _pack_with_torch(flat: Tensor, scratch: bool) -> Tensor:
     """``pack_bits`` of a contiguous 1-d mask with tensor operations (see the first NOTE)."""
     if flat.numel() == 0:
         return flat.new_empty(0, dtype=torch.uint8)
-    if torch.compiler.is_compiling():
+    if compiling():
         # Fused away by the compiler; torch 2.11's inductor cannot lower a dtype view of bools.
         flat = flat.to(torch.uint8)
     padding = -flat.numel() % 8
@@ -211,7 +212,7 @@ def _numpy_ready(tensor: Tensor) -> bool:
         numpy is not None
         and type(tensor) is Tensor
         and tensor.device.type == "cpu"
-        and not torch.compiler.is_compiling()
+        and not compiling()
     )
 
 
@@ -221,7 +222,7 @@ def _misaligned(flat: Tensor) -> bool:
     Under ``torch.compile`` the storage offset is not traceable; there the mask is always a fresh
     intermediate starting its own storage.
     """
-    return not torch.compiler.is_compiling() and flat.storage_offset() % 8 != 0
+    return not compiling() and flat.storage_offset() % 8 != 0
 
 
 @functools.cache

@@ -27,6 +27,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor, nn
 
+from memsave_cli.compiling import compiling
 from memsave_cli.kernels import build as builder
 from memsave_cli.kernels._recording import plain_eager
 from memsave_cli.kernels._switches import switched_off
@@ -214,7 +215,7 @@ def serving(*tensors: Tensor | None) -> Nodes | None:
     [Python between kernels runs on a cold cache] in ``conv.py``); ``torch.compile`` first, so
     that Dynamo reads nothing else.
     """
-    if torch.compiler.is_compiling() or not torch.is_grad_enabled() or not plain_eager():
+    if compiling() or not torch.is_grad_enabled() or not plain_eager():
         return None
     for t in tensors:
         if type(t) not in _EAGER or (t is not None and t.is_nested):

@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 from torch.amp.autocast_mode import is_autocast_available
 
+from memsave_cli.compiling import compiling
 from memsave_cli.kernels import nodes
 
 #: Device types whose tensors stand for CUDA's while a measurement emulates autocast on them.
@@ -36,7 +37,7 @@ def autocast_type(device_type: str) -> str:
 def autocast_on(device_type: str) -> bool:
     """Whether autocast is enabled for tensors of ``device_type`` (False for types autocast
     does not know, such as ``meta``, unless a measurement lets meta stand for cuda)."""
-    if torch.compiler.is_compiling():
+    if compiling():
         # Traced code runs on devices autocast knows, and torch 2.11 cannot trace the query;
         # but meta, which autocast does not know, may be traced (``memsave probe --compile``).
         return device_type != "meta" and torch.is_autocast_enabled(device_type)

@@ -7,6 +7,7 @@ import sys
 
 import torch
 
+from memsave_cli.compiling import compiling
 from memsave_cli.kernels._layout import batched
 from memsave_cli.kernels._recording import plain_eager
 
@@ -61,7 +62,7 @@ def functions_run(*inputs: torch.Tensor) -> bool:
     """
     if any(t.is_nested or _wraps_results(t) for t in inputs):
         return False
-    if torch.compiler.is_compiling():
+    if compiling():
         return not torch.compiler.is_exporting()
     return plain_eager() and not any(t.is_inference() for t in inputs)
 

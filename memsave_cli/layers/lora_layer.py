@@ -23,6 +23,7 @@ from peft.tuners.lora import layer as peft_lora
 from peft.tuners.tuners_utils import BaseTunerLayer
 from torch import Tensor, nn
 
+from memsave_cli.compiling import compiling
 from memsave_cli.kernels._layout import graph_capturing
 from memsave_cli.layers._backward import records_backward
 from memsave_cli.layers.lora_dropout import dropped_projection
@@ -40,7 +41,7 @@ def lora_forward(layer: peft_lora.LoraLayer, x: Tensor, *args: Any, **kwargs: An
     Under ``torch.compile`` peft's own forward runs: Dynamo does not trace the replay's reads of
     the generator state (every call would break the graph), and the compiler chooses what to keep.
     """
-    if torch.compiler.is_compiling():
+    if compiling():
         return _stock_forward(layer)(layer, x, *args, **kwargs)
     if layer.disable_adapters or layer.merged or layer.lora_variant:
         return _stock_forward(layer)(layer, x, *args, **kwargs)

@@ -25,9 +25,10 @@ import functools
 import threading
 from collections.abc import Callable
 
-import torch
 from torch import Tensor, nn
 from torch.nn.utils import parametrize
+
+from memsave_cli.compiling import compiling
 
 
 def base_class(module: nn.Module) -> type[nn.Module]:
@@ -63,7 +64,7 @@ _EVALUATED = threading.local()
 def _cached(forward: Callable) -> Callable:
     @functools.wraps(forward)
     def once(self: nn.Module, *args: object, **kwargs: object) -> object:
-        if torch.compiler.is_compiling():  # traced: one graph, whose reads the cache joins
+        if compiling():  # traced: one graph, whose reads the cache joins
             with parametrize.cached():
                 return forward(self, *args, **kwargs)
         values = _evaluated()

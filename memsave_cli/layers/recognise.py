@@ -58,9 +58,9 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.compiler import is_compiling
 from torch.nn.utils import parametrize
 
+from memsave_cli.compiling import compiling
 from memsave_cli.layers.gated_mlp import gated_mlp
 from memsave_cli.layers.parametrized import evaluated_once
 from memsave_cli.layers.recipe_probes import ACT_NAMES, PROJECTIONS, Recipe, probe_recipes
@@ -303,7 +303,7 @@ def _mlp_forward(stock: type[nn.Module], recipe: Recipe) -> Callable:
         # the recipe would not call (NOTE [uncalled submodules]).
         if not torch.is_grad_enabled() or runs_hooks(_act(self)):
             return stock.forward(self, hidden_states)
-        if not is_compiling():
+        if not compiling():
             children = _children(self)
             if _CHILDREN.setdefault(self, children) != children:
                 swap_class(self, stock)  # NOTE [submodules replaced without setattr]
@@ -318,7 +318,7 @@ def _activation_forward(stock: type[nn.Module], recipe: Recipe) -> Callable:
     def forward(self: nn.Module, input: Tensor) -> Tensor:
         # No copy where nothing records; under torch.compile, the compiler decides what its
         # graph keeps, and a copy would break the graph.
-        if not (torch.is_grad_enabled() and input.requires_grad) or is_compiling():
+        if not (torch.is_grad_enabled() and input.requires_grad) or compiling():
             return stock.forward(self, input)
         # A snapshot: backward recomputes with the settings and mode of this call (NOTE
         # [activations holding only values]).

@@ -57,6 +57,7 @@ from torch.autograd import Function
 from torch.autograd.graph import Node
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from memsave_cli.compiling import compiling
 from memsave_cli.kernels._layout import graph_capturing
 from memsave_cli.layers._autocast import autocast_state, replayed_autocast
 from memsave_cli.layers._backward import (
@@ -171,7 +172,7 @@ def recomputed(forward: Callable[[Tensor], Tensor], x: Tensor) -> Tensor:
     """``forward(x)``, keeping only ``x`` for backward where autograd records one; otherwise (no
     gradient, transforms, tracing, ``torch.compile``, CUDA graph capture, saved-tensor hooks
     switched off) stock's ``forward(x)``."""
-    if not (x.requires_grad and records_backward(x)) or torch.compiler.is_compiling():
+    if not (x.requires_grad and records_backward(x)) or compiling():
         return forward(x)
     if not torch._C._autograd._saved_tensors_hooks_is_enabled() or graph_capturing(x):
         return forward(x)

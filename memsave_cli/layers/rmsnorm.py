@@ -23,6 +23,7 @@ import torch
 from torch import Tensor, nn
 from torch.autograd import Function
 
+from memsave_cli.compiling import compiling
 from memsave_cli.kernels._layout import memory_format
 from memsave_cli.layers._autocast import autocast_on
 from memsave_cli.layers._backward import forbid_double_backward, records_backward
@@ -278,7 +279,7 @@ def rms_norm(
     """
     dims = tuple(d % x.dim() for d in dims) if x.dim() else dims
     upcast = upcast or _upcast(x.dtype, style)
-    if torch.compiler.is_compiling():
+    if compiling():
         # NOTE [RMSNorm under torch.compile]: Dynamo breaks the graph at a Function that takes
         # one tensor twice (as this one does, NOTE [two edges into x]), once per call. Compiled,
         # the forward's own ops (stock's) run unwrapped: one graph, stock's gradients bit for
@@ -324,7 +325,7 @@ class MemSaveRMSNorm(nn.RMSNorm):
     def forward(self, input: Tensor) -> Tensor:
         shape = tuple(self.normalized_shape)
         fits = 0 < len(shape) <= input.dim() and tuple(input.shape[-len(shape) :]) == shape
-        if torch.compiler.is_compiling():  # NOTE [RMSNorm under torch.compile]
+        if compiling():  # NOTE [RMSNorm under torch.compile]
             return super().forward(input)
         own = fits and may_record(input, self.weight) and _composite_on(input, self.weight)
         if not own or autocast_on(input.device.type):  # NOTE [RMSNorm under autocast]

@@ -27,6 +27,7 @@ from torch._prims_common import (
 )
 from torch.utils._python_dispatch import _disable_current_modes
 
+from memsave_cli.compiling import compiling
 from memsave_cli.kernels._layout import is_dense, memory_format, shape_only
 
 #: Whether the CPU's stand-ins are dense views of untouched memory (elsewhere they are one
@@ -71,7 +72,7 @@ def geometry(t: Tensor) -> Geometry:
     Eager tensors are answered from a cache (NOTE [Python between kernels runs on a cold
     cache] in ``conv.py``); traced ones, whose sizes may be symbolic, are computed each time.
     """
-    if type(t) in (Tensor, nn.Parameter) and not torch.compiler.is_compiling():
+    if type(t) in (Tensor, nn.Parameter) and not compiling():
         return _eager_geometry(t.shape, t.stride())
     return _computed_geometry(t)
 
@@ -86,7 +87,7 @@ def _eager_geometry(shape: torch.Size, stride: tuple[int, ...]) -> Geometry:
 def _computed_geometry(t: Tensor) -> Geometry:
     """``geometry`` without the cache."""
     layout = memory_format(t)
-    if torch.compiler.is_compiling():
+    if compiling():
         # Traced stand-ins take no memory, and symbolic strides cannot be ranked: keep ``t``'s.
         return Geometry(t.shape, tuple(t.stride()), layout)
     if is_dense(t):
@@ -106,7 +107,7 @@ def stand_in(grad: Tensor, geometry: Geometry) -> Tensor:
     """A tensor the backward kernel reads only the shape and layout of (module NOTE)."""
     if not dense(grad):
         return shape_only(grad, geometry.shape)
-    if type(grad) is not Tensor or torch.compiler.is_compiling():  # traced: no real memory
+    if type(grad) is not Tensor or compiling():  # traced: no real memory
         return torch.empty_strided(geometry.shape, geometry.stride, dtype=grad.dtype)
     key = (geometry, grad.dtype)
     stand_in = _STAND_INS.get(key)
