@@ -79,6 +79,47 @@ def autocast_casts(
     return tuple(cast(t) for t in tensors)
 
 
+def as_autocast_hands(op: str, x: Tensor) -> Tensor:
+    """``x`` as autocast hands it to ``aten::<op>``, for a drop-in that computes ``op`` by other
+    ATen ops, which autocast does not see.
+
+    NOTE [pooling on autocast's float32 lists]: CPU autocast runs ``max_pool3d``,
+    ``avg_pool3d`` and ``adaptive_avg_pool3d`` in float32: a stock MaxPool3d under
+    ``torch.autocast("cpu", dtype=torch.bfloat16)`` pools a bfloat16 input as float32 and returns
+    float32. memsave's max pooling calls ``max_pool3d_with_indices`` and its adaptive pooling
+    ``_adaptive_avg_pool3d``, which autocast leaves alone: they pooled in half precision and
+    returned half. Pooling is on no lower-precision list, so where autocast has a kernel for
+    ``op`` on ``x``'s device, a 16-bit floating ``x`` is cast to float32 (recorded, as
+    autocast's cast is)."""
+    device_type = x.device.type
+    if x.dtype not in (torch.float16, torch.bfloat16) or not autocast_on(device_type):
+        return x
+    return x.float() if _autocast_kernel(op, autocast_type(device_type)) else x
+
+
+def _autocast_kernel(op: str, device_type: str) -> bool:
+    """Whether autocast has a kernel of its own for ``aten::<op>`` on ``device_type``."""
+    key = (op, device_type)
+    known = _AUTOCAST_KERNELS.get(key)
+    if known is None:
+        try:
+            known = torch._C._dispatch_has_kernel_for_dispatch_key(
+                f"aten::{op}", f"Autocast{_AUTOCAST_KEYS.get(device_type, device_type.upper())}"
+            )
+        except RuntimeError:  # no such dispatch key: no autocast of this device type
+            known = False
+        _AUTOCAST_KERNELS[key] = known
+    return known
+
+
+# Dynamo asks while it traces and keeps the answer (torch._dynamo.assume_constant_result's mark).
+_autocast_kernel._dynamo_marked_constant = True
+#: Whether autocast has a kernel for an op on a device type, by (op, device type).
+_AUTOCAST_KERNELS: dict[tuple[str, str], bool] = {}
+#: Dispatch key suffixes that are not the device type in capitals.
+_AUTOCAST_KEYS = {"privateuseone": "PrivateUse1"}
+
+
 def emulated_cast(t: Tensor, dtype: torch.dtype, cache: bool) -> Tensor:
     """``t`` cast to ``dtype`` on meta standing for CUDA, with CUDA's cache: casts of float32
     leaves that require grad are kept (:data:`EMULATED_CASTS`) until the region ends."""

@@ -28,6 +28,7 @@ from torch import Tensor, nn
 from torch.nn.modules.utils import _list_with_default, _pair, _single, _triple
 
 from memsave_cli.kernels._layout import memory_format, no_out_form, shape_only
+from memsave_cli.layers._autocast import as_autocast_hands
 from memsave_cli.layers._backward import forbid_double_backward, records_ops
 from memsave_cli.layers.registry import drop_in
 
@@ -131,6 +132,7 @@ class MemSaveAvgPool1d(nn.AvgPool1d):
             _single(v) for v in (self.kernel_size, _stride(self), self.padding)
         )
         options = ((1, kernel), (1, stride), (0, padding), self.ceil_mode, self.count_include_pad)
+        input = as_autocast_hands("avg_pool1d", input)
         output = AvgPoolShapeOnly.apply(input.unsqueeze(-2), *options, None)
         return output.squeeze(-2)
 
@@ -141,6 +143,8 @@ def _avg_pool_nd(module: nn.AvgPool2d | nn.AvgPool3d, input: Tensor, expand: Cal
         expand(v) for v in (module.kernel_size, _stride(module), module.padding)
     )
     options = (module.ceil_mode, module.count_include_pad, module.divisor_override)
+    # NOTE [pooling on autocast's float32 lists] in ``_autocast.py``
+    input = as_autocast_hands(f"avg_pool{len(kernel)}d", input)
     return AvgPoolShapeOnly.apply(input, kernel, stride, padding, *options)
 
 
@@ -176,6 +180,8 @@ def _adaptive(module: nn.Module, input: Tensor, nd: int, expand) -> Tensor | Non
     output_size = tuple(_list_with_default(requested, input.shape))
     if all(size == 1 for size in output_size):
         return None  # sizes left to the input's (None) that are 1 there
+    # NOTE [pooling on autocast's float32 lists] in ``_autocast.py``
+    input = as_autocast_hands(f"adaptive_avg_pool{nd}d", input)
     return AdaptiveAvgPoolShapeOnly.apply(input, output_size)
 
 
@@ -189,6 +195,7 @@ class MemSaveAdaptiveAvgPool1d(nn.AdaptiveAvgPool1d):
         (size,) = _single(self.output_size)
         if size == 1:
             return super().forward(input)
+        input = as_autocast_hands("adaptive_avg_pool1d", input)
         return AdaptiveAvgPoolShapeOnly.apply(input.unsqueeze(-2), (1, size)).squeeze(-2)
 
 

@@ -29,6 +29,7 @@ from torch.nn.modules.utils import _pair, _single, _triple
 
 from memsave_cli.kernels._layout import memory_format
 from memsave_cli.kernels.maxpool_blocks import pool, pool_backward
+from memsave_cli.layers._autocast import as_autocast_hands
 from memsave_cli.layers._backward import forbid_double_backward, records_ops
 from memsave_cli.layers.registry import drop_in
 
@@ -96,7 +97,7 @@ class MemSaveMaxPool1d(nn.MaxPool1d):
             return super().forward(input)
         kernel, stride, padding, dilation = [v[0] for v in options]
         output = max_pool_with_offsets(
-            input.unsqueeze(-2),
+            as_autocast_hands("max_pool1d", input).unsqueeze(-2),
             (1, kernel),
             (1, stride),
             (0, padding),
@@ -114,6 +115,7 @@ class MemSaveMaxPool2d(nn.MaxPool2d):
         options = _offsets_options(self, input, 2, _pair)
         if options is None:
             return super().forward(input)
+        input = as_autocast_hands("max_pool2d", input)
         return max_pool_with_offsets(input, *options, self.ceil_mode)
 
 
@@ -125,4 +127,6 @@ class MemSaveMaxPool3d(nn.MaxPool3d):
         options = _offsets_options(self, input, 3, _triple)
         if options is None:
             return super().forward(input)
+        # NOTE [pooling on autocast's float32 lists]
+        input = as_autocast_hands("max_pool3d", input)
         return max_pool_with_offsets(input, *options, self.ceil_mode)

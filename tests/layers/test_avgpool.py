@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import re
 
 import pytest
@@ -18,6 +19,7 @@ from memsave_cli.layers.avgpool import (
     MemSaveAvgPool2d,
     MemSaveAvgPool3d,
 )
+from memsave_cli.layers.convert import convert
 from memsave_cli.layers.registry import DROP_INS
 from memsave_cli.saved import SavedTensorRecorder
 
@@ -257,21 +259,25 @@ def test_meta_and_fake_tensors(case: tuple) -> None:
         assert output.shape == expected and x.grad.shape == shape
 
 
-def test_autocast_bfloat16_matches_stock() -> None:
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("nd", [1, 2, 3])
+@pytest.mark.parametrize("kind", ["AvgPool", "AdaptiveAvgPool"])
+def test_autocast_matches_stock(kind: str, nd: int, dtype: torch.dtype) -> None:
+    """Under CPU autocast, stock pools 3d in float32 (NOTE [pooling on autocast's float32
+    lists]), 1d and 2d in the convolution's half precision."""
     torch.manual_seed(0)
-    conv = nn.Conv2d(3, 4, 3)
-    x = torch.randn(2, 3, 10, 10, requires_grad=True)
+    conv = getattr(nn, f"Conv{nd}d")(3, 4, 3)
+    x = torch.randn(2, 3, *(10,) * nd, requires_grad=True)
+    stock = getattr(nn, f"{kind}{nd}d")(*((3, 2, 1) if kind == "AvgPool" else (3,)))
     results = []
-    for pool in (
-        nn.Sequential(nn.AvgPool2d(3, 2, 1), nn.AdaptiveAvgPool2d(2)),
-        nn.Sequential(MemSaveAvgPool2d(3, 2, 1), MemSaveAdaptiveAvgPool2d(2)),
-    ):
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+    for pool in (stock, convert(copy.deepcopy(stock))):
+        assert type(pool).__name__.startswith("MemSave") == (pool is not stock)
+        with torch.autocast("cpu", dtype=dtype):
             output = pool(conv(x))
         results.append(
             (output, *torch.autograd.grad(output.float().square().sum(), (x, conv.weight)))
         )
-    assert results[1][0].dtype == results[0][0].dtype == torch.bfloat16
+    assert results[1][0].dtype == results[0][0].dtype == (torch.float32 if nd == 3 else dtype)
     assert_close(results[1], results[0], atol=0, rtol=0)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import math
 import re
 import warnings
@@ -396,18 +397,26 @@ def test_meta_and_fake_tensors(case: tuple) -> None:
         assert output.shape == expected and x.grad.shape == shape
 
 
-def test_autocast_bfloat16_matches_stock() -> None:
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("nd", [1, 2, 3])
+def test_autocast_matches_stock(nd: int, dtype: torch.dtype) -> None:
+    """Under CPU autocast, stock pools 3d in float32 (NOTE [pooling on autocast's float32
+    lists]): overlapping windows then sum the input gradient in float32, and the output is
+    float32; 1d and 2d pool in the convolution's half precision."""
     torch.manual_seed(0)
-    conv = nn.Conv2d(3, 4, 3)
-    x = torch.randn(2, 3, 10, 10, requires_grad=True)
+    conv = getattr(nn, f"Conv{nd}d")(3, 4, 3)
+    x = torch.randn(2, 3, *(9,) * nd, requires_grad=True)
+    pools = [getattr(nn, f"MaxPool{nd}d")(3, 2, 1)]
+    pools.append(convert(copy.deepcopy(pools[0])))
     grads = []
-    for pool in (nn.MaxPool2d(3, 2, 1), MemSaveMaxPool2d(3, 2, 1)):
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+    for pool in pools:
+        with torch.autocast("cpu", dtype=dtype):
             output = pool(conv(x))
         grads.append(
             (output, *torch.autograd.grad(output.float().square().sum(), (x, conv.weight)))
         )
-    assert grads[1][0].dtype == grads[0][0].dtype == torch.bfloat16
+    assert type(pools[1]).__module__.startswith("memsave_cli")
+    assert grads[1][0].dtype == grads[0][0].dtype == (torch.float32 if nd == 3 else dtype)
     assert_close(grads[1], grads[0], atol=0, rtol=0)
 
 
