@@ -73,8 +73,9 @@ def measure(job: Job, model: nn.Module | None = None) -> Run:
     """Run ``job`` here and return its Run; out-of-memory is a Run with status ``oom``.
 
     ``model``, when given, is measured instead of building ``job.spec`` (it is moved to the job's
-    device and dtype and converted in place). Other errors propagate (the worker turns them into
-    a Run with status ``error``).
+    device and dtype, converted in place, and its trainable parameters set as the case asks; the
+    hooks pinning its dropouts' draws are removed again). Other errors propagate (the worker
+    turns them into a Run with status ``error``).
     """
     check_job(job)
     _forget_tables()
@@ -82,9 +83,13 @@ def measure(job: Job, model: nn.Module | None = None) -> Run:
     try:
         with _ranks(job) as world:
             prepared = prepare(job, model, world)
-            if job.device == "cuda":
-                return _measure_cuda(job, prepared)
-            return _measure_tracked(job, prepared, world)
+            try:
+                if job.device == "cuda":
+                    return _measure_cuda(job, prepared)
+                return _measure_tracked(job, prepared, world)
+            finally:
+                for pin in prepared.pins:  # the caller's dropouts draw afresh again
+                    pin.remove()
     except (torch.OutOfMemoryError, MemoryError) as error:
         return Run(job.case.label, job.impl, status=Status.OOM, error=one_line(error))
 

@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from memsave_cli.cases import apply_case
 from memsave_cli.checkpointing import enable_checkpointing
@@ -33,13 +34,15 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 @dataclass
 class Prepared:
     """A model ready to step: converted, cased, with inputs and an optimizer over its trainables;
-    ``autocast``: the dtype its forward and loss autocast to on ``device`` (None: none)."""
+    ``autocast``: the dtype its forward and loss autocast to on ``device`` (None: none);
+    ``pins``: the hooks pinning its dropouts' draws, for a caller's model to be rid of."""
 
     model: nn.Module
     example: Example
     optimizer: torch.optim.Optimizer | None
     device: str = "cpu"
     autocast: torch.dtype | None = None
+    pins: list[RemovableHandle] = field(default_factory=list)
 
 
 def training_mode(model: nn.Module, bn_eval: bool) -> None:
@@ -70,7 +73,7 @@ def prepare(job: Job, model: nn.Module | None = None, world: fsdp.World | None =
         enable_checkpointing(model, job.checkpoint)
     training_mode(model, job.bn_eval)
     apply_case(model, job.case)
-    pin_dropout_draws(model)  # NOTE [the same network in both runs]
+    pins = pin_dropout_draws(model)  # NOTE [the same network in both runs]
     if world is not None:
         model = world.shard(model, job.reshard)
     example = _example(job, model, dtype, device)
@@ -78,7 +81,8 @@ def prepare(job: Job, model: nn.Module | None = None, world: fsdp.World | None =
         for tensor in example.differentiable:
             tensor.requires_grad_(True)
     autocast = None if job.autocast is None else AUTOCAST_DTYPES[job.autocast]
-    return Prepared(model, example, make_optimizer(model, job.optimizer), device.type, autocast)
+    optimizer = make_optimizer(model, job.optimizer)
+    return Prepared(model, example, optimizer, device.type, autocast, pins)
 
 
 def _example(job: Job, model: nn.Module, dtype: torch.dtype, device: torch.device) -> Example:

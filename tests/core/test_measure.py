@@ -141,6 +141,21 @@ def test_a_measurement_does_not_depend_on_what_ran_before_it(device: str) -> Non
 
 
 @pytest.mark.parametrize("impl", ["stock", "memsave"])
+def test_a_callers_model_keeps_no_hooks_and_draws_afresh(impl: str) -> None:
+    """The measured step pins each dropout's draws (the same network in both runs); a model the
+    caller passed kept those hooks, and every later step of it drew the same dropout mask."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(100, 16), nn.Dropout(0.5), nn.Linear(16, 2))
+    run = measure(replace(job("mlp", "all", "cpu", repeat=1), impl=impl), model=model)
+    assert run.ok, run.error
+    hooks = [(m._forward_pre_hooks, m._forward_hooks) for m in model.modules()]
+    assert all(not pre and not post for pre, post in hooks)
+    x = torch.ones(8, 16)
+    masks = [model[1](x) == 0 for _ in range(3)]
+    assert not torch.equal(masks[0], masks[1]) and not torch.equal(masks[1], masks[2])
+
+
+@pytest.mark.parametrize("impl", ["stock", "memsave"])
 @pytest.mark.parametrize(
     ("model", "checkpoint"), [("small_cnn", ()), ("blocks_cnn", ("blocks.*",))]
 )
