@@ -70,14 +70,16 @@ def _cached(forward: Callable) -> Callable:
         values = _evaluated()
         keys = [(id(self), name) for name in self.parametrizations if _read_once(self, name)]
         earlier = {key: values.get(key) for key in keys}  # a forward calling itself keeps its own
-        for key in keys:
-            values[key] = self.parametrizations[key[1]]()
         try:
+            # Inside: a parametrization raising after another was evaluated leaves no value
+            # behind, which every later read of that tensor would answer with.
+            for key in keys:
+                values[key] = self.parametrizations[key[1]]()
             return forward(self, *args, **kwargs)
         finally:
             for key, value in earlier.items():
                 if value is None:
-                    del values[key]
+                    values.pop(key, None)
                 else:
                     values[key] = value
 

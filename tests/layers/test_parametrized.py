@@ -199,3 +199,34 @@ def test_compiled_to_one_graph_with_stock_gradients() -> None:
         out.square().sum().backward()
         results.append([out, *(p.grad for p in model.parameters())])
     assert all(map(torch.equal, *results))
+
+
+class Refusing(nn.Module):
+    """A parametrization with a validity check, raising while ``refuse`` is set."""
+
+    refuse = False
+
+    def forward(self, value: Tensor) -> Tensor:
+        if Refusing.refuse:
+            raise ValueError("refused")
+        return value
+
+
+def test_a_parametrization_raising_leaves_no_value_behind() -> None:
+    """The weight was evaluated, then the bias's parametrization raised: the weight's value
+    stayed in the thread's table, and every later read of ``conv.weight`` outside forward
+    answered with it (after an optimizer step, the old weight)."""
+    conv = nn.Conv2d(3, 4, 3)
+    parametrize.register_parametrization(conv, "weight", Counted())
+    parametrize.register_parametrization(conv, "bias", Refusing())
+    conv = convert(nn.Sequential(conv))[0]
+    assert type(conv).__bases__[0] in DROP_INS.values()
+    Refusing.refuse = True
+    try:
+        with pytest.raises(ValueError, match="refused"):
+            conv(torch.randn(1, 3, 5, 5))
+    finally:
+        Refusing.refuse = False
+    with torch.no_grad():
+        conv.parametrizations.weight.original.add_(1.0)
+    assert torch.equal(conv.weight, conv.parametrizations.weight.original)
