@@ -4,6 +4,7 @@ offsets] in ``layers/maxpool.py``): the lookup tables of one pooling geometry.""
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 from torch import Tensor
@@ -118,15 +119,27 @@ class IndexMaps:
         return offset_ops.to_indices(offsets, self.table, self.starts)
 
 
+# NOTE [which index tables are kept]: a geometry's tables are memoised for the process, beyond
+# the model that made them (on a GPU, in device memory), and ``starts`` has one int64 per output
+# element of a plane. So only planes of at most ``KEPT_PLANE`` outputs are kept (a ResNet stem's
+# pooling up to 512x512 inputs; 128 KiB each, twice that for a stretched plane), 32 geometries at
+# most: 8 MiB at worst. A larger plane, where the pooling's own work dwarfs a few small ops
+# (3d volumes), makes its tables at each call and lets them go (25 MiB had stayed over 40 depths
+# of a MaxPool3d).
+KEPT_PLANE = 2**14
+
+
 @functools.lru_cache(maxsize=32)
 def _cached_maps(in_shape, out_shape, options, device: torch.device) -> IndexMaps:
     return settled(IndexMaps(in_shape, out_shape, options, device), device)
 
 
 def index_maps(in_shape, out_shape, options, device: torch.device, cache: bool) -> IndexMaps:
-    """:class:`IndexMaps` for one pooling, memoised where ``cache`` (``tables_memoisable``)."""
+    """:class:`IndexMaps` for one pooling, memoised where ``cache`` (``tables_memoisable``) and
+    the plane is small (NOTE [which index tables are kept])."""
     key = (tuple(in_shape), tuple(out_shape), tuple(options), device)
-    return _cached_maps(*key) if cache else IndexMaps(*key)
+    kept = cache and math.prod(key[1]) <= KEPT_PLANE
+    return _cached_maps(*key) if kept else IndexMaps(*key)
 
 
 def clear_tables() -> None:

@@ -13,7 +13,7 @@ from torch import Tensor, nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.testing import assert_close
 
-from memsave_cli.kernels import maxpool_blocks, native
+from memsave_cli.kernels import maxpool_blocks, maxpool_maps, native
 from memsave_cli.kernels.maxpool_maps import offset_dtype
 from memsave_cli.layers.convert import convert
 from memsave_cli.layers.maxpool import (
@@ -501,3 +501,23 @@ def test_unbatched_3d_pooling_takes_a_gradient_contiguous_but_for_its_ones() -> 
         out.backward(torch.ones(1, 1, 2, 1).permute(3, 2, 1, 0))  # strides (1, 1, 2, 2)
         grads.append(source.grad)
     assert torch.equal(*grads)
+
+
+def test_only_small_planes_keep_their_index_tables() -> None:
+    """A geometry's tables outlive the model; a plane's ``starts`` has one int64 per output, so
+    large planes (3d volumes) make theirs at each call (NOTE [which index tables are kept]):
+    40 depths of a MaxPool3d had kept 25 MiB for the process. Both stay bitwise stock."""
+    shapes = ((1, 2, 300, 300), (1, 2, 64, 64), (1, 1, 40, 96, 96))
+    pairs = []
+    for shape in shapes:
+        stock = getattr(nn, f"MaxPool{len(shape) - 2}d")(3, 2, 1)
+        pairs.append((stock, convert(copy.deepcopy(stock))))
+    maxpool_maps.clear_tables()
+    for shape, pair in zip(shapes, pairs, strict=True):
+        x = torch.randn(shape, requires_grad=True)
+        results = []
+        for pool in pair:
+            output = pool(x)
+            results.append((output, *torch.autograd.grad(output.square().sum(), x)))
+        assert_close(results[1], results[0], atol=0, rtol=0)
+    assert maxpool_maps._cached_maps.cache_info().currsize == 1  # the 32x32 plane's
