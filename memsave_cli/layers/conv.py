@@ -207,6 +207,7 @@ def _common_case(module: Conv, x: Tensor) -> Tensor | None:
     if (
         x.requires_grad == weight.requires_grad
         or not x.is_floating_point()  # complex: stock's decomposition into real convolutions
+        or _bias_refused(x, bias)
         or x.dim() != weight.dim()
         or module.padding_mode != "zeros"
         or isinstance(padding, str)
@@ -278,9 +279,26 @@ def _use_memsave(module: Conv | ConvTranspose, x: Tensor) -> bool:
         return False
     if not x.is_floating_point():
         return False  # complex: stock decomposes it into real convolutions (integers: its error)
+    if not module.transposed and _bias_refused(x, bias):
+        return False  # transposed convolutions take it, as stock's do
     if both:
         return True
     return x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
+
+
+def _bias_refused(x: Tensor, bias: Tensor | None) -> bool:
+    """Whether stock's convolution refuses ``bias`` for ``x``: their dtypes differ as autocast
+    hands them over. ``aten::convolution``, which memsave calls, takes them (a float16 input
+    with a float32 bias), so stock runs and raises its error."""
+    return bias is not None and bias.dtype != x.dtype and _handed(bias) != _handed(x)
+
+
+def _handed(t: Tensor) -> torch.dtype:
+    """``t``'s dtype as autocast hands it to a convolution (``autocast_casts``'s rule)."""
+    device_type = t.device.type
+    if t.dtype == torch.float64 or not t.is_floating_point() or not autocast_on(device_type):
+        return t.dtype
+    return autocast_dtype(device_type)
 
 
 @drop_in(nn.Conv1d)

@@ -530,6 +530,48 @@ def test_cpu_autocast_bf16(node_paths: str, name: str, needs: tuple[bool, bool, 
     _assert_same(got, expected)
 
 
+@pytest.mark.parametrize("transposed", [False, True])
+@pytest.mark.parametrize(
+    ("weight", "bias", "autocast"),
+    [
+        (torch.float16, torch.float32, None),
+        (torch.float64, torch.float32, None),
+        (torch.float32, torch.float64, torch.float16),
+        (torch.float32, torch.float32, torch.bfloat16),
+        (torch.bfloat16, torch.float32, torch.bfloat16),
+    ],
+)
+def test_a_bias_of_another_dtype_as_stock(
+    transposed: bool, weight: torch.dtype, bias: torch.dtype, autocast: torch.dtype | None
+) -> None:
+    """``aten::convolution`` took a float32 bias for a float16 input, where stock's
+    ``conv2d`` raises (its transposed convolutions take it); a bias that autocast casts to the
+    input's dtype stays memsave's."""
+    torch.manual_seed(0)
+    stock = (nn.ConvTranspose2d if transposed else nn.Conv2d)(3, 4, 3).requires_grad_(False)
+    stock.weight.data = stock.weight.data.to(weight)
+    stock.bias.data = stock.bias.data.to(bias)
+    ours = convert(copy.deepcopy(stock))
+    errors, results, nodes_of = [], [], []
+    given = torch.randn(2, 3, 6, 6).to(weight)
+    for module in (stock, ours):
+        x = given.clone().requires_grad_(True)
+        try:
+            with torch.autocast("cpu", dtype=autocast or torch.bfloat16, enabled=bool(autocast)):
+                out = module(x)
+        except RuntimeError as error:
+            errors.append(str(error))
+            continue
+        results.append([out, *torch.autograd.grad(out.float().square().sum(), x)])
+        nodes_of.append(type(out.grad_fn).__name__)
+    if not transposed and (autocast is None or bias == torch.float64):
+        assert len(errors) == 2 and errors[1] == errors[0]
+    else:
+        assert not errors
+        _assert_same(results[1], results[0])
+        assert nodes_of[1] != nodes_of[0]  # memsave's node, not stock's
+
+
 @pytest.mark.parametrize("needs", [(True, False, False), (False, True, True)], ids=["x", "wb"])
 @pytest.mark.parametrize(
     "name", ["c1-basic", "c2-basic", "c2-depthwise", "c2-groups-nobias", "c3-basic"]
