@@ -25,6 +25,8 @@ STANDS_FOR_CUDA: set[str] = set()
 EMULATED_CASTS: dict[int, tuple[Tensor, Tensor]] = {}
 #: Device types whose autocast cache the C++ node's cast reaches (NOTE [autocast's cache]).
 _CACHED_BY_NODE = ("cpu", "cuda")
+#: Types of plain eager tensors (a missing bias: None).
+_EAGER = (Tensor, torch.nn.Parameter, type(None))
 #: Whether autocast exists for a device type (``torch.is_autocast_enabled`` raises where not).
 _AUTOCAST_EXISTS: dict[str, bool] = {}
 
@@ -118,6 +120,38 @@ _autocast_kernel._dynamo_marked_constant = True
 _AUTOCAST_KERNELS: dict[tuple[str, str], bool] = {}
 #: Dispatch key suffixes that are not the device type in capitals.
 _AUTOCAST_KEYS = {"privateuseone": "PrivateUse1"}
+
+
+def cached_by_autocast(t: Tensor | None, device_type: str, dtype: torch.dtype) -> bool:
+    """Whether autocast casts ``t`` to ``dtype`` through its cache (ATen's ``cached_cast``): a
+    float32 leaf of ``device_type`` that requires grad and is no view, cast to a lower
+    precision, with the cache on (NOTE [autocast's cache])."""
+    return (
+        t is not None
+        and t.dtype == torch.float32
+        and dtype != torch.float32
+        and t.device.type == device_type
+        and t.requires_grad
+        and t.is_leaf
+        and not t._is_view()
+        and torch.is_autocast_cache_enabled()
+    )
+
+
+def cache_out_of_reach(tensors: tuple[Tensor | None, ...], device_type: str) -> bool:
+    """Whether autocast, on for ``device_type``, would cast one of plain eager ``tensors``
+    through its cache, which :func:`autocast_casts` reaches only by the C++ nodes (NOTE
+    [autocast's cache]) and these are not built (no compiler, ``MEMSAVE_NODES=0``) or do not
+    reach the device type: a layer casting for itself then runs stock. On meta standing for
+    CUDA the emulation's cache serves; traced and fake tensors keep the plain cast."""
+    if device_type in STANDS_FOR_CUDA or not autocast_on(device_type):
+        return False
+    dtype = autocast_dtype(device_type)
+    if not any(cached_by_autocast(t, device_type, dtype) for t in tensors):
+        return False
+    if compiling() or any(type(t) not in _EAGER for t in tensors):
+        return False
+    return device_type not in _CACHED_BY_NODE or not nodes.available()
 
 
 def emulated_cast(t: Tensor, dtype: torch.dtype, cache: bool) -> Tensor:

@@ -17,7 +17,13 @@ from torch import Tensor, nn
 
 from memsave_cli.kernels import nodes
 from memsave_cli.layers import stand_ins
-from memsave_cli.layers._autocast import autocast_casts, autocast_dtype, autocast_off, autocast_on
+from memsave_cli.layers._autocast import (
+    autocast_casts,
+    autocast_dtype,
+    autocast_off,
+    autocast_on,
+    cache_out_of_reach,
+)
 from memsave_cli.layers._backward import forbid_double_backward, records_backward, records_ops
 from memsave_cli.layers.registry import drop_in
 
@@ -281,6 +287,8 @@ def _use_memsave(module: Conv | ConvTranspose, x: Tensor) -> bool:
         return False  # complex: stock decomposes it into real convolutions (integers: its error)
     if not module.transposed and _bias_refused(x, bias):
         return False  # transposed convolutions take it, as stock's do
+    if torch._C._is_any_autocast_enabled() and cache_out_of_reach((x, weight, bias), x.device.type):
+        return False  # stock's casts then sum a reused weight's gradients as stock's do
     if both:
         return True
     return x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)

@@ -108,16 +108,26 @@ class DroppedProjection(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx, cast_x: Tensor, p: float, project: nn.Module, cast: Cast, x: Tensor, *params: Tensor
+        ctx,
+        cast_x: Tensor,
+        p: float,
+        project: nn.Module,
+        cast: Cast,
+        x: Tensor,
+        sources: tuple[Tensor, ...] | None,
+        *params: Tensor,
     ) -> Tensor:
         ctx.p, ctx.project, ctx.cast = p, project, cast
         ctx.autocast = autocast_state(x.device.type)
+        # Casts of ``sources`` (autocast's): the sources are kept and cast again in backward.
+        ctx.dtypes = None if sources is None else [t.dtype for t in params]
         records = any(ctx.needs_input_grad)
         state = rng_state(x) if p > 0 and records else None
         if records:
             # x is the layer's own input: it is kept once, whoever else keeps it too. The
             # parameters cost nothing (they live on) and let autograd see them changed in place.
-            ctx.save_for_backward(x, *params, *(() if state is None else (state,)))
+            kept = params if sources is None else sources
+            ctx.save_for_backward(x, *kept, *(() if state is None else (state,)))
         generator = _private_generator(x, state)
         dropped = _dropout(cast_x, p, generator)
         if generator is not None:  # where stock's draw leaves the process's generator
@@ -129,9 +139,11 @@ class DroppedProjection(torch.autograd.Function):
         forbid_double_backward("DroppedProjection (LoRA dropout)")
         if ctx.p > 0:
             refuse_batched(grad_output, "DroppedProjection (LoRA dropout)")
-        needs_params = ctx.needs_input_grad[5:]
+        needs_params = ctx.needs_input_grad[6:]
         x, *saved = ctx.saved_tensors
         given, state = saved[: len(needs_params)], saved[len(needs_params) :]
+        if ctx.dtypes is not None:  # autocast's casts again: their values, none of them kept
+            given = [t.to(dtype) for t, dtype in zip(given, ctx.dtypes, strict=True)]
         substituted = _substituted(ctx.project, given, needs_params)
         params = ctx.project.parameters() if substituted is None else substituted.values()
         needs_x = ctx.needs_input_grad[0]
@@ -152,8 +164,8 @@ class DroppedProjection(torch.autograd.Function):
                     output = ctx.project.forward(dropped)
         grads = iter(torch.autograd.grad(output, [source] * needs_x + wanted, grad_output))
         grad_x = next(grads) if needs_x else None
-        grad_params = [next(grads) if need else None for need in ctx.needs_input_grad[5:]]
-        return grad_x, None, None, None, None, *grad_params
+        grad_params = [next(grads) if need else None for need in needs_params]
+        return grad_x, None, None, None, None, None, *grad_params
 
 
 def _substituted(
@@ -173,14 +185,23 @@ def _substituted(
 
 
 def dropped_projection(
-    x: Tensor, cast_x: Tensor, p: float, project: nn.Module, cast: Cast
+    x: Tensor,
+    cast_x: Tensor,
+    p: float,
+    project: nn.Module,
+    cast: Cast,
+    casts: tuple[Tensor, ...] | None = None,
 ) -> Tensor:
     """``project(F.dropout(cast_x, p, training=True))``, ``cast_x = cast(x)``, bitwise stock's,
     keeping only ``x`` and the random state for backward; the gradient flows to ``cast_x``, as
     stock's does (adapters sharing one cast sum their gradients before it is cast back). ``p``
     must lie in [0, 1): with ``p = 0`` there is no dropout, and what is saved is ``x`` rather
     than ``cast_x`` (peft casts a half-precision input up to its float32 adapters: the cast copy
-    is twice the size)."""
+    is twice the size). ``casts``: autocast's casts of ``project``'s parameters, in their order,
+    which then receive the gradients (NOTE [one adapter used twice under autocast] in
+    ``lora_layer.py``); backward casts again rather than keeping them."""
     if not 0.0 <= p < 1.0:
         raise ValueError(f"dropped_projection needs 0 <= p < 1, got {p}")
-    return DroppedProjection.apply(cast_x, p, project, cast, x.detach(), *project.parameters())
+    own = tuple(project.parameters())
+    sources, params = (None, own) if casts is None else (own, casts)
+    return DroppedProjection.apply(cast_x, p, project, cast, x.detach(), sources, *params)

@@ -25,6 +25,12 @@ from torch import Tensor, nn
 
 from memsave_cli.compiling import compiling
 from memsave_cli.kernels._layout import graph_capturing
+from memsave_cli.layers._autocast import (
+    autocast_casts,
+    autocast_dtype,
+    autocast_on,
+    cache_out_of_reach,
+)
 from memsave_cli.layers._backward import records_backward
 from memsave_cli.layers.lora_dropout import dropped_projection
 from memsave_cli.layers.recipe_probes import probing
@@ -96,7 +102,35 @@ def _project(
     # A slice of a larger tensor (BERT's pooler reads the first token) would keep all of it.
     if x.untyped_storage().nbytes() > x.numel() * x.element_size():
         return _called(cast_x, dropout, lora_A)
-    return done_for(lora_A, (cast_x,), lambda: dropped_projection(x, cast_x, p, lora_A, cast))
+    casts = None
+    if torch._C._is_any_autocast_enabled():
+        casts = _autocast_casts(lora_A, x.device.type)
+        if casts is False:
+            return _called(cast_x, dropout, lora_A)
+    project = functools.partial(dropped_projection, x, cast_x, p, lora_A, cast, casts or None)
+    return done_for(lora_A, (cast_x,), project)
+
+
+def _autocast_casts(lora_A: nn.Module, device_type: str) -> tuple[Tensor, ...] | bool:
+    """``lora_A``'s parameters as autocast hands them to its linear or convolution, where
+    autocast is on (else ``()``); False where memsave cannot hand them so (peft's path then
+    runs).
+
+    NOTE [one adapter used twice under autocast]: autocast casts a trainable float32 weight once
+    per region, through its cache, and the gradients of every use meet in that half-precision
+    copy before it is cast back. An adapter called twice in one region (two views of a
+    contrastive step, micro-batches in one region) then sums its ``lora_A`` gradients in half
+    precision; the replay, casting afresh in backward, summed them in float32 (every ``lora_A``
+    gradient differed). So the projection takes autocast's own casts, made here with their
+    history, and its backward hands them the gradients, as stock's linear does."""
+    if not autocast_on(device_type):
+        return ()
+    params = tuple(lora_A.parameters())
+    if not isinstance(lora_A, nn.Linear | nn.modules.conv._ConvNd) or cache_out_of_reach(
+        params, device_type
+    ):
+        return False  # autocast's rule for another op is not known here; or its cache is not
+    return autocast_casts(params, device_type, autocast_dtype(device_type))
 
 
 def _called(cast_x: Tensor, dropout: nn.Module, lora_A: nn.Module) -> Tensor:

@@ -35,6 +35,14 @@ def node_paths(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) 
 
 
 @pytest.fixture
+def without_nodes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """As on a machine without a C++ compiler (or with ``MEMSAVE_NODES=0``): the nodes neither
+    load nor serve."""
+    monkeypatch.setattr(nodes, "serving", lambda *tensors: None)
+    monkeypatch.setattr(nodes, "available", lambda: False)
+
+
+@pytest.fixture
 def native_calls(monkeypatch: pytest.MonkeyPatch) -> Callable[..., list[str]]:
     """``native_calls(*names)``: a list that records, in order, each call of those kernels."""
 

@@ -619,17 +619,23 @@ class _TwoUses(nn.Module):
 
 @pytest.mark.parametrize("transposed", [False, True], ids=["conv", "transposed"])
 @pytest.mark.parametrize("frozen", [False, True], ids=["weights", "input"])
-@pytest.mark.parametrize("path", ["python", "node"])
+@pytest.mark.parametrize("path", ["python", "node", "no-nodes"])
 def test_autocast_casts_each_leaf_once(
-    monkeypatch: pytest.MonkeyPatch, path: str, frozen: bool, transposed: bool
+    request: pytest.FixtureRequest,
+    monkeypatch: pytest.MonkeyPatch,
+    path: str,
+    frozen: bool,
+    transposed: bool,
 ) -> None:
     """NOTE [autocast's cache]: a weight used twice (or an input read twice) got gradients
     that differed from stock's in hundreds of elements, cast anew at each use; bitwise now,
-    where the nodes are built (a plain cast remains without them)."""
-    if not nodes.available():
+    where the nodes are built, and without them, where stock then runs."""
+    if path != "no-nodes" and not nodes.available():
         pytest.skip(nodes.status())
     if path == "node":
         monkeypatch.setattr(stand_ins, "DENSE_ON_CPU", False)
+    if path == "no-nodes":
+        request.getfixturevalue("without_nodes")
     torch.manual_seed(0)
     stock = _TwoUses(transposed).requires_grad_(not frozen)
     ours = convert(copy.deepcopy(stock))

@@ -14,6 +14,7 @@ from peft import LoraConfig, get_peft_model  # noqa: E402
 from peft.tuners.lora import layer as peft_lora  # noqa: E402
 from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: E402
 
+from memsave_cli.kernels import nodes  # noqa: E402
 from memsave_cli.layers import lora_layer  # noqa: E402
 from memsave_cli.layers.convert import convert, converted_counts, revert  # noqa: E402
 from memsave_cli.saved import SavedTensorRecorder, layer_rows  # noqa: E402
@@ -111,6 +112,18 @@ def test_tiny_cnn_matches_stock_and_saves_less() -> None:
     assert saved[1] < 0.8 * saved[0]
 
 
+def _attention_pair(dtype: torch.dtype, dropout: float) -> tuple[nn.Module, nn.Module, nn.Module]:
+    """An attention block, its peft model and the converted one; in ``dtype`` without dropout,
+    where peft casts the half-precision input up to its float32 adapters. Random ``lora_B``
+    weights, so that ``lora_A``'s gradients (where a wrong replay shows) are not zero."""
+    torch.manual_seed(2)
+    model = Attention()
+    if dropout == 0.0:
+        model.to(dtype)
+    stock = _adapted(model, ["q", "k", "v"], dropout=dropout, init_lora_weights=False)
+    return model, stock, convert(stock)
+
+
 @pytest.mark.parametrize("dropout", [0.3, 0.0])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize(
@@ -120,14 +133,8 @@ def test_autocast_matches_stock(
     dtype: torch.dtype, dropout: float, forward_cast: bool, backward_cast: bool
 ) -> None:
     """The replay in backward casts as forward did, whatever autocast backward runs under: a
-    float32 replay of a bfloat16 forward gives other gradients. Random ``lora_B`` weights, so
-    that ``lora_A``'s gradients (where a wrong replay shows) are not zero."""
-    torch.manual_seed(2)
-    model = Attention()
-    if dropout == 0.0:  # peft's cast of a half-precision input up to its float32 adapters
-        model.to(dtype)
-    stock = _adapted(model, ["q", "k", "v"], dropout=dropout, init_lora_weights=False)
-    memsave = convert(stock)
+    float32 replay of a bfloat16 forward gives other gradients."""
+    model, stock, memsave = _attention_pair(dtype, dropout)
     x = torch.randn(3, 7, 32, dtype=model.norm.weight.dtype)
     results = []
     for module in (stock, memsave):
@@ -189,6 +196,31 @@ def test_adapters_sharing_one_cast_sum_their_gradients_before_it(dropout: float)
 
 def _nothing(model: nn.Module):
     return contextlib.nullcontext()
+
+
+@pytest.mark.parametrize("nodes_serve", [True, False], ids=["nodes", "no-nodes"])
+@pytest.mark.parametrize("dropout", [0.3, 0.0])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_an_adapter_used_twice_in_one_autocast_region(
+    request: pytest.FixtureRequest, dtype: torch.dtype, dropout: float, nodes_serve: bool
+) -> None:
+    """NOTE [one adapter used twice under autocast]: two views through one model in one region
+    sum each ``lora_A``'s gradients in autocast's cached half-precision cast, as stock does
+    (the replay had summed them in float32). Without the C++ nodes, which reach that cache,
+    the layers take peft's path."""
+    if nodes_serve and not nodes.available():
+        pytest.skip(nodes.status())
+    if not nodes_serve:
+        request.getfixturevalue("without_nodes")
+    model, stock, memsave = _attention_pair(dtype, dropout)
+    views = torch.randn(2, 4, 64, 32, dtype=model.norm.weight.dtype)  # beyond the CPU states
+
+    def loss_of(module: nn.Module) -> Tensor:
+        with torch.autocast("cpu", dtype):
+            return (module(views[0]) * module(views[1])).float().square().mean()
+
+    saved = _assert_same_step(stock, memsave, loss_of)
+    assert (saved[1] < saved[0]) == nodes_serve
 
 
 def _casting_off_under_autocast(model: nn.Module):
