@@ -13,7 +13,8 @@ are the calling thread's own: ``parametrize.cached()`` would do the same through
 whole process, which another thread's forward (of this module, or of any parametrized one) would
 read too, taking this thread's tensors into its graph. Traced by ``torch.compile`` (which cannot
 trace thread-local state), the forward runs under ``parametrize.cached()``: its reads become one
-evaluation in the graph.
+evaluation in the graph. Inside a caller's ``parametrize.cached()`` block the forward evaluates
+nothing itself: the block's one evaluation serves every call in it, as for stock's layers.
 ``convert`` and ``revert`` swap the class under the generated one (``swap.py``: a parametrized
 stock layer becomes a parametrized drop-in and back) and keep its properties, so that
 ``remove_parametrizations`` leaves the plain layer of the other kind.
@@ -67,6 +68,11 @@ def _cached(forward: Callable) -> Callable:
         if compiling():  # traced: one graph, whose reads the cache joins
             with parametrize.cached():
                 return forward(self, *args, **kwargs)
+        if parametrize._cache_enabled:
+            # Inside the caller's ``parametrize.cached()``: one evaluation for the whole block,
+            # shared by every call in it, as stock's; evaluating here again ran it per call
+            # (spectral norm's power iteration three times in a loop of three).
+            return forward(self, *args, **kwargs)
         values = _evaluated()
         keys = [(id(self), name) for name in self.parametrizations if _read_once(self, name)]
         earlier = {key: values.get(key) for key in keys}  # a forward calling itself keeps its own

@@ -230,3 +230,25 @@ def test_a_parametrization_raising_leaves_no_value_behind() -> None:
     with torch.no_grad():
         conv.parametrizations.weight.original.add_(1.0)
     assert torch.equal(conv.weight, conv.parametrizations.weight.original)
+
+
+def test_the_callers_cached_block_evaluates_once() -> None:
+    """Inside ``parametrize.cached()`` stock evaluates a parametrized weight once for the whole
+    block; the drop-in evaluated it again at each call: spectral norm's power iteration ran
+    three times in a loop of three, and the weight's gradient differed."""
+    results = []
+    for impl in ("stock", "memsave"):
+        torch.manual_seed(0)
+        conv = parametrizations.spectral_norm(nn.Conv1d(4, 4, 3, padding=1))
+        if impl == "memsave":
+            conv = convert(nn.Sequential(conv))[0]
+            assert type(conv).__bases__[0] in DROP_INS.values()
+        x = torch.randn(2, 4, 8, generator=torch.Generator().manual_seed(1), requires_grad=True)
+        with parametrize.cached():
+            y = x
+            for _ in range(3):
+                y = torch.tanh(conv(y))
+        y.square().sum().backward()
+        original = conv.parametrizations.weight.original
+        results.append([y, x.grad, original.grad, *conv.buffers()])
+    assert all(torch.equal(a, b) for a, b in zip(*results, strict=True))
