@@ -36,6 +36,7 @@ from memsave_cli.errors import MemsaveError
 # Imported for their ``@drop_in`` registrations, so that DROP_INS is complete.
 from memsave_cli.layers import activation, avgpool, batchnorm, conv, dropout, maxpool  # noqa: F401
 from memsave_cli.layers.activation import MemSaveReLU
+from memsave_cli.layers.block_names import class_names, follow_renames
 from memsave_cli.layers.parametrized import base_class
 from memsave_cli.layers.recognise import convert_module, stock_class  # registers nn.RMSNorm too
 from memsave_cli.layers.registry import DROP_INS
@@ -83,6 +84,7 @@ def convert(
     """
     selected = select_drop_ins(include)
     target = model if inplace else _copy(model, "convert")
+    names = class_names(target)
     for module in target.modules():
         drop_in = drop_in_for(base_class(module), selected)
         if drop_in is not None:
@@ -96,6 +98,7 @@ def convert(
             module.activation = memsave_relu
     if include is None:
         _convert_adapters(target)
+    follow_renames(target, names)  # NOTE [block names follow the swaps]
     return target
 
 
@@ -103,6 +106,7 @@ def revert(model: nn.Module, *, inplace: bool = False) -> nn.Module:
     """``model`` with every memsave drop-in swapped back to its stock layer (undoes ``convert``)."""
     stock_of = {drop_in: stock for stock, drop_in in DROP_INS.items()}
     target = model if inplace else _copy(model, "revert")
+    names = class_names(target)
     for module in target.modules():
         cls = base_class(module)
         stock = stock_of.get(cls) or stock_class(cls)
@@ -112,6 +116,7 @@ def revert(model: nn.Module, *, inplace: bool = False) -> nn.Module:
             module.activation = F.relu
     if (adapters := _adapter_module()) is not None:
         adapters.revert_lora(target)
+    follow_renames(target, names)
     return target
 
 
