@@ -322,14 +322,14 @@ def _composite_on(x: Tensor, weight: Tensor | None) -> bool:
 class MemSaveRMSNorm(nn.RMSNorm):
     """``nn.RMSNorm`` keeping its input in its own dtype and ``r`` instead of float32 copies."""
 
-    def forward(self, input: Tensor) -> Tensor:
+    def forward(self, x: Tensor) -> Tensor:
         shape = tuple(self.normalized_shape)
-        fits = 0 < len(shape) <= input.dim() and tuple(input.shape[-len(shape) :]) == shape
+        fits = 0 < len(shape) <= x.dim() and tuple(x.shape[-len(shape) :]) == shape
         if compiling():  # NOTE [RMSNorm under torch.compile]
-            return super().forward(input)
-        own = fits and may_record(input, self.weight) and _composite_on(input, self.weight)
-        if not own or autocast_on(input.device.type):  # NOTE [RMSNorm under autocast]
-            return super().forward(input)
-        eps = self.eps if self.eps is not None else math_eps(input.dtype)
-        dims = tuple(input.dim() - i - 1 for i in range(len(shape)))
-        return rms_norm(input, self.weight, eps, "torch", dims)
+            return super().forward(x)
+        own = fits and may_record(x, self.weight) and _composite_on(x, self.weight)
+        if not own or autocast_on(x.device.type):  # NOTE [RMSNorm under autocast]
+            return super().forward(x)
+        eps = self.eps if self.eps is not None else math_eps(x.dtype)
+        dims = tuple(x.dim() - i - 1 for i in range(len(shape)))
+        return rms_norm(x, self.weight, eps, "torch", dims)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import inspect
 import io
 
 import pytest
@@ -223,6 +224,14 @@ def test_families_cover_the_registry() -> None:
     assert sorted(names) == sorted(stock.__name__ for stock in DROP_INS)
     for family, members in families.items():
         assert sorted(s.__name__ for s in select_drop_ins(family)) == sorted(members)
+
+
+def test_drop_ins_take_stocks_arguments() -> None:
+    """Called by keyword (``norm(x=t)``, ``functional_call(..., kwargs=...)``), a drop-in takes
+    the names stock's forward takes: ``MemSaveRMSNorm`` had named its argument ``input``."""
+    for stock, drop_in in DROP_INS.items():
+        expected = inspect.signature(stock.forward).parameters
+        assert list(inspect.signature(drop_in.forward).parameters) == list(expected), stock
 
 
 def transformer(activation: str = "relu") -> nn.Module:
