@@ -256,7 +256,8 @@ def test_mixed_precision_steps_are_compared_bit_for_bit(monkeypatch: pytest.Monk
     cells.clear()
     mixed_precision.run(torch.device("cpu"), cells.append)
     statuses = {c.name: c.status for c in cells}
-    assert statuses["autocast: peft LoRA dropout"] == Status.FAIL
+    # Other gradients, or (the adapter's half-precision cast replayed without autocast) an error.
+    assert statuses["autocast: peft LoRA dropout"] in (Status.FAIL, Status.ERROR)
 
 
 def test_autocast_cells_after_the_others(tmp_path: Path) -> None:
