@@ -7,8 +7,9 @@ subclass, ``Parametrized<Class>``, whose parametrized tensors are properties tha
 drop-in reads its weight in its checks and again in its op, which would evaluate the
 parametrization two or three times, and a parametrization that draws random numbers or iterates
 (``spectral_norm`` in training) would then change the result. So the generated subclass of a
-drop-in evaluates each parametrized tensor once at the start of its forward and answers every
-read of it in that forward from that value: one evaluation per forward, as stock's. The values
+drop-in evaluates each parametrized tensor at its first read in its forward and answers every
+later read of it in that forward from that value: one evaluation per forward, in the order of
+the first reads, as stock's. The values
 are the calling thread's own: ``parametrize.cached()`` would do the same through a cache of the
 whole process, which another thread's forward (of this module, or of any parametrized one) would
 read too, taking this thread's tensors into its graph. Traced by ``torch.compile`` (which cannot
@@ -58,8 +59,10 @@ def _generated(cls: type) -> bool:
 
 
 #: Per thread, the parametrized tensors evaluated for the forwards running now, by
-#: ``(id(module), name)``.
+#: ``(id(module), name)``; :data:`_PENDING` until their first read.
 _EVALUATED = threading.local()
+#: A parametrized tensor of a running forward not yet read.
+_PENDING = object()
 
 
 def _cached(forward: Callable) -> Callable:
@@ -77,10 +80,11 @@ def _cached(forward: Callable) -> Callable:
         keys = [(id(self), name) for name in self.parametrizations if _read_once(self, name)]
         earlier = {key: values.get(key) for key in keys}  # a forward calling itself keeps its own
         try:
-            # Inside: a parametrization raising after another was evaluated leaves no value
-            # behind, which every later read of that tensor would answer with.
+            # Each is evaluated at its first read, in the order the forward reads them, as
+            # stock's are (random parametrizations draw in that order); a parametrization
+            # raising leaves no value behind, which every later read would answer with.
             for key in keys:
-                values[key] = self.parametrizations[key[1]]()
+                values[key] = _PENDING
             return forward(self, *args, **kwargs)
         finally:
             for key, value in earlier.items():
@@ -92,7 +96,7 @@ def _cached(forward: Callable) -> Callable:
     return once
 
 
-def _evaluated() -> dict[tuple[int, str], Tensor]:
+def _evaluated() -> dict[tuple[int, str], Tensor | object]:
     if not hasattr(_EVALUATED, "values"):
         _EVALUATED.values = {}
     return _EVALUATED.values
@@ -109,8 +113,13 @@ def _read_once(module: nn.Module, name: str) -> bool:
         return True
 
     def read(self: nn.Module) -> Tensor:
-        value = _evaluated().get((id(self), name))
-        return stock.fget(self) if value is None else value
+        values = _evaluated()
+        value = values.get((id(self), name))
+        if value is None:
+            return stock.fget(self)
+        if value is _PENDING:
+            value = values[id(self), name] = self.parametrizations[name]()
+        return value
 
     read.reads_evaluated = True  # type: ignore[attr-defined]
     setattr(cls, name, property(read, stock.fset))

@@ -97,6 +97,26 @@ def test_random_parametrization_matches_stock(name: str, before: bool) -> None:
             assert torch.equal(a, e)
 
 
+@pytest.mark.parametrize("mode", ["train", "eval"])
+@pytest.mark.parametrize("name", list(LAYERS))
+def test_random_weight_and_bias_draw_in_stocks_order(name: str, mode: str) -> None:
+    """Parametrizations registered bias first: stock draws in the order its forward reads
+    them (weight, then bias); the drop-in drew in the order they were registered."""
+    make, shape = LAYERS[name]
+    x = torch.randn(shape)
+    results = []
+    for impl in ("stock", "memsave"):
+        torch.manual_seed(0)
+        layer = getattr(make(), mode)()
+        if getattr(layer, "bias", None) is None:
+            pytest.skip("no bias")
+        for tensor in ("bias", "weight"):
+            parametrize.register_parametrization(layer, tensor, DropConnect())
+        results.append(_step(convert(layer) if impl == "memsave" else layer, x, True))
+    assert len(results[0]) == len(results[1])
+    assert all(torch.equal(a, e) for a, e in zip(*results, strict=True))
+
+
 def test_spectral_norm_iterates_as_stock() -> None:
     """spectral_norm runs one power iteration per evaluation in training: its vectors stay
     stock's when the parametrization is added after convert."""
