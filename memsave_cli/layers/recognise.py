@@ -67,7 +67,12 @@ from memsave_cli.layers.recipe_probes import ACT_NAMES, PROJECTIONS, Recipe, pro
 from memsave_cli.layers.recomputed import recomputed
 from memsave_cli.layers.registry import DROP_INS, refuse_scripting
 from memsave_cli.layers.rmsnorm import may_record, rms_norm
-from memsave_cli.layers.settings import MODULE_ATTRIBUTES, described, own_settings
+from memsave_cli.layers.settings import (
+    FSDP_ATTRIBUTES,
+    MODULE_ATTRIBUTES,
+    described,
+    own_settings,
+)
 from memsave_cli.layers.swap import swap_class
 from memsave_cli.layers.uncalled import LISTED_BY, has_hooks, runs_hooks
 
@@ -203,10 +208,13 @@ def _drop_in_class(stock: type[nn.Module], recipe: Recipe) -> type[nn.Module]:
 
 
 def _setting_probes_again(self: nn.Module, name: str, value: object) -> None:
-    """Set an attribute of a recognised RMSNorm or MLP, then probe it again."""
+    """Set an attribute of a recognised RMSNorm or MLP, then probe it again; not for a parameter
+    or buffer, which is state, not a setting (FSDP2 sets its parameters at every step, and the
+    norm it shards itself went stock)."""
     created = _created_class(self)
     created._memsave_stock.__setattr__(self, name, value)
-    _probe_again(self, created, name)
+    if name not in self._parameters and name not in self._buffers:
+        _probe_again(self, created, name)
 
 
 def _deleting_probes_again(self: nn.Module, name: str) -> None:
@@ -229,8 +237,8 @@ def _probe_again(module: nn.Module, created: type[nn.Module], name: str) -> None
     """After ``name`` of ``module`` changed: it keeps a recipe that reproduces its settings now,
     or becomes its stock class. Settings that keep changing (a hook recording a statistic at
     each call) are probed :data:`MOST_PROBES_AGAIN` times, then the module stays stock."""
-    if type(module) is not created or name in MODULE_ATTRIBUTES:  # parametrized: a subclass
-        return
+    if type(module) is not created or name in MODULE_ATTRIBUTES or name in FSDP_ATTRIBUTES:
+        return  # a subclass: parametrized, or FSDP's
     stock, kind = created._memsave_stock, created._memsave_recipe.kind
     swap_class(module, stock)
     if candidate_kind(module) != kind:

@@ -22,19 +22,22 @@ MODULE_ATTRIBUTES = frozenset(vars(nn.Module()))
 #: What an accelerate hook adds to a module: how it is called (NOTE [forwards bound before a
 #: swap] in ``swap.py``), not what it computes.
 _HOOK_ATTRIBUTES = frozenset({"_hf_hook", "_old_forward", "forward"})
+#: What FSDP marks the modules it manages with (FSDP2 marks every module under a sharded one).
+FSDP_ATTRIBUTES = frozenset({"_is_fsdp_managed_module", "_fsdp_use_orig_params"})
 
 
 def own_settings(module: nn.Module) -> dict[str, object]:
     """The attributes ``module`` has beside those of every module, private ones included, and
-    beside an accelerate hook's: also while one is being added, whose first step keeps the
-    module's own bound ``forward`` as ``_old_forward`` before ``_hf_hook`` is set."""
+    beside an accelerate hook's (also while one is being added, whose first step keeps the
+    module's own bound ``forward`` as ``_old_forward`` before ``_hf_hook`` is set) and FSDP's
+    mark."""
     if _accelerate_hooked(module):
         skipped = MODULE_ATTRIBUTES | _HOOK_ATTRIBUTES
     elif getattr(vars(module).get("_old_forward"), "__self__", None) is module:
         skipped = MODULE_ATTRIBUTES | {"_old_forward"}
     else:
         skipped = MODULE_ATTRIBUTES
-    return {k: v for k, v in vars(module).items() if k not in skipped}
+    return {k: v for k, v in vars(module).items() if k not in skipped and k not in FSDP_ATTRIBUTES}
 
 
 def _accelerate_hooked(module: nn.Module) -> bool:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import torch
 from dist_ranks import run_ranks
@@ -46,3 +49,42 @@ def test_dtensor_activations_get_stocks_results(tmp_path) -> None:
             for expected, actual in zip(stock, memsave, strict=True):
                 assert torch.equal(expected, actual), name
         assert not isinstance(result["ReLU", "stock"], str)
+
+
+#: A recognised MLP and RMSNorm sharded as FSDP2 units of their own (one process, a fake group
+#: of two); prints their classes and how many times they were probed again in 3 steps.
+SHARDED_ON_THEIR_OWN = """
+import torch, torch.distributed as dist, transformers
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.testing._internal.distributed.fake_pg import FakeStore
+from memsave_cli.layers import convert, recognise
+
+dist.init_process_group("fake", rank=0, world_size=2, store=FakeStore())
+config = transformers.LlamaConfig(
+    hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+    num_key_value_heads=2, vocab_size=100,
+)
+model = convert(transformers.LlamaForCausalLM(config).requires_grad_(False))
+mlp, norm = model.model.layers[0].mlp, model.model.norm
+mesh = init_device_mesh("cpu", (2,))
+fully_shard(mlp, mesh=mesh)
+fully_shard(norm, mesh=mesh)
+probes = []
+again = recognise._probe_again
+recognise._probe_again = lambda *args: probes.append(args[2]) or again(*args)
+for _ in range(3):
+    x = torch.randn(2, 8, 64, requires_grad=True)
+    norm(mlp(x)).sum().backward()
+print(type(mlp).__name__, type(norm).__name__, len(probes))
+"""
+
+
+def test_recognised_modules_sharded_on_their_own_stay_converted() -> None:
+    """FSDP2 marks the modules it manages and sets their parameters at every step: each such
+    setting probed a recognised module again, and the marks left it stock."""
+    done = subprocess.run(
+        [sys.executable, "-c", SHARDED_ON_THEIR_OWN], capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split("\n")[-2] == "FSDPMemSaveLlamaMLP FSDPMemSaveLlamaRMSNorm 0"
