@@ -100,7 +100,6 @@ def is_eager(t: Tensor) -> bool:
 def graph_capturing(t: Tensor) -> bool:
     """Whether a CUDA graph is being captured on the current stream, for a CUDA ``t`` (outside
     ``torch.compile``)."""
-
     return t.is_cuda and not compiling() and torch.cuda.is_current_stream_capturing()
 
 
