@@ -296,17 +296,16 @@ def _use_memsave(module: Conv | ConvTranspose, x: Tensor) -> bool:
 
 def _bias_refused(x: Tensor, bias: Tensor | None) -> bool:
     """Whether stock's convolution refuses ``bias`` for ``x``: their dtypes differ as autocast
-    hands them over. ``aten::convolution``, which memsave calls, takes them (a float16 input
-    with a float32 bias), so stock runs and raises its error."""
-    return bias is not None and bias.dtype != x.dtype and _handed(bias) != _handed(x)
-
-
-def _handed(t: Tensor) -> torch.dtype:
-    """``t``'s dtype as autocast hands it to a convolution (``autocast_casts``'s rule)."""
-    device_type = t.device.type
-    if t.dtype == torch.float64 or not t.is_floating_point() or not autocast_on(device_type):
-        return t.dtype
-    return autocast_dtype(device_type)
+    hands them over (``autocast_casts``'s rule). ``aten::convolution``, which memsave calls,
+    takes them (a float16 input with a float32 bias), so stock runs and raises its error.
+    Asked per call, so in few steps: under mixed precision a float32 bias meets half-precision
+    activations at every convolution."""
+    if bias is None or bias.dtype == x.dtype:
+        return False
+    device_type = x.device.type
+    if bias.device.type != device_type or not autocast_on(device_type):
+        return True
+    return torch.float64 in (x.dtype, bias.dtype) or not bias.is_floating_point()
 
 
 @drop_in(nn.Conv1d)
