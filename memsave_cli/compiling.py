@@ -16,15 +16,22 @@ should not pay), so a graph holds a constant, as with the flag alone.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch._guards import TracingContext
 
 
+def constant_when_traced(function: Callable) -> Callable:
+    """``function``, which Dynamo calls while it traces and keeps the answer of as a constant:
+    the mark ``torch._dynamo.assume_constant_result`` sets, set without importing Dynamo."""
+    function._dynamo_marked_constant = True  # type: ignore[attr-defined]
+    return function
+
+
+@constant_when_traced
 def _traced_here() -> bool:
     return TracingContext.try_get() is not None
-
-
-_traced_here._dynamo_marked_constant = True  # what torch._dynamo.assume_constant_result sets
 
 
 def compiling() -> bool:

@@ -16,8 +16,9 @@ import torch
 from torch import Tensor
 from torch.amp.autocast_mode import is_autocast_available
 
-from memsave_cli.compiling import compiling
+from memsave_cli.compiling import compiling, constant_when_traced
 from memsave_cli.kernels import nodes
+from memsave_cli.kernels._layout import is_eager
 
 #: Device types whose tensors stand for CUDA's while a measurement emulates autocast on them.
 STANDS_FOR_CUDA: set[str] = set()
@@ -25,8 +26,6 @@ STANDS_FOR_CUDA: set[str] = set()
 EMULATED_CASTS: dict[int, tuple[Tensor, Tensor]] = {}
 #: Device types whose autocast cache the C++ node's cast reaches (NOTE [autocast's cache]).
 _CACHED_BY_NODE = ("cpu", "cuda")
-#: Types of plain eager tensors (a missing bias: None).
-_EAGER = (Tensor, torch.nn.Parameter, type(None))
 #: Whether autocast exists for a device type (``torch.is_autocast_enabled`` raises where not).
 _AUTOCAST_EXISTS: dict[str, bool] = {}
 
@@ -99,6 +98,7 @@ def as_autocast_hands(op: str, x: Tensor) -> Tensor:
     return x.float() if _autocast_kernel(op, autocast_type(device_type)) else x
 
 
+@constant_when_traced
 def _autocast_kernel(op: str, device_type: str) -> bool:
     """Whether autocast has a kernel of its own for ``aten::<op>`` on ``device_type``."""
     key = (op, device_type)
@@ -114,8 +114,6 @@ def _autocast_kernel(op: str, device_type: str) -> bool:
     return known
 
 
-# Dynamo asks while it traces and keeps the answer (torch._dynamo.assume_constant_result's mark).
-_autocast_kernel._dynamo_marked_constant = True
 #: Whether autocast has a kernel for an op on a device type, by (op, device type).
 _AUTOCAST_KERNELS: dict[tuple[str, str], bool] = {}
 #: Dispatch key suffixes that are not the device type in capitals.
@@ -149,7 +147,7 @@ def cache_out_of_reach(tensors: tuple[Tensor | None, ...], device_type: str) -> 
     dtype = autocast_dtype(device_type)
     if not any(cached_by_autocast(t, device_type, dtype) for t in tensors):
         return False
-    if compiling() or any(type(t) not in _EAGER for t in tensors):
+    if not all(t is None or is_eager(t) for t in tensors):
         return False
     return device_type not in _CACHED_BY_NODE or not nodes.available()
 

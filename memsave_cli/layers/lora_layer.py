@@ -107,13 +107,13 @@ def _project(
         casts = _autocast_casts(lora_A, x.device.type)
         if casts is False:
             return _called(cast_x, dropout, lora_A)
-    project = functools.partial(dropped_projection, x, cast_x, p, lora_A, cast, casts or None)
+    project = functools.partial(dropped_projection, x, cast_x, p, lora_A, cast, casts)
     return done_for(lora_A, (cast_x,), project)
 
 
-def _autocast_casts(lora_A: nn.Module, device_type: str) -> tuple[Tensor, ...] | bool:
+def _autocast_casts(lora_A: nn.Module, device_type: str) -> tuple[Tensor, ...] | bool | None:
     """``lora_A``'s parameters as autocast hands them to its linear or convolution, where
-    autocast is on (else ``()``); False where memsave cannot hand them so (peft's path then
+    autocast is on (else None); False where memsave cannot hand them so (peft's path then
     runs).
 
     NOTE [one adapter used twice under autocast]: autocast casts a trainable float32 weight once
@@ -124,7 +124,7 @@ def _autocast_casts(lora_A: nn.Module, device_type: str) -> tuple[Tensor, ...] |
     gradient differed). So the projection takes autocast's own casts, made here with their
     history, and its backward hands them the gradients, as stock's linear does."""
     if not autocast_on(device_type):
-        return ()
+        return None
     params = tuple(lora_A.parameters())
     if not isinstance(lora_A, nn.Linear | nn.modules.conv._ConvNd) or cache_out_of_reach(
         params, device_type
