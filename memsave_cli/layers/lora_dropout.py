@@ -31,6 +31,7 @@ atomic: another thread drawing from the same device's generator meanwhile could 
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterator
 
 import torch
@@ -48,6 +49,12 @@ from memsave_cli.layers._backward import (
 
 #: Casts the input as peft's ``_cast_input_dtype`` does before the adapter (identity if none).
 Cast = Callable[[Tensor], Tensor]
+
+
+@functools.cache
+def cpu_state_bytes() -> int:
+    """Bytes of the CPU generator's state, which a replay on the CPU keeps per adapter call."""
+    return torch.get_rng_state().numel()
 
 
 def rng_state(x: Tensor) -> Tensor | None:

@@ -7,8 +7,8 @@ by behaviour: once per class, a small probe layer runs both forwards from the sa
 and the class converts only if output and every gradient are bitwise equal. A layer also stays
 stock, and is reported, when it is merged or has a LoRA variant (DoRA, ...); per call, mixed
 batches (``adapter_names``), variant arguments and disabled adapters take peft's own forward.
-The adapters' ``nn.Dropout`` modules stay stock: converted layers replay them, and layers left
-stock keep stock's masks.
+The adapters' dropouts stay stock: converted layers replay them, and layers left stock (those of
+other peft methods too: VeRA's ``vera_dropout``, ...) keep stock's masks.
 """
 
 from __future__ import annotations
@@ -22,9 +22,11 @@ from peft import LoraConfig
 from peft.tuners.lora import layer as peft_lora
 from peft.tuners.tuners_utils import BaseTunerLayer
 from torch import Tensor, nn
+from torch.nn.modules.dropout import _DropoutNd
 
 from memsave_cli.compiling import compiling
 from memsave_cli.kernels._layout import graph_capturing
+from memsave_cli.layers import dropout as dropout_layers  # noqa: F401  (fills DROP_INS)
 from memsave_cli.layers._autocast import (
     autocast_casts,
     autocast_dtype,
@@ -32,9 +34,10 @@ from memsave_cli.layers._autocast import (
     cache_out_of_reach,
 )
 from memsave_cli.layers._backward import records_backward
-from memsave_cli.layers.lora_dropout import dropped_projection
+from memsave_cli.layers.lora_dropout import cpu_state_bytes, dropped_projection
 from memsave_cli.layers.recipe_probes import probing
-from memsave_cli.layers.swap import swap_class
+from memsave_cli.layers.registry import DROP_INS
+from memsave_cli.layers.swap import follows_swaps, swap_class
 from memsave_cli.layers.uncalled import done_for, runs_hooks
 
 #: Arguments with which peft's forward leaves the vanilla path.
@@ -99,6 +102,8 @@ def _project(
     # NOTE [random layers under CUDA graph capture] in _backward.py
     if not (trained and records_backward(x, cast_x)) or (p > 0 and graph_capturing(x)):
         return _called(cast_x, dropout, lora_A)
+    if p > 0 and state_outweighs(x):
+        return _called(cast_x, dropout, lora_A)
     # A slice of a larger tensor (BERT's pooler reads the first token) would keep all of it.
     if x.untyped_storage().nbytes() > x.numel() * x.element_size():
         return _called(cast_x, dropout, lora_A)
@@ -109,6 +114,12 @@ def _project(
             return _called(cast_x, dropout, lora_A)
     project = functools.partial(dropped_projection, x, cast_x, p, lora_A, cast, casts)
     return done_for(lora_A, (cast_x,), project)
+
+
+def state_outweighs(x: Tensor) -> bool:
+    """Whether the generator state a replay keeps outweighs ``x`` (on the CPU, 5 KiB): stock's
+    noise and dropped copy of such an input cost less than ``x`` and the state."""
+    return x.is_cpu and x.numel() * x.element_size() < cpu_state_bytes()
 
 
 def _autocast_casts(lora_A: nn.Module, device_type: str) -> tuple[Tensor, ...] | bool | None:
@@ -178,6 +189,10 @@ LORA_DROP_INS: dict[type[nn.Module], tuple[type[nn.Module], Callable[[], nn.Modu
     peft_lora.Conv3d: (MemSaveLoraConv3d, lambda: nn.Conv3d(2, 3, 2)),
 }
 _STOCK_OF = {drop_in: stock for stock, (drop_in, _) in LORA_DROP_INS.items()}
+#: Dropout drop-in -> its stock class: the adapters' dropouts that ``convert`` swaps back.
+_DROPOUT_OF = {
+    drop_in: stock for stock, drop_in in DROP_INS.items() if issubclass(stock, _DropoutNd)
+}
 
 
 def _stock_forward(layer: nn.Module) -> Callable[..., Tensor]:
@@ -228,6 +243,9 @@ def unsupported(layer: nn.Module) -> str | None:
         return None
     if kind not in LORA_DROP_INS:
         return f"no drop-in for {kind.__module__}.{kind.__name__}"
+    if not follows_swaps(layer):
+        forward = getattr(vars(layer)["forward"], "__qualname__", "another function")
+        return f"its forward is set on the instance ({forward}), which a drop-in would not run"
     if layer.merged:
         return "merged adapters"
     if layer.lora_variant:
@@ -238,10 +256,17 @@ def unsupported(layer: nn.Module) -> str | None:
 
 
 def _restore_dropouts(layer: nn.Module) -> None:
-    """The adapters' dropouts stay stock ``nn.Dropout`` (see the NOTE), also after ``convert``."""
-    for dropout in getattr(layer, "lora_dropout", {}).values():
-        if isinstance(dropout, nn.Dropout) and type(dropout) is not nn.Dropout:
-            swap_class(dropout, nn.Dropout)
+    """The adapters' dropouts stay stock (see the NOTE), also after ``convert``: every dropout
+    of a peft tuner layer outside its base layer, whatever the tuner names it (LoRA's
+    ``lora_dropout``, VeRA's ``vera_dropout``, ...)."""
+    base = getattr(layer, "base_layer", None)
+    for child in layer.children():
+        if child is base:
+            continue
+        for module in child.modules():
+            stock = _DROPOUT_OF.get(type(module))
+            if stock is not None:
+                swap_class(module, stock)
 
 
 @functools.cache
@@ -275,6 +300,12 @@ def _probe_layer(kind: type[nn.Module], base: nn.Module) -> nn.Module:
 
 
 def _probe_shape(base: nn.Module) -> tuple[int, ...]:
+    """One float32 sample's shape: two of them hold the CPU generator's state in bytes at
+    least, so that the drop-in replays (a smaller input takes peft's path)."""
+    per_sample = -(-cpu_state_bytes() // 8)
     if isinstance(base, nn.Linear):
-        return (3, base.in_features)
-    return (base.in_channels, *(6,) * (base.weight.dim() - 2))
+        return (-(-per_sample // base.in_features), base.in_features)
+    dims, side = base.weight.dim() - 2, 1
+    while base.in_channels * side**dims < per_sample:
+        side += 1
+    return (base.in_channels, *(side,) * dims)

@@ -36,7 +36,23 @@ def swap_class(module: nn.Module, new: type[nn.Module]) -> None:
         namespace = {name: value for name, value in vars(cls).items() if name not in _OWN}
         module.__class__ = type(f"Parametrized{new.__name__}", (new,), namespace)
     for name in _KEPT_FORWARDS:
-        kept = vars(module).get(name)
-        bound_here = isinstance(kept, types.MethodType) and kept.__self__ is module
-        if bound_here and kept.__func__ is before:
+        if _bound_here(vars(module).get(name), module, before):
             module.__dict__[name] = types.MethodType(type(module).forward, module)
+
+
+def follows_swaps(module: nn.Module) -> bool:
+    """Whether a call of ``module`` runs its class's forward after a swap: it holds no forward
+    of its own, or one :func:`swap_class` rebinds (NOTE [forwards bound before a swap]). X-LoRA
+    sets a forward of its own on each LoRA layer it drives, which a drop-in would never run."""
+    own = vars(module)
+    if "forward" not in own:
+        return True
+    forward = type(module).forward
+    return any(_bound_here(own.get(name), module, forward) for name in _KEPT_FORWARDS)
+
+
+def _bound_here(kept: object, module: nn.Module, forward: object) -> bool:
+    """Whether ``kept`` is ``forward`` bound to ``module``."""
+    return (
+        isinstance(kept, types.MethodType) and kept.__self__ is module and kept.__func__ is forward
+    )

@@ -19,6 +19,15 @@ from memsave_cli.layers import lora_layer  # noqa: E402
 from memsave_cli.layers.convert import convert, converted_counts, revert  # noqa: E402
 from memsave_cli.saved import SavedTensorRecorder, layer_rows  # noqa: E402
 
+_STATE_OUTWEIGHS = lora_layer.state_outweighs
+
+
+@pytest.fixture(autouse=True)
+def replay_small_inputs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Small inputs replay too: what these tests check does not depend on the size (on the CPU
+    an input smaller than the generator state takes peft's path; tested on its own below)."""
+    monkeypatch.setattr(lora_layer, "state_outweighs", lambda x: False)
+
 
 class Attention(nn.Module):
     """q, k and v read one input, as in a Transformer block."""
@@ -635,3 +644,74 @@ def test_per_layer_rows_name_the_adapter_that_produced_each_tensor(dropout: floa
         assert memsave_rows[name] > 0, name
     if dropout == 0.0:  # memsave keeps what peft keeps: the same rows
         assert memsave_rows == stock_rows
+
+
+def test_cpu_inputs_smaller_than_the_generator_state_keep_no_more_than_stock(monkeypatch) -> None:
+    """A replay keeps ``x`` and the CPU generator's state (5 KiB); stock keeps the noise and a
+    dropped copy. Below the state's size stock's copies cost less, and peft's path runs."""
+    monkeypatch.setattr(lora_layer, "state_outweighs", _STATE_OUTWEIGHS)
+    torch.manual_seed(0)
+    stock = _adapted(nn.Sequential(nn.Linear(32, 32), nn.Linear(32, 32)), ["0", "1"])
+    memsave = convert(stock)
+    for tokens in (1, 8, 32, 40, 64):
+        x = torch.randn(1, tokens, 32, requires_grad=True)
+        step = lambda m, x=x: m(x).sum()  # noqa: E731
+        stock_bytes, memsave_bytes = _assert_same_step(stock, memsave, step)
+        assert memsave_bytes <= stock_bytes, tokens
+    assert memsave_bytes < stock_bytes  # 64 tokens: 8 KiB per adapter input, replayed
+
+
+def test_a_replay_that_differs_fails_the_probe(monkeypatch) -> None:
+    """The probe's input is large enough for the drop-in to replay (not to take peft's path)."""
+    from memsave_cli.layers import lora_dropout
+
+    monkeypatch.setattr(lora_layer, "state_outweighs", _STATE_OUTWEIGHS)
+    replay = lora_dropout.dropped_projection
+    monkeypatch.setattr(lora_layer, "dropped_projection", lambda *a: replay(*a) * 2)
+    lora_layer.reproduces.cache_clear()
+    try:
+        for kind in lora_layer.LORA_DROP_INS:
+            assert not lora_layer.reproduces(kind), kind.__name__
+    finally:
+        lora_layer.reproduces.cache_clear()
+
+
+def test_other_peft_methods_keep_their_dropouts_stock() -> None:
+    """A VeRA layer stays peft's, its ``vera_dropout`` too (it drew memsave's noise, which is
+    not stock's); a dropout of the model outside any adapter still converts."""
+    from peft import VeraConfig
+
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.Linear(32, 32), nn.Dropout(0.2), nn.Linear(32, 32))
+    config = VeraConfig(r=8, target_modules=["0", "2"], vera_dropout=0.3, init_weights=False)
+    stock = get_peft_model(base, config).get_base_model()
+    with pytest.warns(UserWarning, match="no drop-in for peft.tuners.vera"):
+        memsave = convert(stock)
+    assert type(memsave[0].vera_dropout["default"]) is nn.Dropout
+    assert type(memsave[1]) is not nn.Dropout
+    memsave[1].p = stock[1].p = 0.0  # memsave's own noise is not stock's: compare the adapters
+    x = torch.randn(4, 32, requires_grad=True)
+    _assert_same_step(stock, memsave, lambda m: m(x).sum())
+
+
+def test_a_layer_whose_instance_forward_bypasses_its_class_stays_stock_and_is_reported() -> None:
+    """X-LoRA sets a forward of its own on each LoRA layer it drives: a drop-in would never run
+    there, so the layer stays peft's and is not counted as converted."""
+
+    class Driver:
+        def __init__(self, layer: nn.Module) -> None:
+            self.layer = layer
+
+        def forward(self, x: Tensor) -> Tensor:
+            return self.layer.base_layer(x) + self.layer.lora_B["default"](
+                self.layer.lora_A["default"](x)
+            )
+
+    stock = _adapted(Attention(), ["q", "v"])
+    stock.q.forward = Driver(stock.q).forward
+    with pytest.warns(
+        UserWarning, match=r"its forward is set on the instance \(.*Driver.forward\)"
+    ):
+        memsave = convert(stock)
+    assert type(memsave.q) is peft_lora.Linear
+    assert converted_counts(memsave) == {"lora.Linear": 1}
