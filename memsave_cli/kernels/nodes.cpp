@@ -638,7 +638,10 @@ variable_list select_saved_bits(AutogradContext *ctx, const variable_list &grads
     const std::vector<int64_t> order(spec.begin(), spec.begin() + half),
         saved(spec.begin() + half, spec.end());
     const at::Tensor &grad = grads[0];
-    const at::Tensor bits = ctx->get_saved_variables()[0];
+    // A saved-tensor hook may return the bits as floats (NOTE [bookkeeping through saved-tensor
+    // hooks] in layers/_backward.py): each byte value is exact in every float type.
+    at::Tensor bits = ctx->get_saved_variables()[0];
+    if (bits.scalar_type() != at::kByte) bits = bits.to(at::kByte);
     // Where the gradient has the saved tensor's strides, stock's kernel lays its result out
     // the same way, whichever operand comes first.
     if (grad.strides() == at::IntArrayRef(saved) && follows(grad.sizes(), saved, order)) {

@@ -1,4 +1,16 @@
-"""Helpers shared by the layers' backward passes."""
+"""Helpers shared by the layers' backward passes.
+
+NOTE [bookkeeping through saved-tensor hooks]: what a layer keeps besides activations (bit
+masks as uint8, pooling offsets as int8 or int16, a dropout seed, the generator state a LoRA
+replay restores) goes through ``save_for_backward`` like any saved tensor, so that activation
+offload (``save_on_cpu``), checkpointing and memory trackers see it. A user's pack hook may hand
+it back in another dtype: compression hooks written for stock's float activations cast whatever
+they are given (``t.to(torch.bfloat16)``, unpacked as float32). Every float type holds each byte
+value exactly (int16 offsets of windows over 128 elements: float32 and float64, as for stock's
+int64 indices), so backward casts them back to the dtype saved (:func:`unpacked`). A seed is
+saved as its 8 bytes (:func:`as_bytes`), for a float cast would round an int64 seed, and noise
+from another seed would be a silently wrong gradient.
+"""
 
 from __future__ import annotations
 
@@ -10,6 +22,23 @@ import torch
 from memsave_cli.compiling import compiling
 from memsave_cli.kernels._layout import batched
 from memsave_cli.kernels._recording import plain_eager
+
+
+def as_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor``'s bytes, flat, to save for backward (NOTE [bookkeeping through saved-tensor
+    hooks]); :func:`from_bytes` reads them back."""
+    return tensor.reshape(-1).view(torch.uint8)
+
+
+def from_bytes(saved: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The 0-dim ``dtype`` tensor whose bytes :func:`as_bytes` saved, as a hook returned them."""
+    return unpacked(saved, torch.uint8).contiguous().view(dtype).reshape(())
+
+
+def unpacked(saved: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A saved integer tensor as ``dtype`` again, whatever float type a saved-tensor hook
+    returned it in (NOTE [bookkeeping through saved-tensor hooks])."""
+    return saved if saved.dtype == dtype else saved.to(dtype)
 
 
 def forbid_double_backward(layer: str) -> None:

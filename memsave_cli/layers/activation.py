@@ -28,7 +28,7 @@ from torch.autograd import Function
 from memsave_cli.kernels import activation as ops
 from memsave_cli.kernels import nodes
 from memsave_cli.kernels.bitmask import layout_of
-from memsave_cli.layers._backward import forbid_double_backward, records_ops
+from memsave_cli.layers._backward import forbid_double_backward, records_ops, unpacked
 from memsave_cli.layers.registry import drop_in
 
 
@@ -124,7 +124,7 @@ def _select(ctx, grad: Tensor, kernel: str, slope: float | None = None) -> Tenso
     stock's would change how later kernels (an expand's sum, a convolution, a batch norm) round,
     so the ops take the strides of the tensor stock saves and give the gradient stock's layout.
     """
-    (bits,) = ctx.saved_tensors
+    bits = unpacked(ctx.saved_tensors[0], torch.uint8)
     order, saved = ctx.layout.order, ctx.saved_strides
     if slope is None:
         return ops.select_bits(grad, bits, order, saved, kernel == "hardtanh")

@@ -19,7 +19,9 @@ from memsave_cli.kernels.dropout import dropout_mul, dropout_mul_
 from memsave_cli.kernels.dropout import dropout_noise as dropout_noise  # re-exported for tests
 from memsave_cli.kernels.iterator_layout import contiguous_strides, like_strides
 from memsave_cli.layers._backward import (
+    as_bytes,
     forbid_double_backward,
+    from_bytes,
     ops_run,
     refuse_batched,
 )
@@ -64,7 +66,7 @@ class SeededDropout(torch.autograd.Function):
         ctx.p, ctx.noise_shape, ctx.fused, ctx.noise_stride = p, noise_shape, fused, noise_stride
         if ctx.needs_input_grad[0]:
             # The seed (8 bytes) is all backward needs: the noise is regenerated from it.
-            ctx.save_for_backward(seed)
+            ctx.save_for_backward(as_bytes(seed))
         if not inplace:
             return dropout_mul(input, seed, p, noise_shape, fused=fused, noise_stride=noise_stride)
         ctx.mark_dirty(input)
@@ -76,7 +78,7 @@ class SeededDropout(torch.autograd.Function):
         refuse_batched(grad_output, "MemSaveDropout")
         if not ctx.needs_input_grad[0]:
             return None, None, None, None, None, None, None
-        (seed,) = ctx.saved_tensors
+        seed = from_bytes(ctx.saved_tensors[0], torch.int64)
         # Deliberate transient: the regenerated noise (it becomes the gradient where it can).
         grad = dropout_mul(
             grad_output,

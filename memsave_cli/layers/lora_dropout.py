@@ -45,6 +45,7 @@ from memsave_cli.layers._backward import (
     forbid_double_backward,
     outer_hooks_hidden,
     refuse_batched,
+    unpacked,
 )
 
 #: Casts the input as peft's ``_cast_input_dtype`` does before the adapter (identity if none).
@@ -158,7 +159,7 @@ class DroppedProjection(torch.autograd.Function):
         # The replay's own saved tensors (noise, dropout(x)) live only until autograd.grad below:
         # identity hooks keep them out of any saved-tensor accounting of the outer step.
         hooks = outer_hooks_hidden()
-        state = state[0] if state else None
+        state = unpacked(state[0], torch.uint8) if state else None
         generator = _private_generator(x, state)
         replayed = replayed_rng(x.device, None if generator else state)
         with hooks, replayed, torch.enable_grad():

@@ -30,7 +30,7 @@ from torch.nn.modules.utils import _pair, _single, _triple
 from memsave_cli.kernels._layout import memory_format
 from memsave_cli.kernels.maxpool_blocks import pool, pool_backward
 from memsave_cli.layers._autocast import as_autocast_hands
-from memsave_cli.layers._backward import forbid_double_backward, records_ops
+from memsave_cli.layers._backward import forbid_double_backward, records_ops, unpacked
 from memsave_cli.layers.registry import drop_in
 
 
@@ -44,12 +44,13 @@ class MaxPoolWithOffsets(torch.autograd.Function):
         out, offsets, ctx.window = pool(x, ctx.args)
         # Only the offsets (1 byte per output for windows up to 128 elements); no input.
         ctx.save_for_backward(offsets)
+        ctx.offsets_dtype = offsets.dtype  # int8, or int16 for larger windows
         return out
 
     @staticmethod
     def backward(ctx, grad_output: Tensor) -> tuple:
         forbid_double_backward("MemSaveMaxPool")
-        (offsets,) = ctx.saved_tensors
+        offsets = unpacked(ctx.saved_tensors[0], ctx.offsets_dtype)
         grad_input = pool_backward(
             grad_output, offsets, ctx.input_shape, ctx.layout, ctx.args, ctx.window
         )
