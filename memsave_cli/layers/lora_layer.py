@@ -26,6 +26,7 @@ from torch.nn.modules.dropout import _DropoutNd
 
 from memsave_cli.compiling import compiling
 from memsave_cli.kernels._layout import graph_capturing
+from memsave_cli.layers import conv as conv_layers  # noqa: F401  (fills DROP_INS)
 from memsave_cli.layers import dropout as dropout_layers  # noqa: F401  (fills DROP_INS)
 from memsave_cli.layers._autocast import (
     autocast_casts,
@@ -36,6 +37,7 @@ from memsave_cli.layers._autocast import (
 from memsave_cli.layers._backward import records_backward
 from memsave_cli.layers.lora_dropout import cpu_state_bytes, dropped_projection
 from memsave_cli.layers.recipe_probes import probing
+from memsave_cli.layers.recognise import stock_class
 from memsave_cli.layers.registry import DROP_INS
 from memsave_cli.layers.swap import follows_swaps, swap_class
 from memsave_cli.layers.uncalled import done_for, runs_hooks
@@ -90,7 +92,11 @@ def _project(
     keep an input-sized noise and dropped copy, or (no dropout) ``cast_x``, a copy of ``x``."""
     if runs_hooks(dropout) or runs_hooks(lora_A):  # NOTE [uncalled submodules]
         return _called(cast_x, dropout, lora_A)
+    if type(lora_A) not in _REPLAYED:  # a module of the user's: its forward may have effects
+        return _called(cast_x, dropout, lora_A)
     if type(dropout) is nn.Dropout and dropout.training and 0.0 < dropout.p < 1.0:
+        if dropout.inplace:  # drops x itself, which later readers of x see: peft's path
+            return _called(cast_x, dropout, lora_A)
         p = dropout.p
     elif type(dropout) is nn.Identity and cast_x is not x:
         p = 0.0
@@ -189,6 +195,12 @@ LORA_DROP_INS: dict[type[nn.Module], tuple[type[nn.Module], Callable[[], nn.Modu
     peft_lora.Conv3d: (MemSaveLoraConv3d, lambda: nn.Conv3d(2, 3, 2)),
 }
 _STOCK_OF = {drop_in: stock for stock, (drop_in, _) in LORA_DROP_INS.items()}
+_CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
+#: The classes of ``lora_A`` a replay runs again in backward: those peft builds, converted or
+#: not, whose forward computes its output and nothing else.
+_REPLAYED = frozenset(
+    cls for stock in (nn.Linear, *_CONVS) for cls in (stock, DROP_INS.get(stock)) if cls
+)
 #: Dropout drop-in -> its stock class: the adapters' dropouts that ``convert`` swaps back.
 _DROPOUT_OF = {
     drop_in: stock for stock, drop_in in DROP_INS.items() if issubclass(stock, _DropoutNd)
@@ -264,8 +276,10 @@ def _restore_dropouts(layer: nn.Module) -> None:
         if child is base:
             continue
         for module in child.modules():
-            stock = _DROPOUT_OF.get(type(module))
-            if stock is not None:
+            # memsave's drop-ins only (for a plain subclass, the one created over it): a user's
+            # own dropout class stays as it is.
+            stock = _DROPOUT_OF.get(type(module)) or stock_class(type(module))
+            if stock is not None and issubclass(stock, _DropoutNd):
                 swap_class(module, stock)
 
 

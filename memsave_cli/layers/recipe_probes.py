@@ -410,7 +410,8 @@ def _shallow_copy(
 
 class probing:
     """Probes run eagerly on CPU with gradients on, whatever mode or device the caller set up
-    (``inference_mode`` included, under which every probe would fail and the answer be cached),
+    (``inference_mode`` included, under which every probe would fail and the answer be cached;
+    anomaly mode, which would raise on the NaN some probes feed),
     and leave the random states as they found them, torch's CPU generator, Python's and numpy's
     (a forward may draw: dropout). The caller's saved-tensor hooks (a recorder, ``save_on_cpu``,
     a checkpoint around the call) and, where no other thread runs, hooks for every module (an
@@ -423,6 +424,7 @@ class probing:
             torch.inference_mode(False),
             torch.enable_grad(),
             torch.autocast("cpu", enabled=False),
+            torch.autograd.set_detect_anomaly(False),  # probes feed NaN on purpose
             torch.random.fork_rng(devices=[]),
             outer_hooks_hidden(),
             _global_hooks_hidden(),

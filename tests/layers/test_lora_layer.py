@@ -715,3 +715,51 @@ def test_a_layer_whose_instance_forward_bypasses_its_class_stays_stock_and_is_re
         memsave = convert(stock)
     assert type(memsave.q) is peft_lora.Linear
     assert converted_counts(memsave) == {"lora.Linear": 1}
+
+
+class MonteCarloDropout(nn.Dropout):
+    """Dropout that stays on in evaluation: a user's class, which computes otherwise."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return nn.functional.dropout(x, self.p, training=True)
+
+
+def test_a_users_dropout_class_in_an_adapter_stays_as_it_is() -> None:
+    """``convert`` swaps back memsave's own dropouts in adapters, never a user's class (it
+    became a plain ``nn.Dropout``: evaluation lost its noise)."""
+    stock = _adapted(Attention(), ["q", "v"])
+    stock.q.lora_dropout["default"] = MonteCarloDropout(0.3)
+    memsave = convert(stock)
+    assert type(memsave.q.lora_dropout["default"]) is MonteCarloDropout
+    x = torch.randn(3, 5, 32, requires_grad=True)
+    _assert_same_step(stock.eval(), memsave.eval(), lambda m: m(x).sum())
+
+
+class Normalised(nn.Linear):
+    """A ``lora_A`` of the user's whose forward updates state: a replay would run it twice."""
+
+    def __init__(self) -> None:
+        super().__init__(32, 4, bias=False)
+        self.norm = nn.BatchNorm1d(4)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.norm(super().forward(x).flatten(0, -2)).view(*x.shape[:-1], 4)
+
+
+def test_a_users_lora_A_runs_once_per_step() -> None:
+    stock = _adapted(Attention(), ["q"], init_lora_weights=False)
+    stock.q.lora_A["default"] = Normalised()
+    memsave = convert(stock)
+    x = torch.randn(3, 5, 32, requires_grad=True)
+    _assert_same_step(stock, memsave, lambda m: m(x).sum())
+    for name, buffer in stock.named_buffers():
+        assert torch.equal(buffer, memsave.get_buffer(name)), name
+
+
+def test_an_in_place_adapter_dropout_drops_x_as_in_peft() -> None:
+    """peft's in-place dropout changes ``x`` itself, which later adapters and the caller read."""
+    stock = _adapted(Attention(), ["q"], init_lora_weights=False)
+    stock.q.lora_dropout["default"].inplace = True
+    memsave = convert(stock)
+    x = torch.randn(3, 5, 32)  # k and v read the dropped input after q
+    _assert_same_step(stock, memsave, lambda m: m(x).sum())

@@ -1300,3 +1300,14 @@ def test_hooks_for_every_module_do_not_see_the_probes() -> None:
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.split("\n")[-2] == "{'PlainMLP': 1} 0"
+
+
+def test_anomaly_mode_leaves_the_probes_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Probes feed NaN on purpose: under ``set_detect_anomaly(True)`` they raised, and the
+    answer, cached for the process, left every RMSNorm and MLP of that configuration stock."""
+    from memsave_cli.layers import recognise
+
+    monkeypatch.setattr(recognise, "_RECIPES", {})  # probed afresh
+    with torch.autograd.set_detect_anomaly(True):
+        model = convert(tiny_model("llama", torch.float32))
+    assert converted_counts(model) == {"LlamaMLP": 2, "LlamaRMSNorm": 5}
