@@ -68,6 +68,7 @@ def convert(
     *,
     inplace: bool = False,
     include: LayerSelection | Iterable[LayerSelection] | None = None,
+    exclude: LayerSelection | Iterable[LayerSelection] = (),
 ) -> nn.Module:
     """``model`` with every supported stock layer swapped for its memsave drop-in.
 
@@ -79,10 +80,16 @@ def convert(
     activations written as formulas (GPT-2's ``gelu_new``, CLIP's ``quick_gelu``: NOTE [what a
     formula activation keeps]) only when ``include`` is None, and only where recognised (NOTE
     [converting by behaviour]).
-    Without ``include``, peft LoRA layers convert too (``lora_layer.py``).
+    Without ``include``, peft LoRA layers convert too (``lora_layer.py``). ``exclude`` leaves
+    some stock layer types or families stock, named as in ``include``, and keeps everything else
+    ``include`` selects: ``exclude="dropout"`` keeps stock's dropout draws, so that a model
+    training with dropout runs bit for bit as the stock one (memsave's dropout draws its noise
+    from a seed of its own), while norms, MLPs, activations and LoRA layers still convert.
     Models built under ``FakeTensorMode`` cannot be deep-copied: convert them with ``inplace=True``.
     """
     selected = select_drop_ins(include)
+    for stock in select_drop_ins(exclude) if exclude else ():
+        selected.pop(stock, None)
     target = model if inplace else _copy(model, "convert")
     names = class_names(target)
     for module in target.modules():

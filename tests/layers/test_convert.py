@@ -217,6 +217,39 @@ def test_include_unknown_raises(include: object) -> None:
     assert isinstance(error.value, MemsaveError) and isinstance(error.value, ValueError)
 
 
+def test_exclude_leaves_those_types_stock_and_converts_the_rest() -> None:
+    everything = converted_counts(convert(small_cnn()))
+    counts = converted_counts(convert(small_cnn(), exclude=["dropout", nn.ReLU]))
+    left = {*layer_families()["dropout"], "ReLU"}
+    assert counts == {k: v for k, v in everything.items() if k not in left}
+    assert everything.keys() - counts.keys() == {"Dropout", "Dropout2d", "ReLU"}
+    assert converted_counts(convert(small_cnn(), include="conv", exclude="ConvTranspose2d")) == {
+        "Conv2d": 2,
+        "PlainSubclassConv": 1,
+    }
+    with pytest.raises(UnknownLayerError, match="Conv2d"):
+        convert(small_cnn(), exclude="conv2")
+
+
+def test_excluding_dropout_trains_a_dropout_model_bit_for_bit_as_stock() -> None:
+    """memsave's dropout draws its own noise; without it, a GPT-2 training with dropout 0.1
+    (its formula activation, norms and LoRA still converted) takes stock's steps."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_embd=32, n_layer=2, n_head=2, vocab_size=50, n_positions=16)
+    stock = transformers.GPT2LMHeadModel(config).train()
+    memsave = convert(stock, exclude="dropout")
+    assert converted_counts(memsave) and "Dropout" not in converted_counts(memsave)
+    ids = torch.randint(0, 50, (2, 9))
+    grads = []
+    for model in (stock, memsave):
+        torch.manual_seed(1)
+        model(ids, labels=ids).loss.backward()
+        grads.append([p.grad for p in model.parameters()])
+    for expected, actual in zip(*grads, strict=True):
+        assert torch.equal(expected, actual)
+
+
 def test_families_cover_the_registry() -> None:
     """Every registered stock class belongs to exactly one family, and the family selects it."""
     families = layer_families()
