@@ -33,7 +33,7 @@ from memsave_cli.layers.conv import (
     MemSaveConvTranspose2d,
     MemSaveConvTranspose3d,
 )
-from memsave_cli.layers.convert import convert, converted_counts, revert
+from memsave_cli.layers.convert import convert, converted_classes, converted_counts, revert
 from memsave_cli.layers.dropout import (
     MemSaveDropout,
     MemSaveDropout1d,
@@ -75,6 +75,7 @@ __all__ = [
     "MemSaveReLU",
     "MemSaveReLU6",
     "convert",
+    "converted_classes",
     "converted_counts",
     "revert",
     "unrecognised_counts",

@@ -166,6 +166,23 @@ def converted_counts(model: nn.Module) -> dict[str, int]:
     return counts
 
 
+def converted_classes(model: nn.Module) -> set[type[nn.Module]]:
+    """The memsave classes ``model`` holds: the leaf modules ``torch.fx`` needs to trace a
+    converted model, whose drop-ins' forwards branch on ``requires_grad`` where fx would trace
+    into them. torchvision's feature extraction takes them as
+    ``create_feature_extractor(model, nodes, tracer_kwargs={"leaf_modules": [*classes]})``;
+    the traced module calls the drop-ins, which keep what they keep in the model."""
+    stock_of = {drop_in: stock for stock, drop_in in DROP_INS.items()}
+    adapters = _adapter_module()
+    classes: set[type[nn.Module]] = set()
+    for module in model.modules():
+        cls = base_class(module)
+        converted = cls in stock_of or stock_class(cls) is not None
+        if converted or (adapters is not None and adapters.stock_lora(cls) is not None):
+            classes.add(type(module))
+    return classes
+
+
 def _adapter_module() -> ModuleType | None:
     """The peft LoRA drop-ins, once peft is imported (before that, no model holds its layers)."""
     if "peft" not in sys.modules:

@@ -229,10 +229,15 @@ def convert_lora(model: nn.Module) -> dict[str, str]:
     return left
 
 
+def stock_lora(cls: type) -> type[nn.Module] | None:
+    """The peft class a LoRA drop-in class replaces, None for any other class."""
+    return _STOCK_OF.get(cls)
+
+
 def revert_lora(model: nn.Module) -> None:
     """Swap every LoRA drop-in of ``model`` back to its peft class, in place."""
     for module in model.modules():
-        stock = _STOCK_OF.get(type(module))
+        stock = stock_lora(type(module))
         if stock is not None:
             swap_class(module, stock)
 
@@ -241,7 +246,7 @@ def lora_counts(model: nn.Module) -> dict[str, int]:
     """How many LoRA drop-ins ``model`` holds, per peft class (``{"lora.Linear": 224}``)."""
     counts: dict[str, int] = {}
     for module in model.modules():
-        stock = _STOCK_OF.get(type(module))
+        stock = stock_lora(type(module))
         if stock is not None:
             key = f"lora.{stock.__name__}"
             counts[key] = counts.get(key, 0) + 1

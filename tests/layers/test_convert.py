@@ -17,6 +17,7 @@ from memsave_cli.layers.convert import (
     UncopyableModelError,
     UnknownLayerError,
     convert,
+    converted_classes,
     converted_counts,
     layer_families,
     memsave_relu,
@@ -500,3 +501,33 @@ def test_scripting_a_converted_model_is_one_clear_error() -> None:
     with pytest.raises(ScriptingError, match="script the stock model instead"):
         torch.jit.script(convert(nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU())))
     torch.jit.script(revert(convert(nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU()))))
+
+
+def test_fx_traces_a_converted_model_with_its_classes_as_leaves() -> None:
+    """fx traces into a drop-in's forward and stops at its ``requires_grad`` branch; with the
+    classes ``converted_classes`` names as leaf modules the traced module calls the drop-ins:
+    torchvision's feature extraction gives stock's features and gradients."""
+    torchvision = pytest.importorskip("torchvision")
+    from torchvision.models.feature_extraction import create_feature_extractor
+
+    torch.manual_seed(0)
+    stock = torchvision.models.resnet18(weights=None, num_classes=10)
+    memsave = convert(stock)
+    classes = converted_classes(memsave)
+    assert {c.__name__ for c in classes} >= {"MemSaveConv2d", "MemSaveReLU", "MemSaveMaxPool2d"}
+    nodes = {"layer1": "low", "layer4": "high"}
+    leaves = {"leaf_modules": list(classes)}
+    extractors = [
+        create_feature_extractor(stock, nodes),
+        create_feature_extractor(memsave, nodes, tracer_kwargs=leaves),
+    ]
+    kept = {type(m).__name__ for m in extractors[1].modules()}  # up to layer4: no head
+    assert kept >= {"MemSaveConv2d", "MemSaveBatchNorm2d", "MemSaveReLU", "MemSaveMaxPool2d"}
+    x = torch.randn(2, 3, 32, 32)
+    results = []
+    for extractor in extractors:
+        features = extractor(x)
+        (features["low"].sum() + features["high"].square().sum()).backward()
+        results.append([*features.values(), *(p.grad for p in extractor.parameters())])
+    for expected, actual in zip(*results, strict=True):
+        assert torch.equal(expected, actual)
