@@ -111,7 +111,7 @@ def convert(
 
 def revert(model: nn.Module, *, inplace: bool = False) -> nn.Module:
     """``model`` with every memsave drop-in swapped back to its stock layer (undoes ``convert``)."""
-    stock_of = {drop_in: stock for stock, drop_in in DROP_INS.items()}
+    stock_of = _stock_classes()
     target = model if inplace else _copy(model, "revert")
     names = class_names(target)
     for module in target.modules():
@@ -151,7 +151,7 @@ def converted_counts(model: nn.Module) -> dict[str, int]:
 
     Transformer layers whose functional ReLU was converted count under ``"F.relu"``.
     """
-    stock_of = {drop_in: stock for stock, drop_in in DROP_INS.items()}
+    stock_of = _stock_classes()
     counts: dict[str, int] = {}
     for module in model.modules():
         cls = base_class(module)
@@ -172,8 +172,7 @@ def converted_classes(model: nn.Module) -> set[type[nn.Module]]:
     into them. torchvision's feature extraction takes them as
     ``create_feature_extractor(model, nodes, tracer_kwargs={"leaf_modules": [*classes]})``;
     the traced module calls the drop-ins, which keep what they keep in the model."""
-    stock_of = {drop_in: stock for stock, drop_in in DROP_INS.items()}
-    adapters = _adapter_module()
+    stock_of, adapters = _stock_classes(), _adapter_module()
     classes: set[type[nn.Module]] = set()
     for module in model.modules():
         cls = base_class(module)
@@ -181,6 +180,12 @@ def converted_classes(model: nn.Module) -> set[type[nn.Module]]:
         if converted or (adapters is not None and adapters.stock_lora(cls) is not None):
             classes.add(type(module))
     return classes
+
+
+def _stock_classes() -> dict[type[nn.Module], type[nn.Module]]:
+    """Registered drop-in -> the stock class it replaces (recognised and created classes answer
+    ``stock_class``)."""
+    return {drop_in: stock for stock, drop_in in DROP_INS.items()}
 
 
 def _adapter_module() -> ModuleType | None:
