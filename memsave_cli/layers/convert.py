@@ -80,7 +80,8 @@ def convert(
     activations written as formulas (GPT-2's ``gelu_new``, CLIP's ``quick_gelu``: NOTE [what a
     formula activation keeps]) only when ``include`` is None, and only where recognised (NOTE
     [converting by behaviour]).
-    Without ``include``, peft LoRA layers convert too (``lora_layer.py``). ``exclude`` leaves
+    Without ``include``, peft LoRA layers convert too (``lora_layer.py``); their adapters'
+    dropouts stay stock whatever ``include`` selects. ``exclude`` leaves
     some stock layer types or families stock, named as in ``include``, and keeps everything else
     ``include`` selects: ``exclude="dropout"`` keeps stock's dropout draws, so that a model
     training with dropout runs bit for bit as the stock one (memsave's dropout draws its noise
@@ -103,8 +104,7 @@ def convert(
             )
         if nn.ReLU in selected and _has_activation(module, F.relu):
             module.activation = memsave_relu
-    if include is None:
-        _convert_adapters(target)
+    _convert_adapters(target, layers=include is None)
     follow_renames(target, names)  # NOTE [block names follow the swaps]
     return target
 
@@ -197,10 +197,11 @@ def _adapter_module() -> ModuleType | None:
     return lora_layer
 
 
-def _convert_adapters(model: nn.Module) -> None:
-    """Convert peft's LoRA layers (``lora_layer.py``); warn about adapter layers left stock."""
+def _convert_adapters(model: nn.Module, *, layers: bool) -> None:
+    """Convert peft's LoRA layers (``lora_layer.py``) where ``layers``, and keep the adapters'
+    dropouts stock whatever ``include`` selected; warn about adapter layers left stock."""
     adapters = _adapter_module()
-    left = adapters.convert_lora(model) if adapters is not None else {}
+    left = adapters.convert_lora(model, layers=layers) if adapters is not None else {}
     if left:
         reasons = sorted(set(left.values()))
         warnings.warn(

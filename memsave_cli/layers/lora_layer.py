@@ -211,8 +211,10 @@ def _stock_forward(layer: nn.Module) -> Callable[..., Tensor]:
     return _STOCK_OF[type(layer)].forward
 
 
-def convert_lora(model: nn.Module) -> dict[str, str]:
-    """Swap every supported peft LoRA layer of ``model`` for its drop-in, in place.
+def convert_lora(model: nn.Module, *, layers: bool = True) -> dict[str, str]:
+    """Swap every supported peft LoRA layer of ``model`` for its drop-in, in place, and keep
+    every adapter's dropout stock (``layers=False``: that alone, as ``convert(include=...)``
+    leaves the layers peft's).
 
     Returns the adapter layers left stock, by qualified name, with the reason.
     """
@@ -221,6 +223,8 @@ def convert_lora(model: nn.Module) -> dict[str, str]:
         if not isinstance(module, BaseTunerLayer):
             continue
         _restore_dropouts(module)
+        if not layers:
+            continue
         reason = unsupported(module)
         if reason is not None:
             left[name] = reason

@@ -763,3 +763,15 @@ def test_an_in_place_adapter_dropout_drops_x_as_in_peft() -> None:
     memsave = convert(stock)
     x = torch.randn(3, 5, 32)  # k and v read the dropped input after q
     _assert_same_step(stock, memsave, lambda m: m(x).sum())
+
+
+@pytest.mark.parametrize("include", ["dropout", ["dropout", "conv"]])
+def test_adapters_dropouts_stay_stock_whatever_include_selects(include) -> None:
+    """``include="dropout"`` leaves the LoRA layers peft's, and their dropouts with them (memsave's
+    own dropout drew other masks: every ``lora_A`` gradient differed)."""
+    stock = _adapted(Attention(), ["q", "v"], init_lora_weights=False)
+    memsave = convert(stock, include=include)
+    assert type(memsave.q.lora_dropout["default"]) is nn.Dropout
+    assert type(memsave.q) is peft_lora.Linear
+    x = torch.randn(3, 5, 32, requires_grad=True)
+    _assert_same_step(stock, memsave, lambda m: m(x).sum())
