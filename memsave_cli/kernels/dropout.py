@@ -105,7 +105,7 @@ def _random_int32(n: int, generator: torch.Generator, device: torch.device) -> T
 
 def random_noise(like: Tensor, seed: Tensor, p: float, shape: Sequence[int]) -> Tensor:
     """Stock-valued noise of ``shape`` in ``like``'s dtype and device from a generator seeded
-    with ``seed`` (a 0-dim int64 tensor): 0 with probability ``p``, else ``1 / (1 - p)``."""
+    with ``seed`` (a one-element int64 tensor): 0 with probability ``p``, else ``1 / (1 - p)``."""
     generator = torch.Generator(device=like.device)
     generator.manual_seed(int(seed.item()))
     # The random bits are the only input-sized allocation; the noise is built in place in them.

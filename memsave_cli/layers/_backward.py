@@ -26,13 +26,15 @@ from memsave_cli.kernels._recording import plain_eager
 
 def as_bytes(tensor: torch.Tensor) -> torch.Tensor:
     """``tensor``'s bytes, flat, to save for backward (NOTE [bookkeeping through saved-tensor
-    hooks]); :func:`from_bytes` reads them back."""
-    return tensor.reshape(-1).view(torch.uint8)
+    hooks]); :func:`from_bytes` reads them back. A one-dimensional tensor (a drawn seed) is
+    viewed in one step; a 0-dim one is made one-dimensional first."""
+    return (tensor if tensor.dim() == 1 else tensor.reshape(-1)).view(torch.uint8)
 
 
 def from_bytes(saved: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The 0-dim ``dtype`` tensor whose bytes :func:`as_bytes` saved, as a hook returned them."""
-    return unpacked(saved, torch.uint8).contiguous().view(dtype).reshape(())
+    """The one-dimensional ``dtype`` tensor whose bytes :func:`as_bytes` saved, as a hook
+    returned them."""
+    return unpacked(saved, torch.uint8).contiguous().view(dtype)
 
 
 def unpacked(saved: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -32,12 +32,14 @@ _SEED_BOUND = 2**62
 
 
 def draw_seed() -> Tensor:
-    """A fresh 0-dim int64 seed from the global CPU generator (advances it, like stock dropout).
+    """A fresh one-element int64 seed from the global CPU generator (advances it, like stock
+    dropout; the same draw as a 0-dim one). One-dimensional, its bytes are saved for backward
+    in one view (``as_bytes``).
 
     On the CPU whatever the default device (``torch.set_default_device("cuda")``): a seed on a
     GPU would be read back, waiting for the device, in every forward and backward.
     """
-    return torch.randint(_SEED_BOUND, (), dtype=torch.int64, device="cpu")
+    return torch.randint(_SEED_BOUND, (1,), dtype=torch.int64, device="cpu")
 
 
 def _noise_shape(input: Tensor, feature: bool) -> list[int]:
