@@ -142,11 +142,9 @@ def _autocast_casts(lora_A: nn.Module, device_type: str) -> tuple[Tensor, ...] |
     history, and its backward hands them the gradients, as stock's linear does."""
     if not autocast_on(device_type):
         return None
-    params = tuple(lora_A.parameters())
-    if not isinstance(lora_A, nn.Linear | nn.modules.conv._ConvNd) or cache_out_of_reach(
-        params, device_type
-    ):
-        return False  # autocast's rule for another op is not known here; or its cache is not
+    params = tuple(lora_A.parameters())  # of a linear or convolution (``_REPLAYED``)
+    if cache_out_of_reach(params, device_type):
+        return False
     return autocast_casts(params, device_type, autocast_dtype(device_type))
 
 
