@@ -11,10 +11,11 @@ drop-in evaluates each parametrized tensor at its first read in its forward and 
 later read of it in that forward from that value: one evaluation per forward, in the order of
 the first reads, as stock's. The values are the calling thread's own: ``parametrize.cached()``
 would do the same through a cache of the whole process, which another thread's forward (of this
-module, or of any parametrized one) would read too, taking this thread's tensors into its graph. Traced by ``torch.compile`` (which cannot
-trace thread-local state), the forward runs under ``parametrize.cached()``: its reads become one
-evaluation in the graph. Inside a caller's ``parametrize.cached()`` block the forward evaluates
-nothing itself: the block's one evaluation serves every call in it, as for stock's layers.
+module, or of any parametrized one) would read too, taking this thread's tensors into its graph.
+Traced by ``torch.compile`` (which cannot trace thread-local state), the forward runs under
+``parametrize.cached()``: its reads become one evaluation in the graph. Inside a caller's
+``parametrize.cached()`` block the forward evaluates nothing itself: the block's one evaluation
+serves every call in it, as for stock's layers.
 ``convert`` and ``revert`` swap the class under the generated one (``swap.py``: a parametrized
 stock layer becomes a parametrized drop-in and back) and keep its properties, so that
 ``remove_parametrizations`` leaves the plain layer of the other kind.
