@@ -58,8 +58,9 @@ def verdict(part: str, cells: Sequence[Cell]) -> str:
 
 
 def memory_lines(cells: Sequence[Cell]) -> list[str]:
-    """Saved-bytes differences and forward-peak differences, one line per run."""
-    rows = [c for c in cells if c.part == "memory" and c.values]
+    """Saved-bytes differences and forward-peak differences, one line per run (the memory
+    part's other cells, the attention rules, have no bytes and their own lines in the log)."""
+    rows = [c for c in cells if c.part == "memory" and "saved_difference" in (c.values or {})]
     if not rows:
         return []
     lines = ["", "saved bytes, device vs meta (forward peak in brackets):"]

@@ -30,6 +30,7 @@ from benchmarks.gpu_acceptance import (
     main,
     mixed_precision,
     model_time,
+    summary,
 )
 from benchmarks.gpu_acceptance.budget import Budget, Deadline
 from benchmarks.gpu_acceptance.cells import Cell, Status, read_lines
@@ -506,3 +507,18 @@ def test_command_line_with_worker_interpreters(tmp_path: Path) -> None:
     assert {c["status"] for c in parts["exactness"]} == {"pass"}
     assert [c["status"] for c in parts["layer-time"]] == ["measured", "measured"]
     assert "[exactness] PASS     ReLU float32" in done.stdout  # the worker's own progress
+
+
+def test_the_summary_lists_bytes_beside_the_attention_rules() -> None:
+    """The memory part also holds the attention rules' cells, which have no bytes: the summary
+    gives each measured run its line and leaves the rules to theirs (it raised on a GPU)."""
+    rule = Cell("memory", "attention: cudnn rule", Status.FAIL, "1 of 21", {"calls": 21})
+    run = Cell(
+        "memory",
+        "ResNet-101 all/stock",
+        Status.PASS,
+        "",
+        {"saved_difference": 0.001, "forward_peak_difference": 0.011},
+    )
+    lines = summary.memory_lines([rule, run])
+    assert len(lines) == 3 and "ResNet-101 all/stock" in lines[-1] and "+0.10%" in lines[-1]
