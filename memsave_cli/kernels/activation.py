@@ -148,16 +148,24 @@ def _float16_bracket(value: float) -> tuple[float, float]:
 
 
 def reference_select(
-    grad: Tensor, bits: Tensor, order: list[int], out_strides: list[int], slope: float | None
+    grad: Tensor,
+    bits: Tensor,
+    order: list[int],
+    out_strides: list[int],
+    slope: float | None,
+    hardtanh: bool = False,
 ) -> Tensor:
-    """Stock's backward kernel on the unpacked mask: ``threshold_backward`` (``slope`` None) or
-    ``leaky_relu_backward``, its result laid out with ``out_strides``."""
+    """Stock's backward kernel on the unpacked mask: ``threshold_backward`` (``slope`` None),
+    ``leaky_relu_backward``, or ``hardtanh_backward`` (``hardtanh``; NOTE [hardtanh_backward's
+    round trip]), its result laid out with ``out_strides``."""
     keep = unpack_as(bits, BitLayout(tuple(grad.shape), tuple(order)), grad.dtype)
     # Written over ``keep`` where the layouts agree: then the only tensor of input size here.
     out = keep
     if tuple(keep.stride()) != tuple(out_strides):
         # Allocation: the gradient in the layout asked for; the mask is freed on return.
         out = torch.empty_strided(grad.shape, out_strides, dtype=grad.dtype, device=grad.device)
+    if hardtanh:  # the mask's 1 lies between the bounds 0 and 2, its 0 on one
+        return torch.ops.aten.hardtanh_backward.grad_input(grad, keep, 0, 2, grad_input=out)
     if slope is None:
         return torch.ops.aten.threshold_backward.grad_input(grad, keep, 0, grad_input=out)
     return torch.ops.aten.leaky_relu_backward.grad_input(grad, keep, slope, False, grad_input=out)
@@ -270,18 +278,24 @@ def _cuda_kernels(positive_zero: bool) -> SimpleNamespace:
     )
 
 
-def _cpu_select(grad, bits, order, out_strides, slope) -> Tensor:
+def _cpu_select(grad, bits, order, out_strides, slope, hardtanh=False) -> Tensor:
     kernels = (native.select_bits, native.select_scale)
     served = _native_serves(grad, order)
-    return _select_with(kernels, served, grad, bits, order, out_strides, slope)
+    return _select_with(kernels, served, grad, bits, order, out_strides, slope, hardtanh)
 
 
-def _cuda_select(grad, bits, order, out_strides, slope) -> Tensor:
+def _cuda_select(grad, bits, order, out_strides, slope, hardtanh=False) -> Tensor:
     # select_bits copies the gradient's bits (every float dtype, as stock's threshold_backward
     # on the device does where it agrees); select_scale multiplies in the element type.
-    served = _triton_serves if slope is not None else _triton_relu
+    # NOTE [hardtanh_backward's round trip]: stock's hardtanh_backward computes in float32 and
+    # writes its result back, which rewrites the payload of a 16-bit NaN gradient (to the
+    # canonical NaN on CUDA); copying the gradient's bits would keep it. So for Hardtanh and
+    # ReLU6 the fused kernels serve the types in which that round trip changes nothing (float32,
+    # float64), and in 16-bit types the reference runs stock's hardtanh_backward on the mask (the
+    # C++ node asks the same of its kernels, nodes.cpp's select_saved_bits).
+    served = _triton_serves if slope is not None or hardtanh else _triton_relu
     if not served(grad, order):
-        return reference_select(grad, bits, order, out_strides, slope)
+        return reference_select(grad, bits, order, out_strides, slope, hardtanh)
     return _select_with(_cuda_select_kernels(), True, grad, bits, order, out_strides, slope)
 
 
@@ -294,11 +308,11 @@ def _cuda_select_kernels() -> tuple:
     return functools.partial(bitmask.select_bits, offer="select_bits"), activation.select_scale
 
 
-def _select_with(kernels, served, grad, bits, order, out_strides, slope) -> Tensor:
+def _select_with(kernels, served, grad, bits, order, out_strides, slope, hardtanh=False):
     """``reference_select`` by the fused ``(select_bits, select_scale)`` kernels where they
     serve ``grad`` (``served``) and the result's strides follow the bit order too."""
     if not (served and _strides_follow(grad.shape, out_strides, order)):
-        return reference_select(grad, bits, order, out_strides, slope)
+        return reference_select(grad, bits, order, out_strides, slope, hardtanh)
     _check_bits(bits, grad)
     # Deliberate: the gradient itself, the only tensor of input size this allocates.
     out = torch.empty_strided(grad.shape, out_strides, dtype=grad.dtype, device=grad.device)
@@ -381,7 +395,8 @@ def _register_select(name: str) -> EagerOp:
             grad_first, slope = (last, None) if name == "select_bits" else (False, last)
             shape, strides = tuple(grad.shape), tuple(grad.stride())
             out = stock_gradient_strides(shape, strides, tuple(saved_strides), grad_first)
-            return select(grad, bits, list(order), list(out), slope)
+            # Only hardtanh_backward puts the gradient first.
+            return select(grad, bits, list(order), list(out), slope, hardtanh=grad_first)
 
         return run
 

@@ -643,8 +643,10 @@ variable_list select_saved_bits(AutogradContext *ctx, const variable_list &grads
     at::Tensor bits = ctx->get_saved_variables()[0];
     if (bits.scalar_type() != at::kByte) bits = bits.to(at::kByte);
     // Where the gradient has the saved tensor's strides, stock's kernel lays its result out
-    // the same way, whichever operand comes first.
-    if (grad.strides() == at::IntArrayRef(saved) && follows(grad.sizes(), saved, order)) {
+    // the same way, whichever operand comes first. Hardtanh's (grad_first) copies no 16-bit
+    // gradient: NOTE [hardtanh_backward's round trip] in kernels/activation.py.
+    const bool copies = !grad_first || grad.element_size() >= 4;
+    if (copies && grad.strides() == at::IntArrayRef(saved) && follows(grad.sizes(), saved, order)) {
         result[0] = slope ? kernels::select_scale(grad, bits, *slope)
                           : kernels::select_bits(grad, bits);
         if (result[0].defined()) return result;

@@ -8,6 +8,7 @@ import torch
 from triton_cases import assert_same_bits, interpreted, raw, samples  # noqa: F401 - autouse
 
 from memsave_cli.kernels import activation as ops
+from memsave_cli.kernels import stock_relu
 
 #: Arguments after ``order`` of the packs the Triton kernels serve (Hardtanh stays on the
 #: reference on CUDA, NOTE [NaN in hardtanh_backward]).
@@ -61,3 +62,25 @@ def test_select_rejects_bits_of_another_size(implementation: str, slope: float |
     for bad in (bits[:-1], bits.view(torch.int8), torch.stack([bits, bits], 1)[:, 0]):
         with pytest.raises(ValueError, match="packed bits"):
             select(grad, bad, order, [1, 35, 7], slope)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=str)
+def test_cuda_select_gives_hardtanh_backwards_nan_payloads(
+    dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Stock's ``hardtanh_backward`` writes its float32 result back, which rewrites the payload of
+    a 16-bit NaN gradient (NOTE [hardtanh_backward's round trip]); copying the gradient's bits
+    kept it (the GPU acceptance found this on an H200). Stock's ReLU answering as CUDA's does
+    (its backward copies 16-bit gradients, so ReLU's select takes the kernels there), with every
+    16-bit pattern as gradient: Hardtanh's CUDA select still gives stock's bits."""
+    monkeypatch.setattr(stock_relu, "answer", lambda x: stock_relu.Answer(True, True, ()))
+    if dtype == torch.float32:
+        grad = samples(dtype, 1 << 16, 3)
+    else:
+        grad = torch.arange(-(1 << 15), 1 << 15, dtype=torch.int32).to(torch.int16).view(dtype)
+    x = torch.linspace(-3, 3, grad.numel(), dtype=dtype)
+    bits = ops.reference_pack("hardtanh", x, False, [0], (-2.0, 2.0))[1]
+    expected = torch.ops.aten.hardtanh_backward(grad, x, -2.0, 2.0)
+    assert not torch.equal(raw(expected), raw(grad)) or dtype == torch.float32
+    actual = ops._cuda_select(grad, bits, [0], [1], None, hardtanh=True)
+    assert_same_bits(actual, expected, nan_payloads=True)
