@@ -27,7 +27,11 @@ wheels ship 9.19 and 9.24), try cuDNN attention before flash on sm90 and sm100 G
 B200); elsewhere cuDNN comes last. Meta's ``auto`` follows the sm80 order (``SM80_ORDER``). The
 ``cudnn`` kernel counts cuDNN's operator where it can run a call, by the constraints PyTorch 2.14
 checks on sm90 with a cuDNN newer than 9.22, and refuses the call where not, as forcing it on such
-a GPU would. cuDNN keeps q, k, v, the output, a (B, H, L, 1) float32 log-sum-exp, the generator's
+a GPU would. Three of them are 2.14's (``cudnn_checks_of_2_14``): a dropout a multiple of 1/16,
+the backward's head dims, and grouped heads without ``enable_gqa``. PyTorch 2.11 with its cuDNN
+9.19 on an H200 took a dropout of 0.1 and head dim 160 with a backward, and refused four query
+heads over one key/value head without ``enable_gqa``; releases before 2.14 are held to 2.11's
+rule (2.12 and 2.13 were not run on a GPU). cuDNN keeps q, k, v, the output, a (B, H, L, 1) float32 log-sum-exp, the generator's
 seed and offset, and the mask, which a boolean one reaches as an additive copy in the query's
 dtype: for an unmasked call, the bytes flash keeps. The GPU acceptance compares these constraints
 with the device's.
@@ -201,20 +205,28 @@ def _cudnn_fits(call: dict) -> bool:
     one key, and more than one query with dropout; grouped heads native."""
     q, k, v = call["query"], call["key"], call["value"]
     d_qk, d_v, dropout = q.size(-1), v.size(-1), call["dropout_p"]
+    recent = cudnn_checks_of_2_14()
     wide_ok = max(d_qk, d_v) <= 128 or (d_qk, d_v) in CUDNN_BACKWARD_WIDE
     return (
         q.dtype in FLASH_DTYPES
         and _cudnn_mask_fits(call)
-        and dropout * 16 == math.floor(dropout * 16)
+        and (dropout * 16 == math.floor(dropout * 16) or not recent)
         and max(q.size(0), q.size(1)) <= CUDNN_MAX_BATCH_OR_HEADS
         and d_qk % 8 == 0
         and d_v % 8 == 0
         and max(d_qk, d_v) <= CUDNN_MAX_HEAD_DIM
-        and (wide_ok or not _records_backward(q, k, v))
+        and (wide_ok or not recent or not _records_backward(q, k, v))
         and k.size(-2) != 1
         and (dropout == 0 or q.size(-2) != 1)
-        and _heads_fit(call, grouped=True, unasked=True)
+        and _heads_fit(call, grouped=True, unasked=recent)
     )
+
+
+@functools.cache
+def cudnn_checks_of_2_14() -> bool:
+    """Whether this torch checks what 2.14 added to cuDNN attention's rule (NOTE [cuDNN
+    attention])."""
+    return torch.torch_version.TorchVersion(torch.__version__) >= (2, 14)
 
 
 def _cudnn_mask_fits(call: dict) -> bool:
