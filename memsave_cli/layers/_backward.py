@@ -91,11 +91,25 @@ def functions_run(*inputs: torch.Tensor) -> bool:
     An inference tensor (made under ``inference_mode``) cannot be saved for backward, which a
     Function may do where stock saves only what it computed from it.
     """
-    if any(t.is_nested or _wraps_results(t) for t in inputs):
+    if any(_wraps_results(t) or t.is_nested for t in inputs):  # the subclass first: NOTE below
         return False
     if compiling():
         return not torch.compiler.is_exporting()
     return plain_eager() and not any(t.is_inference() for t in inputs)
+
+
+def wraps_results(*tensors: torch.Tensor | None) -> bool:
+    """Whether any of ``tensors`` (None skipped) is a subclass with its own
+    ``__torch_function__``: a layer asks it of its parameters before reading any of their
+    attributes (NOTE [subclass parameters])."""
+    return any(t is not None and _wraps_results(t) for t in tensors)
+
+
+# NOTE [subclass parameters]: a parameter may be a subclass whose ``__torch_function__`` refuses
+# every attribute read (PyTorch's per-sample gradients hand layers an ``ExpandedWeight``, which
+# raises on ``weight.requires_grad``) or wraps results. Stock's layer passes it to the functional
+# op untouched, so a drop-in asks for such subclasses first, from the type alone, and then runs
+# stock.
 
 
 def _wraps_results(tensor: torch.Tensor) -> bool:

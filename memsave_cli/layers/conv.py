@@ -24,7 +24,12 @@ from memsave_cli.layers._autocast import (
     autocast_on,
     cache_out_of_reach,
 )
-from memsave_cli.layers._backward import forbid_double_backward, records_backward, records_ops
+from memsave_cli.layers._backward import (
+    forbid_double_backward,
+    records_backward,
+    records_ops,
+    wraps_results,
+)
 from memsave_cli.layers.registry import drop_in
 
 Conv = nn.Conv1d | nn.Conv2d | nn.Conv3d
@@ -211,7 +216,8 @@ def _common_case(module: Conv, x: Tensor) -> Tensor | None:
     weight, bias = _weight_and_bias(module)
     padding = module.padding
     if (
-        x.requires_grad == weight.requires_grad
+        wraps_results(weight, bias)  # NOTE [subclass parameters]
+        or x.requires_grad == weight.requires_grad
         or not x.is_floating_point()  # complex: stock's decomposition into real convolutions
         or _bias_refused(x, bias)
         or x.dim() != weight.dim()
@@ -278,6 +284,8 @@ def _use_memsave(module: Conv | ConvTranspose, x: Tensor) -> bool:
     That needs a recorded backward, a valid input, and not the case of the NOTE above.
     """
     weight, bias = _weight_and_bias(module)
+    if wraps_results(weight, bias):  # NOTE [subclass parameters]
+        return False
     both = x.requires_grad and weight.requires_grad
     if both and module.padding_mode not in _PAD_KERNELS:
         return False  # asked first: most training calls end here (the rest costs microseconds)

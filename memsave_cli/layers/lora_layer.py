@@ -102,11 +102,14 @@ def _project(
         p = 0.0
     else:
         return _called(cast_x, dropout, lora_A)
+    weights = tuple(lora_A.parameters())
+    # Before any attribute of them: NOTE [subclass parameters] in _backward.py.
+    if not records_backward(x, cast_x, *weights):
+        return _called(cast_x, dropout, lora_A)
     # Stock keeps the input-sized copies only for lora_A's weight gradient; without one (LoRA-FA
     # freezes lora_A) it keeps the mask at most, less than ``x`` on CUDA.
-    trained = any(w.requires_grad for w in lora_A.parameters())
     # NOTE [random layers under CUDA graph capture] in _backward.py
-    if not (trained and records_backward(x, cast_x)) or (p > 0 and graph_capturing(x)):
+    if not any(w.requires_grad for w in weights) or (p > 0 and graph_capturing(x)):
         return _called(cast_x, dropout, lora_A)
     if p > 0 and state_outweighs(x):
         return _called(cast_x, dropout, lora_A)

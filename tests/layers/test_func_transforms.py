@@ -258,3 +258,49 @@ def test_jit_trace_with_gradients_enabled() -> None:
     x = torch.randn(2, 3, 8, 8)
     traced = torch.jit.trace(memsave, x)
     assert torch.equal(traced(x), stock(x))
+
+
+def _per_sample_grads(model: nn.Module, x: torch.Tensor) -> dict[str, torch.Tensor]:
+    """PyTorch's per-sample gradients by ``ExpandedWeight`` parameters (what Opacus's
+    ``grad_sample_mode="ew"`` calls)."""
+    from torch.nn.utils._per_sample_grad import call_for_per_sample_grads
+
+    call_for_per_sample_grads(model)(x).sum().backward()
+    return {n: p.grad_sample for n, p in model.named_parameters() if p.requires_grad}
+
+
+@pytest.mark.parametrize("frozen", ["nothing", "weights"])
+def test_expanded_weight_parameters_give_stocks_per_sample_gradients(frozen: str) -> None:
+    """An ``ExpandedWeight`` raises on any attribute read (``weight.requires_grad``): the
+    convolutions ask for such subclasses from the type first and run stock (NOTE [subclass
+    parameters]); they raised in forward, where stock runs."""
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Conv1d(3, 4, 3), nn.ReLU(), nn.Conv1d(4, 2, 1), nn.Flatten(), nn.Linear(2 * 6, 3)
+    )
+    if frozen == "weights":
+        for conv in (model[0], model[2]):
+            conv.weight.requires_grad_(False)
+    stock, memsave = _pair(model)
+    x = torch.randn(5, 3, 8)
+    expected, actual = _per_sample_grads(stock, x), _per_sample_grads(memsave, x)
+    assert expected.keys() == actual.keys()
+    assert all(torch.equal(expected[n], actual[n]) for n in expected)
+
+
+def test_expanded_weight_lora_with_dropout_gives_stocks_per_sample_gradients() -> None:
+    """A LoRA layer whose adapter weights are ``ExpandedWeight`` takes peft's path (it raised
+    reading ``lora_A``'s ``requires_grad``)."""
+    peft = pytest.importorskip("peft")
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4))
+    config = peft.LoraConfig(r=2, target_modules=["0", "2"], lora_dropout=0.1)
+    stock = peft.get_peft_model(base, config)
+    memsave = convert(copy.deepcopy(stock))
+    x = torch.randn(3, 16)
+    torch.manual_seed(1)
+    expected = _per_sample_grads(stock, x)
+    torch.manual_seed(1)
+    actual = _per_sample_grads(memsave, x)
+    assert len(expected) == 4 and expected.keys() == actual.keys()
+    assert all(torch.equal(expected[n], actual[n]) for n in expected)
