@@ -316,11 +316,26 @@ def _bias_refused(x: Tensor, bias: Tensor | None) -> bool:
     return torch.float64 in (x.dtype, bias.dtype) or not bias.is_floating_point()
 
 
+#: Stock's ``_conv_forward`` of each convolution class.
+_STOCK_CONV_FORWARDS = frozenset(c._conv_forward for c in (nn.Conv1d, nn.Conv2d, nn.Conv3d))
+
+
+def _conv_forward_replaced(module: Conv) -> bool:
+    """Whether ``_conv_forward``, which stock's forward calls, is not stock's: set on the
+    instance (tiling tricks give each convolution circular padding so) or patched on the class,
+    at any time before or after ``convert``. Stock's forward then runs, calling it."""
+    return (
+        "_conv_forward" in module.__dict__ or type(module)._conv_forward not in _STOCK_CONV_FORWARDS
+    )
+
+
 @drop_in(nn.Conv1d)
 class MemSaveConv1d(nn.Conv1d):
     """``nn.Conv1d`` saving the input only if the weight is trained, and vice versa."""
 
     def forward(self, input: Tensor) -> Tensor:
+        if _conv_forward_replaced(self):
+            return super().forward(input)
         output = _common_case(self, input)
         if output is not None:
             return output
@@ -332,6 +347,8 @@ class MemSaveConv2d(nn.Conv2d):
     """``nn.Conv2d`` saving the input only if the weight is trained, and vice versa."""
 
     def forward(self, input: Tensor) -> Tensor:
+        if _conv_forward_replaced(self):
+            return super().forward(input)
         output = _common_case(self, input)
         if output is not None:
             return output
@@ -343,6 +360,8 @@ class MemSaveConv3d(nn.Conv3d):
     """``nn.Conv3d`` saving the input only if the weight is trained, and vice versa."""
 
     def forward(self, input: Tensor) -> Tensor:
+        if _conv_forward_replaced(self):
+            return super().forward(input)
         output = _common_case(self, input)
         if output is not None:
             return output

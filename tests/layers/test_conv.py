@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import itertools
+import types
 from dataclasses import dataclass, field
+from unittest import mock
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -849,3 +853,44 @@ def test_a_mapping_grown_while_another_thread_grows_it_is_read_whole(
 
     monkeypatch.setattr(stand_ins, "_UNTOUCHED", Replaced())
     assert stand_ins._untouched_bytes(1 << 20).numel() == 1 << 20
+
+
+def _circular_in_width(self, input: torch.Tensor, weight, bias) -> torch.Tensor:
+    """A tiling trick's ``_conv_forward``: circular padding across the width, zeros down."""
+    px, py = self._reversed_padding_repeated_twice[0], self._reversed_padding_repeated_twice[2]
+    input = F.pad(F.pad(input, (px, px, 0, 0), mode="circular"), (0, 0, py, py))
+    return F.conv2d(input, weight, bias, self.stride, 0, self.dilation, self.groups)
+
+
+@pytest.mark.parametrize("where", ["instance, before convert", "instance, after", "class"])
+def test_a_replaced_conv_forward_runs_as_in_stock(where: str) -> None:
+    """Stock's forward calls ``_conv_forward``, which tiling tricks replace on each instance or
+    on ``nn.Conv2d``: the drop-in then runs stock's forward (it ran its own convolution, with
+    zero padding: outputs off by 0.36)."""
+    torch.manual_seed(0)
+    stock = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.ReLU(), nn.Conv2d(4, 2, 3, padding=1))
+    stock.requires_grad_(False)
+    x = torch.randn(2, 3, 8, 8)
+    zero_padded = stock(x)
+
+    def patch(model: nn.Module) -> None:
+        for conv in (model[0], model[2]):
+            conv._conv_forward = types.MethodType(_circular_in_width, conv)
+
+    if where == "instance, before convert":
+        patch(stock)
+    memsave = convert(stock)
+    if where == "instance, after":
+        patch(stock)
+        patch(memsave)
+    with contextlib.ExitStack() as stack:
+        if where == "class":
+            stack.enter_context(mock.patch.object(nn.Conv2d, "_conv_forward", _circular_in_width))
+        outputs, grads = [], []
+        for model in (stock, memsave):
+            leaf = x.clone().requires_grad_()
+            outputs.append(model(leaf))
+            outputs[-1].square().sum().backward()
+            grads.append(leaf.grad)
+    assert not torch.equal(outputs[0], zero_padded)  # the replacement ran in stock
+    assert torch.equal(*outputs) and torch.equal(*grads)
