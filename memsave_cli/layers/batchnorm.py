@@ -23,7 +23,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from memsave_cli.kernels import nodes
 from memsave_cli.kernels._layout import shape_only
-from memsave_cli.layers._backward import forbid_double_backward, records_backward
+from memsave_cli.layers._backward import forbid_double_backward, records_backward, wraps_results
 from memsave_cli.layers.registry import drop_in
 
 
@@ -158,6 +158,7 @@ def _runs_stock(
     """
     return (
         not (recorded or records_backward(x))  # first: jit.trace would warn at numel()
+        or (not recorded and wraps_results(weight, bias, running_mean, running_var))
         or x.numel() == 0
         or running_mean is None
         or running_var is None

@@ -26,7 +26,7 @@ from torch.autograd import Function
 from memsave_cli.compiling import compiling
 from memsave_cli.kernels._layout import memory_format
 from memsave_cli.layers._autocast import autocast_on
-from memsave_cli.layers._backward import forbid_double_backward, records_backward
+from memsave_cli.layers._backward import forbid_double_backward, records_backward, wraps_results
 from memsave_cli.layers.registry import drop_in
 
 # NOTE [RMSNorm styles]: with ``h`` the normalised tensor and ``w`` the weight,
@@ -300,6 +300,8 @@ def may_record(x: Tensor, weight: Tensor | None) -> bool:
     compute and keep what they do without it. ``torch.rms_norm`` itself is listed (cast to
     float32 on cuda by torch 2.14, not 2.11): ``nn.RMSNorm`` runs stock's under autocast.
     """
+    if wraps_results(weight):  # NOTE [subclass parameters] in _backward.py
+        return False
     wants = x.requires_grad or (weight is not None and weight.requires_grad)
     return wants and records_backward(x) and x.dtype.is_floating_point
 
