@@ -2,7 +2,17 @@
 copies of it (NOTE [converting by behaviour] in ``recognise.py``). A formula activation's single
 recipe, recomputation, reproduces any deterministic forward; its probes ask whether the module is
 one that recomputation serves and that keeps its input and more (NOTE [what a formula
-activation keeps] in ``recomputed.py``)."""
+activation keeps] in ``recomputed.py``).
+
+NOTE [what a probe shows]: a probe shows what a module computes for inputs like the probe's:
+2-d, 3-d and 4-d (sizes all different, so that a forward reducing or projecting over another
+dimension than the last differs or fails), small, in three dtypes and both modes. A forward
+that branches on what the probes never vary may compute otherwise elsewhere: a norm that reads a
+4-d map as channels-first fails the 4-d probe and stays stock; on inputs of other ranks a
+recognised norm or MLP runs its stock forward (``probed_rank``). A forward that branches on size
+(chunking inputs beyond some length) is not seen by small probes; ``convert(exclude="rmsnorm")``
+leaves such norms stock, and any ``include=`` such MLPs.
+"""
 
 from __future__ import annotations
 
@@ -121,6 +131,12 @@ def _both_modes(cases: list[_Case]) -> list[_Case]:
     return [*cases, cases[0]._replace(training=False), cases[0]._replace(autocast=True)]
 
 
+def probed_rank(x: torch.Tensor) -> bool:
+    """Whether the probes of norms and MLPs gave inputs of ``x``'s rank; a recognised module
+    runs stock's forward on others, where its own might branch (NOTE [what a probe shows])."""
+    return 2 <= x.dim() <= 4
+
+
 def _norm_cases() -> list[_Case]:
     f32, bf16, f16 = torch.float32, torch.bfloat16, torch.float16
     return _both_modes(
@@ -132,6 +148,7 @@ def _norm_cases() -> list[_Case]:
             _Case((2, 5), f32, bf16),  # a float32 residual stream, half weights
             _Case((3, 7), torch.float64, torch.float64),
             _Case((3, 2, 67), f32, f32, permuted=True),
+            _Case((2, 3, 5, 7), f32, f32),  # per-head norms (queries, keys); no channels-first
         ]
     )
 
@@ -140,6 +157,7 @@ def _mlp_cases() -> list[_Case]:
     f32, bf16, f16 = torch.float32, torch.bfloat16, torch.float16
     cases = [_Case((2, 3, 6), f32, f32), _Case((5, 6), bf16, bf16), _Case((3, 6), f16, f16)]
     cases.append(_Case((3, 2, 6), f32, f32, permuted=True))
+    cases.append(_Case((2, 3, 5, 6), f32, f32))  # channels-last maps; no permuting of its own
     # a float32 residual stream into half projections: an error for most, a cast for some
     return _both_modes([*cases, _Case((2, 6), f32, bf16, may_fail=True)])
 

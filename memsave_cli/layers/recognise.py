@@ -63,7 +63,13 @@ from torch.nn.utils import parametrize
 from memsave_cli.compiling import compiling
 from memsave_cli.layers.gated_mlp import gated_mlp
 from memsave_cli.layers.parametrized import evaluated_once
-from memsave_cli.layers.recipe_probes import ACT_NAMES, PROJECTIONS, Recipe, probe_recipes
+from memsave_cli.layers.recipe_probes import (
+    ACT_NAMES,
+    PROJECTIONS,
+    Recipe,
+    probe_recipes,
+    probed_rank,
+)
 from memsave_cli.layers.recomputed import recomputed
 from memsave_cli.layers.registry import DROP_INS, refuse_scripting
 from memsave_cli.layers.rmsnorm import may_record, rms_norm
@@ -296,7 +302,7 @@ def _taking_one_argument(stock: type[nn.Module], body: Callable) -> Callable:
 def _norm_forward(stock: type[nn.Module], recipe: Recipe) -> Callable:
     def forward(self: nn.Module, hidden_states: Tensor) -> Tensor:
         weight = self.weight
-        fits = hidden_states.dim() > 0 and hidden_states.shape[-1] == weight.shape[-1]
+        fits = probed_rank(hidden_states) and hidden_states.shape[-1] == weight.shape[-1]
         if not (fits and weight.dim() == 1 and may_record(hidden_states, weight)):
             return stock.forward(self, hidden_states)
         return rms_norm(hidden_states, weight, getattr(self, recipe.detail), recipe.variant)
@@ -309,7 +315,7 @@ def _mlp_forward(stock: type[nn.Module], recipe: Recipe) -> Callable:
         # Stock's where nothing records (the probes never looked there), and where hooks
         # would run around the activation (registered since converting, or global ones), which
         # the recipe would not call (NOTE [uncalled submodules]).
-        if not torch.is_grad_enabled() or runs_hooks(_act(self)):
+        if not (torch.is_grad_enabled() and probed_rank(hidden_states)) or runs_hooks(_act(self)):
             return stock.forward(self, hidden_states)
         if not compiling():
             children = _children(self)

@@ -239,7 +239,32 @@ class ReluMLP(ScaledMLP):
         return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
 
 
-@pytest.mark.parametrize("module", [EpsOutsideNorm(8), ClampedNorm(8), ScaledMLP(), ReluMLP()])
+class ChannelsFirstNorm(EpsOutsideNorm):
+    """An LLaMA RMSNorm over the last dimension, but over the channels of a (B, C, H, W) map."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        dim, shape = (1, (1, -1, 1, 1)) if x.dim() == 4 else (-1, (-1,))
+        x32 = x.to(torch.float32)
+        variance = x32.pow(2).mean(dim, keepdim=True)
+        hidden = (x32 * torch.rsqrt(variance + self.variance_epsilon)).to(x.dtype)
+        return self.weight.view(shape) * hidden
+
+
+class ChannelsFirstMLP(PlainMLP):
+    """LLaMA's MLP over the channels of a (B, C, H, W) map, moved last and back."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        if x.dim() == 4:
+            return super().forward(x.permute(0, 2, 3, 1)).permute(0, 3, 1, 2)
+        return super().forward(x)
+
+
+@pytest.mark.parametrize(
+    "module",
+    [EpsOutsideNorm(8), ClampedNorm(8), ScaledMLP(), ReluMLP(), ChannelsFirstNorm(8),
+     ChannelsFirstMLP()],
+    ids=lambda m: type(m).__name__,
+)  # fmt: skip
 def test_look_alikes_stay_stock_and_are_reported(module: nn.Module) -> None:
     """A candidate whose forward differs from every recipe is left alone and named."""
     model = nn.Sequential(copy.deepcopy(module))
@@ -1311,3 +1336,33 @@ def test_anomaly_mode_leaves_the_probes_alone(monkeypatch: pytest.MonkeyPatch) -
     with torch.autograd.set_detect_anomaly(True):
         model = convert(tiny_model("llama", torch.float32))
     assert converted_counts(model) == {"LlamaMLP": 2, "LlamaRMSNorm": 5}
+
+
+class LlamaStyleNorm(EpsOutsideNorm):
+    """LLaMA's RMSNorm."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        x32 = x.to(torch.float32)
+        variance = x32.pow(2).mean(-1, keepdim=True)
+        return self.weight * (x32 * torch.rsqrt(variance + self.variance_epsilon)).to(x.dtype)
+
+
+@pytest.mark.parametrize("cls", [LlamaStyleNorm, PlainMLP], ids=lambda c: c.__name__)
+def test_inputs_of_unprobed_ranks_run_the_stock_forward(
+    cls: type[nn.Module], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """NOTE [what a probe shows]: the probes give 2-d to 4-d inputs; on a 5-d one a recognised
+    module runs its own forward, whatever it does there."""
+    model = convert(nn.Sequential(cls(8) if cls is LlamaStyleNorm else cls()))
+    assert converted_counts(model) == {cls.__name__: 1}
+    ranks = []
+    forward = cls.forward
+
+    def counted(self: nn.Module, x: Tensor) -> Tensor:
+        ranks.append(x.dim())
+        return forward(self, x)
+
+    monkeypatch.setattr(cls, "forward", counted)
+    for shape in ((3, 8), (2, 3, 8), (2, 1, 3, 8), (2, 1, 2, 3, 8)):
+        model(torch.randn(shape, requires_grad=True)).sum().backward()
+    assert ranks == [5]
