@@ -296,7 +296,8 @@ def _cuda_select(grad, bits, order, out_strides, slope, hardtanh=False) -> Tenso
     served = _triton_serves if slope is not None or hardtanh else _triton_relu
     if not served(grad, order):
         return reference_select(grad, bits, order, out_strides, slope, hardtanh)
-    return _select_with(_cuda_select_kernels(), True, grad, bits, order, out_strides, slope)
+    kernels = _cuda_select_kernels()
+    return _select_with(kernels, True, grad, bits, order, out_strides, slope, hardtanh)
 
 
 @functools.cache
