@@ -226,7 +226,8 @@ def _cudnn_fits(call: dict) -> bool:
 def cudnn_checks_of_2_14() -> bool:
     """Whether this torch checks what 2.14 added to cuDNN attention's rule (NOTE [cuDNN
     attention])."""
-    return torch.torch_version.TorchVersion(torch.__version__) >= (2, 14)
+    # By release numbers: a pre-release or source build of 2.14 ("2.14.0a0+...") checks them too.
+    return torch.torch_version.Version(torch.__version__).release[:2] >= (2, 14)
 
 
 def _cudnn_mask_fits(call: dict) -> bool:

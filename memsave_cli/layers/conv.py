@@ -9,6 +9,7 @@ input needs one. Stock autograd saves both whenever any gradient is required.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 
 import torch
@@ -316,17 +317,20 @@ def _bias_refused(x: Tensor, bias: Tensor | None) -> bool:
     return torch.float64 in (x.dtype, bias.dtype) or not bias.is_floating_point()
 
 
-#: Stock's ``_conv_forward`` of each convolution class.
-_STOCK_CONV_FORWARDS = frozenset(c._conv_forward for c in (nn.Conv1d, nn.Conv2d, nn.Conv3d))
-
-
 def _conv_forward_replaced(module: Conv) -> bool:
     """Whether ``_conv_forward``, which stock's forward calls, is not stock's: set on the
     instance (tiling tricks give each convolution circular padding so) or patched on the class,
-    at any time before or after ``convert``. Stock's forward then runs, calling it."""
-    return (
-        "_conv_forward" in module.__dict__ or type(module)._conv_forward not in _STOCK_CONV_FORWARDS
-    )
+    at any time (before memsave is imported too). Stock's forward then runs, calling it."""
+    return "_conv_forward" in module.__dict__ or not _stock_conv_forward(type(module)._conv_forward)
+
+
+@functools.cache
+def _stock_conv_forward(function: object) -> bool:
+    """Whether ``function`` is the ``_conv_forward`` that ``torch.nn`` defines, known by where it
+    was defined (a patch made before this module was imported is not)."""
+    return getattr(function, "__module__", None) == nn.Conv2d.__module__ and getattr(
+        function, "__qualname__", None
+    ) in ("Conv1d._conv_forward", "Conv2d._conv_forward", "Conv3d._conv_forward")
 
 
 @drop_in(nn.Conv1d)

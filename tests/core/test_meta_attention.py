@@ -291,3 +291,20 @@ def test_chosen_for_what_autocast_hands_the_kernel(kernel: str) -> None:
     assert saved.count(((2, 4, 16, 64), BF16)) == 2  # query and output
     assert saved.count(((2, 2, 16, 64), BF16)) == 2  # key and value, cast and not repeated
     assert not any(shape[-2:] == (16, 16) for shape, _ in saved)  # no attention matrix
+
+
+@pytest.mark.parametrize(
+    ("version", "recent"),
+    [("2.14.1+cu130", True), ("2.14.0a0+git1234", True), ("2.15.0.dev20270101", True),
+     ("2.13.1", False), ("2.11.0+cu130", False)],
+)  # fmt: skip
+def test_the_cudnn_rule_reads_the_release_numbers(
+    version: str, recent: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A pre-release or source build of 2.14 checks what 2.14 added (NOTE [cuDNN attention])."""
+    monkeypatch.setattr(torch, "__version__", version)
+    cudnn_checks_of_2_14.cache_clear()
+    try:
+        assert cudnn_checks_of_2_14() is recent
+    finally:
+        cudnn_checks_of_2_14.cache_clear()

@@ -5,6 +5,8 @@ from __future__ import annotations
 import contextlib
 import copy
 import itertools
+import subprocess
+import sys
 import types
 from dataclasses import dataclass, field
 from unittest import mock
@@ -894,3 +896,24 @@ def test_a_replaced_conv_forward_runs_as_in_stock(where: str) -> None:
             grads.append(leaf.grad)
     assert not torch.equal(outputs[0], zero_padded)  # the replacement ran in stock
     assert torch.equal(*outputs) and torch.equal(*grads)
+
+
+def test_a_conv_forward_patched_before_memsave_is_imported_runs(tmp_path) -> None:
+    """The patch is told from stock's ``_conv_forward`` by where it was defined, not by what the
+    class held when memsave was imported."""
+    script = tmp_path / "patched_first.py"
+    script.write_text(
+        "import torch, torch.nn.functional as F\n"
+        "from torch import nn\n"
+        "def circular(self, input, weight, bias):\n"
+        "    input = F.pad(input, (1, 1, 1, 1), mode='circular')\n"
+        "    return F.conv2d(input, weight, bias, self.stride, 0, self.dilation, self.groups)\n"
+        "nn.Conv2d._conv_forward = circular\n"
+        "from memsave_cli.layers import convert\n"
+        "torch.manual_seed(0)\n"
+        "stock = nn.Conv2d(3, 4, 3, padding=1).requires_grad_(False)\n"
+        "x = torch.randn(1, 3, 6, 6, requires_grad=True)\n"
+        "print(torch.equal(stock(x), convert(stock)(x)))\n"
+    )
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True)
+    assert result.stdout.strip() == "True", result.stderr
