@@ -101,8 +101,16 @@ def functions_run(*inputs: torch.Tensor) -> bool:
 def wraps_results(*tensors: torch.Tensor | None) -> bool:
     """Whether any of ``tensors`` (None skipped) is a subclass with its own
     ``__torch_function__``: a layer asks it of its parameters before reading any of their
-    attributes (NOTE [subclass parameters])."""
-    return any(t is not None and _wraps_results(t) for t in tensors)
+    attributes (NOTE [subclass parameters]). A loop over a set of plain types: the common path
+    of a convolution asks it at every call."""
+    for t in tensors:  # noqa: SIM110 - a generator costs more than the check here
+        if type(t) not in _PLAIN and _wraps_results(t):
+            return True
+    return False
+
+
+#: Types :func:`wraps_results` need not look into.
+_PLAIN = frozenset({torch.Tensor, torch.nn.Parameter, type(None)})
 
 
 # NOTE [subclass parameters]: a parameter may be a subclass whose ``__torch_function__`` refuses
