@@ -155,9 +155,6 @@ def step_autocast(device: str, dtype: torch.dtype | None) -> contextlib.Abstract
 class _CudaAutocast(TorchFunctionMode):
     """Casts the arguments of torch functions on meta as CUDA's autocast casts them (NOTE)."""
 
-    #: A mode of memsave's: the layers keep their path under it (NOTE [function modes]).
-    passes_memsave_layers = True
-
     def __init__(self) -> None:
         super().__init__()
         self._lower, self._float32, self._unless_dtype, self._promote = _lists()

@@ -60,9 +60,6 @@ class _FillsSkipped(TorchFunctionMode):
     ``erfinv_``) run Python decompositions that import TorchDynamo, a second or more per build.
     """
 
-    #: A mode of memsave's: the layers keep their path under it (NOTE [function modes]).
-    passes_memsave_layers = True
-
     def __torch_function__(
         self,
         func: Callable[..., Any],

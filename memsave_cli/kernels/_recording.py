@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import torch
 from torch.autograd import forward_ad
-from torch.overrides import _get_current_function_mode_stack
-from torch.utils._device import DeviceContext
 
 
 def plain_eager() -> bool:
@@ -24,21 +22,4 @@ def plain_eager() -> bool:
         and torch._C._functorch.peek_interpreter_stack() is None
         and forward_ad._current_level < 0
         and not torch.compiler.is_exporting()
-        and not (torch._C._is_torch_function_mode_enabled() and _foreign_function_mode())
-    )
-
-
-def _foreign_function_mode() -> bool:
-    """Whether a torch function mode of the user's is active.
-
-    NOTE [function modes]: a ``TorchFunctionMode`` sees the torch functions a layer calls, and
-    may change them (a mode simulating quantization rounds the weight ``F.conv2d`` receives).
-    Stock's layers call ``F.conv2d``, ``F.relu`` and their kin; the drop-ins call memsave's
-    Functions and nodes, which such a mode never sees. So under a mode of the user's the layers
-    run stock. Two kinds change no layer's result and keep memsave's path: the default-device
-    context (``torch.device(...)``, ``torch.set_default_device``) and memsave's own modes (the
-    meta emulations), which say so by ``passes_memsave_layers``."""
-    return any(
-        not (isinstance(mode, DeviceContext) or getattr(mode, "passes_memsave_layers", False))
-        for mode in _get_current_function_mode_stack()
     )
