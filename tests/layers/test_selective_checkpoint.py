@@ -95,3 +95,25 @@ def test_a_policy_saving_max_pooling_recomputes_its_blocks() -> None:
     selective = _step(model, _saving(lambda name: "max_pool" in name), (8, 3, 128, 128))
     for expected, got in zip(plain, selective, strict=True):
         assert torch.equal(expected, got)
+
+
+def test_checkpointing_under_a_function_mode_of_the_users() -> None:
+    """``torch.utils.checkpoint`` recomputes without the user's function modes: the layers take
+    one path in both runs (a path chosen by the mode made checkpointing refuse the step)."""
+    from torch.overrides import TorchFunctionMode
+    from torch.utils.checkpoint import checkpoint
+
+    class Logging(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    torch.manual_seed(0)
+    stock = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.MaxPool2d(2), nn.Conv2d(4, 2, 1))
+    stock[0].requires_grad_(False)
+    grads = []
+    for model in (stock, convert(stock)):
+        x = torch.randn(2, 3, 8, 8, generator=torch.Generator().manual_seed(1), requires_grad=True)
+        with Logging():
+            checkpoint(model, x, use_reentrant=False).square().sum().backward()
+        grads.append((x.grad, model[3].weight.grad))
+    assert all(torch.equal(a, b) for a, b in zip(*grads, strict=True))
