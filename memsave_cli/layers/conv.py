@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.nn.modules import conv as torch_conv
 
 from memsave_cli.kernels import nodes
 from memsave_cli.layers import stand_ins
@@ -326,11 +327,13 @@ def _conv_forward_replaced(module: Conv) -> bool:
 
 @functools.cache
 def _stock_conv_forward(function: object) -> bool:
-    """Whether ``function`` is the ``_conv_forward`` that ``torch.nn`` defines, known by where it
-    was defined (a patch made before this module was imported is not)."""
-    return getattr(function, "__module__", None) == nn.Conv2d.__module__ and getattr(
-        function, "__qualname__", None
-    ) in ("Conv1d._conv_forward", "Conv2d._conv_forward", "Conv3d._conv_forward")
+    """Whether ``function`` is a ``_conv_forward`` that ``torch.nn`` defines, known by its code:
+    a patch made before this module was imported is not, nor a wrapper that copies the name."""
+    code = getattr(function, "__code__", None)
+    return code is not None and (code.co_name, code.co_filename) == (
+        "_conv_forward",
+        torch_conv.__file__,
+    )
 
 
 @drop_in(nn.Conv1d)

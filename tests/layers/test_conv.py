@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import itertools
 import subprocess
 import sys
@@ -917,3 +918,20 @@ def test_a_conv_forward_patched_before_memsave_is_imported_runs(tmp_path) -> Non
     )
     result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True)
     assert result.stdout.strip() == "True", result.stderr
+
+
+def test_a_wrapper_copying_the_name_of_conv_forward_runs() -> None:
+    """A wrapper made with ``functools.wraps`` carries stock's name and module, not its code."""
+    original = nn.Conv2d._conv_forward
+
+    @functools.wraps(original)
+    def doubled(self, input, weight, bias):
+        return original(self, input * 2, weight, bias)
+
+    torch.manual_seed(0)
+    stock = nn.Conv2d(3, 4, 3).requires_grad_(False)
+    memsave = convert(stock)
+    x = torch.randn(1, 3, 6, 6, requires_grad=True)
+    with mock.patch.object(nn.Conv2d, "_conv_forward", doubled):
+        expected, actual = stock(x), memsave(x)
+    assert torch.equal(expected, actual) and torch.equal(expected, stock(x * 2))
