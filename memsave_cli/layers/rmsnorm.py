@@ -88,8 +88,14 @@ class RMSNormFunction(Function):
         if ctx.keeps_operand:
             ctx.save_for_backward(operand)
             return
-        # Both gradients read ``x`` and ``r``; only the input's reads the weight's values.
+        # Both gradients read ``x`` and ``r``; only the input's reads the weight's values. Where
+        # the upcast narrows (a float64 input, a style computing in float32) they read only the
+        # cast, which stock keeps instead of ``x``: kept so, at its bytes (one more cast here).
         keep_weight = ctx.needs_input_grad[0] and weight is not None
+        ctx.x_dtype = x.dtype
+        ctx.kept_cast = style != "t5" and _narrows(x.dtype, upcast)
+        if ctx.kept_cast:
+            x = x.to(upcast)  # Allocation: the cast stock keeps, in place of the input
         ctx.save_for_backward(x, r, weight if keep_weight else None)
 
     @staticmethod
@@ -101,18 +107,19 @@ class RMSNormFunction(Function):
         x, r, weight = ctx.saved_tensors
         x_up = x.to(ctx.upcast)  # Allocation: the upcast stock kept, transient
         base = x if ctx.style == "t5" else x_up
-        grad_h, grad_weight = _scale_backward(ctx, grad, base, r, weight, x.dtype)
+        x_dtype = ctx.x_dtype  # ``x`` may be kept as its narrower cast
+        grad_h, grad_weight = _scale_backward(ctx, grad, base, r, weight, x_dtype)
         if not ctx.needs_input_grad[0]:
             return None, None, grad_weight, None, None, None, None
         pow_base = _mean_eps(x_up, ctx.eps, ctx.dims) if ctx.style in _POW_STYLES else None
         direct, through_pow = _normalise_backward(grad_h, x, x_up, base, r, ctx.dims, pow_base)
-        if base is x:
+        if base is x and not ctx.kept_cast:
             # NOTE [two edges into x]: both products read ``x`` itself, so stock's engine adds
             # their gradients into ``x``'s buffer one by one, after any newer consumer's. The
             # Function takes ``x`` twice to hand each gradient to its own edge, in that order.
-            return direct, through_pow.to(x.dtype), grad_weight, None, None, None, None
+            return direct, through_pow.to(x_dtype), grad_weight, None, None, None, None
         # Both read the upcast copy: stock adds them there, in its dtype, then casts once.
-        return direct.add_(through_pow).to(x.dtype), None, grad_weight, None, None, None, None
+        return direct.add_(through_pow).to(x_dtype), None, grad_weight, None, None, None, None
 
 
 # ``setup_context`` stays: compiled, ``forward`` runs alone, without a context (NOTE [RMSNorm
@@ -128,6 +135,11 @@ def _opmath(dtype: torch.dtype) -> torch.dtype:
 def math_eps(dtype: torch.dtype) -> float:
     """The eps ``torch.rms_norm`` takes when given none: its math type's machine epsilon."""
     return torch.finfo(_opmath(dtype)).eps
+
+
+def _narrows(dtype: torch.dtype, upcast: torch.dtype) -> bool:
+    """Whether casting ``dtype`` to ``upcast`` narrows it (float64 to float32)."""
+    return upcast.itemsize < dtype.itemsize
 
 
 def _upcast(dtype: torch.dtype, style: str) -> torch.dtype:

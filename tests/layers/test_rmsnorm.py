@@ -171,6 +171,18 @@ def test_hf_rmsnorm_saves_less(family: str) -> None:
     assert mine["saved"] < ref["saved"]
 
 
+@pytest.mark.parametrize("mask", MASKS.values(), ids=MASKS.keys())
+@pytest.mark.parametrize("family", HF_NORMS)
+def test_hf_rmsnorm_in_float64_keeps_no_more_than_stock(family: str, mask) -> None:
+    """The styles that compute in float32 narrow a float64 input; stock keeps that cast, and so
+    does memsave instead of the input (it kept twice those bytes)."""
+    stock, memsave = hf_pair(HF_NORMS[family], torch.float64, torch.float64, size=64)
+    x, grad = torch.randn(4, 8, 64).double(), torch.randn(4, 8, 64).double()
+    ref, mine = run(stock, x, grad, mask), run(memsave, x, grad, mask)
+    assert_same(ref, mine)
+    assert mine["saved"] <= ref["saved"]
+
+
 @pytest.mark.parametrize("family", [*HF_NORMS, "torch"])
 def test_compiles_to_one_graph_with_stock_gradients(family: str) -> None:
     """Under ``torch.compile`` (``fullgraph``: a graph break raises) each style traces whole
