@@ -9,6 +9,8 @@ view of the caller's tensor), ``r`` and the weight, and backward recomputes ``x3
 normalised tensor and runs, in stock's order, the backward formula of each op stock recorded
 (``derivatives.yaml``: ``mul``, ``rsqrt``, ``mean``, ``pow``, ``_to_copy``, and the engine's
 ``sum_to`` and dtype cast of a broadcast operand's gradient). Gradients are bitwise stock's.
+A float64 input in a style computing in float32 is kept as its float32 cast (what stock keeps,
+half the input's bytes): backward reads only the cast.
 
 Styles differ only in how the weight scales the normalised tensor (NOTE [RMSNorm styles]).
 """
