@@ -12,6 +12,7 @@ import torch
 from torch import Tensor, nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from memsave_cli.layers import convert
 from memsave_cli.layers.batchnorm import (
     MemSaveBatchNorm1d,
     MemSaveBatchNorm2d,
@@ -364,3 +365,17 @@ def test_empty_batch_statistics_have_the_dtype_each_kernel_checks(dtype: torch.d
     elsewhere = _empty_batch_statistics(torch.zeros(2, 3, dtype=dtype, device="meta"), running_mean)
     assert elsewhere.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
     assert elsewhere.numel() == 0
+
+
+@pytest.mark.parametrize("cls", [nn.BatchNorm1d, nn.BatchNorm2d])
+def test_an_inference_tensor_input_raises_as_in_stock(cls: type[nn.Module]) -> None:
+    """With only the bias trained, stock still saves the input, which an inference tensor cannot
+    be; the C++ node kept nothing of it and ran."""
+    stock = cls(3).eval()
+    stock.weight.requires_grad_(False)
+    memsave = convert(stock)
+    with torch.inference_mode():
+        x = torch.randn(2, 3, 4) if cls is nn.BatchNorm1d else torch.randn(2, 3, 4, 4)
+    for model in (stock, memsave):
+        with pytest.raises(RuntimeError, match="Inference tensors cannot be saved"):
+            model(x)
