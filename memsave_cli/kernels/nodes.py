@@ -206,8 +206,9 @@ _EAGER = (Tensor, nn.Parameter, type(None))
 
 def serving(*tensors: Tensor | None) -> Nodes | None:
     """The nodes where they record a backward for ``tensors`` as the Python Functions would, else
-    None: grad mode on; plain eager tensors, none nested or an inference tensor; outside ``torch.compile`` (where Dynamo
-    traces the Python Function), and autograd recording as in plain eager code
+    None: grad mode on; plain eager tensors, none nested, the first (the input) not made under
+    ``inference_mode``; outside ``torch.compile`` (where Dynamo traces the Python Function), and
+    autograd recording as in plain eager code
     (:func:`~memsave_cli.kernels._recording.plain_eager`, which ``layers._backward.functions_run``
     asks too); the nodes built.
 
@@ -218,8 +219,11 @@ def serving(*tensors: Tensor | None) -> Nodes | None:
     if compiling() or not torch.is_grad_enabled() or not plain_eager():
         return None
     for t in tensors:
-        # An inference tensor cannot be saved for backward: stock raises where it would save one
-        # (``layers._backward.functions_run``), so the layers run stock with it.
-        if type(t) not in _EAGER or (t is not None and (t.is_nested or t.is_inference())):
+        if type(t) not in _EAGER or (t is not None and t.is_nested):
             return None
+    # An input made under ``inference_mode`` cannot be saved for backward: stock raises where it
+    # would save it, so the layers run stock with it (``layers._backward.functions_run`` asks
+    # of every tensor; here the input alone, first, is asked: parameters are not made so).
+    if tensors and tensors[0] is not None and tensors[0].is_inference():
+        return None
     return nodes()
