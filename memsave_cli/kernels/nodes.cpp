@@ -59,6 +59,10 @@ at::MemoryFormat format_of(int64_t code) {
     return code == 1 ? at::MemoryFormat::ChannelsLast : at::MemoryFormat::ChannelsLast3d;
 }
 
+// NOTE [undefined gradients] (layers/_backward.py): every node hands on no gradient where none
+// reached its output, as stock's nodes do, rather than the zeros autograd would make for it.
+void hand_on_no_gradient(AutogradContext *ctx) { ctx->set_materialize_grads(false); }
+
 // The layers' error for a backward that records a graph (layers/_backward.py).
 void forbid_double_backward(const std::string &layer) {
     TORCH_CHECK(!at::GradMode::is_enabled(), layer,
@@ -99,6 +103,7 @@ struct Convolution : public torch::autograd::Function<Convolution> {
                               at::IntArrayRef output_padding, int64_t groups,
                               const std::optional<at::Tensor> &x_stand_in,
                               const std::optional<at::Tensor> &weight_stand_in) {
+        hand_on_no_gradient(ctx);
         // Edges exist only for defined tensors, so the mask comes from the arguments themselves.
         const bool need_x = x.requires_grad(), need_weight = weight.requires_grad();
         const bool need_bias = bias.has_value() && bias->defined() && bias->requires_grad();
@@ -129,6 +134,7 @@ struct Convolution : public torch::autograd::Function<Convolution> {
     }
 
     static variable_list backward(AutogradContext *ctx, variable_list grads) {
+        if (!grads[0].defined()) return variable_list(11);  // NOTE [undefined gradients]
         auto &data = ctx->saved_data;
         const auto spec = data["spec"].toIntVector();
         const int64_t n = spec[0];
@@ -238,6 +244,7 @@ struct BatchNormEval : public torch::autograd::Function<BatchNormEval> {
             return t.has_value() && t->defined() && t->requires_grad();
         };
         const bool need_weight = needs(weight);
+        hand_on_no_gradient(ctx);
         ctx->save_for_backward({need_weight ? x : at::Tensor(),
                                 weight.has_value() ? *weight : at::Tensor(), running_mean,
                                 running_var});
@@ -253,6 +260,7 @@ struct BatchNormEval : public torch::autograd::Function<BatchNormEval> {
     }
 
     static variable_list backward(AutogradContext *ctx, variable_list grads) {
+        if (!grads[0].defined()) return variable_list(6);  // NOTE [undefined gradients]
         forbid_double_backward("MemSaveBatchNorm");
         const auto spec = ctx->saved_data["spec"].toIntVector();
         const double eps = ctx->saved_data["eps"].toDouble();
@@ -630,8 +638,9 @@ bool follows(at::IntArrayRef sizes, at::IntArrayRef strides, const std::vector<i
 variable_list select_saved_bits(AutogradContext *ctx, const variable_list &grads,
                                 const char *layer, bool grad_first, size_t inputs,
                                 std::optional<double> slope = std::nullopt) {
-    forbid_double_backward(layer);
     variable_list result(inputs);
+    if (!grads[0].defined()) return result;  // NOTE [undefined gradients]
+    forbid_double_backward(layer);
     if (!ctx->needs_input_grad(0)) return result;
     const auto spec = ctx->saved_data["spec"].toIntVector();
     const auto half = static_cast<std::ptrdiff_t>(spec.size() / 2);
@@ -664,6 +673,7 @@ variable_list select_saved_bits(AutogradContext *ctx, const variable_list &grads
 // strides of the tensor stock would save.
 void save_bits(AutogradContext *ctx, const at::Tensor &bits, std::vector<int64_t> order,
                at::IntArrayRef saved) {
+    hand_on_no_gradient(ctx);
     ctx->save_for_backward({bits});
     order.insert(order.end(), saved.begin(), saved.end());
     ctx->saved_data["spec"] = std::move(order);
@@ -724,6 +734,7 @@ struct LeakyRelu : public torch::autograd::Function<LeakyRelu> {
     }
 
     static variable_list backward(AutogradContext *ctx, variable_list grads) {
+        if (!grads[0].defined()) return variable_list(3);  // NOTE [undefined gradients]
         forbid_double_backward("MemSaveLeakyReLU");
         const double slope = ctx->saved_data["slope"].toDouble();
         if (ctx->needs_input_grad(0) && ctx->saved_data["inplace"].toBool() && !(slope >= 0)) {

@@ -57,6 +57,29 @@ def forbid_double_backward(layer: str) -> None:
         )
 
 
+def hands_on_no_gradient(ctx) -> None:
+    """Let the Function's backward see an undefined output gradient as ``None``.
+
+    NOTE [undefined gradients]: where no gradient reaches a layer's output (a custom Function
+    after it returned ``None``, or an op with no derivative formula, such as the linear layer
+    ``quantize_dynamic`` puts in, read it), stock's nodes hand on no gradient, and the parameters
+    before them keep ``grad is None``, which optimizers read as "skip" (no weight decay, momentum
+    or Adam step). An ``autograd.Function`` hands its backward zeros instead unless asked, and
+    would give those parameters zero gradients. So every memsave Function asks, from its forward,
+    and its backward returns :func:`no_gradients` for ``None``; the C++ nodes do the same. Dynamo
+    cannot trace the request, so under ``torch.compile`` the compiled graph decides, as it does
+    for stock's layers.
+    """
+    if not compiling():
+        ctx.set_materialize_grads(False)
+
+
+def no_gradients(ctx) -> tuple[None, ...]:
+    """``None`` for each of the Function's inputs: its backward's result where no gradient
+    reached its output (NOTE [undefined gradients])."""
+    return (None,) * len(ctx.needs_input_grad)
+
+
 def refuse_batched(grad: torch.Tensor, layer: str) -> None:
     """Raise a clear error for a batched backward (:func:`batched`) of a layer that regenerates
     random noise: random ops cannot run under ``vmap``."""

@@ -28,7 +28,13 @@ from torch.autograd import Function
 from memsave_cli.kernels import activation as ops
 from memsave_cli.kernels import nodes
 from memsave_cli.kernels.bitmask import layout_of
-from memsave_cli.layers._backward import forbid_double_backward, records_ops, unpacked
+from memsave_cli.layers._backward import (
+    forbid_double_backward,
+    hands_on_no_gradient,
+    no_gradients,
+    records_ops,
+    unpacked,
+)
 from memsave_cli.layers.registry import drop_in
 
 
@@ -44,6 +50,8 @@ class _ReLUFunction(Function):
 
     @staticmethod
     def backward(ctx, grad: Tensor) -> tuple[Tensor | None, None]:
+        if grad is None:  # NOTE [undefined gradients]
+            return no_gradients(ctx)
         forbid_double_backward("MemSaveReLU")
         if not ctx.needs_input_grad[0]:
             return None, None
@@ -67,6 +75,8 @@ class _LeakyReLUFunction(Function):
 
     @staticmethod
     def backward(ctx, grad: Tensor) -> tuple[Tensor | None, None, None]:
+        if grad is None:  # NOTE [undefined gradients]
+            return no_gradients(ctx)
         forbid_double_backward("MemSaveLeakyReLU")
         if not ctx.needs_input_grad[0]:
             return None, None, None
@@ -91,6 +101,8 @@ class _HardtanhFunction(Function):
 
     @staticmethod
     def backward(ctx, grad: Tensor) -> tuple[Tensor | None, ...]:
+        if grad is None:  # NOTE [undefined gradients]
+            return no_gradients(ctx)
         forbid_double_backward("MemSaveHardtanh/MemSaveReLU6")
         if not ctx.needs_input_grad[0]:
             return None, None, None, None
@@ -104,6 +116,7 @@ def _save_bits(
     return the Function's output, the result. ``saved`` are the strides of the tensor stock would
     save: with the gradient's they decide the layout of stock's gradient. ``ctx.layout`` is
     ``x``'s bit layout, set by the caller."""
+    hands_on_no_gradient(ctx)
     ctx.saved_strides = saved
     if inplace:
         ctx.mark_dirty(x)

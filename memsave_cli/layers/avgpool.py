@@ -29,7 +29,12 @@ from torch.nn.modules.utils import _list_with_default, _pair, _single, _triple
 
 from memsave_cli.kernels._layout import memory_format, no_out_form, shape_only
 from memsave_cli.layers._autocast import as_autocast_hands
-from memsave_cli.layers._backward import forbid_double_backward, records_ops
+from memsave_cli.layers._backward import (
+    forbid_double_backward,
+    hands_on_no_gradient,
+    no_gradients,
+    records_ops,
+)
 from memsave_cli.layers.registry import drop_in
 
 aten = torch.ops.aten
@@ -51,6 +56,7 @@ class AvgPoolShapeOnly(torch.autograd.Function):
     def forward(
         ctx, x: Tensor, kernel, stride, padding, ceil_mode, count_include_pad, divisor
     ) -> Tensor:
+        hands_on_no_gradient(ctx)
         ctx.options = (kernel, stride, padding, ceil_mode, count_include_pad, divisor)
         ctx.input_shape = tuple(x.shape)
         ctx.layout = memory_format(x)  # nothing saved: shape and layout only
@@ -59,6 +65,8 @@ class AvgPoolShapeOnly(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_output: Tensor) -> tuple:
+        if grad_output is None:  # NOTE [undefined gradients]
+            return no_gradients(ctx)
         forbid_double_backward("MemSaveAvgPool")
         nd = len(ctx.options[0])
         # Stock lays a 2d gradient out like the input, a 3d one contiguously (module NOTE).
@@ -86,6 +94,7 @@ class AdaptiveAvgPoolShapeOnly(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: Tensor, output_size: tuple[int, ...]) -> Tensor:
+        hands_on_no_gradient(ctx)
         ctx.nd = len(output_size)
         ctx.input_shape = tuple(x.shape)  # nothing saved: shape and layout only
         ctx.layout = memory_format(x)
@@ -93,7 +102,9 @@ class AdaptiveAvgPoolShapeOnly(torch.autograd.Function):
         return pool(x, output_size)
 
     @staticmethod
-    def backward(ctx, grad_output: Tensor) -> tuple[Tensor, None]:
+    def backward(ctx, grad_output: Tensor) -> tuple[Tensor | None, None]:
+        if grad_output is None:  # NOTE [undefined gradients]
+            return no_gradients(ctx)
         forbid_double_backward("MemSaveAdaptiveAvgPool")
         _, pool_backward = _ADAPTIVE_KERNELS[ctx.nd]
         like = shape_only(grad_output, ctx.input_shape)

@@ -23,7 +23,13 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from memsave_cli.kernels import nodes
 from memsave_cli.kernels._layout import shape_only
-from memsave_cli.layers._backward import forbid_double_backward, records_backward, wraps_results
+from memsave_cli.layers._backward import (
+    forbid_double_backward,
+    hands_on_no_gradient,
+    no_gradients,
+    records_backward,
+    wraps_results,
+)
 from memsave_cli.layers.registry import drop_in
 
 
@@ -40,6 +46,7 @@ class BatchNormEvalFunction(torch.autograd.Function):
         running_var: Tensor,
         eps: float,
     ) -> Tensor:
+        hands_on_no_gradient(ctx)
         ctx.mask = list(ctx.needs_input_grad[:3])
         ctx.eps = eps
         ctx.size, ctx.stride = tuple(x.shape), tuple(x.stride())
@@ -60,6 +67,8 @@ class BatchNormEvalFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
+        if grad is None:  # NOTE [undefined gradients]
+            return no_gradients(ctx)
         forbid_double_backward("MemSaveBatchNorm")
         x, weight, running_mean, running_var = ctx.saved_tensors
         stand_in, same_layout = (x, True) if x is not None else _input_stand_in(grad, ctx)

@@ -28,6 +28,8 @@ from memsave_cli.layers._autocast import (
 )
 from memsave_cli.layers._backward import (
     forbid_double_backward,
+    hands_on_no_gradient,
+    no_gradients,
     records_backward,
     records_ops,
     wraps_results,
@@ -65,6 +67,7 @@ class _ConvFunction(torch.autograd.Function):
         output_padding: Sequence[int],
         groups: int,
     ) -> Tensor:
+        hands_on_no_gradient(ctx)
         params = [stride, padding, dilation, transposed, output_padding, groups]
         need_x, need_weight = ctx.needs_input_grad[:2]
         # See NOTE [what a convolution's backward needs].
@@ -79,6 +82,8 @@ class _ConvFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: torch.autograd.function.FunctionCtx, grad: Tensor) -> tuple:
+        if grad is None:  # NOTE [undefined gradients]
+            return no_gradients(ctx)
         forbid_double_backward(ctx.layer)
         x, weight = ctx.saved_tensors
         x = stand_ins.stand_in(grad, ctx.x_geometry) if x is None else x
@@ -101,11 +106,14 @@ class _PadFunction(torch.autograd.Function):
     def forward(
         ctx: torch.autograd.function.FunctionCtx, x: Tensor, pad: Sequence[int], mode: str
     ) -> Tensor:
+        hands_on_no_gradient(ctx)
         ctx.x_geometry, ctx.pad, ctx.mode = stand_ins.geometry(x), pad, mode
         return F.pad(x, pad, mode=mode)
 
     @staticmethod
     def backward(ctx: torch.autograd.function.FunctionCtx, grad: Tensor) -> tuple:
+        if grad is None:  # NOTE [undefined gradients]
+            return no_gradients(ctx)
         n = len(ctx.pad) // 2
         forbid_double_backward(f"MemSaveConv{n}d (padding_mode={ctx.mode!r})")
         kernel = getattr(torch.ops.aten, f"{_PAD_KERNELS[ctx.mode]}_pad{n}d_backward")

@@ -22,6 +22,8 @@ from memsave_cli.layers._backward import (
     as_bytes,
     forbid_double_backward,
     from_bytes,
+    hands_on_no_gradient,
+    no_gradients,
     ops_run,
     refuse_batched,
 )
@@ -65,6 +67,7 @@ class SeededDropout(torch.autograd.Function):
         fused: bool,
         noise_stride: tuple[int, ...],
     ) -> Tensor:
+        hands_on_no_gradient(ctx)
         ctx.p, ctx.noise_shape, ctx.fused, ctx.noise_stride = p, noise_shape, fused, noise_stride
         if ctx.needs_input_grad[0]:
             # The seed (8 bytes) is all backward needs: the noise is regenerated from it.
@@ -76,6 +79,8 @@ class SeededDropout(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_output: Tensor) -> tuple[Tensor | None, ...]:
+        if grad_output is None:  # NOTE [undefined gradients]
+            return no_gradients(ctx)
         forbid_double_backward("MemSaveDropout")
         refuse_batched(grad_output, "MemSaveDropout")
         if not ctx.needs_input_grad[0]:

@@ -20,7 +20,12 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.autograd import Function
 
-from memsave_cli.layers._backward import forbid_double_backward, records_backward
+from memsave_cli.layers._backward import (
+    forbid_double_backward,
+    hands_on_no_gradient,
+    no_gradients,
+    records_backward,
+)
 
 #: Activations the gating product recomputes: name -> (forward, backward kernel on (grad, gate)).
 ACTIVATIONS = {
@@ -38,6 +43,7 @@ class GatedProductFunction(Function):
 
     @staticmethod
     def forward(ctx: Any, gate: Tensor, up: Tensor, activation: str) -> Tensor:
+        hands_on_no_gradient(ctx)
         ctx.activation = activation
         # ``up``'s gradient reads act(gate); ``gate``'s reads ``up`` and ``gate``.
         ctx.save_for_backward(gate, up if ctx.needs_input_grad[0] else None)
@@ -45,6 +51,8 @@ class GatedProductFunction(Function):
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, Tensor | None, None]:
+        if grad is None:  # NOTE [undefined gradients]
+            return no_gradients(ctx)
         forbid_double_backward("MemSave gated MLP")
         gate, up = ctx.saved_tensors
         forward, backward = ACTIVATIONS[ctx.activation]

@@ -43,6 +43,8 @@ from torch.nn.utils.stateless import _reparametrize_module
 from memsave_cli.layers._autocast import autocast_state, replayed_autocast
 from memsave_cli.layers._backward import (
     forbid_double_backward,
+    hands_on_no_gradient,
+    no_gradients,
     outer_hooks_hidden,
     refuse_batched,
     unpacked,
@@ -125,6 +127,7 @@ class DroppedProjection(torch.autograd.Function):
         sources: tuple[Tensor, ...] | None,
         *params: Tensor,
     ) -> Tensor:
+        hands_on_no_gradient(ctx)
         ctx.p, ctx.project, ctx.cast = p, project, cast
         ctx.autocast = autocast_state(x.device.type)
         # Casts of ``sources`` (autocast's): the sources are kept and cast again in backward.
@@ -144,6 +147,8 @@ class DroppedProjection(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_output: Tensor) -> tuple[Tensor | None, ...]:
+        if grad_output is None:  # NOTE [undefined gradients]
+            return no_gradients(ctx)
         forbid_double_backward("DroppedProjection (LoRA dropout)")
         if ctx.p > 0:
             refuse_batched(grad_output, "DroppedProjection (LoRA dropout)")

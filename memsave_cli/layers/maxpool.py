@@ -30,7 +30,13 @@ from torch.nn.modules.utils import _pair, _single, _triple
 from memsave_cli.kernels._layout import memory_format
 from memsave_cli.kernels.maxpool_blocks import pool, pool_backward
 from memsave_cli.layers._autocast import as_autocast_hands
-from memsave_cli.layers._backward import forbid_double_backward, records_ops, unpacked
+from memsave_cli.layers._backward import (
+    forbid_double_backward,
+    hands_on_no_gradient,
+    no_gradients,
+    records_ops,
+    unpacked,
+)
 from memsave_cli.layers.registry import drop_in
 
 
@@ -39,6 +45,7 @@ class MaxPoolWithOffsets(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: Tensor, kernel, stride, padding, dilation, ceil_mode) -> Tensor:
+        hands_on_no_gradient(ctx)
         ctx.args = (kernel, stride, padding, dilation, ceil_mode)
         ctx.input_shape, ctx.layout = tuple(x.shape), memory_format(x)
         out, offsets, ctx.window = pool(x, ctx.args)
@@ -49,6 +56,8 @@ class MaxPoolWithOffsets(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_output: Tensor) -> tuple:
+        if grad_output is None:  # NOTE [undefined gradients]
+            return no_gradients(ctx)
         forbid_double_backward("MemSaveMaxPool")
         offsets = unpacked(ctx.saved_tensors[0], ctx.offsets_dtype)
         grad_input = pool_backward(

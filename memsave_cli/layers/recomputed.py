@@ -62,6 +62,8 @@ from memsave_cli.kernels._layout import graph_capturing
 from memsave_cli.layers._autocast import autocast_state, replayed_autocast
 from memsave_cli.layers._backward import (
     forbid_double_backward,
+    hands_on_no_gradient,
+    no_gradients,
     outer_hooks_hidden,
     records_backward,
 )
@@ -138,6 +140,7 @@ class RecomputedFunction(Function):
 
     @staticmethod
     def forward(ctx: Any, computed: _Forward, x: Tensor, *more_uses: Tensor) -> Tensor:
+        hands_on_no_gradient(ctx)
         ctx.forward, ctx.uses = computed.forward, 1 + len(more_uses)
         ctx.autocast = autocast_state(x.device.type)
         ctx.save_for_backward(x)
@@ -145,6 +148,8 @@ class RecomputedFunction(Function):
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
+        if grad is None:  # NOTE [undefined gradients]
+            return no_gradients(ctx)
         forbid_double_backward("MemSave recomputed activation")
         (x,) = ctx.saved_tensors
         # Identity hooks: what the recomputation keeps for its own backward is a transient of

@@ -28,7 +28,13 @@ from torch.autograd import Function
 from memsave_cli.compiling import compiling
 from memsave_cli.kernels._layout import memory_format
 from memsave_cli.layers._autocast import autocast_on
-from memsave_cli.layers._backward import forbid_double_backward, records_backward, wraps_results
+from memsave_cli.layers._backward import (
+    forbid_double_backward,
+    hands_on_no_gradient,
+    no_gradients,
+    records_backward,
+    wraps_results,
+)
 from memsave_cli.layers.registry import drop_in
 
 # NOTE [RMSNorm styles]: with ``h`` the normalised tensor and ``w`` the weight,
@@ -76,6 +82,7 @@ class RMSNormFunction(Function):
     def setup_context(ctx: Any, inputs: tuple, output: tuple[Tensor, Tensor, Tensor]) -> None:
         x, _, weight, eps, dims, style, upcast = inputs
         _, r, operand = output
+        hands_on_no_gradient(ctx)
         ctx.dims, ctx.style, ctx.upcast, ctx.eps = dims, style, upcast, eps
         ctx.mark_non_differentiable(r, operand)
         ctx.weight_shape = None if weight is None else tuple(weight.shape)
@@ -102,6 +109,8 @@ class RMSNormFunction(Function):
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor, _r_grad: None, _operand_grad: None) -> tuple:
+        if grad is None:  # NOTE [undefined gradients]
+            return no_gradients(ctx)
         forbid_double_backward("MemSaveRMSNorm")
         if ctx.keeps_operand:
             (operand,) = ctx.saved_tensors
