@@ -154,8 +154,9 @@ def _norm_cases() -> list[_Case]:
 
 
 def _mlp_cases() -> list[_Case]:
-    f32, bf16, f16 = torch.float32, torch.bfloat16, torch.float16
+    f32, bf16, f16, f64 = torch.float32, torch.bfloat16, torch.float16, torch.float64
     cases = [_Case((2, 3, 6), f32, f32), _Case((5, 6), bf16, bf16), _Case((3, 6), f16, f16)]
+    cases.append(_Case((4, 6), f64, f64))  # an activation computed in float32 differs only here
     cases.append(_Case((3, 2, 6), f32, f32, permuted=True))
     cases.append(_Case((2, 3, 5, 6), f32, f32))  # channels-last maps; no permuting of its own
     # a float32 residual stream into half projections: an error for most, a cast for some

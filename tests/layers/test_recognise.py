@@ -910,6 +910,24 @@ def test_an_mlp_casting_its_input_stays_stock() -> None:
     assert recognise(PlainMLP(), "gated_mlp") is not None
 
 
+class Float32ActivationMLP(PlainMLP):
+    """LLaMA's MLP computing its activation in float32: the same as LLaMA's in float32,
+    bfloat16 and float16 (whose activations compute in float32 anyway), not in float64."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        gate = self.gate_proj(x)
+        return self.down_proj(self.act_fn(gate.float()).type_as(gate) * self.up_proj(x))
+
+
+def test_an_mlp_computing_its_activation_in_float32_stays_stock() -> None:
+    assert recognise(Float32ActivationMLP(), "gated_mlp") is None
+    torch.manual_seed(0)
+    stock = Float32ActivationMLP().double()
+    converted = convert(copy.deepcopy(stock))
+    x = torch.randn(2, 5, 8, dtype=torch.float64)
+    assert torch.equal(stock(x), converted(x))
+
+
 def test_an_inference_tensor_into_a_norm_with_a_trainable_weight() -> None:
     """Features made under ``inference_mode``: stock keeps only what it computes from them,
     which the drop-in must do too (autograd cannot save an inference tensor)."""
