@@ -49,6 +49,18 @@ _ADAPTIVE_KERNELS = {
 }
 
 
+def _save_nothing(ctx, x: Tensor) -> None:
+    """Save an empty tensor.
+
+    NOTE [a second backward]: stock's backward keeps the input's shape only too, yet its node
+    saves the input, and a second backward through it without ``retain_graph`` raises "Trying to
+    backward through the graph a second time". A node that saves nothing would run again and add
+    the gradient twice. Backward unpacks this empty tensor, which raises the same error once it
+    is freed.
+    """
+    ctx.save_for_backward(x.new_empty(0))
+
+
 class AvgPoolShapeOnly(torch.autograd.Function):
     """``avg_pool{2,3}d`` (``nd`` = ``len(kernel)``) whose backward needs only the input shape."""
 
@@ -59,7 +71,8 @@ class AvgPoolShapeOnly(torch.autograd.Function):
         hands_on_no_gradient(ctx)
         ctx.options = (kernel, stride, padding, ceil_mode, count_include_pad, divisor)
         ctx.input_shape = tuple(x.shape)
-        ctx.layout = memory_format(x)  # nothing saved: shape and layout only
+        ctx.layout = memory_format(x)  # shape and layout only
+        _save_nothing(ctx, x)
         pool, _ = _AVG_KERNELS[len(kernel)]
         return pool(x, *ctx.options)
 
@@ -68,6 +81,7 @@ class AvgPoolShapeOnly(torch.autograd.Function):
         if grad_output is None:  # NOTE [undefined gradients]
             return no_gradients(ctx)
         forbid_double_backward("MemSaveAvgPool")
+        ctx.saved_tensors  # NOTE [a second backward]: raises as stock's does  # noqa: B018
         nd = len(ctx.options[0])
         # Stock lays a 2d gradient out like the input, a 3d one contiguously (module NOTE).
         layout = ctx.layout if nd == 2 else torch.contiguous_format
@@ -96,8 +110,9 @@ class AdaptiveAvgPoolShapeOnly(torch.autograd.Function):
     def forward(ctx, x: Tensor, output_size: tuple[int, ...]) -> Tensor:
         hands_on_no_gradient(ctx)
         ctx.nd = len(output_size)
-        ctx.input_shape = tuple(x.shape)  # nothing saved: shape and layout only
+        ctx.input_shape = tuple(x.shape)  # shape and layout only
         ctx.layout = memory_format(x)
+        _save_nothing(ctx, x)
         pool, _ = _ADAPTIVE_KERNELS[ctx.nd]
         return pool(x, output_size)
 
@@ -106,6 +121,7 @@ class AdaptiveAvgPoolShapeOnly(torch.autograd.Function):
         if grad_output is None:  # NOTE [undefined gradients]
             return no_gradients(ctx)
         forbid_double_backward("MemSaveAdaptiveAvgPool")
+        ctx.saved_tensors  # NOTE [a second backward]: raises as stock's does  # noqa: B018
         _, pool_backward = _ADAPTIVE_KERNELS[ctx.nd]
         like = shape_only(grad_output, ctx.input_shape)
         if ctx.nd == 2 and ctx.layout == torch.channels_last:

@@ -312,3 +312,25 @@ def test_compile_matches_stock() -> None:
     output.backward(grad)
     assert_close(output, expected, atol=0, rtol=0)
     assert_close(memsave_x.grad, stock_x.grad, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize(
+    "layer, shape",
+    [
+        (nn.AvgPool1d(2), (2, 3, 6)),
+        (nn.AvgPool2d(2), (2, 3, 6, 6)),
+        (nn.AvgPool3d(2), (2, 3, 4, 4, 4)),
+        (nn.AdaptiveAvgPool2d(3), (2, 3, 7, 7)),
+    ],
+    ids=["avg1d", "avg2d", "avg3d", "adaptive2d"],
+)
+def test_a_second_backward_raises_as_stocks_does(layer: nn.Module, shape) -> None:
+    """NOTE [a second backward]: without ``retain_graph`` stock refuses; with it both run."""
+    x = torch.randn(shape, requires_grad=True)
+    converted = convert(nn.Sequential(layer))
+    for model in (layer, converted):
+        out = model(x).sum()
+        out.backward(retain_graph=True)
+        out.backward()
+        with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+            out.backward()
