@@ -23,6 +23,10 @@ from memsave_cli.compiling import compiling
 from memsave_cli.kernels._layout import batched
 from memsave_cli.kernels._recording import plain_eager
 
+#: The dtypes memsave's Functions and kernels compute in. Others (float8, complex, integers,
+#: quantized) run stock's layer, which computes them or raises its own error.
+SERVED_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
+
 
 def as_bytes(tensor: torch.Tensor) -> torch.Tensor:
     """``tensor``'s bytes, flat, to save for backward (NOTE [bookkeeping through saved-tensor

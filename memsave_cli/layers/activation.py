@@ -29,6 +29,7 @@ from memsave_cli.kernels import activation as ops
 from memsave_cli.kernels import nodes
 from memsave_cli.kernels.bitmask import layout_of
 from memsave_cli.layers._backward import (
+    SERVED_DTYPES,
     forbid_double_backward,
     hands_on_no_gradient,
     no_gradients,
@@ -161,8 +162,8 @@ def _activate(
     """
     if not (x.requires_grad and records_ops(x)) or (inplace and x.is_leaf):
         return stock(x, *args, inplace)
-    if not x.is_floating_point():
-        return stock(x, *args, inplace)  # complex: stock's own error
+    if x.dtype not in SERVED_DTYPES:
+        return stock(x, *args, inplace)  # complex, float8: stock's result or error
     return function.apply(x, *args, inplace)
 
 
@@ -193,7 +194,7 @@ class MemSaveLeakyReLU(nn.LeakyReLU):
         if (
             input.requires_grad
             and not (inplace and input.is_leaf)
-            and input.is_floating_point()
+            and input.dtype in SERVED_DTYPES
             and (served := nodes.serving(input))
         ):
             return (served.leaky_relu_ if inplace else served.leaky_relu)(input, slope)
@@ -213,7 +214,7 @@ def _hardtanh(module: nn.Hardtanh, input: Tensor) -> Tensor:
         or bounds[1] != bounds[1]
     ):
         return F.hardtanh(input, *bounds, inplace)
-    plain = input.requires_grad and not (inplace and input.is_leaf) and input.is_floating_point()
+    plain = input.requires_grad and not (inplace and input.is_leaf) and input.dtype in SERVED_DTYPES
     if plain and (served := nodes.serving(input)):
         node = served.hardtanh_ if inplace else served.hardtanh
         return node(input, *bounds, *ops.kernel_bounds(input.dtype, *bounds))

@@ -19,6 +19,7 @@ from memsave_cli.kernels.dropout import dropout_mul, dropout_mul_
 from memsave_cli.kernels.dropout import dropout_noise as dropout_noise  # re-exported for tests
 from memsave_cli.kernels.iterator_layout import contiguous_strides, like_strides
 from memsave_cli.layers._backward import (
+    SERVED_DTYPES,
     as_bytes,
     forbid_double_backward,
     from_bytes,
@@ -31,6 +32,8 @@ from memsave_cli.layers.registry import drop_in
 
 #: Seeds are drawn uniformly from [0, 2**62): any of them is a valid ``manual_seed`` argument.
 _SEED_BOUND = 2**62
+#: What backward keeps: the seed's bytes.
+_SEED_BYTES = 8
 
 
 def draw_seed() -> Tensor:
@@ -119,11 +122,13 @@ def seeded_dropout(
 
 
 def _drop(input: Tensor, p: float, *, feature: bool, inplace: bool) -> Tensor:
-    """Seeded dropout with a fresh seed."""
-    return seeded_dropout(input, draw_seed(), p, feature=feature, inplace=inplace)
+    """Seeded dropout with a fresh seed; on the meta device, where stock draws nothing, a seed
+    that leaves the generator as it was (a meta run's noise has no values)."""
+    seed = torch.zeros(1, dtype=torch.int64) if input.is_meta else draw_seed()
+    return seeded_dropout(input, seed, p, feature=feature, inplace=inplace)
 
 
-def _needs_memsave(input: Tensor, p: float, training: bool, inplace: bool) -> bool:
+def _needs_memsave(input: Tensor, p: float, training: bool, inplace: bool, feature: bool) -> bool:
     """Whether the seeded path runs: wherever dropout draws noise (stock special-cases p = 0
     and p = 1), with a gradient or without.
 
@@ -140,9 +145,21 @@ def _needs_memsave(input: Tensor, p: float, training: bool, inplace: bool) -> bo
         return False
     if not (training and 0.0 < p < 1.0 and input.numel() > 0 and ops_run(input)):
         return False
-    if input.is_complex():
-        return False  # stock's bernoulli_ refuses complex inputs, and so stock runs to say so
+    if input.dtype not in SERVED_DTYPES:
+        return False  # complex, float8, quantized: stock's own error
+    if _stock_keeps_less(input, feature, inplace):
+        return False
     return not graph_capturing(input)  # NOTE [random layers under CUDA graph capture]
+
+
+def _stock_keeps_less(input: Tensor, feature: bool, inplace: bool) -> bool:
+    """Whether stock's noise takes fewer bytes than the seed (8): a few elements, or feature
+    dropout of a few channels. On CUDA, element dropout out of place keeps a one-byte mask
+    (NOTE [stock's two dropout products])."""
+    # (a feature input of one dimension goes on to stock's error, in _noise_shape)
+    count = input.shape[0] * input.shape[1] if feature and input.dim() > 1 else input.numel()
+    fused = input.is_cuda and not (feature or inplace)
+    return count * (1 if fused else input.element_size()) < _SEED_BYTES
 
 
 def _check_p(p: float) -> None:
@@ -153,14 +170,14 @@ def _check_p(p: float) -> None:
 def dropout(input: Tensor, p: float = 0.5, training: bool = True, inplace: bool = False) -> Tensor:
     """Drop-in for ``F.dropout`` that saves a seed instead of its noise when a gradient is needed."""
     _check_p(p)
-    if not _needs_memsave(input, p, training, inplace):
+    if not _needs_memsave(input, p, training, inplace, feature=False):
         return nn.functional.dropout(input, p, training, inplace)
     return _drop(input, p, feature=False, inplace=inplace)
 
 
 def _feature_dropout(input: Tensor, p: float, training: bool, inplace: bool) -> Tensor:
     """Channel-wise dropout of an input with batch and channel dimensions (``feature_dropout``)."""
-    if not _needs_memsave(input, p, training, inplace):
+    if not _needs_memsave(input, p, training, inplace, feature=True):
         if inplace:
             return torch.feature_dropout_(input, p, training)
         return torch.feature_dropout(input, p, training)

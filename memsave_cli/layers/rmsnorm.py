@@ -29,6 +29,7 @@ from memsave_cli.compiling import compiling
 from memsave_cli.kernels._layout import memory_format
 from memsave_cli.layers._autocast import autocast_on
 from memsave_cli.layers._backward import (
+    SERVED_DTYPES,
     forbid_double_backward,
     hands_on_no_gradient,
     no_gradients,
@@ -326,7 +327,7 @@ def may_record(x: Tensor, weight: Tensor | None) -> bool:
     if wraps_results(weight):  # NOTE [subclass parameters] in _backward.py
         return False
     wants = x.requires_grad or (weight is not None and weight.requires_grad)
-    return wants and records_backward(x) and x.dtype.is_floating_point
+    return wants and records_backward(x) and x.dtype in SERVED_DTYPES
 
 
 def _composite_on(x: Tensor, weight: Tensor | None) -> bool:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -646,3 +647,21 @@ def test_a_setting_beyond_the_dtype_raises_as_in_stock(make, dtype: torch.dtype)
         make(stock_cls)(x)
     with pytest.raises(RuntimeError, match="without overflow"):
         make(memsave_cls)(x)
+
+
+@pytest.mark.parametrize(
+    "layer",
+    [nn.ReLU(), nn.LeakyReLU(), nn.ReLU6(), nn.Hardtanh(), nn.LeakyReLU(inplace=True)],
+    ids=["relu", "leaky", "relu6", "hardtanh", "leaky in place"],
+)
+def test_float8_meets_stocks_kernel(layer: nn.Module) -> None:
+    """Only the dtypes the kernels compute in take them; float8 gets stock's result or error."""
+    x = torch.randn(2, 9).to(torch.float8_e4m3fn).requires_grad_()
+    converted = convert(nn.Sequential(layer))
+    try:
+        expected = layer(x.clone())
+    except Exception as error:  # stock has no float8 kernel for most
+        with pytest.raises(type(error), match=re.escape(str(error))):
+            converted(x.clone())
+        return
+    assert torch.equal(expected.float(), converted(x.clone()).float())

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 import warnings
 
 import pytest
@@ -402,3 +403,47 @@ def test_a_rate_held_as_a_tensor_runs_as_in_stock() -> None:
         torch.manual_seed(0)
         outputs.append(layer(x))
     assert torch.equal(*outputs)
+
+
+@pytest.mark.parametrize(
+    "layer, shape, dtype",
+    [
+        (nn.Dropout, (1,), torch.float32),
+        (nn.Dropout, (3,), torch.bfloat16),
+        (nn.Dropout2d, (1, 3, 8, 8), torch.float16),
+        (nn.Dropout1d, (1, 1, 5), torch.float32),
+    ],
+    ids=["one float32", "three bfloat16", "three half channels", "one float32 channel"],
+)
+def test_noise_smaller_than_the_seed_is_stocks(layer: type[nn.Module], shape, dtype) -> None:
+    """Where stock's noise takes fewer bytes than the 8-byte seed, stock runs."""
+    x = torch.randn(shape, dtype=dtype, requires_grad=True)
+    converted = convert(nn.Sequential(layer(0.5)))
+    results = []
+    for model in (nn.Sequential(layer(0.5)), converted):
+        torch.manual_seed(0)
+        with SavedTensorRecorder() as recorder:
+            out = model(x)
+        results.append((out, recorder.total_bytes))
+    assert torch.equal(results[0][0], results[1][0])
+    assert results[1][1] == results[0][1] < 8
+
+
+def test_a_meta_forward_leaves_the_generator_as_stock_does() -> None:
+    """Stock's dropout on the meta device draws nothing; the drop-in's seed is not drawn there."""
+    states = []
+    for model in (nn.Dropout(0.1), convert(nn.Sequential(nn.Dropout(0.1)))):
+        torch.manual_seed(0)
+        model(torch.empty(4, 8, device="meta", requires_grad=True)).sum().backward()
+        states.append(torch.get_rng_state())
+    assert torch.equal(*states)
+
+
+@pytest.mark.parametrize("layer", [nn.Dropout, nn.Dropout2d])
+def test_float8_inputs_raise_stocks_error(layer: type[nn.Module]) -> None:
+    x = torch.randn(2, 3, 4, 4).to(torch.float8_e4m3fn)
+    with pytest.raises(Exception) as stock:
+        layer(0.5)(x)
+    torch.manual_seed(0)
+    with pytest.raises(type(stock.value), match=re.escape(str(stock.value))):
+        convert(nn.Sequential(layer(0.5)))(x)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+import re
 
 import pytest
 import torch
@@ -258,3 +259,14 @@ def test_changing_the_input_in_place_after_the_norm_is_autograds_error(dtype) ->
     x.add_(1)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         y.sum().backward()
+
+
+@pytest.mark.parametrize("affine", [False, True])
+def test_float8_raises_stocks_error(affine: bool) -> None:
+    """Only the dtypes the Function computes in take it; float8 meets stock's kernel."""
+    stock = nn.RMSNorm(8, elementwise_affine=affine)
+    x = torch.randn(2, 8).to(torch.float8_e4m3fn).requires_grad_()
+    with pytest.raises(Exception) as expected:
+        stock(x)
+    with pytest.raises(type(expected.value), match=re.escape(str(expected.value))):
+        convert(nn.Sequential(stock))(x)
