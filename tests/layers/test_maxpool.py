@@ -521,3 +521,27 @@ def test_only_small_planes_keep_their_index_tables() -> None:
             results.append((output, *torch.autograd.grad(output.square().sum(), x)))
         assert_close(results[1], results[0], atol=0, rtol=0)
     assert maxpool_maps._cached_maps.cache_info().currsize == 1  # the 32x32 plane's
+
+
+@pytest.mark.parametrize(
+    "layer, shape",
+    [
+        (nn.MaxPool1d(2), (1, 3, 1)),
+        (nn.MaxPool1d(2, ceil_mode=True), (1, 3, 1)),
+        (nn.MaxPool2d(3), (1, 2, 2, 5)),
+        (nn.MaxPool2d(2, ceil_mode=True), (1, 2, 1, 5)),
+        (nn.MaxPool3d(2, dilation=2), (1, 1, 2, 4, 4)),
+    ],
+    ids=["1d", "1d ceil", "2d", "2d ceil", "3d dilated"],
+)
+def test_inputs_smaller_than_a_window_are_stocks(layer: nn.Module, shape) -> None:
+    """No whole window fits: stock raises its own error, or under ceil_mode pools one window."""
+    x = torch.randn(shape, requires_grad=True)
+    converted = convert(nn.Sequential(layer))
+    try:
+        expected = layer(x)
+    except RuntimeError as error:
+        with pytest.raises(RuntimeError, match=re.escape(str(error))):
+            converted(x)
+        return
+    assert torch.equal(expected, converted(x))
