@@ -9,7 +9,7 @@ the noise of that seed; backward multiplies the gradient by the same noise, rege
 
 from __future__ import annotations
 
-import warnings
+from collections.abc import Callable
 
 import torch
 from torch import Tensor, nn
@@ -208,24 +208,19 @@ def dropout1d(
     return _feature_dropout(input, p, training, inplace)
 
 
+def _warn_as_stock(functional: Callable[..., Tensor], input: Tensor) -> None:
+    """Stock's warnings about ``input``'s rank, in stock's words: ``functional`` out of training
+    warns and draws nothing."""
+    functional(input, 0.5, training=False)
+
+
 def dropout2d(
     input: Tensor, p: float = 0.5, training: bool = True, inplace: bool = False
 ) -> Tensor:
     """Drop-in for ``F.dropout2d``: like stock, a 3D input is treated as batched ``(N, C, L)``."""
     _check_p(p)
-    if input.dim() not in (3, 4):
-        warnings.warn(
-            f"dropout2d: Received a {input.dim()}-D input to dropout2d, which is deprecated "
-            "(see torch.nn.functional.dropout2d).",
-            stacklevel=2,
-        )
-    if input.dim() == 3:
-        warnings.warn(
-            "dropout2d: Received a 3D input to dropout2d and assuming that channel-wise 1D "
-            "dropout behavior is desired - input is interpreted as shape (N, C, L) "
-            "(see torch.nn.functional.dropout2d).",
-            stacklevel=2,
-        )
+    if input.dim() != 4:  # deprecated, or read as (N, C, L)
+        _warn_as_stock(nn.functional.dropout2d, input)
     return _feature_dropout(input, p, training, inplace)
 
 
@@ -235,11 +230,7 @@ def dropout3d(
     """Drop-in for ``F.dropout3d``: inputs ``(N, C, D, H, W)``; other ranks are unbatched."""
     _check_p(p)
     if input.dim() not in (4, 5):
-        warnings.warn(
-            f"dropout3d: Received a {input.dim()}-D input to dropout3d, which is deprecated "
-            "(see torch.nn.functional.dropout3d).",
-            stacklevel=2,
-        )
+        _warn_as_stock(nn.functional.dropout3d, input)
     if input.dim() != 5:
         return _unbatched_feature_dropout(input, p, training, inplace)
     return _feature_dropout(input, p, training, inplace)

@@ -447,3 +447,23 @@ def test_float8_inputs_raise_stocks_error(layer: type[nn.Module]) -> None:
     torch.manual_seed(0)
     with pytest.raises(type(stock.value), match=re.escape(str(stock.value))):
         convert(nn.Sequential(layer(0.5)))(x)
+
+
+@pytest.mark.parametrize(
+    "layer, shape",
+    [
+        (nn.Dropout2d, (8, 6, 40)),
+        (nn.Dropout2d, (6, 40)),
+        (nn.Dropout2d, (2, 3, 4, 5, 6)),
+        (nn.Dropout3d, (3, 4, 5)),
+    ],
+    ids=["2d of 3 dims", "2d of 2 dims", "2d of 5 dims", "3d of 3 dims"],
+)
+def test_rank_warnings_are_stocks(layer: type[nn.Module], shape) -> None:
+    messages = []
+    for model in (layer(0.5), convert(nn.Sequential(layer(0.5)))):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            model(torch.randn(shape, requires_grad=True))
+        messages.append([str(w.message) for w in caught])
+    assert messages[0] == messages[1] != []
