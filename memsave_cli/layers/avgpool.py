@@ -205,8 +205,8 @@ def _adaptive(module: nn.Module, input: Tensor, nd: int, expand) -> Tensor | Non
     if all(size == 1 for size in requested) or not _needs_memsave(input, nd):
         return None
     output_size = tuple(_list_with_default(requested, input.shape))
-    if all(size == 1 for size in output_size):
-        return None  # sizes left to the input's (None) that are 1 there
+    if all(size == 1 for size in output_size) or min(output_size) < 0:
+        return None  # sizes left to the input's (None) that are 1 there; negative: stock's error
     # NOTE [pooling on autocast's float32 lists] in ``_autocast.py``
     input = as_autocast_hands(f"adaptive_avg_pool{nd}d", input)
     return AdaptiveAvgPoolShapeOnly.apply(input, output_size)
@@ -220,7 +220,7 @@ class MemSaveAdaptiveAvgPool1d(nn.AdaptiveAvgPool1d):
         if not _needs_memsave(input, 1):
             return super().forward(input)
         (size,) = _single(self.output_size)
-        if size == 1:
+        if size == 1 or size < 0:  # a mean, which keeps nothing; or stock's error
             return super().forward(input)
         input = as_autocast_hands("adaptive_avg_pool1d", input)
         return AdaptiveAvgPoolShapeOnly.apply(input.unsqueeze(-2), (1, size)).squeeze(-2)

@@ -334,3 +334,20 @@ def test_a_second_backward_raises_as_stocks_does(layer: nn.Module, shape) -> Non
         out.backward()
         with pytest.raises(RuntimeError, match="backward through the graph a second time"):
             out.backward()
+
+
+@pytest.mark.parametrize(
+    "layer, shape",
+    [
+        (nn.AdaptiveAvgPool1d(-2), (2, 3, 6)),
+        (nn.AdaptiveAvgPool2d((3, -1)), (2, 3, 6, 6)),
+        (nn.AdaptiveAvgPool3d((2, 2, -3)), (1, 2, 4, 4, 4)),
+    ],
+    ids=["1d", "2d", "3d"],
+)
+def test_negative_output_sizes_raise_stocks_error(layer: nn.Module, shape) -> None:
+    x = torch.randn(shape, requires_grad=True)
+    with pytest.raises(RuntimeError) as stock:
+        layer(x)
+    with pytest.raises(RuntimeError, match=re.escape(str(stock.value))):
+        convert(nn.Sequential(layer))(x)
