@@ -63,8 +63,8 @@ def pool(x: Tensor, args: tuple) -> tuple[Tensor, Tensor, tuple[int, int] | str 
             f"max pooling: some window (kernel {args[0]}, stride {args[1]}, padding {args[2]}, "
             f"dilation {args[3]}, ceil_mode {args[4]}) holds no element of an input of spatial "
             f"size {tuple(x.shape[-len(args[0]) :])}: PyTorch's CPU backward then writes outside "
-            "the gradient's memory, so memsave refuses it; use less padding or dilation, or "
-            "ceil_mode=False"
+            "the gradient's memory, so memsave refuses it; use less padding or dilation"
+            + (", or ceil_mode=False" if args[4] else "")
         )
     window = _two_wide_window(x, args)
     if window is not None:

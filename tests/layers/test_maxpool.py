@@ -488,6 +488,14 @@ def test_a_window_of_padding_alone_is_refused_on_the_cpu() -> None:
     assert torch.equal(layer(x.detach()), nn.MaxPool2d(**kwargs, ceil_mode=True)(x.detach()))
 
 
+@pytest.mark.parametrize("ceil_mode", [False, True])
+def test_the_refusal_suggests_ceil_mode_only_where_it_is_on(ceil_mode: bool) -> None:
+    layer = convert(nn.MaxPool1d(2, stride=2, padding=1, dilation=2, ceil_mode=ceil_mode))
+    with pytest.raises(RuntimeError, match="holds no element") as refused:
+        layer(torch.randn(2, 2, 1, requires_grad=True))
+    assert ("ceil_mode=False" in str(refused.value)) == ceil_mode
+
+
 def test_unbatched_3d_pooling_takes_a_gradient_contiguous_but_for_its_ones() -> None:
     """A 4-d gradient whose dimensions of size 1 have other strides reads as channels-last to
     the 3-d kernel, which refuses that: it runs as in stock."""
