@@ -56,9 +56,9 @@ def _save_nothing(ctx, x: Tensor) -> None:
     saves the input, and a second backward through it without ``retain_graph`` raises "Trying to
     backward through the graph a second time". A node that saves nothing would run again and add
     the gradient twice. Backward unpacks this empty tensor, which raises the same error once it
-    is freed.
+    is freed. A plain tensor: a subclass of the input's (DTensor) would ask its own rules.
     """
-    ctx.save_for_backward(x.new_empty(0))
+    ctx.save_for_backward(torch.empty(0, device=x.device))
 
 
 class AvgPoolShapeOnly(torch.autograd.Function):
