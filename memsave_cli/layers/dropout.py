@@ -155,10 +155,11 @@ def _needs_memsave(input: Tensor, p: float, training: bool, inplace: bool, featu
 def _stock_keeps_less(input: Tensor, feature: bool, inplace: bool) -> bool:
     """Whether stock's noise takes fewer bytes than the seed (8): a few elements, or feature
     dropout of a few channels. On CUDA, element dropout out of place keeps a one-byte mask
-    (NOTE [stock's two dropout products])."""
+    (NOTE [stock's two dropout products]), and so on meta, which measurements count as CUDA
+    (NOTE [dropout on meta])."""
     # (a feature input of one dimension goes on to stock's error, in _noise_shape)
     count = input.shape[0] * input.shape[1] if feature and input.dim() > 1 else input.numel()
-    fused = input.is_cuda and not (feature or inplace)
+    fused = input.device.type in ("cuda", "meta") and not (feature or inplace)
     return count * (1 if fused else input.element_size()) < _SEED_BYTES
 
 

@@ -467,3 +467,18 @@ def test_rank_warnings_are_stocks(layer: type[nn.Module], shape) -> None:
             model(torch.randn(shape, requires_grad=True))
         messages.append([str(w.message) for w in caught])
     assert messages[0] == messages[1] != []
+
+
+def test_on_meta_stocks_bytes_are_cudas_mask() -> None:
+    """Measurements count meta as CUDA, whose fused dropout keeps one byte per element: five
+    elements keep less than the seed there, and stock runs."""
+    from memsave_cli.meta_dropout import dropout_as_on_cuda
+
+    x = torch.empty(5, device="meta", requires_grad=True)
+    kept = []
+    with dropout_as_on_cuda("meta"):
+        for model in (nn.Dropout(0.5), convert(nn.Sequential(nn.Dropout(0.5)))):
+            with SavedTensorRecorder() as recorder:
+                model(x)
+            kept.append(recorder.total_bytes)
+    assert kept == [5, 5]
