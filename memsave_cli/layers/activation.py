@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.autograd import Function
 
+from memsave_cli.compiling import compiling
 from memsave_cli.kernels import activation as ops
 from memsave_cli.kernels import nodes
 from memsave_cli.kernels.bitmask import layout_of
@@ -157,13 +158,21 @@ def _activate(
     NOTE [in-place drop-ins]: stock runs (and saves nothing) when no gradient can reach ``x``,
     and for an in-place call on a leaf that requires grad, so the error is stock's own. The
     Function's one output is the result: the bits are saved, not returned, so that it may modify
-    a view in place as stock's op does, compiled too (an out-of-place result copied back would
-    give the layer before a gradient of another layout, which its backward rounds otherwise).
+    a view in place as stock's op does (an out-of-place result copied back would give the layer
+    before a gradient of another layout, which its backward rounds otherwise).
     """
     if not (x.requires_grad and records_ops(x)) or (inplace and x.is_leaf):
         return stock(x, *args, inplace)
     if x.dtype not in SERVED_DTYPES:
         return stock(x, *args, inplace)  # complex, float8: stock's result or error
+    if inplace and compiling():
+        # NOTE [in-place drop-ins compiled]: AOTAutograd takes a change of a graph input made
+        # inside a Function's forward as one autograd does not see, and gives the Function no
+        # backward: the gradient passed unmasked where the input came from outside the graph (a
+        # graph break before the layer, a compiled submodule). Written back by ``copy_`` from
+        # an out-of-place result, the gradient takes another layout than stock's (above).
+        # Compiled, in-place drop-ins run stock's op, and the compiler chooses what to keep.
+        return stock(x, *args, inplace)
     return function.apply(x, *args, inplace)
 
 

@@ -14,6 +14,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor, nn
 
+from memsave_cli.compiling import compiling
 from memsave_cli.kernels._layout import graph_capturing
 from memsave_cli.kernels.dropout import dropout_mul, dropout_mul_
 from memsave_cli.kernels.dropout import dropout_noise as dropout_noise  # re-exported for tests
@@ -141,6 +142,8 @@ def _needs_memsave(input: Tensor, p: float, training: bool, inplace: bool, featu
     """
     if inplace and input.is_leaf and input.requires_grad and torch.is_grad_enabled():
         return False  # stock raises its own error for an in-place op on such a leaf
+    if inplace and compiling():
+        return False  # NOTE [in-place drop-ins compiled] in activation.py
     if not isinstance(p, int | float):  # a rate held as a tensor: stock's own conversion
         return False
     if not (training and 0.0 < p < 1.0 and input.numel() > 0 and ops_run(input)):

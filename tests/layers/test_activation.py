@@ -665,3 +665,27 @@ def test_float8_meets_stocks_kernel(layer: nn.Module) -> None:
             converted(x.clone())
         return
     assert torch.equal(expected.float(), converted(x.clone()).float())
+
+
+@pytest.mark.parametrize(
+    "layer",
+    [
+        nn.ReLU(inplace=True),
+        nn.LeakyReLU(0.1, inplace=True),
+        nn.ReLU6(inplace=True),
+        nn.Hardtanh(-0.5, 0.5, inplace=True),
+    ],
+    ids=["relu", "leaky", "relu6", "hardtanh"],
+)
+def test_compiled_in_place_activation_of_a_graph_input_masks_the_gradient(layer: nn.Module) -> None:
+    """NOTE [in-place drop-ins compiled]: the input comes from outside the compiled graph (a
+    graph break before the layer, a compiled submodule)."""
+    torch._dynamo.reset()
+    x = torch.randn(2, 3, 4, 4, generator=torch.Generator().manual_seed(0))
+    weights = torch.linspace(-1, 1, x.numel()).view_as(x)
+    grads = []
+    for module in (layer, torch.compile(convert(nn.Sequential(layer)), backend="aot_eager")):
+        leaf = x.clone().requires_grad_(True)
+        (module(leaf * 1.0) * weights).sum().backward()
+        grads.append(leaf.grad)
+    assert torch.equal(*grads)

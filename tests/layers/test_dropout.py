@@ -482,3 +482,18 @@ def test_on_meta_stocks_bytes_are_cudas_mask() -> None:
                 model(x)
             kept.append(recorder.total_bytes)
     assert kept == [5, 5]
+
+
+@pytest.mark.parametrize("layer", [nn.Dropout, nn.Dropout2d])
+def test_compiled_in_place_dropout_of_a_graph_input_drops_the_gradient(layer: type) -> None:
+    """NOTE [in-place drop-ins compiled] in activation.py: checked by dropout's rule, the
+    gradient passes exactly where the output kept its element, scaled alike."""
+    torch._dynamo.reset()
+    compiled = torch.compile(convert(nn.Sequential(layer(0.4, inplace=True))), backend="aot_eager")
+    x = _positive((6, 5, 4, 3)).requires_grad_()
+    output = compiled(x * 1.0)
+    grad = torch.randn_like(output)
+    output.backward(grad)
+    noise = _noise_from_output(output.detach(), 0.4)
+    assert 0 < noise.count_nonzero() < noise.numel()
+    assert_close(x.grad, grad * noise, atol=0, rtol=0)
