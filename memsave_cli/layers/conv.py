@@ -9,7 +9,6 @@ input needs one. Stock autograd saves both whenever any gradient is required.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Sequence
 
 import torch
@@ -17,6 +16,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.modules import conv as torch_conv
 
+from memsave_cli.compiling import constant_when_traced
 from memsave_cli.kernels import nodes
 from memsave_cli.layers import stand_ins
 from memsave_cli.layers._autocast import (
@@ -333,10 +333,11 @@ def _conv_forward_replaced(module: Conv) -> bool:
     return "_conv_forward" in module.__dict__ or not _stock_conv_forward(type(module)._conv_forward)
 
 
-@functools.cache
+@constant_when_traced
 def _stock_conv_forward(function: object) -> bool:
     """Whether ``function`` is a ``_conv_forward`` that ``torch.nn`` defines, known by its code:
-    a patch made before this module was imported is not, nor a wrapper that copies the name."""
+    a patch made before this module was imported is not, nor a wrapper that copies the name.
+    Traced, it is asked once and its answer kept (a cache would make Dynamo warn)."""
     code = getattr(function, "__code__", None)
     return code is not None and (code.co_name, code.co_filename) == (
         "_conv_forward",
