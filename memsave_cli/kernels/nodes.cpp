@@ -63,6 +63,13 @@ at::MemoryFormat format_of(int64_t code) {
 // reached its output, as stock's nodes do, rather than the zeros autograd would make for it.
 void hand_on_no_gradient(AutogradContext *ctx) { ctx->set_materialize_grads(false); }
 
+// A backward's result where no gradient reached the output: `inputs` undefined gradients, after
+// unpacking what was saved, as stock's nodes do (a freed graph or a changed tensor raises).
+variable_list no_gradients(AutogradContext *ctx, size_t inputs) {
+    ctx->get_saved_variables();
+    return variable_list(inputs);
+}
+
 // The layers' error for a backward that records a graph (layers/_backward.py).
 void forbid_double_backward(const std::string &layer) {
     TORCH_CHECK(!at::GradMode::is_enabled(), layer,
@@ -134,7 +141,7 @@ struct Convolution : public torch::autograd::Function<Convolution> {
     }
 
     static variable_list backward(AutogradContext *ctx, variable_list grads) {
-        if (!grads[0].defined()) return variable_list(11);  // NOTE [undefined gradients]
+        if (!grads[0].defined()) return no_gradients(ctx, 11);  // NOTE [undefined gradients]
         auto &data = ctx->saved_data;
         const auto spec = data["spec"].toIntVector();
         const int64_t n = spec[0];
@@ -260,7 +267,7 @@ struct BatchNormEval : public torch::autograd::Function<BatchNormEval> {
     }
 
     static variable_list backward(AutogradContext *ctx, variable_list grads) {
-        if (!grads[0].defined()) return variable_list(6);  // NOTE [undefined gradients]
+        if (!grads[0].defined()) return no_gradients(ctx, 6);  // NOTE [undefined gradients]
         forbid_double_backward("MemSaveBatchNorm");
         const auto spec = ctx->saved_data["spec"].toIntVector();
         const double eps = ctx->saved_data["eps"].toDouble();
@@ -638,8 +645,8 @@ bool follows(at::IntArrayRef sizes, at::IntArrayRef strides, const std::vector<i
 variable_list select_saved_bits(AutogradContext *ctx, const variable_list &grads,
                                 const char *layer, bool grad_first, size_t inputs,
                                 std::optional<double> slope = std::nullopt) {
+    if (!grads[0].defined()) return no_gradients(ctx, inputs);  // NOTE [undefined gradients]
     variable_list result(inputs);
-    if (!grads[0].defined()) return result;  // NOTE [undefined gradients]
     forbid_double_backward(layer);
     if (!ctx->needs_input_grad(0)) return result;
     const auto spec = ctx->saved_data["spec"].toIntVector();
@@ -734,7 +741,7 @@ struct LeakyRelu : public torch::autograd::Function<LeakyRelu> {
     }
 
     static variable_list backward(AutogradContext *ctx, variable_list grads) {
-        if (!grads[0].defined()) return variable_list(3);  // NOTE [undefined gradients]
+        if (!grads[0].defined()) return no_gradients(ctx, 3);  // NOTE [undefined gradients]
         forbid_double_backward("MemSaveLeakyReLU");
         const double slope = ctx->saved_data["slope"].toDouble();
         if (ctx->needs_input_grad(0) && ctx->saved_data["inplace"].toBool() && !(slope >= 0)) {

@@ -80,7 +80,9 @@ def hands_on_no_gradient(ctx) -> None:
 
 def no_gradients(ctx) -> tuple[None, ...]:
     """``None`` for each of the Function's inputs: its backward's result where no gradient
-    reached its output (NOTE [undefined gradients])."""
+    reached its output (NOTE [undefined gradients]). What it saved is unpacked first, as stock's
+    nodes unpack theirs: a graph already freed, or a saved tensor changed in place, raises."""
+    ctx.saved_tensors  # noqa: B018
     return (None,) * len(ctx.needs_input_grad)
 
 

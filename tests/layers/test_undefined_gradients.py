@@ -132,3 +132,27 @@ def test_a_gradient_from_another_use_still_arrives(node_paths: str) -> None:
         results.append([p.grad for p in model.parameters()])
     for e, a in zip(*results, strict=True):
         assert torch.equal(e, a)
+
+
+def _second_backward_error(model: nn.Module, x: Tensor) -> str | None:
+    """The error of a second backward through a freed graph in which no gradient reaches the
+    model's output (stock's nodes unpack what they saved first, and raise)."""
+    out = model(x)
+    out.sum().backward()
+    try:
+        _NoGradient.apply(out).sum().backward()
+    except RuntimeError as error:
+        return str(error).split(".")[0]
+    return None
+
+
+@pytest.mark.parametrize("name", [name for name in LAYERS if "negative slope" not in name])
+def test_a_freed_graph_raises_as_stocks_does(name: str, node_paths: str) -> None:
+    """(A LeakyReLU of negative slope in place raises at its first backward already.)"""
+    build, conv_stem = LAYERS[name]
+    torch.manual_seed(0)
+    stem = nn.Conv2d(3, 4, 1) if conv_stem else nn.Linear(6, 6)
+    stock = nn.Sequential(stem, build())
+    memsave = convert(copy.deepcopy(stock))
+    x = torch.randn(2, 3, 6, 6) if conv_stem else torch.randn(2, 5, 6)
+    assert _second_backward_error(memsave, x) == _second_backward_error(stock, x)
