@@ -49,16 +49,18 @@ _ADAPTIVE_KERNELS = {
 }
 
 
-def _save_nothing(ctx, x: Tensor) -> None:
-    """Save an empty tensor.
+def _save_a_byte(ctx, x: Tensor) -> None:
+    """Save one byte.
 
     NOTE [a second backward]: stock's backward keeps the input's shape only too, yet its node
     saves the input, and a second backward through it without ``retain_graph`` raises "Trying to
     backward through the graph a second time". A node that saves nothing would run again and add
-    the gradient twice. Backward unpacks this empty tensor, which raises the same error once it
-    is freed. A plain tensor: a subclass of the input's (DTensor) would ask its own rules.
+    the gradient twice. Backward unpacks this byte, which raises the same error once it is
+    freed. Not an empty tensor: saved-tensor hooks that reduce what they are given (a scale for
+    compression) fail on one. A plain tensor: a subclass of the input's (DTensor) would ask its
+    own rules.
     """
-    ctx.save_for_backward(torch.empty(0, device=x.device))
+    ctx.save_for_backward(torch.zeros(1, dtype=torch.uint8, device=x.device))
 
 
 class AvgPoolShapeOnly(torch.autograd.Function):
@@ -72,7 +74,7 @@ class AvgPoolShapeOnly(torch.autograd.Function):
         ctx.options = (kernel, stride, padding, ceil_mode, count_include_pad, divisor)
         ctx.input_shape = tuple(x.shape)
         ctx.layout = memory_format(x)  # shape and layout only
-        _save_nothing(ctx, x)
+        _save_a_byte(ctx, x)
         pool, _ = _AVG_KERNELS[len(kernel)]
         return pool(x, *ctx.options)
 
@@ -112,7 +114,7 @@ class AdaptiveAvgPoolShapeOnly(torch.autograd.Function):
         ctx.nd = len(output_size)
         ctx.input_shape = tuple(x.shape)  # shape and layout only
         ctx.layout = memory_format(x)
-        _save_nothing(ctx, x)
+        _save_a_byte(ctx, x)
         pool, _ = _ADAPTIVE_KERNELS[ctx.nd]
         return pool(x, output_size)
 

@@ -351,3 +351,12 @@ def test_negative_output_sizes_raise_stocks_error(layer: nn.Module, shape) -> No
         layer(x)
     with pytest.raises(RuntimeError, match=re.escape(str(stock.value))):
         convert(nn.Sequential(layer))(x)
+
+
+def test_saved_tensor_hooks_that_reduce_what_they_are_given() -> None:
+    """NOTE [a second backward]: the byte average pooling saves is not empty, so a hook that
+    takes a scale (``abs().max()``, as compression hooks do) runs as on stock's input."""
+    x = torch.randn(2, 3, 6, 6, requires_grad=True)
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: (t, t.abs().max()), lambda p: p[0]):
+        for model in (nn.AvgPool2d(2), convert(nn.Sequential(nn.AvgPool2d(2)))):
+            model(x).sum().backward()
