@@ -95,8 +95,8 @@ def _offsets_options(module: nn.Module, input: Tensor, nd: int, expand) -> tuple
     if any(2 * p > k for p, k in zip(padding, kernel, strict=True)):  # ATen: at most half
         return None
     spans = zip(input.shape[-nd:], kernel, padding, dilation, strict=True)
-    if any(size + 2 * p < d * (k - 1) + 1 for size, k, p, d in spans):
-        return None  # no whole window: stock's error, or its one window under ceil_mode
+    if not module.ceil_mode and any(size + 2 * p < d * (k - 1) + 1 for size, k, p, d in spans):
+        return None  # no whole window: stock's error (under ceil_mode one window, pooled here)
     return options
 
 

@@ -488,6 +488,23 @@ def test_a_window_of_padding_alone_is_refused_on_the_cpu() -> None:
     assert torch.equal(layer(x.detach()), nn.MaxPool2d(**kwargs, ceil_mode=True)(x.detach()))
 
 
+@pytest.mark.parametrize(
+    "layer, shape",
+    [
+        (nn.MaxPool1d(3, stride=3, padding=1, dilation=2, ceil_mode=True), (4, 4, 1)),
+        (nn.MaxPool2d(3, stride=3, padding=1, dilation=2, ceil_mode=True), (4, 4, 1, 1)),
+    ],
+    ids=["1d", "2d"],
+)
+def test_a_window_of_padding_alone_is_refused_where_no_whole_window_fits(
+    layer: nn.Module, shape
+) -> None:
+    """Under ceil_mode the one window may hold padding alone, where stock's CPU backward writes
+    outside the gradient's memory: refused, rather than handed to stock."""
+    with pytest.raises(RuntimeError, match="holds no element"):
+        convert(nn.Sequential(layer))(torch.randn(shape, requires_grad=True))
+
+
 @pytest.mark.parametrize("ceil_mode", [False, True])
 def test_the_refusal_suggests_ceil_mode_only_where_it_is_on(ceil_mode: bool) -> None:
     layer = convert(nn.MaxPool1d(2, stride=2, padding=1, dilation=2, ceil_mode=ceil_mode))
