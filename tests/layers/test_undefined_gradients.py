@@ -87,15 +87,20 @@ def _grads(model: nn.Module, x: Tensor) -> list[Tensor | None]:
     return [p.grad for p in model.parameters()]
 
 
-@pytest.mark.parametrize("name", list(LAYERS))
-def test_no_gradient_reaching_a_drop_in_stays_none(name: str, node_paths: str) -> None:
+def _stock_converted_and_input(name: str) -> tuple[nn.Module, nn.Module, Tensor]:
+    """The layer ``name`` after a trained stem, stock and converted, and an input for them."""
     build, conv_stem = LAYERS[name]
     torch.manual_seed(0)
     stem = nn.Conv2d(3, 4, 1) if conv_stem else nn.Linear(6, 6)
     stock = nn.Sequential(stem, build())
     memsave = convert(copy.deepcopy(stock))
     assert converted_counts(memsave), "the layer was not converted"
-    x = torch.randn(2, 3, 6, 6) if conv_stem else torch.randn(2, 5, 6)
+    return stock, memsave, torch.randn(2, 3, 6, 6) if conv_stem else torch.randn(2, 5, 6)
+
+
+@pytest.mark.parametrize("name", list(LAYERS))
+def test_no_gradient_reaching_a_drop_in_stays_none(name: str, node_paths: str) -> None:
+    stock, memsave, x = _stock_converted_and_input(name)
     expected, actual = _grads(stock, x), _grads(memsave, x)
     assert [g is None for g in actual] == [g is None for g in expected]
     assert expected[0] is None  # the stem's weight: only its bias got a gradient
@@ -149,10 +154,5 @@ def _second_backward_error(model: nn.Module, x: Tensor) -> str | None:
 @pytest.mark.parametrize("name", [name for name in LAYERS if "negative slope" not in name])
 def test_a_freed_graph_raises_as_stocks_does(name: str, node_paths: str) -> None:
     """(A LeakyReLU of negative slope in place raises at its first backward already.)"""
-    build, conv_stem = LAYERS[name]
-    torch.manual_seed(0)
-    stem = nn.Conv2d(3, 4, 1) if conv_stem else nn.Linear(6, 6)
-    stock = nn.Sequential(stem, build())
-    memsave = convert(copy.deepcopy(stock))
-    x = torch.randn(2, 3, 6, 6) if conv_stem else torch.randn(2, 5, 6)
+    stock, memsave, x = _stock_converted_and_input(name)
     assert _second_backward_error(memsave, x) == _second_backward_error(stock, x)
