@@ -9,6 +9,7 @@ import itertools
 import subprocess
 import sys
 import types
+import warnings
 from dataclasses import dataclass, field
 from unittest import mock
 
@@ -935,3 +936,14 @@ def test_a_wrapper_copying_the_name_of_conv_forward_runs() -> None:
     with mock.patch.object(nn.Conv2d, "_conv_forward", doubled):
         expected, actual = stock(x), memsave(x)
     assert torch.equal(expected, actual) and torch.equal(expected, stock(x * 2))
+
+
+def test_compiling_a_converted_convolution_warns_nothing() -> None:
+    """The stock-``_conv_forward`` check is kept as a constant when traced: a cache around it
+    made Dynamo warn at every compiled convolution."""
+    torch._dynamo.reset()
+    compiled = torch.compile(convert(nn.Conv2d(3, 4, 3)), backend="eager")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        compiled(torch.randn(1, 3, 6, 6, requires_grad=True)).sum().backward()
+    assert not [w for w in caught if "memsave_cli" in str(w.message) or "conv.py" in str(w.message)]
