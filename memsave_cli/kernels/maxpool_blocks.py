@@ -58,7 +58,8 @@ def pool(x: Tensor, args: tuple) -> tuple[Tensor, Tensor, tuple[int, int] | str 
     and the window of the fused 2-wide kernels if they ran (:func:`pool_backward` takes it).
     Where some argmax lies outside its window (NOTE [argmax outside its window] in
     ``kernels/maxpool.py``): the output, stock's int64 indices and :data:`STOCK_INDICES`."""
-    if x.is_cpu and _empty_window(tuple(x.shape[-len(args[0]) :]), *args):
+    # Eager only: traced sizes may be symbolic, which the loops would pin to this input's.
+    if x.is_cpu and is_eager(x) and _empty_window(tuple(x.shape[-len(args[0]) :]), *args):
         raise RuntimeError(
             f"max pooling: some window (kernel {args[0]}, stride {args[1]}, padding {args[2]}, "
             f"dilation {args[3]}, ceil_mode {args[4]}) holds no element of an input of spatial "

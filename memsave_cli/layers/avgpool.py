@@ -27,7 +27,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn.modules.utils import _list_with_default, _pair, _single, _triple
 
-from memsave_cli.kernels._layout import memory_format, no_out_form, shape_only
+from memsave_cli.kernels._layout import is_eager, memory_format, no_out_form, shape_only
 from memsave_cli.layers._autocast import as_autocast_hands
 from memsave_cli.layers._backward import (
     forbid_double_backward,
@@ -97,7 +97,9 @@ class AvgPoolShapeOnly(torch.autograd.Function):
         _, pool_backward = _AVG_KERNELS[nd]
         # A wrapper subclass (DTensor, TwoTensor) computes per component and would write each
         # into the one plain buffer: its functional form returns its own type, as stock's does.
-        if no_out_form(grad_output) or type(grad_input) is not type(grad_output):
+        # Traced, the out= form would pin the buffer's symbolic sizes to this call's.
+        subclass = type(grad_input) is not type(grad_output)
+        if no_out_form(grad_output) or subclass or not is_eager(grad_output):
             # The buffer then only stands in for the input.
             grad_input = pool_backward.overloadpacket.default(grad_output, grad_input, *ctx.options)
         else:

@@ -570,3 +570,19 @@ def test_inputs_smaller_than_a_window_are_stocks(layer: nn.Module, shape) -> Non
             converted(x)
         return
     assert torch.equal(expected, converted(x))
+
+
+def test_compiled_with_dynamic_shapes_traces_one_graph() -> None:
+    """Traced, the check for windows of padding alone is not made: its loops over the sizes
+    would pin them to the first call's, one graph per input size."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    layer = nn.MaxPool2d(3, 2, 1)
+    compiled = torch.compile(convert(nn.Sequential(layer)), backend="aot_eager", dynamic=True)
+    for batch, size in ((2, 8), (3, 10), (5, 12)):
+        x = torch.randn(batch, 3, size, size, requires_grad=True)
+        compiled(x).sum().backward()
+        assert torch.equal(x.grad, torch.autograd.grad(layer(x).sum(), x)[0])
+    assert counters["stats"]["unique_graphs"] == 1
