@@ -144,10 +144,10 @@ def cache_out_of_reach(tensors: tuple[Tensor | None, ...], device_type: str) -> 
     CUDA the emulation's cache serves; traced and fake tensors keep the plain cast."""
     if device_type in STANDS_FOR_CUDA or not autocast_on(device_type):
         return False
+    if not all(t is None or is_eager(t) for t in tensors):
+        return False  # asked first: traced, ``_is_view`` below would break the graph
     dtype = autocast_dtype(device_type)
     if not any(cached_by_autocast(t, device_type, dtype) for t in tensors):
-        return False
-    if not all(t is None or is_eager(t) for t in tensors):
         return False
     return device_type not in _CACHED_BY_NODE or not nodes.available()
 

@@ -947,3 +947,20 @@ def test_compiling_a_converted_convolution_warns_nothing() -> None:
         warnings.simplefilter("always")
         compiled(torch.randn(1, 3, 6, 6, requires_grad=True)).sum().backward()
     assert not [w for w in caught if "memsave_cli" in str(w.message) or "conv.py" in str(w.message)]
+
+
+def test_compiled_frozen_convolutions_under_autocast_trace_one_graph() -> None:
+    """Traced, the autocast-cache question asks no tensor whether it is a view (a graph break
+    at every frozen convolution, and an error under ``fullgraph=True``)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Conv2d(4, 2, 1)).requires_grad_(False)
+    grads = []
+    for candidate in (model, convert(model)):
+        torch._dynamo.reset()
+        compiled = torch.compile(candidate, backend="aot_eager", fullgraph=True)
+        x = torch.randn(2, 3, 8, 8, generator=torch.Generator().manual_seed(1), requires_grad=True)
+        with torch.autocast("cpu", torch.bfloat16):
+            out = compiled(x)
+        out.float().sum().backward()
+        grads.append(x.grad)
+    assert torch.equal(*grads)
