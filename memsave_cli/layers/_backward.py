@@ -71,8 +71,8 @@ def hands_on_no_gradient(ctx) -> None:
     or Adam step). An ``autograd.Function`` hands its backward zeros instead unless asked, and
     would give those parameters zero gradients. So every memsave Function asks, from its forward,
     and its backward returns :func:`no_gradients` for ``None``; the C++ nodes do the same. Dynamo
-    cannot trace the request, so under ``torch.compile`` the compiled graph decides, as it does
-    for stock's layers.
+    cannot trace the request: inside a compiled region a memsave Function hands on zeros where
+    stock's ops hand on none (a Function that returns ``None`` compiled with the model).
     """
     if not compiling():
         ctx.set_materialize_grads(False)
