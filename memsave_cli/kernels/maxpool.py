@@ -44,8 +44,9 @@ from memsave_cli.kernels._layout import is_dense, shape_only
 PLANE_START = -2
 
 
-class OutsideWindow(ValueError):
-    """Some argmax index lies outside its window (NOTE [argmax outside its window])."""
+class OutsideWindow(RuntimeError):
+    """Some argmax index lies outside its window (NOTE [argmax outside its window]). Eager
+    pooling catches it and keeps stock's indices; a compiled graph cannot, and says so."""
 
 
 def reference_to_offsets(indices: Tensor, starts: Tensor, inverse: Tensor, out: Tensor) -> None:
@@ -111,7 +112,12 @@ def _to_offsets(indices: Tensor, starts: Tensor, inverse: Tensor, out: Tensor) -
     else:
         inside = kernels.to_offsets(indices, starts.reshape(-1), step, inverse, out)
     if indices.device.type == "cpu" and not inside:
-        raise OutsideWindow("a max-pool argmax index lies outside its window")
+        raise OutsideWindow(
+            "max pooling: an argmax lies outside its window (a window of padding alone, or of "
+            "-inf only), for which memsave keeps no window offset. Eager pooling keeps stock's "
+            "indices then; a compiled graph cannot: leave max pooling stock there "
+            '(convert(model, exclude="maxpool"))'
+        )
 
 
 def _to_indices(offsets: Tensor, table: Tensor, starts: Tensor) -> Tensor:

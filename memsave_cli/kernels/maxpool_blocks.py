@@ -58,12 +58,14 @@ def pool(x: Tensor, args: tuple) -> tuple[Tensor, Tensor, tuple[int, int] | str 
     and the window of the fused 2-wide kernels if they ran (:func:`pool_backward` takes it).
     Where some argmax lies outside its window (NOTE [argmax outside its window] in
     ``kernels/maxpool.py``): the output, stock's int64 indices and :data:`STOCK_INDICES`."""
-    # Eager only: traced sizes may be symbolic, which the loops would pin to this input's.
-    if x.is_cpu and is_eager(x) and _empty_window(tuple(x.shape[-len(args[0]) :]), *args):
+    sizes = tuple(x.shape[-len(args[0]) :])
+    # Eager only: traced sizes may be symbolic, which the loops would pin to this input's. A
+    # compiled graph meets such a window as an argmax outside it, and raises OutsideWindow.
+    if x.is_cpu and is_eager(x) and _empty_window(sizes, *args):
         raise RuntimeError(
             f"max pooling: some window (kernel {args[0]}, stride {args[1]}, padding {args[2]}, "
             f"dilation {args[3]}, ceil_mode {args[4]}) holds no element of an input of spatial "
-            f"size {tuple(x.shape[-len(args[0]) :])}: PyTorch's CPU backward then writes outside "
+            f"size {sizes}: PyTorch's CPU backward then writes outside "
             "the gradient's memory, so memsave refuses it; use less padding or dilation"
             + (", or ceil_mode=False" if args[4] else "")
         )

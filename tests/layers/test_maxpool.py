@@ -586,3 +586,13 @@ def test_compiled_with_dynamic_shapes_traces_one_graph() -> None:
         compiled(x).sum().backward()
         assert torch.equal(x.grad, torch.autograd.grad(layer(x).sum(), x)[0])
     assert counters["stats"]["unique_graphs"] == 1
+
+
+def test_compiled_a_window_of_padding_alone_raises_a_clear_error() -> None:
+    """Traced, the empty-window check is not made; the compiled graph meets the window as an
+    argmax outside it and says what to do, in a RuntimeError as eager's refusal."""
+    torch._dynamo.reset()
+    layer = nn.MaxPool2d(2, stride=1, padding=1, dilation=2)
+    compiled = torch.compile(convert(nn.Sequential(layer)), backend="aot_eager")
+    with pytest.raises(RuntimeError, match='exclude="maxpool"'):
+        compiled(torch.randn(1, 2, 1, 1, requires_grad=True))
