@@ -21,18 +21,21 @@ placeholder serves them.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 
 import torch
 from torch import Tensor, nn
 from torch.nn.modules.utils import _list_with_default, _pair, _single, _triple
 
+from memsave_cli.compiling import compiling
 from memsave_cli.kernels._layout import is_eager, memory_format, no_out_form, shape_only
 from memsave_cli.layers._autocast import as_autocast_hands
 from memsave_cli.layers._backward import (
     forbid_double_backward,
     hands_on_no_gradient,
     no_gradients,
+    outer_hooks_hidden,
     records_ops,
 )
 from memsave_cli.layers.registry import drop_in
@@ -49,18 +52,25 @@ _ADAPTIVE_KERNELS = {
 }
 
 
-def _save_a_byte(ctx, x: Tensor) -> None:
-    """Save one byte.
+def _save_a_marker(ctx, x: Tensor) -> None:
+    """Save an empty tensor, which :func:`_shape_only` hides from saved-tensor hooks.
 
     NOTE [a second backward]: stock's backward keeps the input's shape only too, yet its node
     saves the input, and a second backward through it without ``retain_graph`` raises "Trying to
     backward through the graph a second time". A node that saves nothing would run again and add
-    the gradient twice. Backward unpacks this byte, which raises the same error once it is
-    freed. Not an empty tensor: saved-tensor hooks that reduce what they are given (a scale for
-    compression) fail on one. A plain tensor: a subclass of the input's (DTensor) would ask its
-    own rules.
+    the gradient twice. Backward unpacks this marker, which raises the same error once it is
+    freed. The hooks of the code around (a memory recorder, a compression hook taking a scale,
+    which fails on an empty tensor) do not see it: it is no tensor stock keeps. A plain tensor:
+    a subclass of the input's (DTensor) would ask its own rules.
     """
-    ctx.save_for_backward(torch.zeros(1, dtype=torch.uint8, device=x.device))
+    ctx.save_for_backward(torch.empty(0, device=x.device))
+
+
+def _shape_only(function: type[torch.autograd.Function], *args: object) -> Tensor:
+    """``function.apply(*args)`` with its marker hidden from saved-tensor hooks (NOTE [a second
+    backward]); traced, the compiled graph keeps what it keeps."""
+    with contextlib.nullcontext() if compiling() else outer_hooks_hidden():
+        return function.apply(*args)
 
 
 class AvgPoolShapeOnly(torch.autograd.Function):
@@ -74,7 +84,7 @@ class AvgPoolShapeOnly(torch.autograd.Function):
         ctx.options = (kernel, stride, padding, ceil_mode, count_include_pad, divisor)
         ctx.input_shape = tuple(x.shape)
         ctx.layout = memory_format(x)  # shape and layout only
-        _save_a_byte(ctx, x)
+        _save_a_marker(ctx, x)
         pool, _ = _AVG_KERNELS[len(kernel)]
         return pool(x, *ctx.options)
 
@@ -116,7 +126,7 @@ class AdaptiveAvgPoolShapeOnly(torch.autograd.Function):
         ctx.nd = len(output_size)
         ctx.input_shape = tuple(x.shape)  # shape and layout only
         ctx.layout = memory_format(x)
-        _save_a_byte(ctx, x)
+        _save_a_marker(ctx, x)
         pool, _ = _ADAPTIVE_KERNELS[ctx.nd]
         return pool(x, output_size)
 
@@ -164,7 +174,7 @@ class MemSaveAvgPool1d(nn.AvgPool1d):
         )
         options = ((1, kernel), (1, stride), (0, padding), self.ceil_mode, self.count_include_pad)
         input = as_autocast_hands("avg_pool1d", input)
-        output = AvgPoolShapeOnly.apply(input.unsqueeze(-2), *options, None)
+        output = _shape_only(AvgPoolShapeOnly, input.unsqueeze(-2), *options, None)
         return output.squeeze(-2)
 
 
@@ -176,7 +186,7 @@ def _avg_pool_nd(module: nn.AvgPool2d | nn.AvgPool3d, input: Tensor, expand: Cal
     options = (module.ceil_mode, module.count_include_pad, module.divisor_override)
     # NOTE [pooling on autocast's float32 lists] in ``_autocast.py``
     input = as_autocast_hands(f"avg_pool{len(kernel)}d", input)
-    return AvgPoolShapeOnly.apply(input, kernel, stride, padding, *options)
+    return _shape_only(AvgPoolShapeOnly, input, kernel, stride, padding, *options)
 
 
 @drop_in(nn.AvgPool2d)
@@ -213,7 +223,7 @@ def _adaptive(module: nn.Module, input: Tensor, nd: int, expand) -> Tensor | Non
         return None  # sizes left to the input's (None) that are 1 there; negative: stock's error
     # NOTE [pooling on autocast's float32 lists] in ``_autocast.py``
     input = as_autocast_hands(f"adaptive_avg_pool{nd}d", input)
-    return AdaptiveAvgPoolShapeOnly.apply(input, output_size)
+    return _shape_only(AdaptiveAvgPoolShapeOnly, input, output_size)
 
 
 @drop_in(nn.AdaptiveAvgPool1d)
@@ -227,7 +237,7 @@ class MemSaveAdaptiveAvgPool1d(nn.AdaptiveAvgPool1d):
         if size == 1 or size < 0:  # a mean, which keeps nothing; or stock's error
             return super().forward(input)
         input = as_autocast_hands("adaptive_avg_pool1d", input)
-        return AdaptiveAvgPoolShapeOnly.apply(input.unsqueeze(-2), (1, size)).squeeze(-2)
+        return _shape_only(AdaptiveAvgPoolShapeOnly, input.unsqueeze(-2), (1, size)).squeeze(-2)
 
 
 @drop_in(nn.AdaptiveAvgPool2d)
