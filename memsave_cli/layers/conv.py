@@ -330,7 +330,11 @@ def _conv_forward_replaced(module: Conv) -> bool:
     """Whether ``_conv_forward``, which stock's forward calls, is not stock's: set on the
     instance (tiling tricks give each convolution circular padding so) or patched on the class,
     at any time (before memsave is imported too). Stock's forward then runs, calling it."""
-    return "_conv_forward" in module.__dict__ or not _stock_conv_forward(type(module)._conv_forward)
+    # Read as the stock forward reads it, so that a compiled graph guards it the same way.
+    forward = module._conv_forward
+    return getattr(forward, "__self__", None) is not module or not _stock_conv_forward(
+        forward.__func__
+    )
 
 
 @constant_when_traced

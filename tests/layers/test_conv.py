@@ -964,3 +964,22 @@ def test_compiled_frozen_convolutions_under_autocast_trace_one_graph() -> None:
         out.float().sum().backward()
         grads.append(x.grad)
     assert torch.equal(*grads)
+
+
+def test_compiled_follows_a_conv_forward_set_on_the_instance_later() -> None:
+    """The replacement check reads ``_conv_forward`` as stock's forward does, so a compiled
+    graph guards it the same way and traces again once an instance sets its own."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = convert(nn.Sequential(nn.Conv2d(3, 2, 1)))
+    compiled = torch.compile(model, backend="aot_eager")
+    x = torch.randn(1, 3, 4, 4)
+    before = compiled(x)
+    conv = model[0]
+
+    def shifted(self, input, weight, bias):
+        return F.conv2d(input, weight, bias) + 100
+
+    conv._conv_forward = types.MethodType(shifted, conv)
+    assert torch.equal(model(x), before + 100)
+    assert torch.equal(compiled(x), before + 100)
