@@ -4,7 +4,7 @@ NOTE [shape-only average pooling]: the gradient of an average pool is a fixed li
 output gradient: ATen's ``avg_pool{2,3}d_backward`` and ``_adaptive_avg_pool{2,3}d_backward``
 read only the input's shape (and its suggested memory format). Stock autograd nevertheless
 saves the whole input; here backward hands those kernels a shape-only placeholder, so gradients
-are bitwise stock and nothing is saved. 1d pooling runs as 2d pooling over a height of 1,
+are bitwise stock and nothing is saved (but an empty marker: NOTE [a second backward]). 1d pooling runs as 2d pooling over a height of 1,
 exactly as ATen's ``avg_pool1d`` and ``adaptive_avg_pool1d`` do. Adaptive pooling to a single
 output element is computed by stock as a ``mean``, which already saves nothing, so it stays stock.
 
