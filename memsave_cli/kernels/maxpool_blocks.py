@@ -60,7 +60,8 @@ def pool(x: Tensor, args: tuple) -> tuple[Tensor, Tensor, tuple[int, int] | str 
     ``kernels/maxpool.py``): the output, stock's int64 indices and :data:`STOCK_INDICES`."""
     sizes = tuple(x.shape[-len(args[0]) :])
     # Eager only: traced sizes may be symbolic, which the loops would pin to this input's. A
-    # compiled graph meets such a window as an argmax outside it, and raises OutsideWindow.
+    # compiled graph meets such a window as an argmax outside it and raises OutsideWindow where
+    # stock's kernel puts one there (torch 2.14; 2.11's keeps it inside, and pools as stock).
     if x.is_cpu and is_eager(x) and _empty_window(sizes, *args):
         raise RuntimeError(
             f"max pooling: some window (kernel {args[0]}, stride {args[1]}, padding {args[2]}, "
